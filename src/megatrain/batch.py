@@ -1,0 +1,58 @@
+"""The unit of work handed from the data pipeline to the engine: one micro-batch.
+
+Invariants:
+- `labels` follow the Hugging Face convention: unshifted, same shape as `input_ids`, -100 where a
+  token is not supervised. The engine shifts them: position t is trained to predict labels[t + 1].
+- Padded batches carry `attention_mask` (1 = real token, 0 = padding; right padding). Packed batches
+  carry `attention_mask=None` and `position_ids` that restart at 0 for every sample in a row, which
+  Hugging Face turns into a block-diagonal mask: no attention across samples.
+- In a packed row the first label of every sample is -100, so no token learns to predict the first
+  token of the next, unrelated sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, S] int64
+    labels: torch.Tensor  # [B, S] int64, IGNORE_INDEX where not supervised
+    attention_mask: torch.Tensor | None = None  # [B, S] int64, None for packed rows
+    position_ids: torch.Tensor | None = None  # [B, S] int64, restarting per packed sample
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(self.input_ids.shape)}")
+        for name in ("labels", "attention_mask", "position_ids"):
+            t = getattr(self, name)
+            if t is not None and t.shape != self.input_ids.shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}, input_ids {tuple(self.input_ids.shape)}"
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that go through the model (padding included): what the GPU computes on."""
+        return self.input_ids.numel()
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Supervised positions after the shift: the loss's denominator share of this batch."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Batch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            labels=self.labels.to(device, non_blocking=True),
+            attention_mask=move(self.attention_mask),
+            position_ids=move(self.position_ids),
+        )
