@@ -1,0 +1,60 @@
+/* One fused pass of AdamW over a flat fp32 block, writing the bf16 shadow in the same pass.
+ *
+ * Reads master p, states m and v, and the gradient g (fp32, or bf16 that may live in the same
+ * memory as the shadow: each element is read before it is written); writes p, m, v and the
+ * shadow. Same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path:
+ *   p *= decay; m = m + (1-b1) * (g - m); v = v*b2 + (1-b2)*g*g;
+ *   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
+ * The fp32 -> bf16 cast rounds to nearest even, as torch does.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(const uint16_t *x, int64_t i) {
+    uint32_t u = ((uint32_t)x[i]) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define ADAMW_BODY(LOAD_G)                                                        \
+    _Pragma("omp parallel for simd num_threads(nthreads) schedule(static)")       \
+    for (int64_t i = 0; i < n; i++) {                                             \
+        float gi = (LOAD_G) * grad_scale;                                         \
+        float pi = p[i] * decay;                                                  \
+        float mi = m[i] + one_minus_b1 * (gi - m[i]);                             \
+        float vi = v[i] * beta2 + one_minus_b2 * gi * gi;                         \
+        float denom = sqrtf(vi) / bc2_sqrt + eps;                                 \
+        pi = pi - step_size * (mi / denom);                                       \
+        p[i] = pi;                                                                \
+        m[i] = mi;                                                                \
+        v[i] = vi;                                                                \
+        if (shadow) shadow[i] = bf16_round(pi);                                   \
+    }
+
+void mt_adamw(float *p, float *m, float *v, const void *g, int g_is_bf16, uint16_t *shadow,
+              int64_t n, float decay, float beta2, float one_minus_b1, float one_minus_b2,
+              float step_size, float bc2_sqrt, float eps, float grad_scale, int nthreads) {
+    if (g_is_bf16) {
+        const uint16_t *gb = (const uint16_t *)g;
+        ADAMW_BODY(bf16_load(gb, i))
+    } else {
+        const float *gf = (const float *)g;
+        ADAMW_BODY(gf[i])
+    }
+}
+
+/* fp32 -> bf16 with round-to-nearest-even, parallel (torch's CPU cast is single-pass but slow). */
+void mt_to_bf16(const float *src, uint16_t *dst, int64_t n, int nthreads) {
+    _Pragma("omp parallel for simd num_threads(nthreads) schedule(static)")
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_round(src[i]);
+}

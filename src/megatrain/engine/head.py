@@ -1,0 +1,131 @@
+"""Final norm + lm_head + cross-entropy, fused per token chunk, forward and backward together.
+
+The full [tokens x vocab] logits never exist: for each chunk of supervised positions the head
+runs forward with autograd, the chunk's loss is differentiated at once, and only the gradient
+w.r.t. the chunk's hidden states (and the head parameters' gradients) is kept. Positions with no
+target (prompt, padding) are skipped entirely: the norm and lm_head act per token, so this is
+exact, and prompt-heavy SFT batches spend no lm_head FLOPs on prompts.
+
+Logits come from the HF causal LM's own forward with its body replaced by a stub that returns
+the normed hidden states, so whatever that forward does between body and logits (Gemma's final
+logit soft-capping, a logit scale) is applied exactly as Hugging Face does it.
+
+Shapes: N = tokens of a micro-batch, C = tokens of a chunk, D = hidden size, V = vocab.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from megatrain.batch import IGNORE_INDEX
+from megatrain.model.structure import ModelStructure
+
+_LOGIT_BYTES_PER_CHUNK = 1 << 30  # fp32 logits + their gradient of one chunk stay under ~1 GiB
+
+
+class _StubOutput(BaseModelOutputWithPast):
+    """The body's output as the causal LM forward reads it; fields it never got are None."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+class _BodyStub(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
+        return _StubOutput(last_hidden_state=self.hidden)
+
+
+class LogitsFn:
+    """normed hidden [C, D] -> logits [C, V] through the HF causal LM's forward."""
+
+    def __init__(self, structure: ModelStructure, lm_head: nn.Module) -> None:
+        self._stub = _BodyStub()
+        lm = copy.copy(structure.causal_lm)  # shallow: shares config and code, not module dict
+        lm._modules = dict(lm._modules)
+        lm._modules[structure.body_attr] = self._stub
+        lm._modules[structure.lm_head_attr] = lm_head
+        self._lm = lm
+        params = inspect.signature(type(structure.causal_lm).forward).parameters
+        self._kwargs: dict[str, Any] = {"use_cache": False}
+        if "output_router_logits" in params:
+            self._kwargs["output_router_logits"] = False
+
+    def __call__(self, normed_CD: torch.Tensor) -> torch.Tensor:
+        self._stub.hidden = normed_CD.unsqueeze(0)
+        try:
+            out = self._lm(inputs_embeds=self._stub.hidden, **self._kwargs)
+        finally:
+            self._stub.hidden = None
+        return out.logits[0]
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    return max(64, _LOGIT_BYTES_PER_CHUNK // (vocab_size * 4 * 3))
+
+
+class ChunkedLoss:
+    def __init__(self, structure: ModelStructure, norm: nn.Module, lm_head: nn.Module,
+                 chunk_tokens: int | None) -> None:
+        self.norm = norm
+        self.logits = LogitsFn(structure, lm_head)
+        vocab = structure.causal_lm.config.get_text_config().vocab_size
+        self.chunk_tokens = chunk_tokens or default_chunk_tokens(vocab)
+
+    def run(
+        self,
+        hidden_BSD: torch.Tensor,
+        targets_host_BS: torch.Tensor,
+        denom: float,
+        params: list[nn.Parameter] | None,
+        grad_acc: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Loss sum / denom of one micro-batch; with `params`, also its gradients.
+
+        `targets_host_BS` are the shifted labels on the host (position t predicts its target).
+        With `params`, each parameter's gradient is added into the matching fp32 tensor of
+        `grad_acc`. Returns (loss, d loss / d hidden_BSD, or None without `params`).
+        """
+        device = hidden_BSD.device
+        hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
+        flat = targets_host_BS.reshape(-1)
+        rows = torch.nonzero(flat != IGNORE_INDEX).squeeze(1)
+        rows_dev = rows.to(device, non_blocking=True)
+        targets_dev = flat[rows].to(device, non_blocking=True)
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        grad_ND = torch.zeros_like(hidden_ND) if params is not None else None
+        for start in range(0, rows.numel(), self.chunk_tokens):
+            idx = rows_dev[start : start + self.chunk_tokens]
+            tgt = targets_dev[start : start + self.chunk_tokens]
+            if params is None:
+                with torch.no_grad():
+                    loss += self._chunk_loss(hidden_ND[idx], tgt) / denom
+                continue
+            h_CD = hidden_ND[idx].detach().requires_grad_(True)
+            with torch.enable_grad():
+                chunk = self._chunk_loss(h_CD, tgt) / denom
+            grads = torch.autograd.grad(chunk, [h_CD, *params], allow_unused=True)
+            assert grad_ND is not None and grad_acc is not None
+            grad_ND.index_copy_(0, idx, grads[0].to(grad_ND.dtype))
+            for acc, g in zip(grad_acc, grads[1:], strict=True):
+                if g is not None:
+                    acc.add_(g)
+            loss += chunk.detach()
+        grad_BSD = None if grad_ND is None else grad_ND.view_as(hidden_BSD)
+        return loss, grad_BSD
+
+    def _chunk_loss(self, h_CD: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
+        logits_CV = self.logits(self.norm(h_CD))
+        return F.cross_entropy(logits_CV.float(), targets_C, reduction="sum")

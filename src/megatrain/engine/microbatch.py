@@ -1,0 +1,99 @@
+"""Per-micro-batch state of one step, and the embedding that starts it.
+
+The embedding table never goes to the GPU whole: the rows a micro-batch uses are gathered on
+the host from the embedding block's copy source (bf16 shadow, or fp32 master), copied over, and
+fed to a device copy of the HF embedding module through remapped ids. The module's own forward
+runs (so scaled embeddings such as Gemma's are exact), and its gradient w.r.t. the gathered rows
+is scattered back into the full-table accumulator at the end of the backward.
+
+Shapes: B = batch rows, S = sequence, D = hidden, U = distinct token ids of the micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatrain.batch import IGNORE_INDEX, Batch
+from megatrain.engine.transfers import Transfers
+from megatrain.model.capture import LayerCall, LayerCallCapture
+from megatrain.model.router import RouterStats
+from megatrain.store.blocks import ParamBlock
+
+
+@dataclass
+class MicroBatch:
+    targets_BS: torch.Tensor  # host: shifted labels, position t predicts targets[t]
+    rows_UD: torch.Tensor  # device: gathered embedding rows (autograd leaf when training)
+    ids_U: torch.Tensor  # device: which table row each gathered row is
+    first_BSD: torch.Tensor  # device: input of layer 0, a function of rows_UD
+    calls: list[LayerCall]
+    router_weights: torch.Tensor | None  # device: flat attention mask (MoE aux loss weights)
+    hidden: torch.Tensor  # device: current boundary activation
+    saved: list[torch.Tensor | None] = field(default_factory=list)  # input of each layer
+    rng: list[Any] = field(default_factory=list)  # RNG state before each layer's forward
+    grad: torch.Tensor | None = None  # gradient w.r.t. `hidden` during the backward
+    router_stats: list[RouterStats] = field(default_factory=list)
+    router_total: RouterStats | None = None
+
+
+def shifted_targets(labels_BS: torch.Tensor) -> torch.Tensor:
+    targets = torch.full_like(labels_BS, IGNORE_INDEX)
+    targets[:, :-1] = labels_BS[:, 1:]
+    return targets
+
+
+class Embedder:
+    def __init__(self, embed: nn.Module, block: ParamBlock, transfers: Transfers,
+                 dtype: torch.dtype) -> None:
+        if [e.name for e in block.entries] != ["weight"] or len(block.entries[0].shape) != 2:
+            raise ValueError(
+                f"input embedding {type(embed).__name__} must have exactly one 2-D weight; "
+                f"found {[(e.name, tuple(e.shape)) for e in block.entries]}"
+            )
+        self.module = embed  # a device copy; its weight is set per micro-batch
+        del self.module._parameters["weight"]
+        self.pad_idx = getattr(embed, "padding_idx", None)
+        self.block = block
+        self.transfers = transfers
+        self.dtype = dtype
+        self.shape = block.entries[0].shape
+
+    def start(self, batch: Batch, capture: LayerCallCapture, training: bool,
+              with_router_weights: bool) -> MicroBatch:
+        device = self.transfers.device
+        uniq, inverse = torch.unique(batch.input_ids, return_inverse=True)
+        table = self.block.source.view(self.shape)
+        rows_host = torch.empty((uniq.numel(), self.shape[1]), dtype=table.dtype,
+                                pin_memory=self.transfers.is_cuda)
+        torch.index_select(table, 0, uniq, out=rows_host)
+        rows = torch.empty(rows_host.shape, dtype=self.dtype, device=device)
+        self.transfers.wait(self.transfers.h2d(rows, rows_host))
+        rows.requires_grad_(training)
+        dev = batch.to(device)
+        self.module.weight = rows
+        if self.pad_idx is not None:
+            hit = torch.nonzero(uniq == self.pad_idx)
+            self.module.padding_idx = int(hit[0, 0]) if hit.numel() else None
+        with torch.set_grad_enabled(training):
+            embeds = self.module(inverse.to(device, non_blocking=True))
+            captured = capture.capture(embeds, dev.attention_mask, dev.position_ids)
+        self.module.weight = None
+        weights = None
+        if with_router_weights and dev.attention_mask is not None:
+            weights = dev.attention_mask.reshape(-1)
+        first = captured.first_hidden
+        return MicroBatch(
+            targets_BS=shifted_targets(batch.labels), rows_UD=rows,
+            ids_U=uniq.to(device, non_blocking=True), first_BSD=first, calls=captured.calls,
+            router_weights=weights, hidden=first.detach(),
+        )
+
+    def backward(self, mb: MicroBatch, grad_acc_VD: torch.Tensor) -> None:
+        """Scatter d loss / d rows into the full-table fp32 gradient accumulator."""
+        assert mb.grad is not None
+        (g_rows,) = torch.autograd.grad(mb.first_BSD, mb.rows_UD, mb.grad)
+        grad_acc_VD.index_add_(0, mb.ids_U, g_rows.float())

@@ -1,0 +1,108 @@
+"""GPU weight slots and the modules bound to them.
+
+`num_slots` flat device buffers, each the size of the largest decoder layer. Layer i always
+lives in slot i % num_slots, and has its own module: a copy of the HF layer made on the meta
+device whose parameters are views into that slot's buffer. Loading layer i is one copy into the
+buffer; its module is ready at once, with no per-step binding.
+
+One module per layer rather than one per structural group: HF layers carry per-layer attributes
+that parameter shapes do not reveal (sliding window or not, layer type, whether RoPE applies),
+and modules cost no device memory since their parameters are views.
+
+Invariants:
+- A slot is overwritten only after the compute stream is done with its previous layer
+  (`free` event) and, on the host, after the layer's optimizer update (caller's job).
+- `holds[s]` names the layer whose current weights are in slot s, or None once those weights
+  are stale (after an optimizer update): the last layers of the forward stay resident and are
+  reused by the first layers of the backward without a copy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from megatrain.engine.transfers import Event, Transfers
+from megatrain.store.blocks import ParamBlock
+
+
+def bind_module(roots: dict[str, nn.Module], block: ParamBlock,
+                flat: torch.Tensor) -> list[nn.Parameter]:
+    """Point the parameters of `roots` (copies of the block's HF modules) at views of `flat`.
+
+    Returns the bound parameters in block-entry order (what autograd differentiates).
+    """
+    params: list[nn.Parameter] = []
+    for entry in block.entries:
+        owner_path, _, attr = entry.name.rpartition(".")
+        owner = roots[entry.root].get_submodule(owner_path) if owner_path else roots[entry.root]
+        param = nn.Parameter(block.view(flat, entry), requires_grad=True)
+        setattr(owner, attr, param)
+        params.append(param)
+    return params
+
+
+def device_copy(module: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of a weightless (meta-parameter) HF module, with its buffers on `device`."""
+    clone = copy.deepcopy(module)
+    for sub in clone.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and buf.device.type != "meta":
+                sub._buffers[name] = buf.to(device)
+    return clone
+
+
+class LayerSlots:
+    def __init__(self, layers: nn.ModuleList, blocks: list[ParamBlock], *, device: torch.device,
+                 dtype: torch.dtype, num_slots: int, transfers: Transfers) -> None:
+        if num_slots < 1:
+            raise ValueError(f"memory.num_slots must be >= 1, got {num_slots}")
+        self.num_slots = min(num_slots, len(blocks))
+        self.transfers = transfers
+        numel = max(b.numel for b in blocks)
+        self.buffers = [torch.empty(numel, dtype=dtype, device=device)
+                        for _ in range(self.num_slots)]
+        self.modules: list[nn.Module] = []
+        self.params: list[list[nn.Parameter]] = []
+        for i, (layer, block) in enumerate(zip(layers, blocks, strict=True)):
+            module = device_copy(layer, device)
+            self.params.append(bind_module({"layer": module}, block,
+                                           self.buffers[self.slot(i)]))
+            self.modules.append(module)
+        self.blocks = blocks
+        self.holds: list[int | None] = [None] * self.num_slots
+        self._ready: list[Event | None] = [None] * self.num_slots
+        self._free: list[Event | None] = [None] * self.num_slots
+
+    def slot(self, layer: int) -> int:
+        return layer % self.num_slots
+
+    def bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def load(self, layer: int) -> None:
+        """Start copying `layer` into its slot unless its current weights are already there."""
+        s = self.slot(layer)
+        if self.holds[s] == layer:
+            return
+        block = self.blocks[layer]
+        self._ready[s] = self.transfers.h2d(self.buffers[s][: block.numel], block.source,
+                                            after=self._free[s])
+        self.holds[s] = layer
+
+    def acquire(self, layer: int) -> nn.Module:
+        """The layer's module, once its weights are on the device (compute stream waits)."""
+        s = self.slot(layer)
+        assert self.holds[s] == layer, f"layer {layer} not loaded (slot {s} has {self.holds[s]})"
+        self.transfers.wait(self._ready[s])
+        return self.modules[layer]
+
+    def release(self, layer: int) -> None:
+        """Compute issued so far is the last use of this slot's content."""
+        self._free[self.slot(layer)] = self.transfers.compute_event()
+
+    def invalidate(self) -> None:
+        """The host weights changed (optimizer step): nothing on the device is current."""
+        self.holds = [None] * self.num_slots

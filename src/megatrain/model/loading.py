@@ -1,0 +1,130 @@
+"""Load a Hugging Face causal LM into host memory in fp32, through transformers' own loading path.
+
+The loaded model is the single full copy of the weights: the host store (megatrain.store) moves
+each block's parameters into its flat fp32 master and leaves meta tensors behind, so no second
+copy of the model ever sits in RAM. Weight renaming and fusion (for example MoE experts fused
+into 3-D tensors in transformers 5) is done by `from_pretrained`, and reversed by
+`save_pretrained` at export: never re-implemented here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from megatrain.model.tiny import tiny_config
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+def load_config(
+    source: str | None,
+    *,
+    model_type: str | None = None,
+    tiny: bool = False,
+    trust_remote_code: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> PretrainedConfig:
+    """The model config from a hub id, a local directory, or `model_type` (+ `tiny`)."""
+    if model_type is not None:
+        if source is not None:
+            raise ValueError("give either model.name_or_path or model.model_type, not both")
+        if tiny:
+            config = tiny_config(model_type, **(overrides or {}))
+        else:
+            config = AutoConfig.for_model(model_type, **(overrides or {}))
+    elif source is None:
+        raise ValueError("no model given: set model.name_or_path (hub id or directory) "
+                         "or model.model_type (with model.tiny: true for a tiny random model)")
+    else:
+        config = AutoConfig.from_pretrained(
+            _resolve(source), trust_remote_code=trust_remote_code, **(overrides or {})
+        )
+    check_decoder_only(config, source or model_type or "")
+    return config
+
+
+def check_decoder_only(config: PretrainedConfig, where: str) -> None:
+    """Refuse encoder-decoder and non-causal-LM configs with the reason and the model's name."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{where}: model type {config.model_type!r} is an encoder-decoder model; MegaTrain "
+            "trains decoder-only causal language models (AutoModelForCausalLM) only"
+        )
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(
+        config, "auto_map", {}
+    ).get("AutoModelForCausalLM"):
+        raise ValueError(
+            f"{where}: model type {config.model_type!r} has no AutoModelForCausalLM class in "
+            f"transformers; it is not a decoder-only causal LM MegaTrain can train"
+        )
+
+
+def load_causal_lm(
+    source: str | None,
+    *,
+    model_type: str | None = None,
+    tiny: bool = False,
+    random_init: bool = False,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """An fp32 model on the CPU: pretrained weights, or random init from the config.
+
+    Random init happens when `model_type` is given, when `random_init` is set, or when a local
+    directory holds a config but no weights.
+    """
+    config = load_config(
+        source, model_type=model_type, tiny=tiny, trust_remote_code=trust_remote_code,
+        overrides=config_overrides,
+    )
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if source is not None and not random_init and _has_weights(source):
+        model = AutoModelForCausalLM.from_pretrained(_resolve(source), config=config, **kwargs)
+    else:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.train()
+    return model
+
+
+def _resolve(source: str) -> str:
+    """A local directory as a path; anything else is a hub id, checked for obvious path typos."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model directory {path} has no config.json; point model.name_or_path at a "
+                "folder written by save_pretrained, or use a hub id like Qwen/Qwen2.5-0.5B"
+            )
+        return str(path)
+    looks_like_path = source.startswith((".", "/", "~")) or source.count("/") > 1 or (
+        os.sep != "/" and os.sep in source
+    )
+    if looks_like_path or path.exists():
+        raise FileNotFoundError(
+            f"model path {source!r} does not exist (or is not a directory); give an existing "
+            "directory with config.json, or a hub id like Qwen/Qwen2.5-0.5B"
+        )
+    return source
+
+
+def _has_weights(source: str) -> bool:
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        return True  # a hub id: from_pretrained downloads the weights
+    return any((path / name).exists() for name in _WEIGHT_FILES) or any(
+        path.glob("*.safetensors")
+    )

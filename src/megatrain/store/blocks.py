@@ -1,0 +1,86 @@
+"""One flat host block per streamed unit: the embedding, each decoder layer, the head.
+
+Layout of a block's flat tensors (all the same length `numel`):
+
+    [ decayed parameters ... | parameters without weight decay ... ]
+
+so the optimizer applies weight decay to one contiguous range and skips the other. Each entry
+records where one named parameter of the block's module lives in that layout.
+
+Host buffers per block:
+- `master`  fp32 master weights (pageable; pinned in fp32 compute on CUDA, where it is the copy
+            source)
+- `exp_avg`, `exp_avg_sq`  fp32 AdamW states
+- `shadow`  bf16 copy of the weights, pinned: the host-to-device source in bf16 compute. Between
+            a layer's backward and its optimizer update it holds that layer's bf16 gradient
+            instead (the weights are not needed then); the update reads the gradient and writes
+            the new weights into the same place. So gradients need no host memory of their own.
+- `grad`    fp32 gradient, only in fp32 compute (where there is no bf16 shadow to reuse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ParamEntry:
+    owners: list[tuple[nn.Module, str]]  # (module, attribute) pairs of the HF skeleton holding it
+    root: str  # which root module of the block: "embed", "layer", "norm" or "lm_head"
+    name: str  # dotted name inside that root module (e.g. "mlp.down_proj.weight")
+    full_name: str  # dotted name in the causal LM (e.g. "model.layers.3.mlp.down_proj.weight")
+    shape: torch.Size
+    offset: int
+    decay: bool
+    requires_grad: bool = True
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class ParamBlock:
+    name: str  # "embed", "layer.<i>", "head"
+    entries: list[ParamEntry]
+    numel: int
+    decay_numel: int  # entries [0, decay_numel) take weight decay
+    master: torch.Tensor = field(repr=False)
+    exp_avg: torch.Tensor = field(repr=False)
+    exp_avg_sq: torch.Tensor = field(repr=False)
+    shadow: torch.Tensor | None = field(default=None, repr=False)
+    grad: torch.Tensor | None = field(default=None, repr=False)
+    step: int = 0  # optimizer steps applied to this block
+
+    @property
+    def source(self) -> torch.Tensor:
+        """What the device copies from: the bf16 shadow, or the fp32 master in fp32 compute."""
+        return self.shadow if self.shadow is not None else self.master
+
+    @property
+    def grad_landing(self) -> torch.Tensor:
+        """Where this block's gradient is copied to from the device (see module docstring)."""
+        if self.grad is not None:
+            return self.grad
+        assert self.shadow is not None
+        return self.shadow
+
+    def view(self, flat: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
+        return flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    def refresh_shadow(self) -> None:
+        """Rewrite the bf16 shadow from the master (after a skipped update, at load)."""
+        if self.shadow is not None:
+            from megatrain.optim.adamw import to_bf16_
+
+            to_bf16_(self.shadow, self.master)
+
+    def host_bytes(self) -> int:
+        total = 0
+        for t in (self.master, self.exp_avg, self.exp_avg_sq, self.shadow, self.grad):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total

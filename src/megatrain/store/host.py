@@ -1,0 +1,160 @@
+"""Build the host parameter store from a loaded Hugging Face model, block by block.
+
+Each block's parameters are copied into its flat fp32 master and replaced in the HF model by
+meta tensors at once, so host memory never holds the model twice: the HF module tree stays
+behind as a weightless skeleton, used for structure, for capture, and to export (views of the
+master are bound into it for `save_pretrained`, then unbound).
+
+Tied weights (lm_head = embedding) are stored once, in the embedding block.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from megatrain.model.structure import ModelStructure
+from megatrain.store.blocks import ParamBlock, ParamEntry
+
+DEFAULT_NO_DECAY = ("bias", "norm")
+
+
+class HostStore:
+    """Every trainable parameter and optimizer state of the model, in host memory."""
+
+    def __init__(
+        self,
+        structure: ModelStructure,
+        *,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        pin_memory: bool = False,
+        no_decay: Sequence[str] = DEFAULT_NO_DECAY,
+        decay_1d: bool = False,
+    ) -> None:
+        if compute_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"compute dtype must be bfloat16 or float32, got {compute_dtype}")
+        self.structure = structure
+        self.compute_dtype = compute_dtype
+        self.pin_memory = pin_memory
+        self._patterns = [re.compile(p, re.IGNORECASE) for p in no_decay]
+        self._decay_1d = decay_1d
+        self._owners = _owners_by_param(structure.causal_lm)
+        self._meta: dict[int, nn.Parameter] = {}
+        self._taken: set[int] = set()
+        prefix = _prefixes(structure)
+        self.embed = self._build("embed", [("embed", structure.embed, prefix["embed"])])
+        self.layers = [
+            self._build(f"layer.{i}", [("layer", layer, f"{prefix['layers']}.{i}")])
+            for i, layer in enumerate(structure.layers)
+        ]
+        # A tied lm_head weight is already taken by the embedding block; its bias (if any) is not.
+        self.head = self._build("head", [("norm", structure.final_norm, prefix["norm"]),
+                                         ("lm_head", structure.lm_head, prefix["lm_head"])])
+
+    @property
+    def blocks(self) -> list[ParamBlock]:
+        """All blocks in forward order: embedding, layers, head."""
+        return [self.embed, *self.layers, self.head]
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.blocks)
+
+    def host_bytes(self) -> int:
+        return sum(b.host_bytes() for b in self.blocks)
+
+    def _build(self, name: str, roots: list[tuple[str, nn.Module, str]]) -> ParamBlock:
+        found: list[tuple[str, str, str, nn.Parameter]] = []
+        for root_key, root, prefix in roots:
+            for pname, p in root.named_parameters():
+                if id(p) in self._taken:
+                    continue  # tied: already stored in an earlier block
+                self._taken.add(id(p))
+                found.append((root_key, pname, f"{prefix}.{pname}", p))
+        found.sort(key=lambda item: not self._decays(item[2], item[3]))  # stable: decayed first
+        entries, offset, decay_numel = [], 0, 0
+        for root_key, pname, full, p in found:
+            decay = self._decays(full, p)
+            entries.append(ParamEntry(owners=self._owners[id(p)], root=root_key, name=pname,
+                                      full_name=full, shape=p.shape, offset=offset, decay=decay))
+            offset += p.numel()
+            decay_numel += p.numel() if decay else 0
+        master = torch.empty(offset, dtype=torch.float32, pin_memory=self._pin_master)
+        for entry, (_, _, _, p) in zip(entries, found, strict=True):
+            master[entry.offset : entry.offset + entry.numel].copy_(p.detach().reshape(-1))
+            self._to_meta(entry, p)
+        block = ParamBlock(
+            name=name, entries=entries, numel=offset, decay_numel=decay_numel, master=master,
+            exp_avg=torch.zeros(offset, dtype=torch.float32),
+            exp_avg_sq=torch.zeros(offset, dtype=torch.float32),
+        )
+        if self.compute_dtype == torch.bfloat16:
+            block.shadow = torch.empty(offset, dtype=torch.bfloat16, pin_memory=self.pin_memory)
+            block.refresh_shadow()
+        else:
+            block.grad = torch.zeros(offset, dtype=torch.float32, pin_memory=self.pin_memory)
+        return block
+
+    @property
+    def _pin_master(self) -> bool:
+        # In fp32 compute the master itself is the host-to-device source: pin it.
+        return self.pin_memory and self.compute_dtype == torch.float32
+
+    def _decays(self, full_name: str, p: torch.Tensor) -> bool:
+        if p.dim() < 2 and not self._decay_1d:
+            return False
+        return not any(pat.search(full_name) for pat in self._patterns)
+
+    def _to_meta(self, entry: ParamEntry, p: nn.Parameter) -> None:
+        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                            requires_grad=p.requires_grad)
+        self._meta[id(entry)] = meta
+        self._taken.add(id(meta))  # a tied owner now holds the meta tensor: don't store it again
+        for module, attr in entry.owners:
+            setattr(module, attr, meta)
+
+    @contextmanager
+    def bound(self, source: str = "master") -> Iterator[nn.Module]:
+        """The HF model with real weights bound in: views of `master` (fp32) or `shadow` (bf16).
+
+        Used for export and for tests; the skeleton is weightless again afterwards.
+        """
+        for block in self.blocks:
+            flat = block.master if source == "master" else block.shadow
+            if flat is None:
+                raise ValueError(f"store has no {source!r} copy (compute dtype "
+                                 f"{self.compute_dtype})")
+            for entry in block.entries:
+                param = nn.Parameter(block.view(flat, entry), requires_grad=False)
+                for module, attr in entry.owners:
+                    setattr(module, attr, param)
+        try:
+            yield self.structure.causal_lm
+        finally:
+            for block in self.blocks:
+                for entry in block.entries:
+                    for module, attr in entry.owners:
+                        setattr(module, attr, self._meta[id(entry)])
+
+
+def _owners_by_param(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, attr))
+    return owners
+
+
+def _prefixes(structure: ModelStructure) -> dict[str, str]:
+    names = {id(m): n for n, m in structure.causal_lm.named_modules()}
+    return {
+        "embed": names[id(structure.embed)],
+        "layers": names[id(structure.layers)],
+        "norm": names[id(structure.final_norm)],
+        "lm_head": names[id(structure.lm_head)],
+    }
