@@ -1,12 +1,28 @@
 """`megatrain verify`: the engine against plain PyTorch training, step by step.
 
 Both sides start from the same weights and see the same micro-batches (random tokens, one
-padded row per micro-batch, or packed rows). The reference is the plain HF model in fp32 with
+padded row per micro-batch, or packed rows). The reference is the plain HF model with
 `torch.optim.AdamW` and `clip_grad_norm_`, the step's loss being the sum of cross-entropy over
 the step's supervised tokens divided by their count (+ the router aux loss HF's forward adds,
-averaged over micro-batches). Per step it reports the losses and the largest relative
-difference (||a - b|| / ||b|| per tensor, max over tensors) of the loss, the gradients (before
-clipping) and the weights (after the update).
+averaged over micro-batches).
+
+Reported per step: losses, and the largest relative difference (||a - b|| / ||b|| per tensor,
+max over tensors) between engine and fp32 PyTorch of the loss, the gradients (before clipping)
+and the weights (after the update).
+
+Pass/fail ("excess" <= 1) judges the engine's error against a more exact target, allowing
+max(tolerance, 10 x the error plain PyTorch makes at the same precision):
+- fp32 compute: target = the same training in float64; noise = PyTorch fp32. Some gradients
+  are ill-conditioned (sums that nearly cancel, e.g. a linear-attention decay) and no fp32
+  computation, PyTorch's own included, gets them within 1e-5; everything else must be.
+- bf16 compute: target = PyTorch fp32; noise = PyTorch training the same way the engine does:
+  the model in bf16 (weights, activations, residual stream), gradients copied to fp32 master
+  weights, fp32 AdamW (the DeepSpeed / Megatron bf16 recipe). The engine's bf16 run must stay
+  within 10x of the drift PyTorch's own bf16 training shows on the same model and data.
+  In bf16 the errors are measured over the whole model (all gradients, all weights as one
+  vector), not per tensor: a gradient element near zero flips sign under bf16 rounding, which
+  moves that weight by 2 x lr, and in a 16-element zero-initialised norm weight one such flip is
+  a 50% relative error, in PyTorch's bf16 run as much as in ours.
 """
 
 from __future__ import annotations
@@ -26,12 +42,12 @@ from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 
-# fp32 compute: only summation order differs from the reference. bf16 compute: see
-# docs/verify.md for how these bounds were derived from measured runs.
+# Error always allowed, before the 10x-PyTorch-noise allowance (module docstring).
 TOLERANCES = {
     "float32": {"loss": 1e-5, "grad": 1e-5, "weight": 1e-5},
-    "bfloat16": {"loss": 2e-2, "grad": 1.5e-1, "weight": 5e-3},
+    "bfloat16": {"loss": 1e-3, "grad": 1e-2, "weight": 1e-3},
 }
+NOISE_FACTOR = 10.0
 
 
 @dataclass
@@ -51,7 +67,7 @@ class VerifyConfig:
     max_grad_norm: float = 1.0
     num_slots: int = 2
     seed: int = 0
-    truth: bool = True  # also run a float64 reference to judge ill-conditioned tensors
+    judge: bool = True  # run the extra target/noise references that decide pass or fail
     config_overrides: dict = field(default_factory=dict)
 
 
@@ -108,10 +124,16 @@ def run_verify(cfg: VerifyConfig) -> list[StepReport]:
     landed: dict[str, torch.Tensor] = {}
     engine.worker.on_landed = lambda block: _snapshot(block, landed)
     decay = {e.full_name: e.decay for b in store.blocks for e in b.entries}
-    ref = _Reference(load_causal_lm(cfg.source, **load), decay, cfg, hyper)
-    truth = None
-    if cfg.truth and dtype == torch.float32:
-        truth = _Reference(_float64(load_causal_lm(cfg.source, **load)), decay, cfg, hyper)
+
+    def reference(model: torch.nn.Module, bf16_master: bool = False) -> _Reference:
+        return _Reference(model, decay, cfg, hyper, bf16_master)
+
+    ref = reference(load_causal_lm(cfg.source, **load))
+    target, noise = ref, None
+    if cfg.judge and dtype == torch.float32:
+        target, noise = reference(_float64(load_causal_lm(cfg.source, **load))), ref
+    elif cfg.judge:
+        noise = reference(load_causal_lm(cfg.source, **load), bf16_master=True)
     tol = TOLERANCES[cfg.compute_dtype]
     config = ref.model.config.get_text_config()
     pad_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
@@ -122,30 +144,39 @@ def run_verify(cfg: VerifyConfig) -> list[StepReport]:
             engine.wait_updates()
             ours = {"loss": {"loss": torch.tensor(result.loss)},
                     "grad": {n: landed[n] for n in ref.named}, "weight": _master_weights(store)}
-            theirs = ref.step(micro)
-            exact = truth.step(micro) if truth is not None else None
-            if exact is not None and not _all_finite(exact):
+            fp32 = ref.step(micro)
+            exact = target.step(micro) if target is not ref else fp32
+            noisy = fp32 if noise is ref else (noise.step(micro) if noise else None)
+            if not _all_finite(exact):
                 # float64 can turn fully-masked padding rows into NaN where fp32 does not
-                # (HF's mask constants); judge against the fp32 reference alone from here on.
-                truth = exact = None
-            excess, worst = 0.0, ""
-            for kind in ("loss", "grad", "weight"):
-                errs = _rel_errors(ours[kind], exact[kind] if exact else theirs[kind])
-                ref_errs = _rel_errors(theirs[kind], exact[kind]) if exact else None
-                e, where = _excess(errs, ref_errs, tol[kind])
-                if e >= excess:
-                    excess, worst = e, f"{kind} {where}"
+                # (HF's mask constants): judge against fp32 PyTorch alone from here on.
+                target, noise, exact, noisy = ref, None, fp32, None
+            excess, worst = _judge(ours, exact, noisy, tol, per_tensor=dtype == torch.float32)
             reports.append(StepReport(
-                step=step + 1, loss=result.loss, ref_loss=float(theirs["loss"]["loss"]),
-                loss_rel=max(_rel_errors(ours["loss"], theirs["loss"]).values()),
-                grad_rel=max(_rel_errors(ours["grad"], theirs["grad"]).values()),
-                weight_rel=max(_rel_errors(ours["weight"], theirs["weight"]).values()),
+                step=step + 1, loss=result.loss, ref_loss=float(fp32["loss"]["loss"]),
+                loss_rel=max(_rel_errors(ours["loss"], fp32["loss"]).values()),
+                grad_rel=max(_rel_errors(ours["grad"], fp32["grad"]).values()),
+                weight_rel=max(_rel_errors(ours["weight"], fp32["weight"]).values()),
                 grad_norm=result.grad_norm, clipped=result.clip_coef < 1.0, excess=excess,
                 worst=worst,
             ))
     finally:
         engine.close()
     return reports
+
+
+def _judge(ours: dict[str, dict[str, torch.Tensor]], exact: dict[str, dict[str, torch.Tensor]],
+           noisy: dict[str, dict[str, torch.Tensor]] | None, tol: dict[str, float],
+           per_tensor: bool) -> tuple[float, str]:
+    excess, worst = 0.0, ""
+    for kind in ("loss", "grad", "weight"):
+        group = _rel_errors if per_tensor else _global_rel_error
+        errs = group(ours[kind], exact[kind])
+        noise_errs = group(noisy[kind], exact[kind]) if noisy is not None else None
+        e, where = _excess(errs, noise_errs, tol[kind])
+        if e >= excess:
+            excess, worst = e, f"{kind} {where}"
+    return excess, worst
 
 
 def _float64(model: torch.nn.Module) -> torch.nn.Module:
@@ -175,17 +206,25 @@ def _master_weights(store: HostStore) -> dict[str, torch.Tensor]:
 
 
 class _Reference:
-    """Plain PyTorch training of the HF model: AdamW, clip_grad_norm_, same decay groups."""
+    """Plain PyTorch training of the HF model: AdamW, clip_grad_norm_, same decay groups.
+
+    With `bf16_master`, the model computes in bf16 and AdamW updates fp32 master copies of its
+    weights, which are cast back into the model after every step.
+    """
 
     def __init__(self, model: torch.nn.Module, decay: dict[str, bool], cfg: VerifyConfig,
-                 hyper: AdamWHyper) -> None:
+                 hyper: AdamWHyper, bf16_master: bool = False) -> None:
         self.model = model.to(cfg.device)
         self.cfg = cfg
         self.named = dict(model.named_parameters())
+        self.master = dict(self.named)
+        if bf16_master:
+            self.master = {n: torch.nn.Parameter(p.detach().clone()) for n, p in self.named.items()}
+            self.model.to(torch.bfloat16)
         groups = [
-            {"params": [p for n, p in self.named.items() if decay[n]],
+            {"params": [p for n, p in self.master.items() if decay[n]],
              "weight_decay": cfg.weight_decay},
-            {"params": [p for n, p in self.named.items() if not decay[n]], "weight_decay": 0.0},
+            {"params": [p for n, p in self.master.items() if not decay[n]], "weight_decay": 0.0},
         ]
         self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=hyper.betas, eps=hyper.eps)
 
@@ -204,13 +243,22 @@ class _Reference:
                 loss = loss + model.router_aux_loss_coef * out.aux_loss / len(micro)
             loss.backward()
             total += float(loss.detach())
-        grads = {n: p.grad.detach().cpu().clone() for n, p in self.named.items()
+        for name, master in self.master.items():
+            grad = self.named[name].grad
+            if master is not self.named[name]:
+                master.grad = None if grad is None else grad.float()
+        grads = {n: p.grad.detach().cpu().clone() for n, p in self.master.items()
                  if p.grad is not None}
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self.master.values(), cfg.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        weights = {n: p.detach().cpu() for n, p in self.named.items()}
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, master in self.master.items():
+                if master is not self.named[name]:
+                    self.named[name].copy_(master)
+        weights = {n: p.detach().cpu() for n, p in self.master.items()}
         return {"loss": {"loss": torch.tensor(total, dtype=torch.float64)}, "grad": grads,
                 "weight": weights}
 
@@ -227,17 +275,26 @@ def _rel_errors(ours: dict[str, torch.Tensor],
     return out
 
 
-def _excess(engine_err: dict[str, float], ref_err: dict[str, float] | None,
+def _global_rel_error(ours: dict[str, torch.Tensor],
+                      ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """||a - b|| / ||b|| with every tensor of the group concatenated into one vector."""
+    diff_sq = sum(float((ours[n].double().cpu() - r.double().cpu()).square().sum())
+                  for n, r in ref.items())
+    ref_sq = sum(float(r.double().square().sum()) for r in ref.values())
+    rel = math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-30)
+    return {"all": math.inf if math.isnan(rel) else rel}
+
+
+def _excess(engine_err: dict[str, float], noise_err: dict[str, float] | None,
             tol: float) -> tuple[float, str]:
     """Worst ratio of the engine's error to what is allowed, and the tensor it occurs in.
 
-    Allowed: `tol`, or (with a float64 truth) 10x the error of plain PyTorch in the same
-    precision, because some gradients are ill-conditioned (near-zero sums, e.g. a linear-
-    attention decay) and no fp32 computation, PyTorch's included, gets them to 1e-5.
+    Allowed: `tol`, or NOISE_FACTOR x the error plain PyTorch makes in the same precision
+    (`noise_err`, when measured): see the module docstring.
     """
     worst, worst_name = 0.0, ""
     for name, err in engine_err.items():
-        allowed = tol if ref_err is None else max(tol, 10.0 * ref_err[name])
+        allowed = tol if noise_err is None else max(tol, NOISE_FACTOR * noise_err[name])
         ratio = err / allowed
         if math.isnan(ratio):
             ratio = math.inf

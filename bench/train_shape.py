@@ -1,0 +1,87 @@
+"""Train a preset-shaped model (random init) with the streaming engine; print step times.
+
+    python bench/train_shape.py --preset qwen2.5-3b --batch 4 --seq 2048 --micro 1 --steps 5
+
+The same batch every step, as in ../shared/bench/peers.py, so the loss visibly falls. Prints a
+per-step line (loss, step time, timeline) and one RESULT line: median step time, tokens/s,
+model TFLOPS (6 x params x tokens/s), GPU peak, host RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result, sync
+
+from megatrain.batch import Batch
+from megatrain.engine.engine import StreamingEngine
+from megatrain.model.structure import discover
+from megatrain.optim.adamw import AdamWHyper, CpuAdamW
+from megatrain.store.host import HostStore
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2.5-3b")
+    ap.add_argument("--batch", type=int, default=4, help="rows per step")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro", type=int, default=1, help="micro-batches per step")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--num-slots", type=int, default=2)
+    ap.add_argument("--max-grad-norm", type=float, default=0.0)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--no-threads", action="store_true")
+    a = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_config(preset_config(a.preset), dtype=torch.float32)
+    t_init = time.perf_counter() - t0
+    structure = discover(model)
+    store = HostStore(structure, compute_dtype=torch.bfloat16, pin_memory=device == "cuda")
+    t_store = time.perf_counter() - t0 - t_init
+    opt = CpuAdamW(AdamWHyper(weight_decay=0.0), impl=a.impl)
+    engine = StreamingEngine(structure, store, opt, device=device, num_slots=a.num_slots,
+                             max_grad_norm=a.max_grad_norm, threaded_optimizer=not a.no_threads)
+    n_params = store.numel
+    log(f"{structure.describe()}; {n_params / 1e9:.3f}B params; init {t_init:.1f}s, store "
+        f"{t_store:.1f}s; optimizer {opt.impl}; host RSS {host_rss_gib()} GiB")
+    vocab = structure.causal_lm.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    rows = a.batch // a.micro
+    micro = []
+    for _ in range(a.micro):
+        ids = torch.randint(0, vocab, (rows, a.seq), generator=gen)
+        micro.append(Batch(ids, ids.clone(), None, None))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for step in range(a.steps + 1):
+        sync()
+        t = time.perf_counter()
+        res = engine.train_step(micro, lr=a.lr)
+        times.append(time.perf_counter() - t)
+        losses.append(res.loss)
+        log(f"step {step} loss {res.loss:.4f} norm {res.grad_norm:.3f} time {times[-1]:.3f}s "
+            f"| {res.timeline.summary()}")
+    engine.close()
+    step_s = statistics.median(times[1:])
+    tokens = a.batch * a.seq
+    result(system="megatrain", preset=a.preset, params_b=round(n_params / 1e9, 3),
+           batch=a.batch, seq=a.seq, micro=a.micro, num_slots=a.num_slots,
+           max_grad_norm=a.max_grad_norm, optimizer=opt.impl, step_s=round(step_s, 3),
+           tokens_per_s=round(tokens / step_s, 1),
+           model_tflops=round(6 * n_params * tokens / step_s / 1e12, 1),
+           gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
+           if device == "cuda" else None,
+           host_rss_gib=host_rss_gib(), host_peak_rss_gib=host_peak_rss_gib(),
+           losses=[round(v, 4) for v in losses], timeline=res.timeline.as_dict())
+
+
+if __name__ == "__main__":
+    main()

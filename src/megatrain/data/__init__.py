@@ -1,0 +1,62 @@
+"""The data pipeline: LLaMA-Factory-style data sets -> chat template -> masked, packed batches.
+
+Entry points for the trainer (the only place that reads `DataConfig`):
+
+    data = prepare_data(cfg.data, tokenizer)          # PreparedData
+    data.train, data.eval                             # list[Sample] (eval: None or a list)
+    data.stats, data.eval_stats                       # DataStats: rows read, kept, dropped by
+                                                      # reason, truncated, tokens, supervised
+    loader = make_loader(data.train, micro_batch_size=4, seq_len=cfg.data.cutoff_len,
+                         packing=cfg.data.packing, pad_token_id=data.pad_token_id,
+                         shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                         pad_to_multiple_of=cfg.data.pad_to_multiple_of)
+    len(loader)                                       # micro-batches per epoch (fixed)
+    for batch in loader: ...                          # megatrain.batch.Batch; one epoch, then
+                                                      # the epoch counter advances
+    loader.state_dict() / loader.load_state_dict(s)   # resume at the exact next micro-batch
+
+    run_data_command(cfg.data, tokenizer, show=5, as_json=False, seq_len=..., micro_batch_size=...,
+                     out=sys.stdout)                  # `megatrain data --show N [--json]`
+
+Data flow and modules:
+    registry.py   dataset_info.json (LLaMA-Factory compatible) or a path -> DatasetSpec
+    readers.py    json / jsonl / parquet / csv / folders / hub snapshots -> rows
+    formats.py    alpaca / sharegpt / OpenAI rows -> Conversation (malformed rows: drop reason)
+    template.py   Conversation -> Sample via the tokenizer's chat template; every assistant turn
+                  supervised, the rest IGNORE_INDEX (unless train_on_prompt)
+    pipeline.py   prepare_data: the above per data set, statistics, val split
+    packing.py    best-fit-decreasing packing; packed and padded Batch construction
+    loader.py     BatchLoader: seeded per-epoch shuffle, exact mid-epoch resume
+    demo_assets.py  the built-in synthetic data set and tokenizer (megatrain/assets/demo)
+"""
+
+from megatrain.data.assets import demo_assets_dir, demo_tokenizer_dir
+from megatrain.data.command import run_data_command
+from megatrain.data.config import DataConfig
+from megatrain.data.formats import Conversation, convert_row
+from megatrain.data.loader import BatchLoader, make_loader
+from megatrain.data.packing import pack_rows
+from megatrain.data.pipeline import PreparedData, pad_token_id_of, prepare_data
+from megatrain.data.registry import DatasetSpec, resolve_datasets
+from megatrain.data.sample import DataStats, Sample
+from megatrain.data.template import ChatEncoder
+
+__all__ = [
+    "BatchLoader",
+    "ChatEncoder",
+    "Conversation",
+    "DataConfig",
+    "DataStats",
+    "DatasetSpec",
+    "PreparedData",
+    "Sample",
+    "convert_row",
+    "demo_assets_dir",
+    "demo_tokenizer_dir",
+    "make_loader",
+    "pack_rows",
+    "pad_token_id_of",
+    "prepare_data",
+    "resolve_datasets",
+    "run_data_command",
+]

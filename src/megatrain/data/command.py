@@ -1,0 +1,175 @@
+"""`megatrain data --config FILE --show N [--json]`: look at what the model will be trained on.
+
+Prints the first N rows of the first training epoch exactly as the loader yields them (after
+chat template, masking, truncation, shuffle and packing), then a summary of the preparation.
+
+Human form: one block per row; each sample of the row is decoded with its supervised tokens
+(labels != -100) wrapped in `[[` and `]]`, and padding shown as `<pad x N>`.
+JSON form (`--json`): one object per line, {"input_ids", "labels", "position_ids",
+"attention_mask"} lists of a row (attention_mask null for packed rows), then a last line
+{"summary": {...}}, so the output parses line by line.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any, TextIO
+
+from megatrain.batch import IGNORE_INDEX, Batch
+from megatrain.data.config import DataConfig
+from megatrain.data.loader import BatchLoader, make_loader
+from megatrain.data.pipeline import PreparedData, prepare_data
+from megatrain.data.sample import Sample
+
+OPEN_MARK, CLOSE_MARK = "[[", "]]"
+
+
+def run_data_command(
+    cfg: DataConfig,
+    tokenizer: Any,
+    *,
+    show: int,
+    as_json: bool,
+    seq_len: int,
+    micro_batch_size: int,
+    out: TextIO,
+) -> int:
+    """Print `show` rows of epoch 0 and the data summary to `out`; the exit status."""
+    data = prepare_data(cfg, tokenizer)
+    loader = make_loader(
+        data.train,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        packing=cfg.packing,
+        pad_token_id=data.pad_token_id,
+        shuffle=cfg.shuffle,
+        seed=cfg.seed,
+        pad_to_multiple_of=cfg.pad_to_multiple_of,
+    )
+    shown = 0
+    for batch in loader:
+        for r in range(batch.input_ids.shape[0]):
+            if shown == show:
+                break
+            row = _row(batch, r)
+            if as_json:
+                out.write(json.dumps(row) + "\n")
+            else:
+                out.write(_describe_row(row, shown, tokenizer, data.pad_token_id))
+            shown += 1
+        if shown == show:
+            break
+    summary = _summary(data, loader)
+    if as_json:
+        out.write(json.dumps({"summary": summary}) + "\n")
+    else:
+        out.write(_describe_summary(summary))
+    return 0
+
+
+def _row(batch: Batch, r: int) -> dict[str, Any]:
+    assert batch.position_ids is not None
+    mask = batch.attention_mask
+    return {
+        "input_ids": batch.input_ids[r].tolist(),
+        "labels": batch.labels[r].tolist(),
+        "position_ids": batch.position_ids[r].tolist(),
+        "attention_mask": None if mask is None else mask[r].tolist(),
+    }
+
+
+def _segments(row: dict[str, Any], pad_token_id: int) -> list[tuple[int, int, bool]]:
+    """(start, end, is_padding) spans: samples split where positions restart, then padding."""
+    ids, positions, mask = row["input_ids"], row["position_ids"], row["attention_mask"]
+    if mask is not None:
+        real = sum(mask)
+        return [(0, real, False)] + ([(real, len(mask), True)] if real < len(mask) else [])
+    starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+    spans = [(a, b, False) for a, b in itertools.pairwise(starts)]
+    tail_start = spans[-1][0]
+    if len(spans) > 1 and all(x == pad_token_id for x in ids[tail_start:]):
+        spans[-1] = (tail_start, len(ids), True)
+    return spans
+
+
+def _describe_row(row: dict[str, Any], index: int, tokenizer: Any, pad_token_id: int) -> str:
+    segments = _segments(row, pad_token_id)
+    lines = [f"=== row {index}: {len(row['input_ids'])} tokens, {len(segments)} segment(s) ==="]
+    for start, end, is_pad in segments:
+        if is_pad:
+            lines.append(f"<pad x {end - start}>")
+            continue
+        ids, labels = row["input_ids"][start:end], row["labels"][start:end]
+        lines.append(f"--- sample at position {start}, {end - start} tokens ---")
+        lines.append(_marked_text(ids, labels, tokenizer))
+    return "\n".join(lines) + "\n"
+
+
+def _marked_text(ids: list[int], labels: list[int], tokenizer: Any) -> str:
+    """Decoded text, supervised runs wrapped in OPEN_MARK ... CLOSE_MARK."""
+    parts, run_start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or (labels[i] != IGNORE_INDEX) != (labels[run_start] != IGNORE_INDEX):
+            text = tokenizer.decode(ids[run_start:i])
+            supervised = labels[run_start] != IGNORE_INDEX
+            parts.append(f"{OPEN_MARK}{text}{CLOSE_MARK}" if supervised else text)
+            run_start = i
+    return "".join(parts)
+
+
+def _split_summary(samples: list[Sample] | None) -> dict[str, int] | None:
+    if samples is None:
+        return None
+    return {
+        "samples": len(samples),
+        "tokens": sum(s.num_tokens for s in samples),
+        "supervised_tokens": sum(s.num_target_tokens for s in samples),
+    }
+
+
+def _summary(data: PreparedData, loader: BatchLoader) -> dict[str, Any]:
+    real = sum(s.num_tokens for s in data.train)
+    slots = loader.num_rows * loader.seq_len if loader.packing else None
+    return {
+        "train": _split_summary(data.train),
+        "eval": _split_summary(data.eval),
+        "preparation": data.stats.to_dict(),
+        "eval_preparation": None if data.eval_stats is None else data.eval_stats.to_dict(),
+        "loader": {
+            "packing": loader.packing,
+            "seq_len": loader.seq_len,
+            "micro_batch_size": loader.micro_batch_size,
+            "rows_per_epoch": loader.num_rows,
+            "micro_batches_per_epoch": len(loader),
+            "packed_fill": None if slots is None else round(real / slots, 4),
+        },
+    }
+
+
+def _describe_summary(summary: dict[str, Any]) -> str:
+    lines = ["=== summary ==="]
+    for split in ("train", "eval"):
+        part = summary[split]
+        if part is not None:
+            lines.append(
+                f"{split}: {part['samples']} samples, {part['tokens']} tokens, "
+                f"{part['supervised_tokens']} supervised tokens"
+            )
+    for key in ("preparation", "eval_preparation"):
+        prep = summary[key]
+        if prep is not None:
+            dropped = sum(prep["dropped"].values())
+            reasons = ", ".join(f"{k}={v}" for k, v in prep["dropped"].items()) or "none"
+            lines.append(
+                f"{key.replace('_', ' ')}: {prep['rows_read']} rows read, {prep['kept']} kept, "
+                f"{dropped} dropped ({reasons}), {prep['truncated']} truncated"
+            )
+    ld = summary["loader"]
+    fill = "" if ld["packed_fill"] is None else f", rows {ld['packed_fill']:.1%} filled"
+    lines.append(
+        f"loader: packing={ld['packing']}, seq_len {ld['seq_len']}, micro-batch "
+        f"{ld['micro_batch_size']}, {ld['rows_per_epoch']} rows = "
+        f"{ld['micro_batches_per_epoch']} micro-batches per epoch{fill}"
+    )
+    return "\n".join(lines) + "\n"

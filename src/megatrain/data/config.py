@@ -1,0 +1,131 @@
+"""`DataConfig`: every option of the data pipeline, the `data:` section of a run's YAML.
+
+Only the recipe (trainer, `megatrain data` command) reads this class; the pipeline's parts take
+plain keyword arguments. Field types stay simple (str, int, float, bool, list[str], optional of
+those) so the config system can map each field to a `--data.<field>` override.
+
+Invariant: `validate()` accepts exactly the configurations the pipeline can run, and every error
+names the key as `data.<field>`, the offending value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OVERFLOW_CHOICES = ("truncate", "drop")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str | list[str] = "demo"
+    """Names registered in `dataset_dir/dataset_info.json`, or paths to data files/folders (format
+    detected from the first row). Several: a list or a comma-separated string, concatenated."""
+
+    dataset_dir: str | None = None
+    """Folder holding `dataset_info.json`; relative `file_name`s resolve against it.
+    None: the built-in demo assets (`megatrain/assets/demo`)."""
+
+    eval_dataset: str | list[str] | None = None
+    """Evaluation data, named like `dataset`. Exclusive with `val_size`."""
+
+    val_size: float = 0.0
+    """Split off the processed train set for evaluation: 0 < v < 1 is a fraction, a whole number
+    >= 1 a sample count, 0 none. The split is a seeded (`seed`) random draw."""
+
+    chat_template: str | None = None
+    """Jinja chat template (the text, or a path to a .jinja file) replacing the tokenizer's own.
+    None: the tokenizer's `chat_template`."""
+
+    cutoff_len: int = 1024
+    """Maximum tokens per sample after the chat template; longer samples follow `overflow`."""
+
+    overflow: str = "truncate"
+    """Samples over `cutoff_len`: "truncate" keeps the first `cutoff_len` tokens, "drop" drops
+    them. Both are counted in the data statistics."""
+
+    packing: bool = False
+    """Pack several samples into each row of exactly `seq_len` tokens (attention stays within a
+    sample through restarting position ids); False pads each micro-batch to its longest sample."""
+
+    pad_to_multiple_of: int = 8
+    """Padded batches only: round the padded length up to a multiple of this (1 = no rounding)."""
+
+    train_on_prompt: bool = False
+    """Supervise every token (system, user and template tokens too), not only assistant turns."""
+
+    system_prompt: str | None = None
+    """System message for conversations that have none. None: leave them without one."""
+
+    max_samples: int | None = None
+    """Keep only the first `max_samples` rows of each data set (before conversion). None: all."""
+
+    min_target_tokens: int = 1
+    """Drop samples with fewer supervised (loss-bearing) tokens than this, after truncation."""
+
+    shuffle: bool = True
+    """Shuffle the training samples (or packed rows) every epoch."""
+
+    seed: int = 42
+    """Seed of the shuffle (mixed with the epoch number), of `val_size` and of `num_samples`."""
+
+    def dataset_names(self) -> list[str]:
+        """`dataset` as a list: a comma-separated string is split, blanks removed."""
+        return _names(self.dataset)
+
+    def eval_dataset_names(self) -> list[str]:
+        return [] if self.eval_dataset is None else _names(self.eval_dataset)
+
+    def validate(self) -> None:
+        """Raise ValueError naming `data.<field>`, the bad value and what is allowed."""
+        for name in ("dataset", "eval_dataset"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, str)
+                or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+            ):
+                raise ValueError(f"data.{name}={value!r} must be a string or a list of strings")
+        if not self.dataset_names():
+            raise ValueError(
+                f"data.dataset={self.dataset!r} names no data set; give a name from "
+                "dataset_info.json or a path to a .json/.jsonl/.parquet/.csv file or a folder"
+            )
+        _check_int("cutoff_len", self.cutoff_len, minimum=2)
+        _check_int("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
+        _check_int("min_target_tokens", self.min_target_tokens, minimum=0)
+        _check_int("seed", self.seed, minimum=0)
+        if self.max_samples is not None:
+            _check_int("max_samples", self.max_samples, minimum=1)
+        if self.overflow not in OVERFLOW_CHOICES:
+            allowed = list(OVERFLOW_CHOICES)
+            raise ValueError(f"data.overflow={self.overflow!r} must be one of {allowed}")
+        for name in ("packing", "train_on_prompt", "shuffle"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"data.{name}={getattr(self, name)!r} must be true or false")
+        self._validate_val_size()
+
+    def _validate_val_size(self) -> None:
+        v = self.val_size
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(
+                f"data.val_size={v!r} must be 0 (none), a fraction 0 < v < 1, or a count >= 1"
+            )
+        if v >= 1 and v != int(v):
+            raise ValueError(
+                f"data.val_size={v!r}: values >= 1 are a sample count and must be whole; "
+                "use 0 < v < 1 for a fraction"
+            )
+        if v > 0 and self.eval_dataset_names():
+            raise ValueError(
+                f"data.val_size={v!r} and data.eval_dataset={self.eval_dataset!r} both define the "
+                "evaluation set; set one of them (val_size: 0 to use eval_dataset)"
+            )
+
+
+def _names(value: str | list[str]) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [item.strip() for item in items if item.strip()]
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"data.{name}={value!r} must be an integer >= {minimum}")

@@ -1,0 +1,157 @@
+"""The recipe of the data pipeline: `DataConfig` + tokenizer -> train/eval `Sample`s + statistics.
+
+Per data set, in order: read the rows (local or hub), apply the registry's `num_samples` (a seeded
+draw, with repetition when it exceeds the rows, as LLaMA-Factory does), keep the first
+`max_samples`, convert each row (formats.py) and render it (template.py). Data sets are then
+concatenated in the order given. The evaluation set is `eval_dataset` processed the same way, or
+a seeded random `val_size` split of the processed training samples.
+
+Invariant: every row read is either kept or counted under exactly one drop reason, so
+`stats.rows_read == stats.kept + stats.num_dropped`; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatrain.data.assets import demo_assets_dir
+from megatrain.data.config import DataConfig
+from megatrain.data.formats import convert_row
+from megatrain.data.readers import download_hub_dataset, iter_rows, read_rows
+from megatrain.data.registry import DatasetSpec, resolve_datasets
+from megatrain.data.sample import DataStats, Sample
+from megatrain.data.template import ChatEncoder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedData:
+    train: list[Sample]
+    eval: list[Sample] | None
+    stats: DataStats  # the training data sets, before any val_size split
+    eval_stats: DataStats | None  # the eval_dataset data sets, when given
+    pad_token_id: int
+
+
+def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
+    """Read, convert, render and split the data sets of `cfg` with `tokenizer`."""
+    cfg.validate()
+    dataset_dir = Path(cfg.dataset_dir).expanduser() if cfg.dataset_dir else demo_assets_dir()
+    encoder = ChatEncoder(
+        tokenizer,
+        cutoff_len=cfg.cutoff_len,
+        overflow=cfg.overflow,
+        train_on_prompt=cfg.train_on_prompt,
+        min_target_tokens=cfg.min_target_tokens,
+        default_system=cfg.system_prompt,
+        chat_template=cfg.chat_template,
+    )
+    specs = resolve_datasets(cfg.dataset_names(), dataset_dir)
+    train, stats = load_samples(specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed)
+    eval_samples: list[Sample] | None = None
+    eval_stats: DataStats | None = None
+    if cfg.eval_dataset_names():
+        eval_specs = resolve_datasets(cfg.eval_dataset_names(), dataset_dir)
+        eval_samples, eval_stats = load_samples(
+            eval_specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed
+        )
+    elif cfg.val_size > 0:
+        train, eval_samples = split_validation(train, val_size=cfg.val_size, seed=cfg.seed)
+    if not train:
+        raise ValueError(
+            f"no training sample is left from data.dataset={cfg.dataset!r}: {stats.describe()}; "
+            "see the drop reasons (raise data.cutoff_len, set overflow: truncate, fix the columns "
+            "in dataset_info.json)"
+        )
+    return PreparedData(train, eval_samples, stats, eval_stats, pad_token_id_of(tokenizer))
+
+
+def load_samples(
+    specs: list[DatasetSpec], encoder: ChatEncoder, *, max_samples: int | None, seed: int
+) -> tuple[list[Sample], DataStats]:
+    """The samples of `specs`, concatenated, and the statistics of all their rows."""
+    samples: list[Sample] = []
+    total = DataStats()
+    for spec in specs:
+        stats = DataStats()
+        rows = read_dataset(spec, seed=seed)[:max_samples]
+        for row in rows:
+            stats.rows_read += 1
+            conv = convert_row(row, spec)
+            result = conv if isinstance(conv, str) else encoder.encode(conv)
+            if isinstance(result, str):
+                stats.drop(result)
+            else:
+                stats.keep(result)
+                samples.append(result)
+        log = logger.warning if stats.dropped else logger.info
+        log("data set %s (%s): %s", spec.name, spec.path, stats.describe())
+        _merge(total, stats)
+    return samples, total
+
+
+def _merge(total: DataStats, part: DataStats) -> None:
+    total.rows_read += part.rows_read
+    total.kept += part.kept
+    total.truncated += part.truncated
+    total.num_tokens += part.num_tokens
+    total.num_target_tokens += part.num_target_tokens
+    for reason, count in part.dropped.items():
+        total.dropped[reason] = total.dropped.get(reason, 0) + count
+
+
+def read_dataset(spec: DatasetSpec, *, seed: int) -> list[dict[str, Any]]:
+    """The raw rows of one data set, after the registry's `num_samples`."""
+    if spec.load_from == "hf_hub":
+        files = download_hub_dataset(
+            spec.path,
+            revision=spec.revision,
+            folder=spec.folder,
+            subset=spec.subset,
+            split=spec.split,
+        )
+        rows = [row for file in files for row in iter_rows(file)]
+    else:
+        rows = read_rows(Path(spec.path))
+    if spec.num_samples is None:
+        return rows
+    rng = np.random.default_rng(seed)
+    picked = rng.permutation(len(rows))[: spec.num_samples]
+    extra = spec.num_samples - len(picked)
+    if extra > 0:
+        picked = np.concatenate([picked, rng.choice(len(rows), extra)])
+    return [rows[i] for i in picked]
+
+
+def split_validation(
+    samples: list[Sample], *, val_size: float, seed: int
+) -> tuple[list[Sample], list[Sample]]:
+    """(train, eval): a seeded random draw of `val_size` (fraction or count); order is kept."""
+    count = max(1, round(val_size * len(samples))) if val_size < 1 else int(val_size)
+    if count >= len(samples):
+        raise ValueError(
+            f"data.val_size={val_size} takes {count} of the {len(samples)} samples and leaves "
+            "none to train on; lower it"
+        )
+    held_out = np.zeros(len(samples), dtype=np.bool_)
+    held_out[np.random.default_rng(seed).permutation(len(samples))[:count]] = True
+    train = [s for s, h in zip(samples, held_out, strict=True) if not h]
+    return train, [s for s, h in zip(samples, held_out, strict=True) if h]
+
+
+def pad_token_id_of(tokenizer: Any) -> int:
+    """The tokenizer's pad token id, else its eos id (padding is never attended nor supervised)."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(
+        "the tokenizer has neither a pad token nor an eos token; set one (e.g. "
+        "tokenizer.pad_token = '<pad>' after adding it) so batches can be padded"
+    )

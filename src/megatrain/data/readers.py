@@ -1,0 +1,159 @@
+"""Readers: data files and folders (local or downloaded from the Hugging Face hub) to rows.
+
+A row is a `dict[str, Any]` as stored in the file: no column is renamed or converted here (that is
+`formats.py`'s job). Supported: `.json` (a JSON array of objects, or JSON lines), `.jsonl`,
+`.parquet` (pyarrow), `.csv` (stdlib csv; every value a string), and folders of such files, read
+recursively in sorted path order so the row order is reproducible.
+
+Hub data sets (`hf_hub_url` in dataset_info.json) are fetched with
+`huggingface_hub.snapshot_download(repo_type="dataset")` and then read with the same readers.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+KNOWN_SPLITS = ("train", "validation", "valid", "val", "test", "dev", "eval")
+
+
+def data_files(path: Path) -> list[Path]:
+    """`path` itself if it is a data file, else the data files under the folder, sorted."""
+    if path.is_file():
+        if path.suffix.lower() not in SUFFIXES:
+            raise ValueError(
+                f"{path}: unsupported file type {path.suffix!r}; use one of {SUFFIXES}"
+            )
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such data file or folder")
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        and p.name != "dataset_info.json"
+    )
+    if not files:
+        raise FileNotFoundError(f"{path}: the folder holds no data file ({', '.join(SUFFIXES)})")
+    return files
+
+
+def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """Rows of a data file or of every data file in a folder, in order."""
+    for file in data_files(path):
+        for index, row in enumerate(_read_file(file)):
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{file}: row {index} is {type(row).__name__}, expected a JSON object "
+                    "(one sample per object)"
+                )
+            yield row
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    return list(iter_rows(path))
+
+
+def _read_file(file: Path) -> Iterator[Any]:
+    suffix = file.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _read_jsonl(file)
+    elif suffix == ".json":
+        text = file.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            yield from _read_jsonl(file)  # JSON lines under a .json name, as `datasets` accepts
+            return
+        if not isinstance(data, list):
+            raise ValueError(f"{file}: expected a JSON array of objects, got {type(data).__name__}")
+        yield from data
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(file).to_pylist()
+    else:
+        with file.open(newline="", encoding="utf-8") as f:
+            yield from csv.DictReader(f)
+
+
+def _read_jsonl(file: Path) -> Iterator[Any]:
+    with file.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{file}:{line_no}: invalid JSON ({err.msg})") from err
+
+
+def download_hub_dataset(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    folder: str | None = None,
+    subset: str | None = None,
+    split: str = "train",
+) -> list[Path]:
+    """Download a hub data set repository and return the data files of `split`, sorted.
+
+    `folder` is a folder inside the repository; `subset` (a `datasets` config name) is looked up as
+    a folder of that name, which is how hub repositories lay out their configs' data files. Files
+    of a split are those named `<split>...` (e.g. `train-00000-of-00001.parquet`, `train.jsonl`) or
+    under a folder named `<split>`; a repository with no split in any file name is all `train`.
+    """
+    from huggingface_hub import snapshot_download
+
+    prefix = "/".join(p.strip("/") for p in (folder, subset) if p)
+    patterns = [f"{prefix}/*{s}" if prefix else f"*{s}" for s in SUFFIXES]
+    local = Path(
+        snapshot_download(
+            repo_id=repo_id, repo_type="dataset", revision=revision, allow_patterns=patterns
+        )
+    )
+    root = local / prefix if prefix else local
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"hub data set {repo_id}: no folder {prefix!r} in the repository (from folder="
+            f"{folder!r}, subset={subset!r}); check `folder`/`subset` in dataset_info.json"
+        )
+    files = data_files(root)
+    chosen = [f for f in files if _in_split(f.relative_to(root), split)]
+    if (
+        not chosen
+        and split == "train"
+        and not any(_names_split(f.relative_to(root)) for f in files)
+    ):
+        chosen = files  # no split in any name: everything is train, as `datasets` does
+    if not chosen:
+        names = ", ".join(str(f.relative_to(root)) for f in files[:20])
+        raise FileNotFoundError(
+            f"hub data set {repo_id}: no data file of split {split!r} among: {names}; set `split` "
+            "in dataset_info.json to the split named in those files"
+        )
+    tops = sorted({f.relative_to(root).parts[0] if f.parent != root else "." for f in chosen})
+    if len(tops) > 1:
+        raise ValueError(
+            f"hub data set {repo_id}: split {split!r} has files in several folders {tops}, "
+            "usually one per subset (config); set `subset` or `folder` in dataset_info.json"
+        )
+    return chosen
+
+
+def _in_split(relative: Path, split: str) -> bool:
+    """A file is in `split` if a folder is named so or its name is `<split>.*` / `<split>-*`."""
+    stem = relative.name.split(".")[0]
+    return split in relative.parts[:-1] or stem == split or stem.startswith(f"{split}-")
+
+
+def _names_split(relative: Path) -> bool:
+    """Whether any word of the path (split at - _ . /) is a usual split name."""
+    return any(word in KNOWN_SPLITS for word in re.split(r"[-_./]", relative.as_posix()))

@@ -1,0 +1,236 @@
+"""The data set registry: LLaMA-Factory's `dataset_info.json`, and data referenced by path.
+
+An entry (see LLaMA-Factory's data/README.md) names its source (`file_name` relative to the
+registry's folder, or `hf_hub_url`), its `formatting` ("alpaca" default, "sharegpt", or this
+package's "openai", which is sharegpt with OpenAI's role/content tags), optional `columns` and
+`tags` that rename the fields, and `split`, `subset`, `folder`, `revision`, `num_samples`.
+
+A name that is not in the registry but is an existing file or folder (absolute, relative to the
+working directory, or relative to the registry folder) is read directly; its format is detected
+from its first row: alpaca (`instruction`/`output`), sharegpt (`conversations` of `from`/`value`),
+or OpenAI (`messages` of `role`/`content`).
+
+Invariant: every key an entry may carry is either honoured or rejected with an error naming the
+data set, the key and the fix; nothing in an entry is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from megatrain.data.readers import iter_rows
+
+REGISTRY_FILE = "dataset_info.json"
+FORMATTINGS = ("alpaca", "sharegpt", "openai")
+ALPACA_COLUMNS = ("prompt", "query", "response", "history", "system", "tools")
+SHAREGPT_COLUMNS = ("messages", "system", "tools")
+TAGS = (
+    "role_tag",
+    "content_tag",
+    "user_tag",
+    "assistant_tag",
+    "observation_tag",
+    "function_tag",
+    "system_tag",
+)
+ENTRY_KEYS = (
+    "file_name",
+    "hf_hub_url",
+    "ms_hub_url",
+    "formatting",
+    "columns",
+    "tags",
+    "split",
+    "subset",
+    "folder",
+    "revision",
+    "num_samples",
+    "ranking",
+)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Where one data set lives and how its rows map onto a conversation."""
+
+    name: str
+    load_from: str  # "file" | "hf_hub"
+    path: str  # a local file or folder for "file", a repository id for "hf_hub"
+    formatting: str = "alpaca"
+    split: str = "train"
+    subset: str | None = None
+    folder: str | None = None
+    revision: str | None = None
+    num_samples: int | None = None
+    # alpaca columns
+    prompt: str | None = "instruction"
+    query: str | None = "input"
+    response: str | None = "output"
+    history: str | None = None
+    # sharegpt columns
+    messages: str | None = "conversations"
+    # both
+    system: str | None = None
+    tools: str | None = None
+    # sharegpt tags
+    role_tag: str = "from"
+    content_tag: str = "value"
+    user_tag: str = "human"
+    assistant_tag: str = "gpt"
+    observation_tag: str = "observation"
+    function_tag: str = "function_call"
+    system_tag: str = "system"
+
+
+OPENAI_DEFAULTS: dict[str, Any] = {
+    "messages": "messages",
+    "role_tag": "role",
+    "content_tag": "content",
+    "user_tag": "user",
+    "assistant_tag": "assistant",
+    "observation_tag": "tool",
+    "system_tag": "system",
+}
+
+
+def load_registry(dataset_dir: Path) -> dict[str, Any] | None:
+    """The parsed dataset_info.json of `dataset_dir`, or None when the folder has none."""
+    path = dataset_dir / REGISTRY_FILE
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: invalid JSON at line {err.lineno}: {err.msg}") from err
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: expected an object mapping data set names to entries")
+    return info
+
+
+def resolve_datasets(names: list[str], dataset_dir: Path) -> list[DatasetSpec]:
+    """One spec per name: a registry entry of `dataset_dir/dataset_info.json`, else a path."""
+    registry = load_registry(dataset_dir)
+    return [_resolve(name, registry, dataset_dir) for name in names]
+
+
+def _resolve(name: str, registry: dict[str, Any] | None, dataset_dir: Path) -> DatasetSpec:
+    if registry is not None and name in registry:
+        return spec_from_entry(name, registry[name], dataset_dir)
+    for candidate in (Path(name).expanduser(), dataset_dir / name):
+        if candidate.exists():
+            return spec_from_path(name, candidate)
+    registry_file = dataset_dir / REGISTRY_FILE
+    known = sorted(registry) if registry is not None else []
+    where = (
+        f"{registry_file}, which registers {known}"
+        if registry is not None
+        else (f"no {registry_file}")
+    )
+    raise ValueError(
+        f"data.dataset: unknown data set {name!r}: not in {where}, and no file or folder of that "
+        f"name (relative to the working directory or to {dataset_dir}); add it to "
+        f"{REGISTRY_FILE} or give a path"
+    )
+
+
+def spec_from_entry(name: str, entry: Any, dataset_dir: Path) -> DatasetSpec:
+    """Translate one dataset_info.json entry; reject what this pipeline cannot honour."""
+    where = f"{dataset_dir / REGISTRY_FILE}: data set {name!r}"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected an object, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - set(ENTRY_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unsupported keys {unknown}; supported: {list(ENTRY_KEYS)}")
+    if entry.get("ranking"):
+        raise ValueError(f"{where}: ranking (preference) data is not supported; SFT data only")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in FORMATTINGS:
+        raise ValueError(f"{where}: formatting={formatting!r}; use one of {list(FORMATTINGS)}")
+    if "hf_hub_url" in entry:
+        load_from, path = "hf_hub", str(entry["hf_hub_url"])
+    elif "file_name" in entry:
+        file = Path(str(entry["file_name"])).expanduser()
+        load_from, path = "file", str(file if file.is_absolute() else dataset_dir / file)
+    elif "ms_hub_url" in entry:
+        raise ValueError(
+            f"{where}: ms_hub_url (ModelScope) is not supported; download the data and set "
+            "file_name, or use hf_hub_url"
+        )
+    else:
+        raise ValueError(f"{where}: needs file_name or hf_hub_url")
+    spec = DatasetSpec(name=name, load_from=load_from, path=path, formatting=formatting)
+    if formatting == "openai":
+        spec = replace(spec, **OPENAI_DEFAULTS)
+    fields: dict[str, Any] = {
+        key: entry[key]
+        for key in ("split", "subset", "folder", "revision", "num_samples")
+        if entry.get(key) is not None
+    }
+    num_samples = fields.get("num_samples")
+    if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
+        raise ValueError(f"{where}: num_samples={num_samples!r} must be an integer >= 1")
+    fields.update(_mapping(entry, "columns", _allowed_columns(formatting), where))
+    fields.update(_mapping(entry, "tags", TAGS if formatting != "alpaca" else (), where))
+    return replace(spec, **fields)
+
+
+def _allowed_columns(formatting: str) -> tuple[str, ...]:
+    return ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS
+
+
+def _mapping(entry: dict[str, Any], key: str, allowed: tuple[str, ...], where: str) -> dict:
+    value = entry.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ValueError(f"{where}: {key} must map names to strings, got {value!r}")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"{where}: {key} {unknown} not supported for formatting "
+            f"{entry.get('formatting', 'alpaca')!r}; supported: {list(allowed)}"
+        )
+    return dict(value)
+
+
+def spec_from_path(name: str, path: Path) -> DatasetSpec:
+    """A spec for a file or folder given directly; the format comes from its first row."""
+    try:
+        first = next(iter_rows(path))
+    except StopIteration:
+        raise ValueError(f"{path}: the data file holds no rows") from None
+    base = DatasetSpec(name=name, load_from="file", path=str(path), system="system", tools="tools")
+    messages = first.get("messages")
+    conversations = first.get("conversations")
+    if _is_turn_list(messages, "role", "content"):
+        return replace(base, formatting="openai", **OPENAI_DEFAULTS)
+    if _is_turn_list(conversations, "from", "value"):
+        return replace(base, formatting="sharegpt")
+    if _is_turn_list(conversations, "role", "content"):
+        return replace(
+            base, formatting="openai", **{**OPENAI_DEFAULTS, "messages": "conversations"}
+        )
+    if "instruction" in first and "output" in first:
+        return replace(base, formatting="alpaca", history="history")
+    raise ValueError(
+        f"{path}: cannot detect the format from the first row (keys {sorted(first)}); expected "
+        "alpaca (instruction, input, output), sharegpt (conversations: [{from, value}]) or OpenAI "
+        f"(messages: [{{role, content}}]); or register it in {REGISTRY_FILE} with its columns"
+    )
+
+
+def _is_turn_list(value: Any, role_key: str, content_key: str) -> bool:
+    if isinstance(value, str):  # csv and some parquet files store the turns as JSON text
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return False
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(m, dict) and role_key in m for m in value)
+        and any(content_key in m for m in value)
+    )

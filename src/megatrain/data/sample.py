@@ -1,0 +1,84 @@
+"""`Sample`, one tokenized conversation, and `DataStats`, the counts of the data preparation.
+
+A sample stores token ids (int32) and a boolean target mask instead of int64 labels: a third of
+the memory for large data sets. `labels()` gives the Hugging Face form (-100 where not
+supervised, unshifted).
+
+Invariant: a sample's supervised-token count is `target_mask[1:].sum()`, the same count as
+`Batch.num_target_tokens` (the first position of a sample never carries loss), so the statistics
+equal what the loss sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatrain.batch import IGNORE_INDEX
+
+
+@dataclass(frozen=True, eq=False)
+class Sample:
+    input_ids: np.ndarray  # [T] int32
+    target_mask: np.ndarray  # [T] bool: True where the token is supervised
+    truncated: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.input_ids.shape == self.target_mask.shape and self.input_ids.ndim == 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int(self.target_mask[1:].sum())
+
+    def labels(self) -> np.ndarray:
+        """[T] int64, IGNORE_INDEX where not supervised."""
+        return np.where(self.target_mask, self.input_ids.astype(np.int64), IGNORE_INDEX)
+
+
+@dataclass
+class DataStats:
+    """What happened to the rows read: kept, dropped by reason, truncated, token counts."""
+
+    rows_read: int = 0
+    kept: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    num_tokens: int = 0
+    num_target_tokens: int = 0
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def keep(self, sample: Sample) -> None:
+        self.kept += 1
+        self.truncated += int(sample.truncated)
+        self.num_tokens += sample.num_tokens
+        self.num_target_tokens += sample.num_target_tokens
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "rows_read": self.rows_read,
+            "kept": self.kept,
+            "dropped": dict(sorted(self.dropped.items())),
+            "truncated": self.truncated,
+            "num_tokens": self.num_tokens,
+            "num_target_tokens": self.num_target_tokens,
+        }
+
+    def describe(self) -> str:
+        """One line for logs and the `megatrain data` summary."""
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or "none"
+        return (
+            f"rows {self.rows_read}, kept {self.kept}, dropped {self.num_dropped} ({reasons}), "
+            f"truncated {self.truncated}, tokens {self.num_tokens}, "
+            f"supervised tokens {self.num_target_tokens}"
+        )
