@@ -66,6 +66,7 @@ def packed_batch(rows: list[list[Sample]], *, seq_len: int, pad_token_id: int) -
             end = start + sample.num_tokens
             input_ids[r, start:end] = sample.input_ids
             labels[r, start:end] = sample.labels()
+            labels[r, start] = IGNORE_INDEX
             position_ids[r, start:end] = np.arange(sample.num_tokens)
             start = end
         assert start <= seq_len, (start, seq_len)

@@ -130,7 +130,7 @@ def _resolve(name: str, registry: dict[str, Any] | None, dataset_dir: Path) -> D
         else (f"no {registry_file}")
     )
     raise ValueError(
-        f"data.dataset: unknown data set {name!r}: not in {where}, and no file or folder of that "
+        f"unknown data set {name!r}: not in {where}, and no file or folder of that "
         f"name (relative to the working directory or to {dataset_dir}); add it to "
         f"{REGISTRY_FILE} or give a path"
     )

@@ -109,9 +109,10 @@ class ChatEncoder:
             return TEMPLATE_ERROR  # e.g. raise_exception() for roles the template rejects
         full_text = texts[-1]
         for i, k in enumerate(turns):
-            gen, end = f"render(messages[:{k}], add_generation_prompt=True)", f"messages[:{k + 1}]"
+            gen = f"render(messages[:{k}], add_generation_prompt=True)"
+            end = f"render(messages[:{k + 1}])"
             _check_text_prefix(texts[2 * i], texts[2 * i + 1], f"{gen} is not a prefix of {end}")
-            whole = f"render({end}) is not a prefix of all {len(messages)} messages"
+            whole = f"{end} is not a prefix of the rendering of all {len(messages)} messages"
             _check_text_prefix(texts[2 * i + 1], full_text, whole)
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         full = ids[-1]
