@@ -64,6 +64,7 @@ class StreamingEngine:
         self.dtype = store.compute_dtype
         self.max_grad_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else None
         self.transfers = Transfers(self.device)
+        _move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
         self.slots = LayerSlots(structure.layers, store.layers, device=self.device,
                                 dtype=self.dtype, num_slots=num_slots, transfers=self.transfers)
@@ -83,6 +84,7 @@ class StreamingEngine:
         self._preserve_rng = _uses_randomness(structure)
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
+        self._order = {b.name: i for i, b in enumerate(store.blocks)}  # forward position
 
     def _build_head(self, loss_chunk_tokens: int | None) -> None:
         st, store = self.structure, self.store
@@ -121,8 +123,9 @@ class StreamingEngine:
         coef = 1.0
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
-            for block in self.store.blocks:  # forward order: the next forward needs embed first
-                self.worker.submit(block, self._landed[block.name], lr=lr, grad_scale=coef)
+            for order, block in enumerate(self.store.blocks):  # forward order
+                self.worker.submit(block, self._landed[block.name], order=order, lr=lr,
+                                   grad_scale=coef)
         self.slots.invalidate()
         loss_ce = float(ce)  # sync point (already synced above)
         aux_loss = None if aux is None else float(aux)
@@ -315,8 +318,20 @@ class StreamingEngine:
             self._head_busy.append(landed)
         self._landed[block.name] = landed
         if self.max_grad_norm is None:
-            self.worker.submit(block, landed, lr=lr, grad_scale=1.0)
+            self.worker.submit(block, landed, order=self._order[block.name], lr=lr,
+                               grad_scale=1.0)
         return sumsq
+
+
+def _move_body_buffers(structure: ModelStructure, device: torch.device) -> None:
+    """Body-level buffers (rotary inv_freq, ...) where the captured body runs; layers excluded."""
+    in_layers = {id(m) for m in structure.layers.modules()}
+    for module in structure.body.modules():
+        if id(module) in in_layers:
+            continue
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device and buf.device.type != "meta":
+                module._buffers[name] = buf.to(device)
 
 
 def _uses_randomness(structure: ModelStructure) -> bool:

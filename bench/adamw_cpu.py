@@ -1,0 +1,96 @@
+"""CPU AdamW throughput on the host: our fused C kernel vs torch's fused AdamW, and bandwidth.
+
+    python bench/adamw_cpu.py --params 1e9 --threads 16,12,8
+
+For P parameters in blocks like the engine's (fp32 master/m/v, bf16 grad-in-shadow), reports
+Gparams/s and the host memory bandwidth it implies (28 bytes per parameter: read p, m, v, g;
+write p, m, v, shadow), alone and with a busy Python thread beside it (the engine's main thread
+drives the GPU while the optimizer runs). Also a plain read+write bandwidth of the machine
+(torch copy, all threads) as the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import torch
+from common import result
+
+from megatrain.optim.adamw import AdamWHyper, CpuAdamW
+from megatrain.store.blocks import ParamBlock
+
+
+def make_blocks(total: int, block: int) -> list[ParamBlock]:
+    blocks = []
+    for i in range(0, total, block):
+        n = min(block, total - i)
+        b = ParamBlock(name=f"b{i}", entries=[], numel=n, decay_numel=n,
+                       master=torch.randn(n) * 0.02, exp_avg=torch.zeros(n),
+                       exp_avg_sq=torch.zeros(n))
+        b.shadow = torch.randn(n).to(torch.bfloat16)
+        blocks.append(b)
+    return blocks
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+class Busy:
+    """A Python thread spinning like the engine's main thread does while it drives the GPU."""
+
+    def __enter__(self) -> None:
+        self.stop = False
+
+        def spin() -> None:
+            x = 0
+            while not self.stop:
+                x += 1
+
+        self.thread = threading.Thread(target=spin, daemon=True)
+        self.thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop = True
+        self.thread.join()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", type=float, default=1e9)
+    ap.add_argument("--block", type=float, default=80e6)
+    ap.add_argument("--threads", default="")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    total, block = int(a.params), int(a.block)
+    blocks = make_blocks(total, block)
+    src, dst = torch.empty(total // 2), torch.empty(total // 2)
+    copy_s = timed(lambda: dst.copy_(src), a.reps)
+    result(bench="host_copy", gbps=round(2 * src.numel() * 4 / copy_s / 1e9, 1),
+           threads=torch.get_num_threads())
+    counts = [int(t) for t in a.threads.split(",") if t] or [torch.get_num_threads()]
+    for impl in ("c", "torch"):
+        for threads in counts if impl == "c" else [torch.get_num_threads()]:
+            opt = CpuAdamW(AdamWHyper(weight_decay=0.01), impl=impl, num_threads=threads)
+            for busy in (False, True):
+                def run(opt: CpuAdamW = opt) -> None:
+                    for b in blocks:
+                        opt.update(b, lr=1e-5)
+                if busy:
+                    with Busy():
+                        s = timed(run, a.reps)
+                else:
+                    s = timed(run, a.reps)
+                result(bench="adamw", impl=impl, threads=threads, busy_main_thread=busy,
+                       params=total, seconds=round(s, 3), gparams_per_s=round(total / s / 1e9, 2),
+                       gbps_at_28b=round(28 * total / s / 1e9, 1))
+
+
+if __name__ == "__main__":
+    main()
