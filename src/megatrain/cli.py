@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from megatrain.device import resolve_device
+
 
 def _add_verify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check the engine against plain PyTorch training")
@@ -69,15 +71,6 @@ def _run_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available here; "
-                         "use --device cpu")
-    return name
-
-
 def _parse_sets(items: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for item in items:
@@ -91,7 +84,90 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
     return out
 
 
-_REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_verify]
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train from a YAML config",
+                       description="Any --section.key VALUE after the options overrides the "
+                                   "config, e.g. --optimizer.learning_rate 2e-5")
+    p.add_argument("--config", help="YAML config file (see examples/)")
+    p.set_defaults(func=_run_train, takes_overrides=True)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from megatrain.config import load_config
+    from megatrain.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    first, last = summary.losses[:1], summary.losses[-1:]
+    print(f"done: {summary.steps} steps"
+          + (f", loss {first[0]:.4f} -> {last[0]:.4f}" if first else "")
+          + (f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
+          + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
+          + (f"; Hugging Face model {summary.export_dir}" if summary.export_dir else ""))
+    return 0
+
+
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="show processed samples and data statistics")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--show", type=int, default=3, help="samples to print")
+    p.add_argument("--json", action="store_true", help="one JSON object per sample")
+    p.set_defaults(func=_run_data, takes_overrides=True)
+
+
+def _run_data(args: argparse.Namespace) -> int:
+    from megatrain.config import load_config
+    from megatrain.data import run_data_command
+    from megatrain.trainer import load_tokenizer
+
+    cfg = load_config(args.config, args.overrides)
+    mbs = cfg.training.micro_batch_size
+    return run_data_command(
+        cfg.data, load_tokenizer(cfg), show=args.show, as_json=args.json,
+        seq_len=cfg.training.seq_len or cfg.data.cutoff_len,
+        micro_batch_size=mbs if isinstance(mbs, int) else 1, out=sys.stdout,
+    )
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    p.add_argument("--checkpoint", required=True, help="a checkpoints/step-N directory")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatrain.checkpoint import export_hf, load_checkpoint
+    from megatrain.config import load_config
+    from megatrain.model.loading import load_causal_lm
+    from megatrain.model.structure import discover
+    from megatrain.store.host import HostStore
+    from megatrain.trainer import load_tokenizer
+
+    ckpt = Path(args.checkpoint)
+    if not (ckpt / "config.yaml").is_file():
+        raise FileNotFoundError(f"{ckpt} has no config.yaml; give a checkpoints/step-N folder")
+    cfg = load_config(ckpt / "config.yaml")
+    m = cfg.model
+    model = load_causal_lm(m.name_or_path, model_type=m.model_type, tiny=m.tiny,
+                           random_init=True, trust_remote_code=m.trust_remote_code,
+                           config_overrides=dict(m.config_overrides) or None)
+    store = HostStore(discover(model), compute_dtype=torch.float32)
+    load_checkpoint(ckpt, store)
+    out = export_hf(store, args.out, dtype=args.dtype, tokenizer=load_tokenizer(cfg))
+    print(f"exported {ckpt} to {out}")
+    return 0
+
+
+_REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_train, _add_verify, _add_data, _add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = rest
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:

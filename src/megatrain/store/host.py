@@ -118,18 +118,21 @@ class HostStore:
             setattr(module, attr, meta)
 
     @contextmanager
-    def bound(self, source: str = "master") -> Iterator[nn.Module]:
-        """The HF model with real weights bound in: views of `master` (fp32) or `shadow` (bf16).
+    def bound(self, dtype: torch.dtype = torch.float32) -> Iterator[nn.Module]:
+        """The HF model with its current weights bound in, as `dtype` (fp32 or bf16).
 
-        Used for export and for tests; the skeleton is weightless again afterwards.
+        fp32 binds the master itself; bf16 binds the shadow (or a cast copy in fp32 compute).
+        Each parameter gets a storage of its own over the block's memory (no copy), so
+        `save_pretrained` sees separate tensors rather than views of one shared buffer. Call
+        only between steps, with all updates applied (the shadow holds gradients mid-step).
+        The skeleton is weightless again afterwards.
         """
         for block in self.blocks:
-            flat = block.master if source == "master" else block.shadow
-            if flat is None:
-                raise ValueError(f"store has no {source!r} copy (compute dtype "
-                                 f"{self.compute_dtype})")
+            flat = block.master
+            if dtype == torch.bfloat16:
+                flat = block.shadow if block.shadow is not None else block.master.bfloat16()
             for entry in block.entries:
-                param = nn.Parameter(block.view(flat, entry), requires_grad=False)
+                param = nn.Parameter(_own_storage(block.view(flat, entry)), requires_grad=False)
                 for module, attr in entry.owners:
                     setattr(module, attr, param)
         try:
@@ -139,6 +142,15 @@ class HostStore:
                 for entry in block.entries:
                     for module, attr in entry.owners:
                         setattr(module, attr, self._meta[id(entry)])
+
+
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as `view`, as a tensor whose storage covers just that memory."""
+    flat = view.reshape(-1)
+    if flat.dtype == torch.bfloat16:
+        return torch.from_numpy(flat.view(torch.int16).numpy()).view(torch.bfloat16).view(
+            view.shape)
+    return torch.from_numpy(flat.numpy()).view(view.shape)
 
 
 def _owners_by_param(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
