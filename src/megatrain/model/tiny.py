@@ -56,6 +56,7 @@ _PER_TYPE: dict[str, dict[str, Any]] = {
     "gemma3_text": {"num_hidden_layers": 4, "sliding_window_pattern": 2},
     "gpt_oss": {"num_hidden_layers": 4},
     "deepseek_v3": {"num_hidden_layers": 3, "head_dim": 8, "num_key_value_heads": 4},
+    "deepseek_v2": {"num_hidden_layers": 3, "head_dim": 8, "num_key_value_heads": 4},
 }
 
 # Architectures the tests prove (the list); any other decoder-only type may work too.
@@ -95,10 +96,10 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     if _has_key(defaults, "mlp_layer_types"):
         n = kwargs.get("num_hidden_layers", 3)
         kwargs["mlp_layer_types"] = ["dense"] + ["sparse"] * (n - 1)
-    vocab = kwargs.get("vocab_size", defaults.vocab_size)
+    vocab = kwargs.get("vocab_size", getattr(defaults, "vocab_size", None))
     for key, small_id in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         token_id = getattr(defaults, key, None)
-        if isinstance(token_id, int) and token_id >= vocab:
+        if isinstance(token_id, int) and isinstance(vocab, int) and token_id >= vocab:
             kwargs[key] = small_id
     return AutoConfig.for_model(model_type, **kwargs)
 

@@ -1,0 +1,260 @@
+"""Host RAM, GPU peak and step time of one training setup, before anything large is allocated.
+
+Host (bytes per parameter P; the store of store/host.py, every block):
+- bf16 compute: fp32 master + exp_avg + exp_avg_sq pageable (12), bf16 shadow pinned (2;
+  gradients land in it). fp32 compute: exp_avg + exp_avg_sq pageable (8), fp32 master and
+  fp32 gradient pinned (8).
+- Pinned blocks come from torch's caching host allocator, which rounds every allocation up to
+  a power of two (ATen CachingHostAllocator: `PowerOf2Ceil`) and pins the whole rounded size:
+  a 154 MB layer shadow takes 256 MiB. `pinned_reserved_bytes` counts that.
+- Plus the process baseline (python, torch, CUDA context) and the tokenized data.
+
+GPU (what `torch.cuda.max_memory_allocated` sees; c = bytes of the compute dtype, L layers,
+T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph head block):
+- persistent: num_slots x Pl x c weight slots; 2 x Pl x 4 fp32 gradient accumulators;
+  2 x Pl x 2 bf16 staging (bf16 only); Ph x c head weights; V x D x c table (tied only);
+  Ph x 4 + V x D x 4 head and embedding gradient accumulators;
+- per step: every layer's input for every micro-batch, L x T x D x c, and one more T x D x c
+  (the last hidden state, then its gradient), the gathered embedding rows, the captured layer
+  arguments (masks, rotary tables) of every micro-batch;
+- transient, the largest of: one layer's recompute + backward on one micro-batch (measured
+  on meta, resources/activations.py), one loss chunk (+ its micro-batch's hidden gradient),
+  the embedding gradient's bf16 staging at the end of the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from megatrain.engine.head import default_chunk_tokens
+from megatrain.resources.activations import layer_bytes, loss_chunk_bytes
+from megatrain.resources.hardware import GIB, Hardware, detect, gib
+from megatrain.resources.spec import ModelSpec, build_spec
+from megatrain.resources.timing import StepTime, step_time
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+           "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    pageable_bytes: int
+    pinned_bytes: int  # what the store asks for
+    pinned_reserved_bytes: int  # what the caching host allocator pins (power-of-two blocks)
+    baseline_bytes: int  # python + torch + CUDA context
+    data_bytes: int
+    total_bytes: int
+    load_peak_bytes: int  # while the HF model's fp32 weights move into the store
+
+    @property
+    def store_bytes(self) -> int:
+        return self.pageable_bytes + self.pinned_bytes
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    items: dict[str, int]  # at the peak phase, name -> bytes; sums to peak_bytes
+    peak_bytes: int
+    peak_phase: str  # "layer backward", "loss" or "embedding backward"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    model: str  # ModelSpec.describe()
+    total_params: int
+    active_params: int
+    layer_params_max: int
+    settings: dict[str, Any]
+    host: HostMemory
+    gpu: GpuMemory
+    time: StepTime
+    hardware: Hardware
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["hardware"]["measured"] = list(self.hardware.measured)
+        return out
+
+
+def compute_dtype_of(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"compute dtype must be bf16 or fp32, got {name}")
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"compute dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def model_spec(config: PretrainedConfig | ModelSpec,
+               compute_dtype: str | torch.dtype | None = None,
+               attn_implementation: str | None = None) -> ModelSpec:
+    """The spec of `config` in `compute_dtype` (a spec is reused when its dtype matches).
+
+    `compute_dtype` None: a spec's own dtype, else bf16.
+    """
+    if compute_dtype is None:
+        compute_dtype = config.compute_dtype if isinstance(config, ModelSpec) else "bf16"
+    dtype = compute_dtype_of(compute_dtype)
+    if isinstance(config, ModelSpec):
+        if config.compute_dtype == dtype:
+            return config
+        return build_spec(config.config, dtype, attn_implementation)
+    return build_spec(config, dtype, attn_implementation)
+
+
+def estimate(config: PretrainedConfig | ModelSpec, *, seq_len: int, micro_batch_size: int,
+             grad_accum: int = 1, compute_dtype: str | torch.dtype | None = None,
+             num_slots: int = 2,
+             padded: bool = True, packed: bool = False, clipping: bool = True,
+             hardware: Hardware | None = None, loss_chunk_tokens: int | None = None,
+             data_bytes: int = 0, pin_memory: bool = True) -> Estimate:
+    """Predict host RAM, GPU peak and step time of training `config` with these settings.
+
+    `padded`: micro-batches carry padding masks (4-D [B,1,S,S] masks under sdpa); `packed`:
+    rows of several samples (position ids restart); neither: full rows, no mask.
+    `clipping`: gradient-norm clipping on (the optimizer then starts after the backward).
+    `compute_dtype` "bf16" or "fp32"; None: the spec's, or bf16 for a config.
+    """
+    for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
+                        ("grad_accum", grad_accum), ("num_slots", num_slots)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if padded and packed:
+        raise ValueError("a micro-batch is either padded or packed, not both")
+    spec = model_spec(config, compute_dtype)
+    hw = hardware or detect()
+    layout = "padded" if padded else "packed" if packed else "full"
+    chunk = min(loss_chunk_tokens or default_chunk_tokens(spec.vocab_size),
+                micro_batch_size * seq_len)
+    gpu = gpu_memory(spec, rows=micro_batch_size, seq=seq_len, micro_batches=grad_accum,
+                     num_slots=num_slots, layout=layout, chunk_tokens=chunk)
+    host = host_memory(spec, hw, data_bytes=data_bytes, pin_memory=pin_memory)
+    timing = step_time(spec, hw, rows=micro_batch_size, seq=seq_len, micro_batches=grad_accum,
+                       num_slots=num_slots, clipping=clipping)
+    settings = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                    tokens_per_step=seq_len * micro_batch_size * grad_accum,
+                    compute_dtype="bf16" if spec.compute_dtype == torch.bfloat16 else "fp32",
+                    num_slots=min(num_slots, spec.num_layers), layout=layout,
+                    clipping=clipping, loss_chunk_tokens=chunk)
+    return Estimate(model=spec.describe(), total_params=spec.total_params,
+                    active_params=spec.active_params, layer_params_max=spec.layer_params_max,
+                    settings=settings, host=host, gpu=gpu, time=timing, hardware=hw,
+                    notes=_notes(hw))
+
+
+def host_memory(spec: ModelSpec, hw: Hardware, *, data_bytes: int = 0,
+                pin_memory: bool = True) -> HostMemory:
+    numels = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
+    if spec.compute_dtype == torch.bfloat16:
+        pageable, pinned_per_block = 12, [2 * n for n in numels]
+    else:
+        pageable, pinned_per_block = 8, [4 * n for n in numels] * 2  # master and gradient
+    pinned = sum(pinned_per_block)
+    reserved = sum(_pow2_ceil(b) for b in pinned_per_block) if pin_memory else pinned
+    total = pageable * sum(numels) + reserved + hw.process_baseline_bytes + data_bytes
+    return HostMemory(
+        pageable_bytes=pageable * sum(numels), pinned_bytes=pinned,
+        pinned_reserved_bytes=reserved, baseline_bytes=hw.process_baseline_bytes,
+        data_bytes=data_bytes, total_bytes=total,
+        load_peak_bytes=total + 4 * max(numels),  # the block being moved exists twice
+    )
+
+
+def gpu_memory(spec: ModelSpec, *, rows: int, seq: int, micro_batches: int, num_slots: int,
+               layout: str, chunk_tokens: int) -> GpuMemory:
+    c = torch.finfo(spec.compute_dtype).bits // 8
+    bf16 = spec.compute_dtype == torch.bfloat16
+    pl, d, table = spec.layer_params_max, spec.hidden_size, spec.embed_params
+    tokens_mb = rows * seq
+    tokens = tokens_mb * micro_batches
+    layer_peak, captured = layer_bytes(spec, rows, seq, layout)
+    base = {
+        "weight slots": min(num_slots, spec.num_layers) * pl * c,
+        "gradient accumulators (fp32)": 2 * pl * 4,
+        "gradient staging (bf16)": 2 * pl * 2 if bf16 else 0,
+        "head weights": spec.head_params * c,
+        "tied lm_head table": table * c if spec.tied else 0,
+        "head + embedding gradients (fp32)": (spec.head_params + table) * 4,
+        "embedding rows": micro_batches * min(tokens_mb, spec.vocab_size) * d * c,
+        "captured masks + rotary": micro_batches * captured,
+    }
+    boundary = {"boundary activations": spec.num_layers * tokens * d * c,
+                "last hidden / its gradient": tokens * d * c}
+    phases = {
+        "layer backward": {**boundary, "one layer recompute + backward": layer_peak},
+        "loss": {**boundary, "loss chunk + hidden gradient":
+                 loss_chunk_bytes(spec, chunk_tokens) + tokens_mb * d * c},
+        "embedding backward": {"layer-0 inputs + gradients": 2 * tokens * d * c,
+                               "embedding gradient staging": table * 2 if bf16 else 0},
+    }
+    phase = max(phases, key=lambda p: sum(phases[p].values()))
+    items = {k: v for k, v in {**base, **phases[phase]}.items() if v}
+    return GpuMemory(items=items, peak_bytes=sum(items.values()), peak_phase=phase)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+def _notes(hw: Hardware) -> list[str]:
+    assumed = [f for f in ("gpu_bytes", "host_bytes", "h2d_gbps", "d2h_gbps",
+                           "gpu_tflops_bf16", "optimizer_gparams_s", "process_baseline_bytes")
+               if f not in hw.measured]
+    notes = ["all tokens assumed supervised (loss FLOPs) and every padded micro-batch assumed "
+             "to carry a padding mask"]
+    if assumed:
+        notes.append(f"assumed, not measured here: {', '.join(assumed)} (defaults of the H100 "
+                     "test host; `megatrain estimate --probe` measures them)")
+    return notes
+
+
+def check_fits(est: Estimate, hardware: Hardware | None = None, *, host_margin_gib: float = 4.0,
+               gpu_margin_gib: float = 2.0) -> None:
+    """Raise ValueError, with the numbers and what to change, when host RAM or GPU won't do."""
+    hw = hardware or est.hardware
+    problems = [p for p in (host_problem(est, hw, host_margin_gib),
+                            gpu_problem(est, hw, gpu_margin_gib)) if p]
+    if problems:
+        raise ValueError("this setup does not fit: " + "; ".join(problems))
+
+
+def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
+    """What is wrong with host RAM, or None when the prediction fits."""
+    h, free = est.host, hw.host_bytes - margin_gib * GIB
+    if h.total_bytes <= free:
+        return None
+    per_param = h.store_bytes / est.total_params
+    fp32 = est.settings["compute_dtype"] == "fp32"
+    return (f"host RAM: predicted {gib(h.total_bytes)} (store {gib(h.store_bytes)} = "
+            f"{per_param:.0f} B/param x {est.total_params / 1e9:.2f}B params, pinned blocks "
+            f"rounded up to {gib(h.pinned_reserved_bytes)}, process {gib(h.baseline_bytes)}, "
+            f"data {gib(h.data_bytes)}) > {gib(free)} available ({gib(hw.host_bytes)} "
+            f"total - margin {margin_gib:g} GiB). Use a machine with more RAM, a smaller "
+            "model" + (", or bf16 compute (14 instead of 16 B/param)" if fp32 else ""))
+
+
+def gpu_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
+    """What is wrong with GPU memory, or None when the prediction fits."""
+    gpu_free = hw.gpu_bytes - margin_gib * GIB
+    if est.gpu.peak_bytes <= gpu_free:
+        return None
+    s, items = est.settings, est.gpu.items
+    top = sorted(items.items(), key=lambda kv: -kv[1])[:3]
+    advice = [f"fewer tokens per step (now {s['tokens_per_step']}: the boundary activations "
+              "grow with them)"]
+    if s["micro_batch_size"] > 1:
+        advice.append(f"a smaller micro_batch_size (now {s['micro_batch_size']}) with more "
+                      "gradient accumulation")
+    if s["num_slots"] > 1:
+        advice.append(f"fewer memory.num_slots (now {s['num_slots']})")
+    if s["compute_dtype"] == "fp32":
+        advice.append("bf16 compute (halves slots and activations)")
+    return (f"GPU: predicted peak {gib(est.gpu.peak_bytes)} > {gib(gpu_free)} available "
+            f"({gib(hw.gpu_bytes)} - margin {margin_gib:g} GiB); largest: "
+            + ", ".join(f"{k} {gib(v)}" for k, v in top) + ". Try " + ", or ".join(advice))

@@ -1,0 +1,166 @@
+"""The machine the estimate is for: memory sizes and the rates of the engine's three resources
+(GPU compute, the PCIe link, the CPU optimizer).
+
+Defaults are the H100 test host of ../shared/bench/BASELINES.md and the engine's own H200 run
+(2026-11-26): 789 TFLOP/s bf16 matmul of which the engine achieves about half at 4k-32k tokens
+per step, 43-55 GB/s pinned copies each way, the C AdamW kernel at 2.26 Gparams/s on 14
+threads beside a busy main thread, and about 1.7 GiB of process RSS that is not the store
+(python, torch, CUDA context and libraries; 46.2 GiB RSS of that run minus the store with its
+pinned blocks rounded up). `detect()` replaces the memory sizes with this
+machine's, `probe()` also measures the rates (a few seconds). `measured` names the fields that
+came from this machine; everything else is assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+GIB = 1 << 30
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as GiB text for messages: 21.3 GiB, 0.27 GiB."""
+    value = nbytes / GIB
+    return f"{value:.1f} GiB" if abs(value) >= 1 else f"{value:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_name: str = "NVIDIA H100 80GB HBM3"
+    gpu_bytes: int = 80 * GIB  # what torch.cuda reports as total memory
+    host_bytes: int = 128 * GIB  # physical RAM
+    h2d_gbps: float = 50.0  # pinned host -> device, GB/s (1e9 bytes)
+    d2h_gbps: float = 50.0  # pinned device -> host
+    gpu_tflops_bf16: float = 789.0  # dense bf16 matmul peak, as measured (8192^3)
+    gpu_tflops_fp32: float = 51.0  # dense fp32 matmul (no TF32): H100 SXM spec x 0.75, assumed
+    achieved_fraction: float = 0.5  # engine FLOPs / matmul peak (H200 run: 400 of 790)
+    optimizer_gparams_s: float = 2.26  # C AdamW kernel, busy main thread beside it
+    process_baseline_bytes: int = int(1.7 * GIB)  # RSS of the process besides the store
+    layer_call_s: float = 3e-4  # host time to issue one layer's forward on one micro-batch
+    measured: tuple[str, ...] = field(default=())
+
+    @property
+    def has_gpu_measurement(self) -> bool:
+        return "gpu_bytes" in self.measured
+
+    def flops_per_s(self, compute_dtype: torch.dtype) -> float:
+        """What the engine achieves: matmul peak of the compute dtype x achieved fraction."""
+        peak = self.gpu_tflops_bf16 if compute_dtype == torch.bfloat16 else self.gpu_tflops_fp32
+        return peak * 1e12 * self.achieved_fraction
+
+    def source(self, name: str) -> str:
+        return "measured" if name in self.measured else "assumed"
+
+    def with_overrides(self, *, gpu_gib: float | None = None,
+                       host_gib: float | None = None) -> Hardware:
+        """Memory sizes given by the user (e.g. MemTotal reads low right after boot)."""
+        hw, measured = self, set(self.measured)
+        if gpu_gib is not None:
+            hw = dataclasses.replace(hw, gpu_bytes=int(gpu_gib * GIB))
+            measured.add("gpu_bytes")
+        if host_gib is not None:
+            hw = dataclasses.replace(hw, host_bytes=int(host_gib * GIB))
+            measured.add("host_bytes")
+        return dataclasses.replace(hw, measured=tuple(sorted(measured)))
+
+
+def detect(*, gpu_gib: float | None = None, host_gib: float | None = None) -> Hardware:
+    """Defaults, with this machine's GPU memory (if CUDA is present) and RAM, then overrides."""
+    hw = Hardware(host_bytes=psutil.virtual_memory().total, measured=("host_bytes",))
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        hw = dataclasses.replace(hw, gpu_name=props.name, gpu_bytes=props.total_memory,
+                                 measured=(*hw.measured, "gpu_bytes", "gpu_name"))
+    return hw.with_overrides(gpu_gib=gpu_gib, host_gib=host_gib)
+
+
+def probe(*, optimizer_params: int = 200_000_000, optimizer_threads: int | None = None,
+          gpu_gib: float | None = None, host_gib: float | None = None) -> Hardware:
+    """`detect()` plus measured rates: the engine's CPU AdamW over ~`optimizer_params` params
+    in 25M blocks with a busy Python thread beside it; on CUDA also pinned 1 GiB copies each
+    way, an 8192^3 bf16 and a 4096^3 fp32 matmul. The process baseline stays the calibrated
+    default: right after CUDA start-up a process holds 0.7 GiB (H200 host), a training process
+    1.7 GiB beside its store (kernels and modules loaded on first use)."""
+    hw = detect()
+    values: dict[str, float | int] = {}
+    if torch.cuda.is_available():
+        values.update(_probe_gpu())
+    values["optimizer_gparams_s"] = _probe_optimizer(optimizer_params, optimizer_threads,
+                                                     hw.host_bytes)
+    measured = tuple(sorted({*hw.measured, *values}))
+    hw = dataclasses.replace(hw, **values, measured=measured)  # type: ignore[arg-type]
+    return hw.with_overrides(gpu_gib=gpu_gib, host_gib=host_gib)
+
+
+def _cuda_seconds(fn: object, iters: int) -> float:
+    assert callable(fn)
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()  # sync point: warm-up done
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()  # sync point: timing done
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def _probe_gpu() -> dict[str, float | int]:
+    out: dict[str, float | int] = {}
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    out["gpu_tflops_bf16"] = 2 * 8192**3 / _cuda_seconds(lambda: a @ a, 10) / 1e12
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.float32)
+    out["gpu_tflops_fp32"] = 2 * 4096**3 / _cuda_seconds(lambda: b @ b, 5) / 1e12
+    del a, b
+    host = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+    out["h2d_gbps"] = GIB / _cuda_seconds(lambda: dev.copy_(host, non_blocking=True), 5) / 1e9
+    out["d2h_gbps"] = GIB / _cuda_seconds(lambda: host.copy_(dev, non_blocking=True), 5) / 1e9
+    del host, dev
+    torch.cuda.empty_cache()
+    return out
+
+
+def _probe_optimizer(params: int, threads: int | None, host_bytes: int) -> float:
+    """Gparams/s of the engine's CpuAdamW on bf16-shadow blocks, a busy thread beside it."""
+    from megatrain.optim.adamw import AdamWHyper, CpuAdamW
+    from megatrain.store.blocks import ParamBlock
+
+    block_numel = 25_000_000
+    params = max(block_numel, min(params, host_bytes // 20 // 16))  # <= 5% of RAM
+    blocks = []
+    for i in range(max(1, params // block_numel)):
+        n = min(block_numel, params)
+        blocks.append(ParamBlock(
+            name=f"probe.{i}", entries=[], numel=n, decay_numel=n,
+            master=torch.full((n,), 0.02), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n),
+            shadow=torch.full((n,), 1e-3, dtype=torch.bfloat16),
+        ))
+    opt = CpuAdamW(AdamWHyper(weight_decay=0.1), num_threads=threads)
+    stop = threading.Event()
+
+    def busy() -> None:  # the main thread's Python work while the worker updates
+        x = 0
+        while not stop.is_set():
+            x = (x + 1) % 1000
+
+    for block in blocks[:1]:
+        opt.update(block, lr=1e-4)  # warm-up: kernel build, page faults
+    spinner = threading.Thread(target=busy, daemon=True)
+    spinner.start()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(2):
+            for block in blocks:
+                opt.update(block, lr=1e-4)
+        seconds = time.perf_counter() - t0
+    finally:
+        stop.set()
+        spinner.join()
+    return 2 * sum(b.numel for b in blocks) / seconds / 1e9
