@@ -64,7 +64,10 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     a = ap.parse_args()
+    if a.accum != 1 and a.mode != "gpu":
+        ap.error("--accum is implemented for --mode gpu only")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -77,12 +80,13 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev == "cuda")
 
         def step(x):
-            with torch.autocast(dev, dtype=torch.bfloat16):
-                loss = model(input_ids=x, labels=x).loss
-            loss.backward()
+            for _ in range(a.accum):
+                with torch.autocast(dev, dtype=torch.bfloat16):
+                    loss = model(input_ids=x, labels=x).loss / a.accum
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss
+            return loss * a.accum
     elif a.mode == "fsdp2":
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -151,8 +155,9 @@ def main():
         times.append(time.perf_counter() - t0)
         print(f"step {i} loss {losses[-1]:.4f} time {times[-1]:.3f}s", flush=True)
     t = sorted(times[1:])[len(times[1:]) // 2]
-    tokens = a.batch * a.seq
+    tokens = a.batch * a.seq * a.accum
     out(mode=a.mode, preset=a.preset, params_b=round(n_params / 1e9, 3), batch=a.batch, seq=a.seq,
+        accum=a.accum,
         step_s=round(t, 3), tokens_per_s=round(tokens / t, 1),
         model_tflops=round(6 * n_params * tokens / t / 1e12, 1),
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None,

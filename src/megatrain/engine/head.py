@@ -27,7 +27,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from megatrain.batch import IGNORE_INDEX
 from megatrain.model.structure import ModelStructure
 
-_LOGIT_BYTES_PER_CHUNK = 1 << 30  # fp32 logits + their gradient of one chunk stay under ~1 GiB
+# A chunk's fp32 logits, their gradient and the bf16 logits (~10 bytes per logit) stay under
+# ~2 GiB: large enough that per-chunk overhead is small (1,400 tokens at a 152k vocabulary).
+_LOGIT_BYTES_PER_CHUNK = 2 << 30
 
 
 class _StubOutput(BaseModelOutputWithPast):
@@ -73,7 +75,7 @@ class LogitsFn:
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
-    return max(64, _LOGIT_BYTES_PER_CHUNK // (vocab_size * 4 * 3))
+    return max(64, _LOGIT_BYTES_PER_CHUNK // (vocab_size * 10))
 
 
 class ChunkedLoss:
