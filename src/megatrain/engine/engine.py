@@ -57,7 +57,7 @@ class StreamingEngine:
     def __init__(self, structure: ModelStructure, store: HostStore, optimizer: CpuAdamW, *,
                  device: str | torch.device = "cpu", num_slots: int = 2,
                  max_grad_norm: float | None = 1.0, loss_chunk_tokens: int | None = None,
-                 threaded_optimizer: bool = True) -> None:
+                 threaded_optimizer: bool = True, compile_layers: bool = False) -> None:
         self.structure = structure
         self.store = store
         self.device = torch.device(device)
@@ -67,7 +67,8 @@ class StreamingEngine:
         _move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
         self.slots = LayerSlots(structure.layers, store.layers, device=self.device,
-                                dtype=self.dtype, num_slots=num_slots, transfers=self.transfers)
+                                dtype=self.dtype, num_slots=num_slots, transfers=self.transfers,
+                                compile_layers=compile_layers)
         self.embedder = Embedder(device_copy(structure.embed, self.device), store.embed,
                                  self.transfers, self.dtype)
         self._build_head(loss_chunk_tokens)

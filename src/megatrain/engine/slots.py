@@ -56,7 +56,8 @@ def device_copy(module: nn.Module, device: torch.device) -> nn.Module:
 
 class LayerSlots:
     def __init__(self, layers: nn.ModuleList, blocks: list[ParamBlock], *, device: torch.device,
-                 dtype: torch.dtype, num_slots: int, transfers: Transfers) -> None:
+                 dtype: torch.dtype, num_slots: int, transfers: Transfers,
+                 compile_layers: bool = False) -> None:
         if num_slots < 1:
             raise ValueError(f"memory.num_slots must be >= 1, got {num_slots}")
         self.num_slots = min(num_slots, len(blocks))
@@ -70,7 +71,16 @@ class LayerSlots:
             module = device_copy(layer, device)
             self.params.append(bind_module({"layer": module}, block,
                                            self.buffers[self.slot(i)]))
+            if compile_layers:
+                module.compile()  # in place: the bound parameters stay the module's own
             self.modules.append(module)
+        if compile_layers:
+            # One compiled graph per layer structure and grad mode; layers differ in guarded
+            # attributes (layer index, window), so allow a recompile per layer and mode.
+            dynamo = torch._dynamo.config
+            dynamo.cache_size_limit = max(dynamo.cache_size_limit, 4 * len(blocks))
+            dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit,
+                                                      8 * len(blocks))
         self.blocks = blocks
         self.holds: list[int | None] = [None] * self.num_slots
         self._ready: list[Event | None] = [None] * self.num_slots
