@@ -26,9 +26,15 @@ def make_blocks(total: int, block: int) -> list[ParamBlock]:
     blocks = []
     for i in range(0, total, block):
         n = min(block, total - i)
-        b = ParamBlock(name=f"b{i}", entries=[], numel=n, decay_numel=n,
-                       master=torch.randn(n) * 0.02, exp_avg=torch.zeros(n),
-                       exp_avg_sq=torch.zeros(n))
+        b = ParamBlock(
+            name=f"b{i}",
+            entries=[],
+            numel=n,
+            decay_numel=n,
+            master=torch.randn(n) * 0.02,
+            exp_avg=torch.zeros(n),
+            exp_avg_sq=torch.zeros(n),
+        )
         b.shadow = torch.randn(n).to(torch.bfloat16)
         blocks.append(b)
     return blocks
@@ -72,24 +78,36 @@ def main() -> None:
     blocks = make_blocks(total, block)
     src, dst = torch.empty(total // 2), torch.empty(total // 2)
     copy_s = timed(lambda: dst.copy_(src), a.reps)
-    result(bench="host_copy", gbps=round(2 * src.numel() * 4 / copy_s / 1e9, 1),
-           threads=torch.get_num_threads())
+    result(
+        bench="host_copy",
+        gbps=round(2 * src.numel() * 4 / copy_s / 1e9, 1),
+        threads=torch.get_num_threads(),
+    )
     counts = [int(t) for t in a.threads.split(",") if t] or [torch.get_num_threads()]
     for impl in ("c", "torch"):
         for threads in counts if impl == "c" else [torch.get_num_threads()]:
             opt = CpuAdamW(AdamWHyper(weight_decay=0.01), impl=impl, num_threads=threads)
             for busy in (False, True):
+
                 def run(opt: CpuAdamW = opt) -> None:
                     for b in blocks:
                         opt.update(b, lr=1e-5)
+
                 if busy:
                     with Busy():
                         s = timed(run, a.reps)
                 else:
                     s = timed(run, a.reps)
-                result(bench="adamw", impl=impl, threads=threads, busy_main_thread=busy,
-                       params=total, seconds=round(s, 3), gparams_per_s=round(total / s / 1e9, 2),
-                       gbps_at_28b=round(28 * total / s / 1e9, 1))
+                result(
+                    bench="adamw",
+                    impl=impl,
+                    threads=threads,
+                    busy_main_thread=busy,
+                    params=total,
+                    seconds=round(s, 3),
+                    gparams_per_s=round(total / s / 1e9, 2),
+                    gbps_at_28b=round(28 * total / s / 1e9, 1),
+                )
 
 
 if __name__ == "__main__":

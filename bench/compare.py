@@ -31,8 +31,9 @@ def run(cmd: list[str], log: Path) -> dict | None:
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         f.write(proc.stdout)
-    found = [json.loads(line[7:]) for line in proc.stdout.splitlines()
-             if line.startswith("RESULT ")]
+    found = [
+        json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
+    ]
     print(f"  {' '.join(cmd[1:])}: rc {proc.returncode}, {time.time() - t0:.0f}s", flush=True)
     if proc.returncode != 0 or not found:
         print("\n".join(proc.stdout.splitlines()[-15:]), flush=True)
@@ -59,17 +60,54 @@ def main() -> None:
         for system in a.systems.split(","):
             log = out / f"{system}_{tokens}.log"
             if system == "megatrain":
-                cmd = [py, str(HERE / "train_shape.py"), "--preset", a.preset, "--seq", str(a.seq),
-                       "--batch", str(micro * MICRO_ROWS), "--micro", str(micro),
-                       "--steps", str(a.steps), "--opt-threads", str(a.opt_threads)]
+                cmd = [
+                    py,
+                    str(HERE / "train_shape.py"),
+                    "--preset",
+                    a.preset,
+                    "--seq",
+                    str(a.seq),
+                    "--batch",
+                    str(micro * MICRO_ROWS),
+                    "--micro",
+                    str(micro),
+                    "--steps",
+                    str(a.steps),
+                    "--opt-threads",
+                    str(a.opt_threads),
+                ]
             elif system == "gpu":
-                cmd = [py, str(HERE / "peers.py"), "--mode", "gpu", "--preset", a.preset,
-                       "--batch", str(MICRO_ROWS), "--seq", str(a.seq), "--accum", str(micro),
-                       "--steps", str(a.steps)]
+                cmd = [
+                    py,
+                    str(HERE / "peers.py"),
+                    "--mode",
+                    "gpu",
+                    "--preset",
+                    a.preset,
+                    "--batch",
+                    str(MICRO_ROWS),
+                    "--seq",
+                    str(a.seq),
+                    "--accum",
+                    str(micro),
+                    "--steps",
+                    str(a.steps),
+                ]
             elif str(tokens) in a.peer_tokens.split(","):
-                cmd = [py, str(HERE / "peers.py"), "--mode", system, "--preset", a.preset,
-                       "--batch", str(micro * MICRO_ROWS), "--seq", str(a.seq),
-                       "--steps", str(a.steps)]
+                cmd = [
+                    py,
+                    str(HERE / "peers.py"),
+                    "--mode",
+                    system,
+                    "--preset",
+                    a.preset,
+                    "--batch",
+                    str(micro * MICRO_ROWS),
+                    "--seq",
+                    str(a.seq),
+                    "--steps",
+                    str(a.steps),
+                ]
             else:
                 continue
             res = run(cmd, log)
@@ -82,26 +120,26 @@ def main() -> None:
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| system | tokens/step | step (s) | tokens/s | model TFLOPS | GPU peak (GiB) | "
-             "host RSS (GiB) | step / GPU-resident | tokens/s vs DeepSpeed | vs FSDP2 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| system | tokens/step | step (s) | tokens/s | model TFLOPS | GPU peak (GiB) | "
+        "host RSS (GiB) | step / GPU-resident | tokens/s vs DeepSpeed | vs FSDP2 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     by = {(r["system"], r["tokens"]): r for r in rows}
     for r in rows:
         gpu = by.get(("gpu", r["tokens"]))
         ds = by.get(("deepspeed", r["tokens"]))
         fs = by.get(("fsdp2", r["tokens"]))
 
-        def ratio(other: dict | None, key: str, inverse: bool = False) -> str:
-            if other is None:
-                return "-"
-            v = other[key] / r[key] if inverse else r[key] / other[key]
-            return f"{v:.2f}x"
+        def ratio(other: dict | None, key: str, row: dict = r) -> str:
+            return "-" if other is None else f"{row[key] / other[key]:.2f}x"
 
         lines.append(
             f"| {r['system']} | {r['tokens']:,} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
             f"{r['model_tflops']:.0f} | {r['gpu_peak_gib']} | {r['host_rss_gib']} | "
             f"{ratio(gpu, 'step_s')} | {ratio(ds, 'tokens_per_s')} | "
-            f"{ratio(fs, 'tokens_per_s')} |")
+            f"{ratio(fs, 'tokens_per_s')} |"
+        )
     return "\n".join(lines)
 
 

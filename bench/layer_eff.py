@@ -56,8 +56,15 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         ms = start.elapsed_time(end) / 10
-        result(bench="layer", preset=a.preset, tokens=a.tokens, compiled=a.compile, phase=name,
-               ms=round(ms, 2), tflops=round(flops * params * a.tokens / ms / 1e9, 1))
+        result(
+            bench="layer",
+            preset=a.preset,
+            tokens=a.tokens,
+            compiled=a.compile,
+            phase=name,
+            ms=round(ms, 2),
+            tflops=round(flops * params * a.tokens / ms / 1e9, 1),
+        )
 
 
 if __name__ == "__main__":

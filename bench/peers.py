@@ -9,6 +9,7 @@ Modes:
 
 Random-init weights from a config (no hub access). Prints 'RESULT {json}'.
 """
+
 import argparse
 import json
 import os
@@ -18,16 +19,34 @@ import torch
 
 PRESETS = {
     # Qwen2.5-3B shape (tied embeddings)
-    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
-                       tie_word_embeddings=True),
+    "qwen2.5-3b": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     # Qwen2.5-7B shape
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                       tie_word_embeddings=False),
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                 tie_word_embeddings=True),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -45,8 +64,13 @@ def host_rss_gib():
 
 def build(preset, device):
     from transformers import AutoModelForCausalLM, Qwen2Config
-    cfg = Qwen2Config(**PRESETS[preset], max_position_embeddings=32768, attn_implementation="sdpa",
-                      use_cache=False)
+
+    cfg = Qwen2Config(
+        **PRESETS[preset],
+        max_position_embeddings=32768,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     if device is None:  # deepspeed.zero.Init decides where parameters live
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
     else:
@@ -90,6 +114,7 @@ def main():
     elif a.mode == "fsdp2":
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
         dist.init_process_group("nccl" if dev == "cuda" else "gloo")
         model = build(a.preset, dev).cpu()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -110,6 +135,7 @@ def main():
             return loss
     else:
         import deepspeed
+
         cfg = {
             "train_micro_batch_size_per_gpu": a.batch,
             "gradient_accumulation_steps": 1,
@@ -125,17 +151,22 @@ def main():
             "wall_clock_breakdown": False,
         }
         from transformers.integrations import HfDeepSpeedConfig
+
         deepspeed.init_distributed()
-        # With this alive, from_config builds under zero.Init and initialises the partitioned weights.
+        # With this alive, from_config builds under zero.Init and initialises the partitioned
+        # weights.
         dschf = HfDeepSpeedConfig(cfg)  # noqa: F841
         model = build(a.preset, None)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=cfg
+        )
 
         def step(x):
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
             engine.step()
             return loss
+
     t_build = time.perf_counter() - t_build
     n_params = sum(p.numel() for p in model.parameters())
     if a.mode == "deepspeed":
@@ -156,12 +187,21 @@ def main():
         print(f"step {i} loss {losses[-1]:.4f} time {times[-1]:.3f}s", flush=True)
     t = sorted(times[1:])[len(times[1:]) // 2]
     tokens = a.batch * a.seq * a.accum
-    out(mode=a.mode, preset=a.preset, params_b=round(n_params / 1e9, 3), batch=a.batch, seq=a.seq,
+    out(
+        mode=a.mode,
+        preset=a.preset,
+        params_b=round(n_params / 1e9, 3),
+        batch=a.batch,
+        seq=a.seq,
         accum=a.accum,
-        step_s=round(t, 3), tokens_per_s=round(tokens / t, 1),
+        step_s=round(t, 3),
+        tokens_per_s=round(tokens / t, 1),
         model_tflops=round(6 * n_params * tokens / t / 1e12, 1),
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None,
-        host_rss_gib=host_rss_gib(), build_s=round(t_build, 1), losses=[round(v, 3) for v in losses])
+        host_rss_gib=host_rss_gib(),
+        build_s=round(t_build, 1),
+        losses=[round(v, 3) for v in losses],
+    )
 
 
 if __name__ == "__main__":

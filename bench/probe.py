@@ -4,6 +4,7 @@ Physical limits of a lent GPU host: PCIe, host memory, matmul, CPU AdamW.
 
 Prints one JSON line per measurement, prefixed with 'RESULT '.
 """
+
 import json
 import os
 import time
@@ -17,11 +18,20 @@ def out(name, **kv):
 
 def versions():
     import importlib
+
     v = {"torch": torch.__version__, "cuda": torch.version.cuda, "nproc": os.cpu_count()}
-    for m in ["transformers", "flash_attn", "deepspeed", "liger_kernel", "accelerate", "triton", "psutil"]:
+    for m in [
+        "transformers",
+        "flash_attn",
+        "deepspeed",
+        "liger_kernel",
+        "accelerate",
+        "triton",
+        "psutil",
+    ]:
         try:
             v[m] = importlib.import_module(m).__version__
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             v[m] = f"missing ({type(e).__name__})"
     v["gpu"] = torch.cuda.get_device_name(0)
     v["gpu_mem_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
@@ -111,8 +121,13 @@ def cpu_adam():
             for _ in range(3):
                 opt.step()
             t = (time.perf_counter() - t0) / 3
-            out("cpu_adamw", impl=impl, Gparams_per_s=round(n / t / 1e9, 2), threads=torch.get_num_threads())
-        except Exception as e:  # noqa: BLE001
+            out(
+                "cpu_adamw",
+                impl=impl,
+                Gparams_per_s=round(n / t / 1e9, 2),
+                threads=torch.get_num_threads(),
+            )
+        except Exception as e:
             out("cpu_adamw", impl=impl, error=repr(e)[:300])
         del p
 
@@ -121,5 +136,5 @@ if __name__ == "__main__":
     for f in [versions, pcie, matmul, host_mem, cpu_adam]:
         try:
             f()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out(f.__name__, error=repr(e)[:500])

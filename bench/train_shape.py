@@ -48,12 +48,21 @@ def main() -> None:
     store = HostStore(structure, compute_dtype=torch.bfloat16, pin_memory=device == "cuda")
     t_store = time.perf_counter() - t0 - t_init
     opt = CpuAdamW(AdamWHyper(weight_decay=0.0), impl=a.impl, num_threads=a.opt_threads)
-    engine = StreamingEngine(structure, store, opt, device=device, num_slots=a.num_slots,
-                             max_grad_norm=a.max_grad_norm, threaded_optimizer=not a.no_threads,
-                             compile_layers=a.compile)
+    engine = StreamingEngine(
+        structure,
+        store,
+        opt,
+        device=device,
+        num_slots=a.num_slots,
+        max_grad_norm=a.max_grad_norm,
+        threaded_optimizer=not a.no_threads,
+        compile_layers=a.compile,
+    )
     n_params = store.numel
-    log(f"{structure.describe()}; {n_params / 1e9:.3f}B params; init {t_init:.1f}s, store "
-        f"{t_store:.1f}s; optimizer {opt.impl}; host RSS {host_rss_gib()} GiB")
+    log(
+        f"{structure.describe()}; {n_params / 1e9:.3f}B params; init {t_init:.1f}s, store "
+        f"{t_store:.1f}s; optimizer {opt.impl}; host RSS {host_rss_gib()} GiB"
+    )
     vocab = structure.causal_lm.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     rows = a.batch // a.micro
@@ -70,21 +79,36 @@ def main() -> None:
         res = engine.train_step(micro, lr=a.lr)
         times.append(time.perf_counter() - t)
         losses.append(res.loss)
-        log(f"step {step} loss {res.loss:.4f} norm {res.grad_norm:.3f} time {times[-1]:.3f}s "
-            f"| {res.timeline.summary()}")
+        log(
+            f"step {step} loss {res.loss:.4f} norm {res.grad_norm:.3f} time {times[-1]:.3f}s "
+            f"| {res.timeline.summary()}"
+        )
     engine.close()
     step_s = statistics.median(times[1:])
     tokens = a.batch * a.seq
-    result(system="megatrain", preset=a.preset, params_b=round(n_params / 1e9, 3),
-           batch=a.batch, seq=a.seq, micro=a.micro, num_slots=a.num_slots,
-           max_grad_norm=a.max_grad_norm, optimizer=opt.impl, opt_threads=opt.num_threads,
-           compiled=a.compile, step_s=round(step_s, 3),
-           tokens_per_s=round(tokens / step_s, 1),
-           model_tflops=round(6 * n_params * tokens / step_s / 1e12, 1),
-           gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
-           if device == "cuda" else None,
-           host_rss_gib=host_rss_gib(), host_peak_rss_gib=host_peak_rss_gib(),
-           losses=[round(v, 4) for v in losses], timeline=res.timeline.as_dict())
+    result(
+        system="megatrain",
+        preset=a.preset,
+        params_b=round(n_params / 1e9, 3),
+        batch=a.batch,
+        seq=a.seq,
+        micro=a.micro,
+        num_slots=a.num_slots,
+        max_grad_norm=a.max_grad_norm,
+        optimizer=opt.impl,
+        opt_threads=opt.num_threads,
+        compiled=a.compile,
+        step_s=round(step_s, 3),
+        tokens_per_s=round(tokens / step_s, 1),
+        model_tflops=round(6 * n_params * tokens / step_s / 1e12, 1),
+        gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if device == "cuda"
+        else None,
+        host_rss_gib=host_rss_gib(),
+        host_peak_rss_gib=host_peak_rss_gib(),
+        losses=[round(v, 4) for v in losses],
+        timeline=res.timeline.as_dict(),
+    )
 
 
 if __name__ == "__main__":

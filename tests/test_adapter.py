@@ -25,8 +25,9 @@ def test_groups_of_a_hybrid_moe_model() -> None:
 
 
 def test_store_holds_the_only_copy_and_binds_it_back(tmp_path: Path) -> None:
-    model = load_causal_lm(None, model_type="qwen2", tiny=True,
-                           config_overrides={"tie_word_embeddings": True})
+    model = load_causal_lm(
+        None, model_type="qwen2", tiny=True, config_overrides={"tie_word_embeddings": True}
+    )
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     store = HostStore(discover(model), compute_dtype=torch.bfloat16)
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -40,8 +41,9 @@ def test_store_holds_the_only_copy_and_binds_it_back(tmp_path: Path) -> None:
 
 
 def test_weight_decay_groups() -> None:
-    store = HostStore(discover(load_causal_lm(None, model_type="qwen2", tiny=True)),
-                      compute_dtype=torch.float32)
+    store = HostStore(
+        discover(load_causal_lm(None, model_type="qwen2", tiny=True)), compute_dtype=torch.float32
+    )
     decayed = {e.full_name for b in store.blocks for e in b.entries if e.decay}
     assert "model.layers.0.self_attn.q_proj.weight" in decayed
     assert not any("norm" in n or n.endswith("bias") for n in decayed)
@@ -52,8 +54,9 @@ def test_weight_decay_groups() -> None:
 
 
 def test_router_decomposition_checked_against_hf() -> None:
-    model = load_causal_lm(None, model_type="mixtral", tiny=True,
-                           config_overrides={"output_router_logits": True})
+    model = load_causal_lm(
+        None, model_type="mixtral", tiny=True, config_overrides={"output_router_logits": True}
+    )
     assert RouterAux.for_model(discover(model)) is not None
     plain = load_causal_lm(None, model_type="mixtral", tiny=True)
     assert RouterAux.for_model(discover(plain)) is None  # HF would not add it either
@@ -70,9 +73,16 @@ def test_non_causal_lm_is_refused() -> None:
 
 
 def test_model_without_a_layer_list_is_refused() -> None:
-    bert = AutoModelForCausalLM.from_config(BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, is_decoder=True))
+    bert = AutoModelForCausalLM.from_config(
+        BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            is_decoder=True,
+        )
+    )
     with pytest.raises(ValueError, match="cannot find the decoder layers"):
         discover(bert)
 
@@ -87,7 +97,7 @@ def test_shared_layer_weights_are_refused() -> None:
 def test_extra_trainable_module_is_refused() -> None:
     model = load_causal_lm(None, model_type="llama", tiny=True)
     model.model.adapter = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="model.adapter.weight"):
+    with pytest.raises(ValueError, match=r"model\.adapter\.weight"):
         discover(model)
 
 
@@ -144,5 +154,7 @@ def test_verify_cli_passes_and_reports(capsys: pytest.CaptureFixture) -> None:
 
 def test_tiny_config_keeps_structure() -> None:
     cfg = tiny_config("gemma3_text")
-    assert cfg.sliding_window < 24 and set(cfg.layer_types) == {"sliding_attention",
-                                                               "full_attention"}
+    assert cfg.sliding_window < 24 and set(cfg.layer_types) == {
+        "sliding_attention",
+        "full_attention",
+    }

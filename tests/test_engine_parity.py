@@ -29,30 +29,36 @@ def test_fp32_padded_matches_pytorch(model_type: str) -> None:
     _check(VerifyConfig(model_type=model_type, tiny=True))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_5_text", "gemma3_text", "qwen3_moe",
-                                        "gpt_oss"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "qwen3_5_text", "gemma3_text", "qwen3_moe", "gpt_oss"]
+)
 def test_fp32_packed_matches_pytorch(model_type: str) -> None:
     _check(VerifyConfig(model_type=model_type, tiny=True, packed=True))
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_tied_and_untied_embeddings(tied: bool) -> None:
-    _check(VerifyConfig(model_type="qwen2", tiny=True,
-                        config_overrides={"tie_word_embeddings": tied}))
+    _check(
+        VerifyConfig(model_type="qwen2", tiny=True, config_overrides={"tie_word_embeddings": tied})
+    )
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss",
-                                        "qwen3_next"])
+@pytest.mark.parametrize(
+    "model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_next"]
+)
 def test_router_aux_loss_matches_hf(model_type: str) -> None:
-    _check(VerifyConfig(model_type=model_type, tiny=True,
-                        config_overrides={"output_router_logits": True,
-                                          "router_aux_loss_coef": 0.5}))
+    _check(
+        VerifyConfig(
+            model_type=model_type,
+            tiny=True,
+            config_overrides={"output_router_logits": True, "router_aux_loss_coef": 0.5},
+        )
+    )
 
 
 def test_no_clipping_updates_during_backward() -> None:
     # Without clipping each block is updated as soon as its gradient lands.
-    _check(VerifyConfig(model_type="llama", tiny=True, max_grad_norm=0.0),
-           expect_clipping=False)
+    _check(VerifyConfig(model_type="llama", tiny=True, max_grad_norm=0.0), expect_clipping=False)
 
 
 @pytest.mark.parametrize("num_slots", [1, 3, 8])
@@ -68,7 +74,6 @@ def test_clipping_on_some_steps_only() -> None:
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "qwen3_5_text"])
 def test_bf16_compute_within_pytorch_bf16_drift(model_type: str) -> None:
-    reports = run_verify(VerifyConfig(model_type=model_type, tiny=True,
-                                      compute_dtype="bfloat16"))
+    reports = run_verify(VerifyConfig(model_type=model_type, tiny=True, compute_dtype="bfloat16"))
     assert within(reports), [(r.excess, r.worst) for r in reports]
     assert all(r.loss_rel < 1e-3 for r in reports)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -16,7 +17,7 @@ def test_warmup_then_cosine_to_floor() -> None:
     assert lrs[-1] == pytest.approx(0.1)
     mid = 2 + (12 - 1 - 2) / 2
     assert s.lr_at(int(mid)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 9)))
-    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[2:]))
 
 
 def test_linear_and_constant() -> None:

@@ -19,8 +19,18 @@ DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
 
 
 def _run(tmp: Path, *overrides: str) -> Trainer:
-    cfg = load_config(DEMO, ["--training.output_dir", str(tmp), "--logging.progress_bar",
-                             "false", "--logging.tensorboard", "false", *overrides])
+    cfg = load_config(
+        DEMO,
+        [
+            "--training.output_dir",
+            str(tmp),
+            "--logging.progress_bar",
+            "false",
+            "--logging.tensorboard",
+            "false",
+            *overrides,
+        ],
+    )
     trainer = Trainer(cfg)
     return trainer
 
@@ -54,18 +64,30 @@ def test_demo_loss_falls_and_export_generates(tmp_path: Path) -> None:
     with trainer.store.bound(torch.float32) as ours:
         for name, p in model.named_parameters():
             assert torch.equal(p, ours.get_parameter(name)), name
-    prompt = tok.apply_chat_template([{"role": "user", "content": "reverse: a b c"}],
-                                     add_generation_prompt=True, return_tensors="pt",
-                                     return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "reverse: a b c"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert out.shape[1] > prompt["input_ids"].shape[1]
 
 
 @pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
 def test_resume_gives_identical_losses(tmp_path: Path, compute_dtype: str) -> None:
-    common = ("--training.max_steps", "6", "--model.compute_dtype", compute_dtype,
-              "--checkpoint.save_every", "3", "--checkpoint.export_hf", "false",
-              "--data.val_size", "0")
+    common = (
+        "--training.max_steps",
+        "6",
+        "--model.compute_dtype",
+        compute_dtype,
+        "--checkpoint.save_every",
+        "3",
+        "--checkpoint.export_hf",
+        "false",
+        "--data.val_size",
+        "0",
+    )
     straight = _train(tmp_path / "a", *common)
     # the same run, killed during step 4 (after the step-3 checkpoint), then resumed
     crashed = _run(tmp_path / "b", *common)
@@ -87,10 +109,18 @@ def test_resume_gives_identical_losses(tmp_path: Path, compute_dtype: str) -> No
     assert seen + resumed == straight
 
 
-def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    trainer = _run(tmp_path, "--training.max_steps", "2", "--checkpoint.export_hf", "false",
-                   "--checkpoint.keep_last", "3")
+def test_crash_mid_save_keeps_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = _run(
+        tmp_path,
+        "--training.max_steps",
+        "2",
+        "--checkpoint.export_hf",
+        "false",
+        "--checkpoint.keep_last",
+        "3",
+    )
     try:
         trainer.train()
         good = latest_checkpoint(tmp_path)
@@ -117,8 +147,17 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path,
     assert {p.name: p.read_bytes() for p in (good / "blocks").iterdir()} == before
     monkeypatch.undo()
     # the next save cleans the debris and succeeds
-    trainer2 = _run(tmp_path, "--training.max_steps", "3", "--checkpoint.export_hf", "false",
-                    "--checkpoint.resume_from", "auto", "--checkpoint.keep_last", "3")
+    trainer2 = _run(
+        tmp_path,
+        "--training.max_steps",
+        "3",
+        "--checkpoint.export_hf",
+        "false",
+        "--checkpoint.resume_from",
+        "auto",
+        "--checkpoint.keep_last",
+        "3",
+    )
     try:
         trainer2.train()
     finally:
@@ -128,8 +167,17 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path,
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path: Path) -> None:
-    _train(tmp_path, "--training.max_steps", "4", "--checkpoint.save_every", "1",
-           "--checkpoint.keep_last", "2", "--checkpoint.export_hf", "false")
+    _train(
+        tmp_path,
+        "--training.max_steps",
+        "4",
+        "--checkpoint.save_every",
+        "1",
+        "--checkpoint.keep_last",
+        "2",
+        "--checkpoint.export_hf",
+        "false",
+    )
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
     saved = load_config(tmp_path / "checkpoints" / "step-00000004" / "config.yaml")
     assert saved.checkpoint.keep_last == 2
@@ -138,7 +186,12 @@ def test_keep_last_prunes_old_checkpoints(tmp_path: Path) -> None:
 def test_resume_from_a_different_model_is_refused(tmp_path: Path) -> None:
     _train(tmp_path, "--training.max_steps", "1", "--checkpoint.export_hf", "false")
     with pytest.raises(ValueError, match="different parameters"):
-        _run(tmp_path, "--checkpoint.resume_from", "auto",
-             "--model.config_overrides", "{num_hidden_layers: 4, hidden_size: 64, "
-             "intermediate_size: 128, vocab_size: 512, num_attention_heads: 4, "
-             "num_key_value_heads: 2, head_dim: 16, tie_word_embeddings: true}")
+        _run(
+            tmp_path,
+            "--checkpoint.resume_from",
+            "auto",
+            "--model.config_overrides",
+            "{num_hidden_layers: 4, hidden_size: 64, "
+            "intermediate_size: 128, vocab_size: 512, num_attention_heads: 4, "
+            "num_key_value_heads: 2, head_dim: 16, tie_word_embeddings: true}",
+        )

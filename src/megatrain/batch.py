@@ -28,7 +28,9 @@ class Batch:
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(self.input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be [batch, seq], got shape {tuple(self.input_ids.shape)}"
+            )
         for name in ("labels", "attention_mask", "position_ids"):
             t = getattr(self, name)
             if t is not None and t.shape != self.input_ids.shape:

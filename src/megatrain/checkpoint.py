@@ -59,8 +59,10 @@ def save_checkpoint(
         save_file(
             {"master": block.master, "exp_avg": block.exp_avg, "exp_avg_sq": block.exp_avg_sq},
             str(path),
-            metadata={"step": str(block.step), "names": json.dumps(
-                [[e.full_name, list(e.shape)] for e in block.entries])},
+            metadata={
+                "step": str(block.step),
+                "names": json.dumps([[e.full_name, list(e.shape)] for e in block.entries]),
+            },
         )
         _fsync(path)
     state = {"format_version": FORMAT_VERSION, "step": step, **trainer_state}
@@ -86,8 +88,11 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / "trainer_state.json").is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / "trainer_state.json").is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -101,34 +106,45 @@ def load_checkpoint(path: str | Path, store: HostStore) -> dict[str, Any]:
     path = Path(path)
     state_file = path / "trainer_state.json"
     if not state_file.is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint (no trainer_state.json); give a "
-                                "step-N directory under <output_dir>/checkpoints, or 'auto'")
+        raise FileNotFoundError(
+            f"{path} is not a checkpoint (no trainer_state.json); give a "
+            "step-N directory under <output_dir>/checkpoints, or 'auto'"
+        )
     for block in store.blocks:
         file = path / "blocks" / f"{block.name}.safetensors"
         if not file.is_file():
-            raise FileNotFoundError(f"checkpoint {path} has no {file.name}: it was written for "
-                                    "a different model")
+            raise FileNotFoundError(
+                f"checkpoint {path} has no {file.name}: it was written for a different model"
+            )
         with safe_open(str(file), framework="pt") as f:
             meta = f.metadata()
             expected = [[e.full_name, list(e.shape)] for e in block.entries]
             if json.loads(meta["names"]) != expected:
-                raise ValueError(f"checkpoint {path}: block {block.name} holds different "
-                                 "parameters than this model; resume with the model it was "
-                                 "trained with")
-            for key, dst in (("master", block.master), ("exp_avg", block.exp_avg),
-                             ("exp_avg_sq", block.exp_avg_sq)):
+                raise ValueError(
+                    f"checkpoint {path}: block {block.name} holds different "
+                    "parameters than this model; resume with the model it was "
+                    "trained with"
+                )
+            for key, dst in (
+                ("master", block.master),
+                ("exp_avg", block.exp_avg),
+                ("exp_avg_sq", block.exp_avg_sq),
+            ):
                 dst.copy_(f.get_tensor(key))
             block.step = int(meta["step"])
         block.refresh_shadow()
     state: dict[str, Any] = json.loads(state_file.read_text())
     if state.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path} has format {state.get('format_version')}, this "
-                         f"MegaTrain reads format {FORMAT_VERSION}")
+        raise ValueError(
+            f"checkpoint {path} has format {state.get('format_version')}, this "
+            f"MegaTrain reads format {FORMAT_VERSION}"
+        )
     return state
 
 
-def export_hf(store: HostStore, out_dir: str | Path, *, dtype: str = "bf16",
-              tokenizer: Any | None = None) -> Path:
+def export_hf(
+    store: HostStore, out_dir: str | Path, *, dtype: str = "bf16", tokenizer: Any | None = None
+) -> Path:
     """Write a Hugging Face model folder (safetensors, config, tokenizer) atomically."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"checkpoint.export_dtype={dtype!r} must be 'bf16' or 'fp32'")

@@ -38,8 +38,13 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
     p.add_argument("--num-slots", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a model config field, e.g. output_router_logits=true")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model config field, e.g. output_router_logits=true",
+    )
     p.add_argument("--json", action="store_true", help="print the per-step report as JSON")
     p.set_defaults(func=_run_verify)
 
@@ -51,11 +56,22 @@ def _run_verify(args: argparse.Namespace) -> int:
         raise ValueError("verify needs a MODEL (hub id or directory) or --model-type NAME")
     dtype = {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]
     cfg = VerifyConfig(
-        source=args.model, model_type=args.model_type, tiny=args.tiny, steps=args.steps,
-        grad_accum=args.grad_accum, batch_size=args.batch_size, seq_len=args.seq_len,
-        packed=args.packed, compute_dtype=dtype, device=resolve_device(args.device),
-        lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        num_slots=args.num_slots, seed=args.seed, config_overrides=_parse_sets(args.set),
+        source=args.model,
+        model_type=args.model_type,
+        tiny=args.tiny,
+        steps=args.steps,
+        grad_accum=args.grad_accum,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        packed=args.packed,
+        compute_dtype=dtype,
+        device=resolve_device(args.device),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        num_slots=args.num_slots,
+        seed=args.seed,
+        config_overrides=_parse_sets(args.set),
     )
     reports = run_verify(cfg)
     ok = within(reports)
@@ -63,9 +79,11 @@ def _run_verify(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": ok, "steps": [r.__dict__ for r in reports]}))
     else:
         name = args.model or f"{args.model_type}{' (tiny)' if args.tiny else ''}"
-        print(f"verify {name}: {args.dtype} compute on {cfg.device}, {cfg.steps} steps, "
-              f"{cfg.grad_accum} micro-batches of {cfg.batch_size}x{cfg.seq_len} "
-              f"({'packed' if cfg.packed else 'padded'})")
+        print(
+            f"verify {name}: {args.dtype} compute on {cfg.device}, {cfg.steps} steps, "
+            f"{cfg.grad_accum} micro-batches of {cfg.batch_size}x{cfg.seq_len} "
+            f"({'packed' if cfg.packed else 'padded'})"
+        )
         print(format_report(reports, TOLERANCES[dtype]))
         print("PASS" if ok else "FAIL: the engine differs from PyTorch beyond tolerance")
     return 0 if ok else 1
@@ -85,9 +103,12 @@ def _parse_sets(items: list[str]) -> dict[str, object]:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train from a YAML config",
-                       description="Any --section.key VALUE after the options overrides the "
-                                   "config, e.g. --optimizer.learning_rate 2e-5")
+    p = sub.add_parser(
+        "train",
+        help="train from a YAML config",
+        description="Any --section.key VALUE after the options overrides the "
+        "config, e.g. --optimizer.learning_rate 2e-5",
+    )
     p.add_argument("--config", help="YAML config file (see examples/)")
     p.set_defaults(func=_run_train, takes_overrides=True)
 
@@ -103,11 +124,13 @@ def _run_train(args: argparse.Namespace) -> int:
     finally:
         trainer.close()
     first, last = summary.losses[:1], summary.losses[-1:]
-    print(f"done: {summary.steps} steps"
-          + (f", loss {first[0]:.4f} -> {last[0]:.4f}" if first else "")
-          + (f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
-          + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
-          + (f"; Hugging Face model {summary.export_dir}" if summary.export_dir else ""))
+    print(
+        f"done: {summary.steps} steps"
+        + (f", loss {first[0]:.4f} -> {last[0]:.4f}" if first else "")
+        + (f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
+        + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
+        + (f"; Hugging Face model {summary.export_dir}" if summary.export_dir else "")
+    )
     return 0
 
 
@@ -127,9 +150,13 @@ def _run_data(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     mbs = cfg.training.micro_batch_size
     return run_data_command(
-        cfg.data, load_tokenizer(cfg), show=args.show, as_json=args.json,
+        cfg.data,
+        load_tokenizer(cfg),
+        show=args.show,
+        as_json=args.json,
         seq_len=cfg.training.seq_len or cfg.data.cutoff_len,
-        micro_batch_size=mbs if isinstance(mbs, int) else 1, out=sys.stdout,
+        micro_batch_size=mbs if isinstance(mbs, int) else 1,
+        out=sys.stdout,
     )
 
 
@@ -156,9 +183,14 @@ def _run_export(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{ckpt} has no config.yaml; give a checkpoints/step-N folder")
     cfg = load_config(ckpt / "config.yaml")
     m = cfg.model
-    model = load_causal_lm(m.name_or_path, model_type=m.model_type, tiny=m.tiny,
-                           random_init=True, trust_remote_code=m.trust_remote_code,
-                           config_overrides=dict(m.config_overrides) or None)
+    model = load_causal_lm(
+        m.name_or_path,
+        model_type=m.model_type,
+        tiny=m.tiny,
+        random_init=True,
+        trust_remote_code=m.trust_remote_code,
+        config_overrides=dict(m.config_overrides) or None,
+    )
     store = HostStore(discover(model), compute_dtype=torch.float32)
     load_checkpoint(ckpt, store)
     out = export_hf(store, args.out, dtype=args.dtype, tokenizer=load_tokenizer(cfg))
@@ -167,13 +199,17 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 _REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_train, _add_verify, _add_data, _add_export]
+    _add_train,
+    _add_verify,
+    _add_data,
+    _add_export,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="megatrain",
-        description="Full-precision training of large HF causal LMs on one GPU.")
+        prog="megatrain", description="Full-precision training of large HF causal LMs on one GPU."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for register in _REGISTRARS:
         register(sub)

@@ -20,9 +20,18 @@ from typing import Any
 from tqdm import tqdm
 
 # Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name().
-_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12),
-               ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("A10G", 70e12),
-               ("4090", 165e12), ("3090", 71e12))
+_PEAK_FLOPS = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10G", 70e12),
+    ("4090", 165e12),
+    ("3090", 71e12),
+)
 
 
 def peak_flops(device_name: str | None) -> float | None:
@@ -35,17 +44,38 @@ def peak_flops(device_name: str | None) -> float | None:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str | Path, *, total_steps: int, start_step: int,
-                 log_every: int, jsonl: bool, tensorboard: bool, progress_bar: bool,
-                 flops_per_token: float, peak_flops_per_s: float | None) -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        total_steps: int,
+        start_step: int,
+        log_every: int,
+        jsonl: bool,
+        tensorboard: bool,
+        progress_bar: bool,
+        flops_per_token: float,
+        peak_flops_per_s: float | None,
+    ) -> None:
         self.output_dir = Path(output_dir)
         self.log_every = max(1, log_every)
         self.flops_per_token = flops_per_token
         self.peak = peak_flops_per_s
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "a") if jsonl else None
+        # held open for the run (closed in close()): one line per step, flushed each time
+        self._jsonl = open(self.output_dir / "metrics.jsonl", "a") if jsonl else None  # noqa: SIM115
         self._tb = _tensorboard_writer(self.output_dir / "tensorboard") if tensorboard else None
-        self._bar = (tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                          dynamic_ncols=True, file=sys.stderr) if progress_bar else None)
+        self._bar = (
+            tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            if progress_bar
+            else None
+        )
         self._t_start = time.perf_counter()
         self._total = total_steps
 
@@ -57,21 +87,32 @@ class MetricsLogger:
         self._write(record, "train")
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}",
-                                  mfu=f"{record['mfu']:.1%}" if "mfu" in record else "-",
-                                  refresh=False)
+            self._bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                tok_s=f"{tokens_per_s:,.0f}",
+                mfu=f"{record['mfu']:.1%}" if "mfu" in record else "-",
+                refresh=False,
+            )
         elif step % self.log_every == 0 or step == self._total:
-            self.console(f"step {step}/{self._total} loss {record['loss']:.4f} lr "
-                         f"{record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
-                         f"{tokens_per_s:,.0f} tok/s")
+            self.console(
+                f"step {step}/{self._total} loss {record['loss']:.4f} lr "
+                f"{record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
+                f"{tokens_per_s:,.0f} tok/s"
+            )
         return record
 
     def log_eval(self, step: int, loss: float, tokens: int) -> None:
-        record = {"step": step, "eval_loss": loss,
-                  "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+        record = {
+            "step": step,
+            "eval_loss": loss,
+            "eval_ppl": math.exp(min(loss, 50.0)),
+            "eval_tokens": tokens,
+        }
         self._write(record, "eval")
-        self.console(f"step {step}: eval loss {loss:.4f} (ppl {record['eval_ppl']:.2f}) over "
-                     f"{tokens:,} tokens")
+        self.console(
+            f"step {step}: eval loss {loss:.4f} (ppl {record['eval_ppl']:.2f}) over "
+            f"{tokens:,} tokens"
+        )
 
     def console(self, message: str) -> None:
         if self._bar is not None:
@@ -101,7 +142,10 @@ def _tensorboard_writer(path: Path) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        warnings.warn("logging.tensorboard is on but the tensorboard package is not installed; "
-                      "pip install tensorboard, or set logging.tensorboard: false", stacklevel=3)
+        warnings.warn(
+            "logging.tensorboard is on but the tensorboard package is not installed; "
+            "pip install tensorboard, or set logging.tensorboard: false",
+            stacklevel=3,
+        )
         return None
     return SummaryWriter(str(path))

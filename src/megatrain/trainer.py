@@ -23,8 +23,14 @@ import torch
 from transformers import AutoTokenizer
 
 from megatrain.batch import Batch
-from megatrain.checkpoint import (export_hf, latest_checkpoint, load_checkpoint, rng_state,
-                                  save_checkpoint, set_rng_state)
+from megatrain.checkpoint import (
+    export_hf,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from megatrain.config import TrainConfig, save_config
 from megatrain.data import make_loader, prepare_data
 from megatrain.data.assets import demo_tokenizer_dir
@@ -61,30 +67,45 @@ class Trainer:
         self.structure = self._load_model()
         self.micro_batch_size = self._micro_batch_size()
         self.store = HostStore(
-            self.structure, compute_dtype=_DTYPES[cfg.model.compute_dtype],
+            self.structure,
+            compute_dtype=_DTYPES[cfg.model.compute_dtype],
             pin_memory=cfg.memory.pin_memory and self.device.type == "cuda",
-            no_decay=cfg.optimizer.no_decay, decay_1d=cfg.optimizer.decay_1d,
+            no_decay=cfg.optimizer.no_decay,
+            decay_1d=cfg.optimizer.decay_1d,
         )
         opt = cfg.optimizer
         self.optimizer = CpuAdamW(
-            AdamWHyper(betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay),
-            impl=opt.impl, num_threads=opt.threads or max(1, (os.cpu_count() or 2) - 2),
+            AdamWHyper(
+                betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay
+            ),
+            impl=opt.impl,
+            num_threads=opt.threads or max(1, (os.cpu_count() or 2) - 2),
         )
         self.engine = StreamingEngine(
-            self.structure, self.store, self.optimizer, device=self.device,
-            num_slots=cfg.memory.num_slots, max_grad_norm=opt.max_grad_norm,
+            self.structure,
+            self.store,
+            self.optimizer,
+            device=self.device,
+            num_slots=cfg.memory.num_slots,
+            max_grad_norm=opt.max_grad_norm,
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
             compile_layers=cfg.training.compile_layers,
         )
         self.loader = make_loader(
-            self.data.train, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len,
-            packing=cfg.data.packing, pad_token_id=self.data.pad_token_id,
-            shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+            self.data.train,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
+            packing=cfg.data.packing,
+            pad_token_id=self.data.pad_token_id,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.data.seed,
             pad_to_multiple_of=cfg.data.pad_to_multiple_of,
         )
         self.total_steps = self._total_steps()
         self.schedule = LRSchedule(
-            peak_lr=opt.learning_rate, total_steps=self.total_steps, kind=opt.lr_scheduler,
+            peak_lr=opt.learning_rate,
+            total_steps=self.total_steps,
+            kind=opt.lr_scheduler,
             warmup_steps=warmup_steps_for(self.total_steps, opt.warmup_steps, opt.warmup_ratio),
             min_lr_ratio=opt.min_lr_ratio,
         )
@@ -97,9 +118,14 @@ class Trainer:
     def _load_model(self) -> ModelStructure:
         m = self.cfg.model
         model = load_causal_lm(
-            m.name_or_path, model_type=m.model_type, tiny=m.tiny, random_init=m.random_init,
-            trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation,
-            config_overrides=dict(m.config_overrides) or None, seed=self.cfg.training.seed,
+            m.name_or_path,
+            model_type=m.model_type,
+            tiny=m.tiny,
+            random_init=m.random_init,
+            trust_remote_code=m.trust_remote_code,
+            attn_implementation=m.attn_implementation,
+            config_overrides=dict(m.config_overrides) or None,
+            seed=self.cfg.training.seed,
         )
         vocab = model.config.get_text_config().vocab_size
         if len(self.tokenizer) > vocab:
@@ -131,8 +157,10 @@ class Trainer:
             return
         path = latest_checkpoint(self.output_dir) if where == "auto" else Path(where)
         if path is None:
-            print(f"resume: no checkpoint under {self.output_dir}/checkpoints, starting fresh",
-                  flush=True)
+            print(
+                f"resume: no checkpoint under {self.output_dir}/checkpoints, starting fresh",
+                flush=True,
+            )
             return
         state = load_checkpoint(path, self.store)
         self.loader.load_state_dict(state["loader"])
@@ -149,12 +177,17 @@ class Trainer:
     def train(self) -> TrainSummary:
         cfg = self.cfg
         metrics = MetricsLogger(
-            self.output_dir, total_steps=self.total_steps, start_step=self.step,
-            log_every=cfg.logging.log_every, jsonl=cfg.logging.jsonl,
-            tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
+            self.output_dir,
+            total_steps=self.total_steps,
+            start_step=self.step,
+            log_every=cfg.logging.log_every,
+            jsonl=cfg.logging.jsonl,
+            tensorboard=cfg.logging.tensorboard,
+            progress_bar=cfg.logging.progress_bar,
             flops_per_token=self.flops_per_token,
-            peak_flops_per_s=peak_flops(torch.cuda.get_device_name(self.device)
-                                        if self.device.type == "cuda" else None),
+            peak_flops_per_s=peak_flops(
+                torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+            ),
         )
         losses: list[float] = []
         stream = self._micro_batches()
@@ -173,7 +206,8 @@ class Trainer:
                     raise FloatingPointError(
                         f"loss is {result.loss} at step {self.step}: lower "
                         "optimizer.learning_rate, keep optimizer.max_grad_norm > 0, or check "
-                        "the data")
+                        "the data"
+                    )
                 losses.append(result.loss)
                 metrics.log_step(self.step, _record(result, lr, step_s))
                 if cfg.logging.timeline:
@@ -189,15 +223,24 @@ class Trainer:
             export_dir = self.export() if cfg.checkpoint.export_hf else None
         finally:
             metrics.close()
-        return TrainSummary(steps=self.step, losses=losses, eval_loss=eval_loss,
-                            checkpoint=checkpoint, export_dir=export_dir)
+        return TrainSummary(
+            steps=self.step,
+            losses=losses,
+            eval_loss=eval_loss,
+            checkpoint=checkpoint,
+            export_dir=export_dir,
+        )
 
     def _evaluate(self, metrics: MetricsLogger) -> float | None:
         if not self.data.eval:
             return None
         loader = make_loader(
-            self.data.eval, micro_batch_size=self.micro_batch_size, seq_len=self.seq_len,
-            packing=self.cfg.data.packing, pad_token_id=self.data.pad_token_id, shuffle=False,
+            self.data.eval,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
+            packing=self.cfg.data.packing,
+            pad_token_id=self.data.pad_token_id,
+            shuffle=False,
             pad_to_multiple_of=self.cfg.data.pad_to_multiple_of,
         )
         total, tokens = 0.0, 0
@@ -213,16 +256,28 @@ class Trainer:
 
     def save(self) -> Path:
         self.engine.wait_updates()  # every update applied: master and shadow are consistent
-        state: dict[str, Any] = {"loader": self.loader.state_dict(), "rng": rng_state(),
-                                 "total_steps": self.total_steps}
-        return save_checkpoint(self.output_dir, self.step, self.store, state,
-                               keep_last=self.cfg.checkpoint.keep_last,
-                               write_extra=lambda d: save_config(self.cfg, d / "config.yaml"))
+        state: dict[str, Any] = {
+            "loader": self.loader.state_dict(),
+            "rng": rng_state(),
+            "total_steps": self.total_steps,
+        }
+        return save_checkpoint(
+            self.output_dir,
+            self.step,
+            self.store,
+            state,
+            keep_last=self.cfg.checkpoint.keep_last,
+            write_extra=lambda d: save_config(self.cfg, d / "config.yaml"),
+        )
 
     def export(self) -> Path:
         self.engine.wait_updates()
-        return export_hf(self.store, self.output_dir / "hf_model",
-                         dtype=self.cfg.checkpoint.export_dtype, tokenizer=self.tokenizer)
+        return export_hf(
+            self.store,
+            self.output_dir / "hf_model",
+            dtype=self.cfg.checkpoint.export_dtype,
+            tokenizer=self.tokenizer,
+        )
 
     def close(self) -> None:
         self.engine.close()
@@ -235,8 +290,10 @@ def load_tokenizer(cfg: TrainConfig) -> Any:
     m = cfg.model
     source = m.tokenizer or m.name_or_path
     if source is None:
-        raise ValueError("model.tokenizer is required with model.model_type (a hub id, a "
-                         "directory, or 'demo' for the built-in demo tokenizer)")
+        raise ValueError(
+            "model.tokenizer is required with model.model_type (a hub id, a "
+            "directory, or 'demo' for the built-in demo tokenizer)"
+        )
     if source == "demo":
         source = str(demo_tokenizer_dir())
     return AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
@@ -245,22 +302,35 @@ def load_tokenizer(cfg: TrainConfig) -> Any:
 def active_params(structure: ModelStructure, total: int) -> int:
     """Parameters one token uses: MoE experts count by the fraction routed to."""
     config = structure.causal_lm.config.get_text_config()
-    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts",
-                                                   "n_routed_experts")
-                    if isinstance(getattr(config, k, None), int)), None)
+    experts = next(
+        (
+            getattr(config, k)
+            for k in ("num_experts", "num_local_experts", "n_routed_experts")
+            if isinstance(getattr(config, k, None), int)
+        ),
+        None,
+    )
     top_k = getattr(config, "num_experts_per_tok", None)
     if not experts or not top_k:
         return total
-    expert_params = sum(p.numel() for n, p in structure.layers.named_parameters()
-                        if "experts." in n and "shared" not in n)
+    expert_params = sum(
+        p.numel()
+        for n, p in structure.layers.named_parameters()
+        if "experts." in n and "shared" not in n
+    )
     return int(total - expert_params * (1 - top_k / experts))
 
 
 def _record(result: StepResult, lr: float, step_s: float) -> dict[str, Any]:
     record: dict[str, Any] = {
-        "loss": result.loss, "ce_loss": result.ce_loss, "grad_norm": result.grad_norm,
-        "clip_coef": result.clip_coef, "lr": lr, "tokens": result.tokens,
-        "target_tokens": result.target_tokens, "step_s": round(step_s, 4),
+        "loss": result.loss,
+        "ce_loss": result.ce_loss,
+        "grad_norm": result.grad_norm,
+        "clip_coef": result.clip_coef,
+        "lr": lr,
+        "tokens": result.tokens,
+        "target_tokens": result.target_tokens,
+        "step_s": round(step_s, 4),
     }
     if result.aux_loss is not None:
         record["aux_loss"] = result.aux_loss

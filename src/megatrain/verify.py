@@ -27,8 +27,10 @@ max(tolerance, 10 x the error plain PyTorch makes at the same precision):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -112,15 +114,26 @@ def make_batches(cfg: VerifyConfig, vocab: int, pad_id: int) -> list[list[Batch]
 
 
 def run_verify(cfg: VerifyConfig) -> list[StepReport]:
-    load = dict(model_type=cfg.model_type, tiny=cfg.tiny, seed=cfg.seed,
-                config_overrides=cfg.config_overrides or None)
+    load: dict[str, Any] = dict(
+        model_type=cfg.model_type,
+        tiny=cfg.tiny,
+        seed=cfg.seed,
+        config_overrides=cfg.config_overrides or None,
+    )
     structure = discover(load_causal_lm(cfg.source, **load))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
-    store = HostStore(structure, compute_dtype=dtype,
-                      pin_memory=torch.device(cfg.device).type == "cuda")
+    store = HostStore(
+        structure, compute_dtype=dtype, pin_memory=torch.device(cfg.device).type == "cuda"
+    )
     hyper = AdamWHyper(weight_decay=cfg.weight_decay)
-    engine = StreamingEngine(structure, store, CpuAdamW(hyper), device=cfg.device,
-                             num_slots=cfg.num_slots, max_grad_norm=cfg.max_grad_norm)
+    engine = StreamingEngine(
+        structure,
+        store,
+        CpuAdamW(hyper),
+        device=cfg.device,
+        num_slots=cfg.num_slots,
+        max_grad_norm=cfg.max_grad_norm,
+    )
     landed: dict[str, torch.Tensor] = {}
     engine.worker.on_landed = lambda block: _snapshot(block, landed)
     decay = {e.full_name: e.decay for b in store.blocks for e in b.entries}
@@ -142,8 +155,11 @@ def run_verify(cfg: VerifyConfig) -> list[StepReport]:
         for step, micro in enumerate(make_batches(cfg, config.vocab_size, pad_id)):
             result = engine.train_step(micro, lr=cfg.lr)
             engine.wait_updates()
-            ours = {"loss": {"loss": torch.tensor(result.loss)},
-                    "grad": {n: landed[n] for n in ref.named}, "weight": _master_weights(store)}
+            ours = {
+                "loss": {"loss": torch.tensor(result.loss)},
+                "grad": {n: landed[n] for n in ref.named},
+                "weight": _master_weights(store),
+            }
             fp32 = ref.step(micro)
             exact = target.step(micro) if target is not ref else fp32
             noisy = fp32 if noise is ref else (noise.step(micro) if noise else None)
@@ -152,22 +168,32 @@ def run_verify(cfg: VerifyConfig) -> list[StepReport]:
                 # (HF's mask constants): judge against fp32 PyTorch alone from here on.
                 target, noise, exact, noisy = ref, None, fp32, None
             excess, worst = _judge(ours, exact, noisy, tol, per_tensor=dtype == torch.float32)
-            reports.append(StepReport(
-                step=step + 1, loss=result.loss, ref_loss=float(fp32["loss"]["loss"]),
-                loss_rel=max(_rel_errors(ours["loss"], fp32["loss"]).values()),
-                grad_rel=max(_rel_errors(ours["grad"], fp32["grad"]).values()),
-                weight_rel=max(_rel_errors(ours["weight"], fp32["weight"]).values()),
-                grad_norm=result.grad_norm, clipped=result.clip_coef < 1.0, excess=excess,
-                worst=worst,
-            ))
+            reports.append(
+                StepReport(
+                    step=step + 1,
+                    loss=result.loss,
+                    ref_loss=float(fp32["loss"]["loss"]),
+                    loss_rel=max(_rel_errors(ours["loss"], fp32["loss"]).values()),
+                    grad_rel=max(_rel_errors(ours["grad"], fp32["grad"]).values()),
+                    weight_rel=max(_rel_errors(ours["weight"], fp32["weight"]).values()),
+                    grad_norm=result.grad_norm,
+                    clipped=result.clip_coef < 1.0,
+                    excess=excess,
+                    worst=worst,
+                )
+            )
     finally:
         engine.close()
     return reports
 
 
-def _judge(ours: dict[str, dict[str, torch.Tensor]], exact: dict[str, dict[str, torch.Tensor]],
-           noisy: dict[str, dict[str, torch.Tensor]] | None, tol: dict[str, float],
-           per_tensor: bool) -> tuple[float, str]:
+def _judge(
+    ours: dict[str, dict[str, torch.Tensor]],
+    exact: dict[str, dict[str, torch.Tensor]],
+    noisy: dict[str, dict[str, torch.Tensor]] | None,
+    tol: dict[str, float],
+    per_tensor: bool,
+) -> tuple[float, str]:
     excess, worst = 0.0, ""
     for kind in ("loss", "grad", "weight"):
         group = _rel_errors if per_tensor else _global_rel_error
@@ -183,16 +209,13 @@ def _float64(model: torch.nn.Module) -> torch.nn.Module:
     """The model in float64; MoE experts on the eager path (grouped_mm has no float64 kernel)."""
     setter = getattr(model, "set_experts_implementation", None)
     if setter is not None:
-        try:
+        with contextlib.suppress(ValueError):  # no switchable experts implementation
             setter("eager")
-        except ValueError:
-            pass  # this model has no switchable experts implementation
     return model.double()
 
 
 def _all_finite(tensors: dict[str, dict[str, torch.Tensor]]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for group in tensors.values()
-               for t in group.values())
+    return all(bool(torch.isfinite(t).all()) for group in tensors.values() for t in group.values())
 
 
 def _snapshot(block: ParamBlock, out: dict[str, torch.Tensor]) -> None:
@@ -212,9 +235,15 @@ class _Reference:
     weights, which are cast back into the model after every step.
     """
 
-    def __init__(self, model: torch.nn.Module, decay: dict[str, bool], cfg: VerifyConfig,
-                 hyper: AdamWHyper, bf16_master: bool = False) -> None:
-        self.model = model.to(cfg.device)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        decay: dict[str, bool],
+        cfg: VerifyConfig,
+        hyper: AdamWHyper,
+        bf16_master: bool = False,
+    ) -> None:
+        self.model: Any = model.to(cfg.device)
         self.cfg = cfg
         self.named = dict(model.named_parameters())
         self.master = dict(self.named)
@@ -222,8 +251,10 @@ class _Reference:
             self.master = {n: torch.nn.Parameter(p.detach().clone()) for n, p in self.named.items()}
             self.model.to(torch.bfloat16)
         groups = [
-            {"params": [p for n, p in self.master.items() if decay[n]],
-             "weight_decay": cfg.weight_decay},
+            {
+                "params": [p for n, p in self.master.items() if decay[n]],
+                "weight_decay": cfg.weight_decay,
+            },
             {"params": [p for n, p in self.master.items() if not decay[n]], "weight_decay": 0.0},
         ]
         self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=hyper.betas, eps=hyper.eps)
@@ -234,11 +265,22 @@ class _Reference:
         total = 0.0
         for batch in micro:
             b = batch.to(cfg.device)
-            out = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                        position_ids=b.position_ids, use_cache=False)
+            out = model(
+                input_ids=b.input_ids,
+                attention_mask=b.attention_mask,
+                position_ids=b.position_ids,
+                use_cache=False,
+            )
             logits = out.logits if out.logits.dtype == torch.float64 else out.logits.float()
-            loss = F.cross_entropy(logits.flatten(0, 1), shifted_targets(b.labels).flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum") / denom
+            loss = (
+                F.cross_entropy(
+                    logits.flatten(0, 1),
+                    shifted_targets(b.labels).flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                / denom
+            )
             if getattr(out, "aux_loss", None) is not None:
                 loss = loss + model.router_aux_loss_coef * out.aux_loss / len(micro)
             loss.backward()
@@ -247,8 +289,9 @@ class _Reference:
             grad = self.named[name].grad
             if master is not self.named[name]:
                 master.grad = None if grad is None else grad.float()
-        grads = {n: p.grad.detach().cpu().clone() for n, p in self.master.items()
-                 if p.grad is not None}
+        grads = {
+            n: p.grad.detach().cpu().clone() for n, p in self.master.items() if p.grad is not None
+        }
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.master.values(), cfg.max_grad_norm)
         self.opt.step()
@@ -259,12 +302,14 @@ class _Reference:
                 if master is not self.named[name]:
                     self.named[name].copy_(master)
         weights = {n: p.detach().cpu() for n, p in self.master.items()}
-        return {"loss": {"loss": torch.tensor(total, dtype=torch.float64)}, "grad": grads,
-                "weight": weights}
+        return {
+            "loss": {"loss": torch.tensor(total, dtype=torch.float64)},
+            "grad": grads,
+            "weight": weights,
+        }
 
 
-def _rel_errors(ours: dict[str, torch.Tensor],
-                ref: dict[str, torch.Tensor]) -> dict[str, float]:
+def _rel_errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
     """||a - b|| / ||b|| per tensor (inf for NaN)."""
     out = {}
     for name, r in ref.items():
@@ -275,18 +320,21 @@ def _rel_errors(ours: dict[str, torch.Tensor],
     return out
 
 
-def _global_rel_error(ours: dict[str, torch.Tensor],
-                      ref: dict[str, torch.Tensor]) -> dict[str, float]:
+def _global_rel_error(
+    ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
+) -> dict[str, float]:
     """||a - b|| / ||b|| with every tensor of the group concatenated into one vector."""
-    diff_sq = sum(float((ours[n].double().cpu() - r.double().cpu()).square().sum())
-                  for n, r in ref.items())
+    diff_sq = sum(
+        float((ours[n].double().cpu() - r.double().cpu()).square().sum()) for n, r in ref.items()
+    )
     ref_sq = sum(float(r.double().square().sum()) for r in ref.values())
     rel = math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-30)
     return {"all": math.inf if math.isnan(rel) else rel}
 
 
-def _excess(engine_err: dict[str, float], noise_err: dict[str, float] | None,
-            tol: float) -> tuple[float, str]:
+def _excess(
+    engine_err: dict[str, float], noise_err: dict[str, float] | None, tol: float
+) -> tuple[float, str]:
     """Worst ratio of the engine's error to what is allowed, and the tensor it occurs in.
 
     Allowed: `tol`, or NOISE_FACTOR x the error plain PyTorch makes in the same precision
@@ -304,16 +352,22 @@ def _excess(engine_err: dict[str, float], noise_err: dict[str, float] | None,
 
 
 def format_report(reports: list[StepReport], tol: dict[str, float]) -> str:
-    lines = [f"{'step':>4} {'loss':>10} {'torch loss':>10} {'loss rel':>9} {'grad rel':>9} "
-             f"{'weight rel':>10} {'grad norm':>9} {'clipped':>7} {'excess':>7}"]
+    lines = [
+        f"{'step':>4} {'loss':>10} {'torch loss':>10} {'loss rel':>9} {'grad rel':>9} "
+        f"{'weight rel':>10} {'grad norm':>9} {'clipped':>7} {'excess':>7}"
+    ]
     for r in reports:
-        lines.append(f"{r.step:>4} {r.loss:>10.6f} {r.ref_loss:>10.6f} {r.loss_rel:>9.2e} "
-                     f"{r.grad_rel:>9.2e} {r.weight_rel:>10.2e} {r.grad_norm:>9.4f} "
-                     f"{'yes' if r.clipped else 'no':>7} {r.excess:>7.3f}")
+        lines.append(
+            f"{r.step:>4} {r.loss:>10.6f} {r.ref_loss:>10.6f} {r.loss_rel:>9.2e} "
+            f"{r.grad_rel:>9.2e} {r.weight_rel:>10.2e} {r.grad_norm:>9.4f} "
+            f"{'yes' if r.clipped else 'no':>7} {r.excess:>7.3f}"
+        )
     worst = max(reports, key=lambda r: r.excess)
-    lines.append(f"tolerance: loss {tol['loss']:.0e}, grad {tol['grad']:.0e}, weight "
-                 f"{tol['weight']:.0e}; excess = error / allowed (<= 1 passes); worst at step "
-                 f"{worst.step}: {worst.worst}")
+    lines.append(
+        f"tolerance: loss {tol['loss']:.0e}, grad {tol['grad']:.0e}, weight "
+        f"{tol['weight']:.0e}; excess = error / allowed (<= 1 passes); worst at step "
+        f"{worst.step}: {worst.worst}"
+    )
     return "\n".join(lines)
 
 

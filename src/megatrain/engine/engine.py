@@ -21,6 +21,7 @@ Shapes: B = rows, S = sequence, D = hidden size.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -54,10 +55,19 @@ class StepResult:
 
 
 class StreamingEngine:
-    def __init__(self, structure: ModelStructure, store: HostStore, optimizer: CpuAdamW, *,
-                 device: str | torch.device = "cpu", num_slots: int = 2,
-                 max_grad_norm: float | None = 1.0, loss_chunk_tokens: int | None = None,
-                 threaded_optimizer: bool = True, compile_layers: bool = False) -> None:
+    def __init__(
+        self,
+        structure: ModelStructure,
+        store: HostStore,
+        optimizer: CpuAdamW,
+        *,
+        device: str | torch.device = "cpu",
+        num_slots: int = 2,
+        max_grad_norm: float | None = 1.0,
+        loss_chunk_tokens: int | None = None,
+        threaded_optimizer: bool = True,
+        compile_layers: bool = False,
+    ) -> None:
         self.structure = structure
         self.store = store
         self.device = torch.device(device)
@@ -66,21 +76,31 @@ class StreamingEngine:
         self.transfers = Transfers(self.device)
         _move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
-        self.slots = LayerSlots(structure.layers, store.layers, device=self.device,
-                                dtype=self.dtype, num_slots=num_slots, transfers=self.transfers,
-                                compile_layers=compile_layers)
-        self.embedder = Embedder(device_copy(structure.embed, self.device), store.embed,
-                                 self.transfers, self.dtype)
+        self.slots = LayerSlots(
+            structure.layers,
+            store.layers,
+            device=self.device,
+            dtype=self.dtype,
+            num_slots=num_slots,
+            transfers=self.transfers,
+            compile_layers=compile_layers,
+        )
+        self.embedder = Embedder(
+            device_copy(structure.embed, self.device), store.embed, self.transfers, self.dtype
+        )
         self._build_head(loss_chunk_tokens)
         numel = max(b.numel for b in store.layers)
-        self._acc = [torch.empty(numel, dtype=torch.float32, device=self.device)
-                     for _ in range(2)]
-        self._stage = ([torch.empty(numel, dtype=torch.bfloat16, device=self.device)
-                        for _ in range(2)] if self.dtype == torch.bfloat16 else None)
+        self._acc = [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(2)]
+        self._stage = (
+            [torch.empty(numel, dtype=torch.bfloat16, device=self.device) for _ in range(2)]
+            if self.dtype == torch.bfloat16
+            else None
+        )
         self._acc_busy: list[Event] = [DONE, DONE]
         self.aux = RouterAux.for_model(structure)
-        self.taps = ([RouterTap(m, self.aux) for m in self.slots.modules]
-                     if self.aux is not None else [])
+        self.taps = (
+            [RouterTap(m, self.aux) for m in self.slots.modules] if self.aux is not None else []
+        )
         self.worker = UpdateWorker(optimizer, threaded=threaded_optimizer)
         self._preserve_rng = _uses_randomness(structure)
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
@@ -92,8 +112,9 @@ class StreamingEngine:
         self.norm = device_copy(st.final_norm, self.device)
         self.lm_head = device_copy(st.lm_head, self.device)
         self.head_buf = torch.empty(store.head.numel, dtype=self.dtype, device=self.device)
-        self.head_params = bind_module({"norm": self.norm, "lm_head": self.lm_head}, store.head,
-                                       self.head_buf)
+        self.head_params = bind_module(
+            {"norm": self.norm, "lm_head": self.lm_head}, store.head, self.head_buf
+        )
         self.head_acc = torch.zeros(store.head.numel, dtype=torch.float32, device=self.device)
         self.embed_acc = torch.zeros(store.embed.numel, dtype=torch.float32, device=self.device)
         self.head_grad_views = [store.head.view(self.head_acc, e) for e in store.head.entries]
@@ -125,8 +146,9 @@ class StreamingEngine:
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
             for order, block in enumerate(self.store.blocks):  # forward order
-                self.worker.submit(block, self._landed[block.name], order=order, lr=lr,
-                                   grad_scale=coef)
+                self.worker.submit(
+                    block, self._landed[block.name], order=order, lr=lr, grad_scale=coef
+                )
         self.slots.invalidate()
         loss_ce = float(ce)  # sync point (already synced above)
         aux_loss = None if aux is None else float(aux)
@@ -135,9 +157,14 @@ class StreamingEngine:
         timer.read(timeline)
         timeline.optimizer_s, self.worker.busy_s = self.worker.busy_s, 0.0
         return StepResult(
-            loss=loss_ce + (aux_loss or 0.0), ce_loss=loss_ce, aux_loss=aux_loss,
-            grad_norm=grad_norm, clip_coef=coef, tokens=sum(b.num_tokens for b in batches),
-            target_tokens=target_tokens, timeline=timeline,
+            loss=loss_ce + (aux_loss or 0.0),
+            ce_loss=loss_ce,
+            aux_loss=aux_loss,
+            grad_norm=grad_norm,
+            clip_coef=coef,
+            tokens=sum(b.num_tokens for b in batches),
+            target_tokens=target_tokens,
+            timeline=timeline,
         )
 
     @torch.no_grad()
@@ -158,18 +185,20 @@ class StreamingEngine:
 
     # ---------------------------------------------------------------- forward
 
-    def _forward(self, batches: list[Batch], training: bool, timeline: Timeline,
-                 timer: ComputeTimer) -> list[MicroBatch]:
+    def _forward(
+        self, batches: list[Batch], training: bool, timeline: Timeline, timer: ComputeTimer
+    ) -> list[MicroBatch]:
         timeline.wait_optimizer_s += self.worker.wait(self.store.embed)
-        mbs = [self.embedder.start(b, self.capture, training, self.aux is not None)
-               for b in batches]
+        mbs = [
+            self.embedder.start(b, self.capture, training, self.aux is not None) for b in batches
+        ]
         layers = self.store.layers
         for j in range(min(self.slots.num_slots, len(layers))):
             self._load_layer(j, timeline)
         if self.slots.num_slots >= len(layers):
             self._load_head(timeline)
         for i in range(len(layers)):
-            timer.start(lambda i=i: self.slots.acquire(i))
+            timer.start(functools.partial(self.slots.acquire, i))
             module = self.slots.modules[i]
             for mb in mbs:
                 mb.saved.append(mb.hidden)
@@ -192,16 +221,19 @@ class StreamingEngine:
 
     def _load_head(self, timeline: Timeline) -> None:
         timeline.wait_optimizer_s += self.worker.wait(self.store.head)
-        self._head_ready = self.transfers.h2d(self.head_buf, self.store.head.source,
-                                              after=self._head_free)
+        self._head_ready = self.transfers.h2d(
+            self.head_buf, self.store.head.source, after=self._head_free
+        )
         if self.structure.tied:
             timeline.wait_optimizer_s += self.worker.wait(self.store.embed)
             self.transfers.wait(self._head_ready)
-            self._head_ready = self.transfers.h2d(self.table_buf, self.store.embed.source,
-                                                  after=self._head_free)
+            self._head_ready = self.transfers.h2d(
+                self.table_buf, self.store.embed.source, after=self._head_free
+            )
 
-    def _run_layer(self, i: int, module: torch.nn.Module, mb: MicroBatch, x: torch.Tensor,
-                   record: bool) -> torch.Tensor:
+    def _run_layer(
+        self, i: int, module: torch.nn.Module, mb: MicroBatch, x: torch.Tensor, record: bool
+    ) -> torch.Tensor:
         tap = self.taps[i] if self.taps else None
         if tap is not None and tap.has_router:
             tap.armed = True
@@ -217,8 +249,9 @@ class StreamingEngine:
 
     # ---------------------------------------------------------------- loss
 
-    def _loss(self, mbs: list[MicroBatch], denom: float, training: bool, timer: ComputeTimer,
-              lr: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _loss(
+        self, mbs: list[MicroBatch], denom: float, training: bool, timer: ComputeTimer, lr: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         for ev in self._head_busy:
             self.transfers.wait(ev)  # previous step's gradient copies out of the accumulators
         self._head_busy = []
@@ -229,7 +262,10 @@ class StreamingEngine:
         ce = torch.zeros((), dtype=torch.float32, device=self.device)
         for mb in mbs:
             loss, mb.grad = self.loss_fn.run(
-                mb.hidden, mb.targets_BS, denom, self.head_params if training else None,
+                mb.hidden,
+                mb.targets_BS,
+                denom,
+                self.head_params if training else None,
                 self.head_grad_views if training else None,
             )
             ce += loss
@@ -252,8 +288,9 @@ class StreamingEngine:
 
     # ---------------------------------------------------------------- backward
 
-    def _backward(self, mbs: list[MicroBatch], timer: ComputeTimer,
-                  lr: float) -> list[torch.Tensor]:
+    def _backward(
+        self, mbs: list[MicroBatch], timer: ComputeTimer, lr: float
+    ) -> list[torch.Tensor]:
         layers, num_slots = self.store.layers, self.slots.num_slots
         for j in range(len(layers) - 1, max(-1, len(layers) - 1 - num_slots), -1):
             self.slots.load(j)  # no copy for layers still resident from the forward
@@ -262,7 +299,7 @@ class StreamingEngine:
             k = i % 2
             self.transfers.wait(self._acc_busy[k])  # this accumulator's last copy-out is done
             acc = self._acc[k][: block.numel]
-            timer.start(lambda i=i: self.slots.acquire(i))
+            timer.start(functools.partial(self.slots.acquire, i))
             acc.zero_()
             views = [block.view(acc, e) for e in block.entries]
             for mb in mbs:
@@ -279,8 +316,9 @@ class StreamingEngine:
         self._sumsq.append(self._ship(self.store.embed, self.embed_acc, lr))
         return self._sumsq
 
-    def _layer_backward(self, i: int, mb: MicroBatch, views: list[torch.Tensor],
-                        num_micro: int) -> None:
+    def _layer_backward(
+        self, i: int, mb: MicroBatch, views: list[torch.Tensor], num_micro: int
+    ) -> None:
         params = self.slots.params[i]
         x = mb.saved[i]
         assert x is not None and mb.grad is not None
@@ -293,8 +331,9 @@ class StreamingEngine:
                 assert self.aux is not None and mb.router_total is not None
                 scale = self.aux.coef / num_micro
                 for lg in tap.take():
-                    outputs.append(self.aux.surrogate(lg, mb.router_weights, mb.router_total)
-                                   * scale)
+                    outputs.append(
+                        self.aux.surrogate(lg, mb.router_weights, mb.router_total) * scale
+                    )
                     grads.append(torch.ones((), device=self.device))
         result = torch.autograd.grad(outputs, [x, *params], grads, allow_unused=True)
         mb.grad, mb.saved[i] = result[0], None
@@ -302,12 +341,16 @@ class StreamingEngine:
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [g for _, g in pairs])
 
-    def _ship(self, block: ParamBlock, acc: torch.Tensor, lr: float,
-              k: int | None = None) -> torch.Tensor:
+    def _ship(
+        self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None
+    ) -> torch.Tensor:
         """Copy a block's gradient to the host; returns its squared norm (on the device)."""
         if self._stage is not None:  # bf16 compute: the gradient travels (and lands) as bf16
-            src = self._stage[k][: block.numel] if k is not None else torch.empty(
-                block.numel, dtype=torch.bfloat16, device=self.device)
+            src = (
+                self._stage[k][: block.numel]
+                if k is not None
+                else torch.empty(block.numel, dtype=torch.bfloat16, device=self.device)
+            )
             src.copy_(acc)
         else:
             src = acc
@@ -319,8 +362,7 @@ class StreamingEngine:
             self._head_busy.append(landed)
         self._landed[block.name] = landed
         if self.max_grad_norm is None:
-            self.worker.submit(block, landed, order=self._order[block.name], lr=lr,
-                               grad_scale=1.0)
+            self.worker.submit(block, landed, order=self._order[block.name], lr=lr, grad_scale=1.0)
         return sumsq
 
 

@@ -79,8 +79,13 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 
 class ChunkedLoss:
-    def __init__(self, structure: ModelStructure, norm: nn.Module, lm_head: nn.Module,
-                 chunk_tokens: int | None) -> None:
+    def __init__(
+        self,
+        structure: ModelStructure,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        chunk_tokens: int | None,
+    ) -> None:
         self.norm = norm
         self.logits = LogitsFn(structure, lm_head)
         vocab = structure.causal_lm.config.get_text_config().vocab_size

@@ -47,14 +47,15 @@ def shifted_targets(labels_BS: torch.Tensor) -> torch.Tensor:
 
 
 class Embedder:
-    def __init__(self, embed: nn.Module, block: ParamBlock, transfers: Transfers,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, embed: nn.Module, block: ParamBlock, transfers: Transfers, dtype: torch.dtype
+    ) -> None:
         if [e.name for e in block.entries] != ["weight"] or len(block.entries[0].shape) != 2:
             raise ValueError(
                 f"input embedding {type(embed).__name__} must have exactly one 2-D weight; "
                 f"found {[(e.name, tuple(e.shape)) for e in block.entries]}"
             )
-        self.module = embed  # a device copy; its weight is set per micro-batch
+        self.module: Any = embed  # a device copy; its weight is set per micro-batch
         del self.module._parameters["weight"]
         self.pad_idx = getattr(embed, "padding_idx", None)
         self.block = block
@@ -62,19 +63,21 @@ class Embedder:
         self.dtype = dtype
         self.shape = block.entries[0].shape
 
-    def start(self, batch: Batch, capture: LayerCallCapture, training: bool,
-              with_router_weights: bool) -> MicroBatch:
+    def start(
+        self, batch: Batch, capture: LayerCallCapture, training: bool, with_router_weights: bool
+    ) -> MicroBatch:
         device = self.transfers.device
         uniq, inverse = torch.unique(batch.input_ids, return_inverse=True)
         table = self.block.source.view(self.shape)
-        rows_host = torch.empty((uniq.numel(), self.shape[1]), dtype=table.dtype,
-                                pin_memory=self.transfers.is_cuda)
+        rows_host = torch.empty(
+            (uniq.numel(), self.shape[1]), dtype=table.dtype, pin_memory=self.transfers.is_cuda
+        )
         torch.index_select(table, 0, uniq, out=rows_host)
         rows = torch.empty(rows_host.shape, dtype=self.dtype, device=device)
         self.transfers.wait(self.transfers.h2d(rows, rows_host))
         rows.requires_grad_(training)
         dev = batch.to(device)
-        self.module.weight = rows
+        self.module.weight = rows  # a plain attribute: the parameter was removed
         if self.pad_idx is not None:
             hit = torch.nonzero(uniq == self.pad_idx)
             self.module.padding_idx = int(hit[0, 0]) if hit.numel() else None
@@ -87,9 +90,13 @@ class Embedder:
             weights = dev.attention_mask.reshape(-1)
         first = captured.first_hidden
         return MicroBatch(
-            targets_BS=shifted_targets(batch.labels), rows_UD=rows,
-            ids_U=uniq.to(device, non_blocking=True), first_BSD=first, calls=captured.calls,
-            router_weights=weights, hidden=first.detach(),
+            targets_BS=shifted_targets(batch.labels),
+            rows_UD=rows,
+            ids_U=uniq.to(device, non_blocking=True),
+            first_BSD=first,
+            calls=captured.calls,
+            router_weights=weights,
+            hidden=first.detach(),
         )
 
     def backward(self, mb: MicroBatch, grad_acc_VD: torch.Tensor) -> None:

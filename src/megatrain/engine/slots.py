@@ -28,8 +28,9 @@ from megatrain.engine.transfers import Event, Transfers
 from megatrain.store.blocks import ParamBlock
 
 
-def bind_module(roots: dict[str, nn.Module], block: ParamBlock,
-                flat: torch.Tensor) -> list[nn.Parameter]:
+def bind_module(
+    roots: dict[str, nn.Module], block: ParamBlock, flat: torch.Tensor
+) -> list[nn.Parameter]:
     """Point the parameters of `roots` (copies of the block's HF modules) at views of `flat`.
 
     Returns the bound parameters in block-entry order (what autograd differentiates).
@@ -55,22 +56,30 @@ def device_copy(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 class LayerSlots:
-    def __init__(self, layers: nn.ModuleList, blocks: list[ParamBlock], *, device: torch.device,
-                 dtype: torch.dtype, num_slots: int, transfers: Transfers,
-                 compile_layers: bool = False) -> None:
+    def __init__(
+        self,
+        layers: nn.ModuleList,
+        blocks: list[ParamBlock],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_slots: int,
+        transfers: Transfers,
+        compile_layers: bool = False,
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"memory.num_slots must be >= 1, got {num_slots}")
         self.num_slots = min(num_slots, len(blocks))
         self.transfers = transfers
         numel = max(b.numel for b in blocks)
-        self.buffers = [torch.empty(numel, dtype=dtype, device=device)
-                        for _ in range(self.num_slots)]
+        self.buffers = [
+            torch.empty(numel, dtype=dtype, device=device) for _ in range(self.num_slots)
+        ]
         self.modules: list[nn.Module] = []
         self.params: list[list[nn.Parameter]] = []
         for i, (layer, block) in enumerate(zip(layers, blocks, strict=True)):
             module = device_copy(layer, device)
-            self.params.append(bind_module({"layer": module}, block,
-                                           self.buffers[self.slot(i)]))
+            self.params.append(bind_module({"layer": module}, block, self.buffers[self.slot(i)]))
             if compile_layers:
                 module.compile()  # in place: the bound parameters stay the module's own
             self.modules.append(module)
@@ -79,8 +88,9 @@ class LayerSlots:
             # attributes (layer index, window), so allow a recompile per layer and mode.
             dynamo = torch._dynamo.config
             dynamo.cache_size_limit = max(dynamo.cache_size_limit, 4 * len(blocks))
-            dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit,
-                                                      8 * len(blocks))
+            dynamo.accumulated_cache_size_limit = max(
+                dynamo.accumulated_cache_size_limit, 8 * len(blocks)
+            )
         self.blocks = blocks
         self.holds: list[int | None] = [None] * self.num_slots
         self._ready: list[Event | None] = [None] * self.num_slots
@@ -98,8 +108,9 @@ class LayerSlots:
         if self.holds[s] == layer:
             return
         block = self.blocks[layer]
-        self._ready[s] = self.transfers.h2d(self.buffers[s][: block.numel], block.source,
-                                            after=self._free[s])
+        self._ready[s] = self.transfers.h2d(
+            self.buffers[s][: block.numel], block.source, after=self._free[s]
+        )
         self.holds[s] = layer
 
     def acquire(self, layer: int) -> nn.Module:

@@ -29,16 +29,17 @@ class Timeline:
         return {k: round(v, 4) for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def summary(self) -> str:
-        return (f"step {self.step_s:.3f}s = compute {self.compute_s:.3f} | wait weights "
-                f"{self.wait_weights_s:.3f} | wait optimizer {self.wait_optimizer_s:.3f} | "
-                f"loss {self.loss_s:.3f} | host {self.host_s:.3f} (optimizer ran "
-                f"{self.optimizer_s:.3f}s on the CPU)")
+        return (
+            f"step {self.step_s:.3f}s = compute {self.compute_s:.3f} | wait weights "
+            f"{self.wait_weights_s:.3f} | wait optimizer {self.wait_optimizer_s:.3f} | "
+            f"loss {self.loss_s:.3f} | host {self.host_s:.3f} (optimizer ran "
+            f"{self.optimizer_s:.3f}s on the CPU)"
+        )
 
     @property
     def host_s(self) -> float:
         """What the step spent beyond GPU compute and waits: launch overhead, gathers, syncs."""
-        return max(0.0, self.step_s - self.compute_s - self.wait_weights_s
-                   - self.wait_optimizer_s)
+        return max(0.0, self.step_s - self.compute_s - self.wait_weights_s - self.wait_optimizer_s)
 
 
 class ComputeTimer:

@@ -60,8 +60,13 @@ class Transfers:
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> Event:
         return self._copy(dst, src, after, self.d2h_stream if self.is_cuda else None)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None,
-              stream: torch.cuda.Stream | None) -> Event:
+    def _copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        after: Event | None,
+        stream: torch.cuda.Stream | None,
+    ) -> Event:
         if stream is None:
             dst.copy_(src)
             return DONE

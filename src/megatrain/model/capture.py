@@ -149,8 +149,9 @@ class LayerCallCapture:
         elif hidden is not self._last_out:
             raise _Mismatch()
         _check_no_grad_kwargs(args, kwargs, index)
-        self._calls.append(LayerCall(args=tuple(args), kwargs=kwargs,
-                                     hidden_as_kwarg=hidden_as_kwarg))
+        self._calls.append(
+            LayerCall(args=tuple(args), kwargs=kwargs, hidden_as_kwarg=hidden_as_kwarg)
+        )
         if index == len(self.structure.layers) - 1:
             raise _Stop()
         self._last_out = hidden

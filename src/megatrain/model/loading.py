@@ -19,8 +19,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from megatrain.model.tiny import tiny_config
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def load_config(
@@ -40,8 +44,10 @@ def load_config(
         else:
             config = AutoConfig.for_model(model_type, **(overrides or {}))
     elif source is None:
-        raise ValueError("no model given: set model.name_or_path (hub id or directory) "
-                         "or model.model_type (with model.tiny: true for a tiny random model)")
+        raise ValueError(
+            "no model given: set model.name_or_path (hub id or directory) "
+            "or model.model_type (with model.tiny: true for a tiny random model)"
+        )
     else:
         config = AutoConfig.from_pretrained(
             _resolve(source), trust_remote_code=trust_remote_code, **(overrides or {})
@@ -83,7 +89,10 @@ def load_causal_lm(
     directory holds a config but no weights.
     """
     config = load_config(
-        source, model_type=model_type, tiny=tiny, trust_remote_code=trust_remote_code,
+        source,
+        model_type=model_type,
+        tiny=tiny,
+        trust_remote_code=trust_remote_code,
         overrides=config_overrides,
     )
     if hasattr(config, "use_cache"):
@@ -110,8 +119,10 @@ def _resolve(source: str) -> str:
                 "folder written by save_pretrained, or use a hub id like Qwen/Qwen2.5-0.5B"
             )
         return str(path)
-    looks_like_path = source.startswith((".", "/", "~")) or source.count("/") > 1 or (
-        os.sep != "/" and os.sep in source
+    looks_like_path = (
+        source.startswith((".", "/", "~"))
+        or source.count("/") > 1
+        or (os.sep != "/" and os.sep in source)
     )
     if looks_like_path or path.exists():
         raise FileNotFoundError(
@@ -125,6 +136,4 @@ def _has_weights(source: str) -> bool:
     path = Path(source).expanduser()
     if not path.is_dir():
         return True  # a hub id: from_pretrained downloads the weights
-    return any((path / name).exists() for name in _WEIGHT_FILES) or any(
-        path.glob("*.safetensors")
-    )
+    return any((path / name).exists() for name in _WEIGHT_FILES) or any(path.glob("*.safetensors"))

@@ -31,8 +31,9 @@ from megatrain.model.structure import ModelStructure
 class RouterAux:
     """Per-model description of the router aux loss; None-equivalent when HF would not add it."""
 
-    def __init__(self, router_class: type[nn.Module], index: int, num_experts: int, top_k: int,
-                 coef: float) -> None:
+    def __init__(
+        self, router_class: type[nn.Module], index: int, num_experts: int, top_k: int, coef: float
+    ) -> None:
         self.router_class = router_class
         self.index = index
         self.num_experts = num_experts
@@ -46,18 +47,28 @@ class RouterAux:
             return None
         module = sys.modules[type(lm).__module__]
         hf_func = getattr(module, "load_balancing_loss_func", None)
-        if hf_func is None or "load_balancing_loss_func(" not in inspect.getsource(type(lm).forward):
+        if hf_func is None or "load_balancing_loss_func(" not in inspect.getsource(
+            type(lm).forward
+        ):
             return None  # this model's forward never adds an aux loss
         spec = (getattr(type(structure.body), "_can_record_outputs", None) or {}).get(
             "router_logits"
         )
         name = type(lm).__name__
         if spec is None or not hasattr(spec, "target_class"):
-            raise ValueError(f"{name}: output_router_logits is set but the router module cannot "
-                             "be found (no router_logits recorder); set it to false")
+            raise ValueError(
+                f"{name}: output_router_logits is set but the router module cannot "
+                "be found (no router_logits recorder); set it to false"
+            )
+        lm_attrs: Any = lm  # plain attributes set by the MoE causal LM's __init__
         try:
-            aux = RouterAux(spec.target_class, spec.index, int(lm.num_experts),
-                            int(lm.num_experts_per_tok), float(lm.router_aux_loss_coef))
+            aux = RouterAux(
+                spec.target_class,
+                spec.index,
+                int(lm_attrs.num_experts),
+                int(lm_attrs.num_experts_per_tok),
+                float(lm_attrs.router_aux_loss_coef),
+            )
         except AttributeError as e:
             raise ValueError(f"{name}: output_router_logits is set but {e}") from e
         aux.check_against(hf_func, name)
@@ -79,8 +90,9 @@ class RouterAux:
         rows = total.rows
         return self.num_experts * torch.sum((total.counts / rows) * (total.prob_sum / rows))
 
-    def surrogate(self, logits: torch.Tensor, weights: torch.Tensor | None,
-                  total: RouterStats) -> torch.Tensor:
+    def surrogate(
+        self, logits: torch.Tensor, weights: torch.Tensor | None, total: RouterStats
+    ) -> torch.Tensor:
         """A scalar whose gradient w.r.t. this layer's logits equals that of `value`."""
         probs = torch.softmax(logits.float(), dim=-1)
         if weights is not None:
@@ -90,8 +102,9 @@ class RouterAux:
 
     def check_against(self, hf_func: Callable[..., Any], name: str) -> None:
         gen = torch.Generator().manual_seed(0)
-        layers = [torch.randn(6, self.num_experts, generator=gen, requires_grad=True)
-                  for _ in range(3)]
+        layers = [
+            torch.randn(6, self.num_experts, generator=gen, requires_grad=True) for _ in range(3)
+        ]
         mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
         for m in (None, mask):
             ref = hf_func(tuple(layers), self.num_experts, self.top_k, m)

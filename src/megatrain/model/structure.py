@@ -77,8 +77,14 @@ def discover(causal_lm: PreTrainedModel) -> ModelStructure:
     _check_no_other_params(causal_lm, body, embed, layers, final_norm, lm_head, name)
     _check_no_shared_params(layers, name)
     structure = ModelStructure(
-        causal_lm=causal_lm, body=body, body_attr=body_attr, embed=embed, layers=layers,
-        final_norm=final_norm, lm_head=lm_head, lm_head_attr=lm_head_attr,
+        causal_lm=causal_lm,
+        body=body,
+        body_attr=body_attr,
+        embed=embed,
+        layers=layers,
+        final_norm=final_norm,
+        lm_head=lm_head,
+        lm_head_attr=lm_head_attr,
         tied=lm_head.weight is embed.weight,
     )
     structure.groups = group_layers(structure)
@@ -110,8 +116,13 @@ def _find_final_norm(
 
 
 def _check_no_other_params(
-    causal_lm: nn.Module, body: nn.Module, embed: nn.Module, layers: nn.ModuleList,
-    final_norm: nn.Module, lm_head: nn.Module, name: str,
+    causal_lm: nn.Module,
+    body: nn.Module,
+    embed: nn.Module,
+    layers: nn.ModuleList,
+    final_norm: nn.Module,
+    lm_head: nn.Module,
+    name: str,
 ) -> None:
     known = {id(p) for m in (embed, layers, final_norm, lm_head) for p in m.parameters()}
     extra = [n for n, p in causal_lm.named_parameters() if id(p) not in known]

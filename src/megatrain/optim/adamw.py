@@ -38,8 +38,10 @@ class CpuAdamW:
         self.hyper = hyper
         self._lib = load_adamw_kernel() if impl in ("auto", "c") else None
         if impl == "c" and self._lib is None:
-            raise ValueError("optimizer.impl: c needs a C compiler with OpenMP (cc/gcc); "
-                             "install one or use impl: torch")
+            raise ValueError(
+                "optimizer.impl: c needs a C compiler with OpenMP (cc/gcc); "
+                "install one or use impl: torch"
+            )
         self.impl = "c" if self._lib is not None else "torch"
         self.num_threads = num_threads or torch.get_num_threads()
 
@@ -49,18 +51,34 @@ class CpuAdamW:
         beta1, beta2 = self.hyper.betas
         bc1 = 1.0 - beta1**block.step
         bc2_sqrt = math.sqrt(1.0 - beta2**block.step)
-        ranges = [(0, block.decay_numel, 1.0 - lr * self.hyper.weight_decay),
-                  (block.decay_numel, block.numel, 1.0)]
+        ranges = [
+            (0, block.decay_numel, 1.0 - lr * self.hyper.weight_decay),
+            (block.decay_numel, block.numel, 1.0),
+        ]
         for start, end, decay in ranges:
             if end > start:
                 if self._lib is not None:
                     self._update_c(block, start, end, decay, lr / bc1, bc2_sqrt, grad_scale)
                 else:
-                    self._update_torch(block, start, end, lr, grad_scale,
-                                       self.hyper.weight_decay if decay != 1.0 else 0.0)
+                    self._update_torch(
+                        block,
+                        start,
+                        end,
+                        lr,
+                        grad_scale,
+                        self.hyper.weight_decay if decay != 1.0 else 0.0,
+                    )
 
-    def _update_c(self, block: ParamBlock, start: int, end: int, decay: float, step_size: float,
-                  bc2_sqrt: float, grad_scale: float) -> None:
+    def _update_c(
+        self,
+        block: ParamBlock,
+        start: int,
+        end: int,
+        decay: float,
+        step_size: float,
+        bc2_sqrt: float,
+        grad_scale: float,
+    ) -> None:
         assert self._lib is not None
         beta1, beta2 = self.hyper.betas
         grad = block.grad_landing
@@ -70,23 +88,52 @@ class CpuAdamW:
             return t.data_ptr() + start * t.element_size()
 
         self._lib.mt_adamw(
-            ptr(block.master), ptr(block.exp_avg), ptr(block.exp_avg_sq), ptr(grad),
-            int(grad.dtype == torch.bfloat16), ptr(shadow) if shadow is not None else None,
-            end - start, decay, beta2, 1.0 - beta1, 1.0 - beta2, step_size, bc2_sqrt,
-            self.hyper.eps, grad_scale, self.num_threads,
+            ptr(block.master),
+            ptr(block.exp_avg),
+            ptr(block.exp_avg_sq),
+            ptr(grad),
+            int(grad.dtype == torch.bfloat16),
+            ptr(shadow) if shadow is not None else None,
+            end - start,
+            decay,
+            beta2,
+            1.0 - beta1,
+            1.0 - beta2,
+            step_size,
+            bc2_sqrt,
+            self.hyper.eps,
+            grad_scale,
+            self.num_threads,
         )
 
-    def _update_torch(self, block: ParamBlock, start: int, end: int, lr: float,
-                      grad_scale: float, weight_decay: float) -> None:
+    def _update_torch(
+        self,
+        block: ParamBlock,
+        start: int,
+        end: int,
+        lr: float,
+        grad_scale: float,
+        weight_decay: float,
+    ) -> None:
         beta1, beta2 = self.hyper.betas
         grad = block.grad_landing[start:end].float()  # a copy when the gradient is bf16
         if grad_scale != 1.0:
             grad.mul_(grad_scale)  # the landed gradient is not needed after its update
         p = block.master[start:end]
         torch._fused_adamw_(
-            [p], [grad], [block.exp_avg[start:end]], [block.exp_avg_sq[start:end]], [],
-            [torch.tensor(float(block.step))], lr=lr, beta1=beta1, beta2=beta2,
-            weight_decay=weight_decay, eps=self.hyper.eps, amsgrad=False, maximize=False,
+            [p],
+            [grad],
+            [block.exp_avg[start:end]],
+            [block.exp_avg_sq[start:end]],
+            [],
+            [torch.tensor(float(block.step))],
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=self.hyper.eps,
+            amsgrad=False,
+            maximize=False,
         )
         if block.shadow is not None:
             block.shadow[start:end].copy_(p)

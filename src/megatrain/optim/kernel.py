@@ -49,13 +49,15 @@ def load_adamw_kernel() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 check=True).stdout
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, check=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     key = hashlib.sha256(
-        "\n".join([_SRC.read_text(), compiler, version, " ".join(_FLAGS), platform.machine(),
-                   _cpu_id()]).encode()
+        "\n".join(
+            [_SRC.read_text(), compiler, version, " ".join(_FLAGS), platform.machine(), _cpu_id()]
+        ).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / key / "libmtadamw.so"
     if not target.exists() and not _build(compiler, target):
@@ -70,11 +72,13 @@ def _build(compiler: str, target: Path) -> bool:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *_FLAGS, str(_SRC), "-o", tmp, "-lm"],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [compiler, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True
+        )
         if result.returncode != 0:
-            warnings.warn(f"could not build the C AdamW kernel, using torch:\n{result.stderr}",
-                          stacklevel=3)
+            warnings.warn(
+                f"could not build the C AdamW kernel, using torch:\n{result.stderr}", stacklevel=3
+            )
             return False
         os.replace(tmp, target)
         return True

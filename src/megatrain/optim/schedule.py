@@ -26,8 +26,10 @@ class LRSchedule:
         if self.kind not in SCHEDULES:
             raise ValueError(f"optimizer.lr_scheduler={self.kind!r} must be one of {SCHEDULES}")
         if self.total_steps < 1:
-            raise ValueError(f"the run has {self.total_steps} optimizer steps; it needs >= 1 "
-                             "(more data, more epochs, or training.max_steps)")
+            raise ValueError(
+                f"the run has {self.total_steps} optimizer steps; it needs >= 1 "
+                "(more data, more epochs, or training.max_steps)"
+            )
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -44,4 +46,4 @@ class LRSchedule:
 
 
 def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:
-    return warmup_steps if warmup_steps > 0 else int(round(warmup_ratio * total_steps))
+    return warmup_steps if warmup_steps > 0 else round(warmup_ratio * total_steps)

@@ -50,15 +50,16 @@ class UpdateWorker:
         self._closed = False
         self._thread: threading.Thread | None = None
         if threaded:
-            self._thread = threading.Thread(target=self._loop, name="megatrain-adamw",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._loop, name="megatrain-adamw", daemon=True)
             self._thread.start()
 
-    def submit(self, block: ParamBlock, landed: Event, *, order: int, lr: float,
-               grad_scale: float) -> None:
+    def submit(
+        self, block: ParamBlock, landed: Event, *, order: int, lr: float, grad_scale: float
+    ) -> None:
         assert block.name not in self._tasks, f"{block.name}: previous update not collected"
-        task = _Task(order=order, seq=self._seq, block=block, landed=landed, lr=lr,
-                     grad_scale=grad_scale)
+        task = _Task(
+            order=order, seq=self._seq, block=block, landed=landed, lr=lr, grad_scale=grad_scale
+        )
         self._seq += 1
         self._tasks[block.name] = task
         if self._thread is None:

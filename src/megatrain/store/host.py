@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from megatrain.model.structure import ModelStructure
 from megatrain.store.blocks import ParamBlock, ParamEntry
@@ -52,8 +53,13 @@ class HostStore:
             for i, layer in enumerate(structure.layers)
         ]
         # A tied lm_head weight is already taken by the embedding block; its bias (if any) is not.
-        self.head = self._build("head", [("norm", structure.final_norm, prefix["norm"]),
-                                         ("lm_head", structure.lm_head, prefix["lm_head"])])
+        self.head = self._build(
+            "head",
+            [
+                ("norm", structure.final_norm, prefix["norm"]),
+                ("lm_head", structure.lm_head, prefix["lm_head"]),
+            ],
+        )
 
     @property
     def blocks(self) -> list[ParamBlock]:
@@ -79,8 +85,17 @@ class HostStore:
         entries, offset, decay_numel = [], 0, 0
         for root_key, pname, full, p in found:
             decay = self._decays(full, p)
-            entries.append(ParamEntry(owners=self._owners[id(p)], root=root_key, name=pname,
-                                      full_name=full, shape=p.shape, offset=offset, decay=decay))
+            entries.append(
+                ParamEntry(
+                    owners=self._owners[id(p)],
+                    root=root_key,
+                    name=pname,
+                    full_name=full,
+                    shape=p.shape,
+                    offset=offset,
+                    decay=decay,
+                )
+            )
             offset += p.numel()
             decay_numel += p.numel() if decay else 0
         master = torch.empty(offset, dtype=torch.float32, pin_memory=self._pin_master)
@@ -88,7 +103,11 @@ class HostStore:
             master[entry.offset : entry.offset + entry.numel].copy_(p.detach().reshape(-1))
             self._to_meta(entry, p)
         block = ParamBlock(
-            name=name, entries=entries, numel=offset, decay_numel=decay_numel, master=master,
+            name=name,
+            entries=entries,
+            numel=offset,
+            decay_numel=decay_numel,
+            master=master,
             exp_avg=torch.zeros(offset, dtype=torch.float32),
             exp_avg_sq=torch.zeros(offset, dtype=torch.float32),
         )
@@ -110,15 +129,16 @@ class HostStore:
         return not any(pat.search(full_name) for pat in self._patterns)
 
     def _to_meta(self, entry: ParamEntry, p: nn.Parameter) -> None:
-        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                            requires_grad=p.requires_grad)
+        meta = nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+        )
         self._meta[id(entry)] = meta
         self._taken.add(id(meta))  # a tied owner now holds the meta tensor: don't store it again
         for module, attr in entry.owners:
             setattr(module, attr, meta)
 
     @contextmanager
-    def bound(self, dtype: torch.dtype = torch.float32) -> Iterator[nn.Module]:
+    def bound(self, dtype: torch.dtype = torch.float32) -> Iterator[PreTrainedModel]:
         """The HF model with its current weights bound in, as `dtype` (fp32 or bf16).
 
         fp32 binds the master itself; bf16 binds the shadow (or a cast copy in fp32 compute).
@@ -148,8 +168,9 @@ def _own_storage(view: torch.Tensor) -> torch.Tensor:
     """The same memory as `view`, as a tensor whose storage covers just that memory."""
     flat = view.reshape(-1)
     if flat.dtype == torch.bfloat16:
-        return torch.from_numpy(flat.view(torch.int16).numpy()).view(torch.bfloat16).view(
-            view.shape)
+        return (
+            torch.from_numpy(flat.view(torch.int16).numpy()).view(torch.bfloat16).view(view.shape)
+        )
     return torch.from_numpy(flat.numpy()).view(view.shape)
 
 
