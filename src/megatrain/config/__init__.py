@@ -1,0 +1,57 @@
+"""A run's configuration: one frozen dataclass per YAML section, loaded from YAML + CLI overrides.
+
+    cfg = load_config("examples/qwen3_8b.yaml", ["--optimizer.learning_rate", "2e-5"])
+    cfg.model, cfg.data, cfg.training, cfg.optimizer, cfg.memory, cfg.logging, cfg.checkpoint
+    save_config(cfg, out_dir / "config.yaml")       # load_config(that file) == cfg
+
+Sections map one to one onto YAML mappings (`model:`, `data:`, ...); `data` is
+`megatrain.data.config.DataConfig`. Overrides are argv tokens `--section.key VALUE` or
+`--section.key=VALUE` (a dict field also takes `--section.key.sub VALUE`); VALUE is read as a
+YAML scalar or flow collection (`true`, `3`, `2e-5`, `[0.9, 0.95]`, `null`); when that does not
+fit the field's type but the field takes a string, the raw text is used (`--data.system_prompt
+"Note: be brief"`). Only the trainer and the CLI read this module.
+
+Invariants:
+- Every field has a default; every section's defaults validate except `model`, which needs
+  exactly one of `name_or_path` / `model_type`.
+- Values are type-checked against the field annotations on load: ints widen to float fields,
+  YAML lists become tuples for tuple fields, nothing else is converted.
+- Every error is a ValueError (FileNotFoundError for a missing file) that names the key as
+  `section.key`, the offending value and what is allowed.
+- `load_config(save_config(cfg))` gives back an equal `TrainConfig`.
+"""
+
+from megatrain.config.loading import config_to_dict, load_config, parse_overrides, save_config
+from megatrain.config.sections import (
+    ATTN_IMPLEMENTATIONS,
+    DTYPES,
+    LR_SCHEDULERS,
+    OPTIMIZER_IMPLS,
+    SECTIONS,
+    CheckpointConfig,
+    LoggingConfig,
+    MemoryConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
+    TrainingConfig,
+)
+
+__all__ = [
+    "ATTN_IMPLEMENTATIONS",
+    "DTYPES",
+    "LR_SCHEDULERS",
+    "OPTIMIZER_IMPLS",
+    "SECTIONS",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "MemoryConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "TrainConfig",
+    "TrainingConfig",
+    "config_to_dict",
+    "load_config",
+    "parse_overrides",
+    "save_config",
+]
