@@ -11,37 +11,12 @@ import sys
 import time
 from typing import Any
 
+import peers as _peers
 import torch
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "qwen2.5-3b": dict(
-        hidden_size=2048,
-        intermediate_size=11008,
-        num_hidden_layers=36,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        tie_word_embeddings=True,
-    ),
-}
+# The peers' presets (bench/peers.py, a copy of the team's shared baseline script) are ours too.
+PRESETS: dict[str, dict[str, Any]] = _peers.PRESETS
+host_rss_gib = _peers.host_rss_gib
 
 
 def preset_config(name: str) -> Any:
@@ -50,14 +25,6 @@ def preset_config(name: str) -> Any:
     return Qwen2Config(
         **PRESETS[name], max_position_embeddings=32768, use_cache=False, attn_implementation="sdpa"
     )
-
-
-def host_rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return round(int(line.split()[1]) / 2**20, 2)
-    return float("nan")
 
 
 def host_peak_rss_gib() -> float:
