@@ -20,20 +20,26 @@ from common import result
 
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.memory import host_zeros
 
 
-def make_blocks(total: int, block: int) -> list[ParamBlock]:
+def make_blocks(total: int, block: int, huge: bool) -> list[ParamBlock]:
+    def zeros(n: int) -> torch.Tensor:
+        return host_zeros(n, torch.float32) if huge else torch.zeros(n)
+
     blocks = []
     for i in range(0, total, block):
         n = min(block, total - i)
+        master = zeros(n)
+        master.normal_(0, 0.02)
         b = ParamBlock(
             name=f"b{i}",
             entries=[],
             numel=n,
             decay_numel=n,
-            master=torch.randn(n) * 0.02,
-            exp_avg=torch.zeros(n),
-            exp_avg_sq=torch.zeros(n),
+            master=master,
+            exp_avg=zeros(n),
+            exp_avg_sq=zeros(n),
         )
         b.shadow = torch.randn(n).to(torch.bfloat16)
         blocks.append(b)
@@ -73,9 +79,14 @@ def main() -> None:
     ap.add_argument("--block", type=float, default=80e6)
     ap.add_argument("--threads", default="")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--huge",
+        choices=["both", "yes", "no"],
+        default="both",
+        help="store buffers on madvise'd huge pages (megatrain's default), or not",
+    )
     a = ap.parse_args()
     total, block = int(a.params), int(a.block)
-    blocks = make_blocks(total, block)
     src, dst = torch.empty(total // 2), torch.empty(total // 2)
     copy_s = timed(lambda: dst.copy_(src), a.reps)
     result(
@@ -84,6 +95,12 @@ def main() -> None:
         threads=torch.get_num_threads(),
     )
     counts = [int(t) for t in a.threads.split(",") if t] or [torch.get_num_threads()]
+    for huge in {"both": [True, False], "yes": [True], "no": [False]}[a.huge]:
+        run_all(make_blocks(total, block, huge), counts, a.reps, huge)
+
+
+def run_all(blocks: list[ParamBlock], counts: list[int], reps: int, huge: bool) -> None:
+    total = sum(b.numel for b in blocks)
     for impl in ("c", "torch"):
         for threads in counts if impl == "c" else [torch.get_num_threads()]:
             opt = CpuAdamW(AdamWHyper(weight_decay=0.01), impl=impl, num_threads=threads)
@@ -95,14 +112,15 @@ def main() -> None:
 
                 if busy:
                     with Busy():
-                        s = timed(run, a.reps)
+                        s = timed(run, reps)
                 else:
-                    s = timed(run, a.reps)
+                    s = timed(run, reps)
                 result(
                     bench="adamw",
                     impl=impl,
                     threads=threads,
                     busy_main_thread=busy,
+                    huge_pages=huge,
                     params=total,
                     seconds=round(s, 3),
                     gparams_per_s=round(total / s / 1e9, 2),

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from megatrain.model.structure import ModelStructure
 from megatrain.store.blocks import ParamBlock, ParamEntry
+from megatrain.store.memory import host_zeros
 
 DEFAULT_NO_DECAY = ("bias", "norm")
 
@@ -98,7 +99,7 @@ class HostStore:
             )
             offset += p.numel()
             decay_numel += p.numel() if decay else 0
-        master = torch.empty(offset, dtype=torch.float32, pin_memory=self._pin_master)
+        master = host_zeros(offset, torch.float32, pin=self._pin_master)
         for entry, (_, _, _, p) in zip(entries, found, strict=True):
             master[entry.offset : entry.offset + entry.numel].copy_(p.detach().reshape(-1))
             self._to_meta(entry, p)
@@ -108,14 +109,14 @@ class HostStore:
             numel=offset,
             decay_numel=decay_numel,
             master=master,
-            exp_avg=torch.zeros(offset, dtype=torch.float32),
-            exp_avg_sq=torch.zeros(offset, dtype=torch.float32),
+            exp_avg=host_zeros(offset, torch.float32),
+            exp_avg_sq=host_zeros(offset, torch.float32),
         )
         if self.compute_dtype == torch.bfloat16:
             block.shadow = torch.empty(offset, dtype=torch.bfloat16, pin_memory=self.pin_memory)
             block.refresh_shadow()
         else:
-            block.grad = torch.zeros(offset, dtype=torch.float32, pin_memory=self.pin_memory)
+            block.grad = host_zeros(offset, torch.float32, pin=self.pin_memory)
         return block
 
     @property
