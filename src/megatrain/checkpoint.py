@@ -155,8 +155,12 @@ def export_hf(
         shutil.rmtree(tmp)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     with store.bound(torch_dtype) as model:
-        model.config.use_cache = True  # for generation after export
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        training_use_cache = model.config.use_cache
+        model.config.use_cache = True  # the exported model is for generation
+        try:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+        finally:
+            model.config.use_cache = training_use_cache
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     for file in tmp.iterdir():
