@@ -198,9 +198,18 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_estimate(sub: argparse._SubParsersAction) -> None:
+    from megatrain.estimate_cmd import add_estimate_arguments, run_estimate
+
+    p = sub.add_parser("estimate", help="host RAM, GPU peak and step time, before a run")
+    add_estimate_arguments(p)
+    p.set_defaults(func=run_estimate)
+
+
 _REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_train,
     _add_verify,
+    _add_estimate,
     _add_data,
     _add_export,
 ]

@@ -38,9 +38,18 @@ from megatrain.device import resolve_device
 from megatrain.engine.engine import StepResult, StreamingEngine
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.loading import load_causal_lm
+from megatrain.model.loading import load_config as load_hf_config
 from megatrain.model.structure import ModelStructure, discover
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
+from megatrain.resources import (
+    detect,
+    estimate,
+    gpu_problem,
+    host_problem,
+    model_spec,
+    pick_micro_batch,
+)
 from megatrain.store.host import HostStore
 
 
@@ -64,8 +73,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg)
         self.data = prepare_data(cfg.data, self.tokenizer)
         self.seq_len = cfg.training.seq_len or cfg.data.cutoff_len
+        self.micro_batch_size, self.grad_accum = self._plan_resources()
         self.structure = self._load_model()
-        self.micro_batch_size = self._micro_batch_size()
         self.store = HostStore(
             self.structure,
             compute_dtype=_DTYPES[cfg.model.compute_dtype],
@@ -138,17 +147,74 @@ class Trainer:
         print(f"model: {structure.describe()}", flush=True)
         return structure
 
-    def _micro_batch_size(self) -> int:
-        mbs = self.cfg.training.micro_batch_size
+    def _plan_resources(self) -> tuple[int, int]:
+        """Micro-batch and accumulation (resolving "auto"), checked to fit before loading.
+
+        Refuses, with the numbers and what to change, a run whose predicted host RAM or GPU
+        peak exceeds what this machine has (megatrain.resources), before anything large is
+        allocated. The GPU side applies on CUDA only.
+        """
+        cfg, t, mem = self.cfg, self.cfg.training, self.cfg.memory
+        m = cfg.model
+        hf_config = load_hf_config(
+            m.name_or_path,
+            model_type=m.model_type,
+            tiny=m.tiny,
+            trust_remote_code=m.trust_remote_code,
+            overrides=dict(m.config_overrides) or None,
+        )
+        spec = model_spec(hf_config, m.compute_dtype, m.attn_implementation)
+        hw = detect()
+        shape: dict[str, Any] = dict(
+            seq_len=self.seq_len,
+            num_slots=mem.num_slots,
+            padded=not cfg.data.packing,
+            packed=cfg.data.packing,
+            clipping=cfg.optimizer.max_grad_norm > 0,
+        )
+        mbs, ga = t.micro_batch_size, t.gradient_accumulation_steps
         if mbs == "auto":
-            raise ValueError("training.micro_batch_size: auto needs the resource estimator")
-        return int(mbs)
+            target: dict[str, Any] = (
+                {"tokens_per_step": t.global_batch_size * self.seq_len}
+                if t.global_batch_size
+                else {"grad_accum": ga}
+            )
+            mbs, ga, why = pick_micro_batch(
+                spec, hardware=hw, gpu_margin_gib=mem.gpu_margin_gib, **target, **shape
+            )
+            print(f"micro_batch_size auto: {why}; gradient accumulation {ga}", flush=True)
+        assert isinstance(mbs, int)
+        est = estimate(
+            spec,
+            micro_batch_size=mbs,
+            grad_accum=ga,
+            hardware=hw,
+            loss_chunk_tokens=mem.loss_chunk_tokens,
+            pin_memory=mem.pin_memory and self.device.type == "cuda",
+            **shape,
+        )
+        problems = [host_problem(est, hw, mem.host_margin_gib)]
+        if self.device.type == "cuda":
+            problems.append(gpu_problem(est, hw, mem.gpu_margin_gib))
+        if any(problems):
+            raise ValueError("this run does not fit: " + "; ".join(p for p in problems if p))
+        print(
+            f"resources: host {est.host.total_bytes / 2**30:.1f} GiB"
+            + (
+                f", GPU peak {est.gpu.peak_bytes / 2**30:.1f} GiB"
+                if self.device.type == "cuda"
+                else ""
+            )
+            + " (predicted)",
+            flush=True,
+        )
+        return mbs, ga
 
     def _total_steps(self) -> int:
         t = self.cfg.training
         if t.max_steps is not None:
             return t.max_steps
-        per_epoch = len(self.loader) / t.gradient_accumulation_steps
+        per_epoch = len(self.loader) / self.grad_accum
         return max(1, math.ceil(t.num_epochs * per_epoch))
 
     def _resume(self) -> None:
@@ -191,7 +257,7 @@ class Trainer:
         )
         losses: list[float] = []
         stream = self._micro_batches()
-        ga = cfg.training.gradient_accumulation_steps
+        ga = self.grad_accum
         checkpoint = None
         eval_loss = None
         try:

@@ -83,6 +83,10 @@ class TrainingConfig:
     """Rows per forward/backward: an integer >= 1, or "auto" (the largest that fits the GPU)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
+    global_batch_size: int | None = None
+    """Rows per optimizer step. With micro_batch_size "auto" the accumulation becomes
+    global_batch_size / micro-batch, so tokens per step stay fixed; None: "auto" keeps
+    gradient_accumulation_steps and grows the micro-batch."""
     seq_len: int | None = None
     """Row length for packing / maximum padded length; None: data.cutoff_len (must be >= it)."""
     max_steps: int | None = None
@@ -110,6 +114,13 @@ class TrainingConfig:
         check_int(
             "training.gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1
         )
+        check_int("training.global_batch_size", self.global_batch_size, minimum=1, optional=True)
+        if self.global_batch_size is not None and mbs != "auto":
+            raise ValueError(
+                f"training.global_batch_size={self.global_batch_size} is used only with "
+                "micro_batch_size: auto; otherwise rows per step are micro_batch_size x "
+                "gradient_accumulation_steps (set global_batch_size: null)"
+            )
         check_int("training.seq_len", self.seq_len, minimum=2, optional=True)
         check_int("training.max_steps", self.max_steps, minimum=1, optional=True)
         check_number("training.num_epochs", self.num_epochs, low=0.0, low_open=True)

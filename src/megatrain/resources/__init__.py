@@ -1,10 +1,10 @@
 """Resource estimate: host RAM, GPU peak and step time of a training setup, from the config.
 
-    spec = model_spec(hf_config, "bf16")            # meta-device model, counted once
-    hw = detect()  # or probe(), or Hardware(...)
-    est = estimate(spec, seq_len=2048, micro_batch_size=4, grad_accum=8, hardware=hw)
-    check_fits(est, hw, host_margin_gib=4, gpu_margin_gib=2)   # ValueError if not
-    b, ga, why = pick_micro_batch(spec, seq_len=2048, tokens_per_step=65536, hardware=hw)
+spec = model_spec(hf_config, "bf16")            # meta-device model, counted once
+hw = detect()  # or probe(), or Hardware(...)
+est = estimate(spec, seq_len=2048, micro_batch_size=4, grad_accum=8, hardware=hw)
+check_fits(est, hw, host_margin_gib=4, gpu_margin_gib=2)   # ValueError if not
+b, ga, why = pick_micro_batch(spec, seq_len=2048, tokens_per_step=65536, hardware=hw)
 """
 
 from megatrain.resources.batch_size import pick_micro_batch

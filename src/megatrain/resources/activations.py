@@ -21,7 +21,8 @@ bytes of the captured arguments, which the engine keeps for the whole step.
 What the GPU runs differently from meta tensors, and is substituted here:
 - `F.scaled_dot_product_attention` picks a fused kernel on CUDA (flash without a mask, memory
   efficient with one); on meta it would fall back to the math path, which materializes the
-  [B, H, S, S] scores. It is routed to the flash / efficient aten ops, which keep O(tokens).
+  [B, H, S, S] scores. It is routed to the flash / efficient aten ops, which keep O(tokens),
+  except where CUDA itself runs the math path (`_fused_attention`).
 - grouped_mm (MoE experts) has a bf16-only meta kernel; fp32 goes through transformers' loop
   fallback, whose meta kernel has the same memory.
 """
@@ -29,6 +30,7 @@ What the GPU runs differently from meta tensors, and is substituted here:
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,10 +56,11 @@ class _LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.ops = 0  # aten ops dispatched: kernels the GPU would launch
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
         out = func(*args, **(kwargs or {}))
         tree_map(self._track, out)
         return out
@@ -80,8 +83,7 @@ class _LiveBytes(TorchDispatchMode):
 class _GpuKernels(TorchFunctionMode):
     """Route attention and grouped matmuls to the kernels (and memory) the GPU would use."""
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return _fused_attention(*args, **kwargs)
@@ -91,41 +93,85 @@ class _GpuKernels(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                     is_causal: bool = False, scale: float | None = None,
-                     enable_gqa: bool = False) -> torch.Tensor:
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
+def _fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """sdpa's CUDA backend choice: flash (half precision, no mask; grouped-query heads as
+    they are), else memory-efficient (any mask, but equal heads), else the math path, which
+    materializes the scores: fp32 with grouped-query heads and no mask (HF passes enable_gqa
+    only without a mask) lands there (H200, Qwen3 fp32, 4096 tokens: 2.7 GiB above the
+    fused-kernel prediction, about three [heads, seq, seq] fp32 tensors)."""
+    grouped = enable_gqa and k.shape[-3] != q.shape[-3]
+    flash = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
+    if grouped and not flash:
+        return F.scaled_dot_product_attention(  # the mode is off inside its handler: math
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+    if grouped:  # counted as the repeated heads (conservative by 2 x tokens x kv width)
         repeat = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(repeat, -3), v.repeat_interleave(repeat, -3)
-    if attn_mask is None:
+    if flash:
         return torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, dropout_p, is_causal, False, scale=scale)[0]
-    if attn_mask.dtype == torch.bool:  # what sdpa does before the memory-efficient kernel
+            q, k, v, dropout_p, is_causal, False, scale=scale
+        )[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as sdpa does before the kernel
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            attn_mask.logical_not(), float("-inf"))
+            attn_mask.logical_not(), float("-inf")
+        )
     return torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+        q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale
+    )[0]
 
 
-def layer_bytes(spec: ModelSpec, rows: int, seq: int, layout: str) -> tuple[int, int]:
-    """(peak transient bytes of one layer's recompute + backward on one micro-batch, over the
-    layer groups; bytes of one micro-batch's captured call arguments)."""
+@dataclass(frozen=True)
+class LayerProfile:
+    """One micro-batch of `rows` x `seq` tokens through the decoder layers."""
+
+    peak_bytes: int  # transient of one layer's recompute + backward, max over layer groups
+    captured_bytes: int  # the micro-batch's captured call arguments (masks, rotary tables)
+    ops: list[tuple[int, int]]  # per layer: aten ops of its forward, of recompute + backward
+
+
+def layer_profile(spec: ModelSpec, rows: int, seq: int, layout: str) -> LayerProfile:
+    """Measure (once per shape and layout) every layer group's recompute + backward on meta."""
     key = ("layer", rows, seq, layout)
     if key not in spec.cache:
         captured, seq0, rows0 = _capture(spec, seq, layout)
         shapes = _Rescale(seq0, seq, rows0, rows)
-        calls = [LayerCall(tree_map(shapes.meta, c.args), tree_map(shapes.meta, c.kwargs),
-                           c.hidden_as_kwarg) for c in captured.calls]
-        peak = max(_layer_peak(spec, calls, g.layer_indices[0], rows, seq)
-                   for g in spec.structure.groups)
-        spec.cache[key] = (peak, shapes.bytes_of(captured.calls))
-    result: tuple[int, int] = spec.cache[key]
-    return result
+        calls = [
+            LayerCall(
+                tree_map(shapes.meta, c.args), tree_map(shapes.meta, c.kwargs), c.hidden_as_kwarg
+            )
+            for c in captured.calls
+        ]
+        peak, ops = 0, [(0, 0)] * spec.num_layers
+        for group in spec.structure.groups:
+            group_peak, group_ops = _layer_run(spec, calls, group.layer_indices[0], rows, seq)
+            peak = max(peak, group_peak)
+            for i in group.layer_indices:
+                ops[i] = group_ops
+        spec.cache[key] = LayerProfile(peak, shapes.bytes_of(captured.calls), ops)
+    profile: LayerProfile = spec.cache[key]
+    return profile
 
 
-def loss_chunk_bytes(spec: ModelSpec, chunk_tokens: int) -> int:
-    """Peak transient bytes of one fused loss chunk (engine/head.py), parameter grads included."""
+def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int]:
+    """(peak transient bytes, aten ops) of one fused loss chunk (engine/head.py), forward and
+    backward, parameter gradients included."""
     key = ("loss", chunk_tokens)
     if key not in spec.cache:
         st, dtype = spec.structure, spec.compute_dtype
@@ -139,24 +185,28 @@ def loss_chunk_bytes(spec: ModelSpec, chunk_tokens: int) -> int:
             loss = F.cross_entropy(logits(st.final_norm(h)).float(), targets, reduction="sum")
             grads = torch.autograd.grad(loss, [h, *params], allow_unused=True)
             del loss, grads
-        spec.cache[key] = tracker.peak
-    peak: int = spec.cache[key]
-    return peak
+        spec.cache[key] = (tracker.peak, tracker.ops)
+    result: tuple[int, int] = spec.cache[key]
+    return result
 
 
-def _layer_peak(spec: ModelSpec, calls: list[LayerCall], index: int, rows: int,
-                seq: int) -> int:
+def _layer_run(
+    spec: ModelSpec, calls: list[LayerCall], index: int, rows: int, seq: int
+) -> tuple[int, tuple[int, int]]:
+    """(peak bytes, (forward ops, recompute + backward ops)) of layer `index`."""
     layer = spec.structure.layers[index]
     params = list(layer.parameters())
-    x = torch.empty(rows, seq, spec.hidden_size, dtype=spec.compute_dtype, device="meta",
-                    requires_grad=True)
+    x = torch.empty(
+        rows, seq, spec.hidden_size, dtype=spec.compute_dtype, device="meta", requires_grad=True
+    )
     grad_out = torch.empty_like(x)  # mb.grad: counted by the caller, not here
     tracker = _LiveBytes()
     with torch.enable_grad(), _GpuKernels(), tracker:
         out = calls[index].run(layer, x)
+        forward_ops = tracker.ops
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)
         del out, grads
-    return tracker.peak
+    return tracker.peak, (forward_ops, tracker.ops)
 
 
 def _capture(spec: ModelSpec, seq: int, layout: str) -> tuple[CapturedCalls, int, int]:
@@ -177,12 +227,13 @@ def _run_capture(spec: ModelSpec, seq: int, layout: str) -> tuple[CapturedCalls,
     mask = positions = None
     if layout == "padded":  # the last row is shorter: HF builds a 4-D padding mask
         mask = torch.ones(rows0, seq0, dtype=torch.long)
-        mask[-1, seq0 - max(1, seq0 // 4):] = 0
+        mask[-1, seq0 - max(1, seq0 // 4) :] = 0
     elif layout == "packed":  # two samples per row: position ids restart mid-row
         half = seq0 // 2
         positions = torch.cat([torch.arange(half), torch.arange(seq0 - half)]).expand(rows0, -1)
     captured = LayerCallCapture(spec.structure).capture(
-        embeds.expand(rows0, seq0, -1), mask, positions)
+        embeds.expand(rows0, seq0, -1), mask, positions
+    )
     return captured, seq0, rows0
 
 

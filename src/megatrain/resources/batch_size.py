@@ -17,12 +17,21 @@ from megatrain.resources.hardware import GIB, Hardware, gib
 from megatrain.resources.spec import ModelSpec
 
 
-def pick_micro_batch(config: PretrainedConfig | ModelSpec, *, seq_len: int,
-                     tokens_per_step: int | None = None, grad_accum: int | None = None,
-                     hardware: Hardware, gpu_margin_gib: float = 2.0,
-                     compute_dtype: str | None = None, num_slots: int = 2, padded: bool = True,
-                     packed: bool = False, clipping: bool = True,
-                     max_micro_batch_size: int = 64) -> tuple[int, int, str]:
+def pick_micro_batch(
+    config: PretrainedConfig | ModelSpec,
+    *,
+    seq_len: int,
+    tokens_per_step: int | None = None,
+    grad_accum: int | None = None,
+    hardware: Hardware,
+    gpu_margin_gib: float = 2.0,
+    compute_dtype: str | None = None,
+    num_slots: int = 2,
+    padded: bool = True,
+    packed: bool = False,
+    clipping: bool = True,
+    max_micro_batch_size: int = 64,
+) -> tuple[int, int, str]:
     """(micro_batch_size, grad_accum, reason). Raises ValueError, with the numbers and what to
     change, when not even the smallest candidate fits."""
     if (tokens_per_step is None) == (grad_accum is None):
@@ -31,22 +40,34 @@ def pick_micro_batch(config: PretrainedConfig | ModelSpec, *, seq_len: int,
     if tokens_per_step is not None:
         rows = tokens_per_step // seq_len
         if rows < 1 or rows * seq_len != tokens_per_step:
-            raise ValueError(f"tokens_per_step ({tokens_per_step}) must be a multiple of "
-                             f"seq_len ({seq_len})")
+            raise ValueError(
+                f"tokens_per_step ({tokens_per_step}) must be a multiple of seq_len ({seq_len})"
+            )
         candidates = [(b, rows // b) for b in range(1, rows + 1) if rows % b == 0]
     else:
         assert grad_accum is not None
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-        candidates = [(1 << k, grad_accum) for k in range(max_micro_batch_size.bit_length())
-                      if 1 << k <= max_micro_batch_size]
+        candidates = [
+            (1 << k, grad_accum)
+            for k in range(max_micro_batch_size.bit_length())
+            if 1 << k <= max_micro_batch_size
+        ]
     budget = hardware.gpu_bytes - gpu_margin_gib * GIB
 
     def predict(i: int) -> Estimate:
         b, ga = candidates[i]
-        return estimate(spec, seq_len=seq_len, micro_batch_size=b, grad_accum=ga,
-                        num_slots=num_slots, padded=padded, packed=packed, clipping=clipping,
-                        hardware=hardware)
+        return estimate(
+            spec,
+            seq_len=seq_len,
+            micro_batch_size=b,
+            grad_accum=ga,
+            num_slots=num_slots,
+            padded=padded,
+            packed=packed,
+            clipping=clipping,
+            hardware=hardware,
+        )
 
     smallest = predict(0)
     problem = gpu_problem(smallest, hardware, gpu_margin_gib)
@@ -63,15 +84,19 @@ def pick_micro_batch(config: PretrainedConfig | ModelSpec, *, seq_len: int,
         else:
             hi, too_big = mid - 1, guess
     b, ga = candidates[lo]
-    if lo + 1 < len(candidates) and (too_big is None or too_big.settings["micro_batch_size"]
-                                     != candidates[lo + 1][0]):
+    if lo + 1 < len(candidates) and (
+        too_big is None or too_big.settings["micro_batch_size"] != candidates[lo + 1][0]
+    ):
         too_big = predict(lo + 1)
-    reason = (f"micro_batch_size {b} x grad_accum {ga} ({b * ga * seq_len} tokens/step): "
-              f"predicted GPU peak {gib(best.gpu.peak_bytes)} of {gib(hardware.gpu_bytes)} "
-              f"(margin {gpu_margin_gib:g} GiB)")
+    reason = (
+        f"micro_batch_size {b} x grad_accum {ga} ({b * ga * seq_len} tokens/step): "
+        f"predicted GPU peak {gib(best.gpu.peak_bytes)} of {gib(hardware.gpu_bytes)} "
+        f"(margin {gpu_margin_gib:g} GiB)"
+    )
     if too_big is not None:
-        reason += (f"; {too_big.settings['micro_batch_size']} would need "
-                   f"{gib(too_big.gpu.peak_bytes)}")
+        reason += (
+            f"; {too_big.settings['micro_batch_size']} would need {gib(too_big.gpu.peak_bytes)}"
+        )
     else:
         reason += "; the largest candidate"
     return b, ga, reason

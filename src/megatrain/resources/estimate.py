@@ -4,10 +4,13 @@ Host (bytes per parameter P; the store of store/host.py, every block):
 - bf16 compute: fp32 master + exp_avg + exp_avg_sq pageable (12), bf16 shadow pinned (2;
   gradients land in it). fp32 compute: exp_avg + exp_avg_sq pageable (8), fp32 master and
   fp32 gradient pinned (8).
-- Pinned blocks come from torch's caching host allocator, which rounds every allocation up to
-  a power of two (ATen CachingHostAllocator: `PowerOf2Ceil`) and pins the whole rounded size:
-  a 154 MB layer shadow takes 256 MiB. `pinned_reserved_bytes` counts that.
+- Pinned blocks of 32 MiB and more are huge-page mappings page-locked with cudaHostRegister
+  (store/memory.py): their size rounded up to 2 MiB. Smaller ones come from torch's caching
+  host allocator, which rounds up to a power of two. `pinned_reserved_bytes` counts that.
 - Plus the process baseline (python, torch, CUDA context) and the tokenized data.
+- Large pageable buffers are zero pages until first written (store/memory.py): the RSS of
+  the Adam states appears with the first optimizer update, so `total_bytes` is what the
+  process holds from the first step on.
 
 GPU (what `torch.cuda.max_memory_allocated` sees; c = bytes of the compute dtype, L layers,
 T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph head block):
@@ -31,20 +34,24 @@ import torch
 from transformers import PretrainedConfig
 
 from megatrain.engine.head import default_chunk_tokens
-from megatrain.resources.activations import layer_bytes, loss_chunk_bytes
+from megatrain.resources.activations import LayerProfile, layer_profile, loss_chunk
 from megatrain.resources.hardware import GIB, Hardware, detect, gib
 from megatrain.resources.spec import ModelSpec, build_spec
 from megatrain.resources.timing import StepTime, step_time
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-           "float32": torch.float32}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 @dataclass(frozen=True)
 class HostMemory:
     pageable_bytes: int
     pinned_bytes: int  # what the store asks for
-    pinned_reserved_bytes: int  # what the caching host allocator pins (power-of-two blocks)
+    pinned_reserved_bytes: int  # what is page-locked: 2 MiB or power-of-two rounding
     baseline_bytes: int  # python + torch + CUDA context
     data_bytes: int
     total_bytes: int
@@ -77,6 +84,7 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["host"]["store_bytes"] = self.host.store_bytes
         out["hardware"]["measured"] = list(self.hardware.measured)
         return out
 
@@ -91,9 +99,11 @@ def compute_dtype_of(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-def model_spec(config: PretrainedConfig | ModelSpec,
-               compute_dtype: str | torch.dtype | None = None,
-               attn_implementation: str | None = None) -> ModelSpec:
+def model_spec(
+    config: PretrainedConfig | ModelSpec,
+    compute_dtype: str | torch.dtype | None = None,
+    attn_implementation: str | None = None,
+) -> ModelSpec:
     """The spec of `config` in `compute_dtype` (a spec is reused when its dtype matches).
 
     `compute_dtype` None: a spec's own dtype, else bf16.
@@ -108,12 +118,22 @@ def model_spec(config: PretrainedConfig | ModelSpec,
     return build_spec(config, dtype, attn_implementation)
 
 
-def estimate(config: PretrainedConfig | ModelSpec, *, seq_len: int, micro_batch_size: int,
-             grad_accum: int = 1, compute_dtype: str | torch.dtype | None = None,
-             num_slots: int = 2,
-             padded: bool = True, packed: bool = False, clipping: bool = True,
-             hardware: Hardware | None = None, loss_chunk_tokens: int | None = None,
-             data_bytes: int = 0, pin_memory: bool = True) -> Estimate:
+def estimate(
+    config: PretrainedConfig | ModelSpec,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    grad_accum: int = 1,
+    compute_dtype: str | torch.dtype | None = None,
+    num_slots: int = 2,
+    padded: bool = True,
+    packed: bool = False,
+    clipping: bool = True,
+    hardware: Hardware | None = None,
+    loss_chunk_tokens: int | None = None,
+    data_bytes: int = 0,
+    pin_memory: bool = True,
+) -> Estimate:
     """Predict host RAM, GPU peak and step time of training `config` with these settings.
 
     `padded`: micro-batches carry padding masks (4-D [B,1,S,S] masks under sdpa); `packed`:
@@ -121,8 +141,12 @@ def estimate(config: PretrainedConfig | ModelSpec, *, seq_len: int, micro_batch_
     `clipping`: gradient-norm clipping on (the optimizer then starts after the backward).
     `compute_dtype` "bf16" or "fp32"; None: the spec's, or bf16 for a config.
     """
-    for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
-                        ("grad_accum", grad_accum), ("num_slots", num_slots)):
+    for name, value in (
+        ("seq_len", seq_len),
+        ("micro_batch_size", micro_batch_size),
+        ("grad_accum", grad_accum),
+        ("num_slots", num_slots),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if padded and packed:
@@ -130,50 +154,95 @@ def estimate(config: PretrainedConfig | ModelSpec, *, seq_len: int, micro_batch_
     spec = model_spec(config, compute_dtype)
     hw = hardware or detect()
     layout = "padded" if padded else "packed" if packed else "full"
-    chunk = min(loss_chunk_tokens or default_chunk_tokens(spec.vocab_size),
-                micro_batch_size * seq_len)
-    gpu = gpu_memory(spec, rows=micro_batch_size, seq=seq_len, micro_batches=grad_accum,
-                     num_slots=num_slots, layout=layout, chunk_tokens=chunk)
+    chunk = min(
+        loss_chunk_tokens or default_chunk_tokens(spec.vocab_size), micro_batch_size * seq_len
+    )
+    profile = layer_profile(spec, micro_batch_size, seq_len, layout)
+    gpu = gpu_memory(
+        spec,
+        profile,
+        tokens_mb=micro_batch_size * seq_len,
+        micro_batches=grad_accum,
+        num_slots=num_slots,
+        chunk_tokens=chunk,
+    )
     host = host_memory(spec, hw, data_bytes=data_bytes, pin_memory=pin_memory)
-    timing = step_time(spec, hw, rows=micro_batch_size, seq=seq_len, micro_batches=grad_accum,
-                       num_slots=num_slots, clipping=clipping)
-    settings = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-                    tokens_per_step=seq_len * micro_batch_size * grad_accum,
-                    compute_dtype="bf16" if spec.compute_dtype == torch.bfloat16 else "fp32",
-                    num_slots=min(num_slots, spec.num_layers), layout=layout,
-                    clipping=clipping, loss_chunk_tokens=chunk)
-    return Estimate(model=spec.describe(), total_params=spec.total_params,
-                    active_params=spec.active_params, layer_params_max=spec.layer_params_max,
-                    settings=settings, host=host, gpu=gpu, time=timing, hardware=hw,
-                    notes=_notes(hw))
+    chunks_per_mb = -(-micro_batch_size * seq_len // chunk)
+    timing = step_time(
+        spec,
+        hw,
+        rows=micro_batch_size,
+        seq=seq_len,
+        micro_batches=grad_accum,
+        num_slots=num_slots,
+        clipping=clipping,
+        layer_ops=profile.ops,
+        loss_ops=chunks_per_mb * loss_chunk(spec, chunk)[1],
+    )
+    settings = dict(
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        tokens_per_step=seq_len * micro_batch_size * grad_accum,
+        compute_dtype="bf16" if spec.compute_dtype == torch.bfloat16 else "fp32",
+        num_slots=min(num_slots, spec.num_layers),
+        layout=layout,
+        clipping=clipping,
+        loss_chunk_tokens=chunk,
+    )
+    return Estimate(
+        model=spec.describe(),
+        total_params=spec.total_params,
+        active_params=spec.active_params,
+        layer_params_max=spec.layer_params_max,
+        settings=settings,
+        host=host,
+        gpu=gpu,
+        time=timing,
+        hardware=hw,
+        notes=_notes(hw),
+    )
 
 
-def host_memory(spec: ModelSpec, hw: Hardware, *, data_bytes: int = 0,
-                pin_memory: bool = True) -> HostMemory:
+HOST_REGISTER_MIN_BYTES = 32 << 20
+
+
+def host_memory(
+    spec: ModelSpec, hw: Hardware, *, data_bytes: int = 0, pin_memory: bool = True
+) -> HostMemory:
     numels = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
     if spec.compute_dtype == torch.bfloat16:
         pageable, pinned_per_block = 12, [2 * n for n in numels]
     else:
         pageable, pinned_per_block = 8, [4 * n for n in numels] * 2  # master and gradient
     pinned = sum(pinned_per_block)
-    reserved = sum(_pow2_ceil(b) for b in pinned_per_block) if pin_memory else pinned
+    reserved = sum(_pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
     total = pageable * sum(numels) + reserved + hw.process_baseline_bytes + data_bytes
     return HostMemory(
-        pageable_bytes=pageable * sum(numels), pinned_bytes=pinned,
-        pinned_reserved_bytes=reserved, baseline_bytes=hw.process_baseline_bytes,
-        data_bytes=data_bytes, total_bytes=total,
+        pageable_bytes=pageable * sum(numels),
+        pinned_bytes=pinned,
+        pinned_reserved_bytes=reserved,
+        baseline_bytes=hw.process_baseline_bytes,
+        data_bytes=data_bytes,
+        total_bytes=total,
         load_peak_bytes=total + 4 * max(numels),  # the block being moved exists twice
     )
 
 
-def gpu_memory(spec: ModelSpec, *, rows: int, seq: int, micro_batches: int, num_slots: int,
-               layout: str, chunk_tokens: int) -> GpuMemory:
+def gpu_memory(
+    spec: ModelSpec,
+    profile: LayerProfile,
+    *,
+    tokens_mb: int,
+    micro_batches: int,
+    num_slots: int,
+    chunk_tokens: int,
+) -> GpuMemory:
     c = torch.finfo(spec.compute_dtype).bits // 8
     bf16 = spec.compute_dtype == torch.bfloat16
     pl, d, table = spec.layer_params_max, spec.hidden_size, spec.embed_params
-    tokens_mb = rows * seq
     tokens = tokens_mb * micro_batches
-    layer_peak, captured = layer_bytes(spec, rows, seq, layout)
+    layer_peak, captured = profile.peak_bytes, profile.captured_bytes
     base = {
         "weight slots": min(num_slots, spec.num_layers) * pl * c,
         "gradient accumulators (fp32)": 2 * pl * 4,
@@ -184,14 +253,20 @@ def gpu_memory(spec: ModelSpec, *, rows: int, seq: int, micro_batches: int, num_
         "embedding rows": micro_batches * min(tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": micro_batches * captured,
     }
-    boundary = {"boundary activations": spec.num_layers * tokens * d * c,
-                "last hidden / its gradient": tokens * d * c}
+    boundary = {
+        "boundary activations": spec.num_layers * tokens * d * c,
+        "last hidden / its gradient": tokens * d * c,
+    }
     phases = {
         "layer backward": {**boundary, "one layer recompute + backward": layer_peak},
-        "loss": {**boundary, "loss chunk + hidden gradient":
-                 loss_chunk_bytes(spec, chunk_tokens) + tokens_mb * d * c},
-        "embedding backward": {"layer-0 inputs + gradients": 2 * tokens * d * c,
-                               "embedding gradient staging": table * 2 if bf16 else 0},
+        "loss": {
+            **boundary,
+            "loss chunk + hidden gradient": loss_chunk(spec, chunk_tokens)[0] + tokens_mb * d * c,
+        },
+        "embedding backward": {
+            "layer-0 inputs + gradients": 2 * tokens * d * c,
+            "embedding gradient staging": table * 2 if bf16 else 0,
+        },
     }
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     items = {k: v for k, v in {**base, **phases[phase]}.items() if v}
@@ -202,24 +277,58 @@ def _pow2_ceil(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else n
 
 
+def _pinned_reserved(nbytes: int) -> int:
+    """Host bytes a pinned block costs (megatrain.store.memory.host_zeros).
+
+    Blocks of 32 MiB and more are huge-page mappings registered with cudaHostRegister: their
+    size rounded up to 2 MiB. Smaller ones come from torch's caching host allocator, which
+    rounds up to a power of two.
+    """
+    if nbytes >= HOST_REGISTER_MIN_BYTES:
+        return -(-nbytes // (2 << 20)) * (2 << 20)
+    return _pow2_ceil(nbytes)
+
+
 def _notes(hw: Hardware) -> list[str]:
-    assumed = [f for f in ("gpu_bytes", "host_bytes", "h2d_gbps", "d2h_gbps",
-                           "gpu_tflops_bf16", "optimizer_gparams_s", "process_baseline_bytes")
-               if f not in hw.measured]
-    notes = ["all tokens assumed supervised (loss FLOPs) and every padded micro-batch assumed "
-             "to carry a padding mask"]
+    assumed = [
+        f
+        for f in (
+            "gpu_bytes",
+            "host_bytes",
+            "h2d_gbps",
+            "d2h_gbps",
+            "gpu_tflops_bf16",
+            "optimizer_gparams_s",
+            "process_baseline_bytes",
+        )
+        if f not in hw.measured
+    ]
+    notes = [
+        "all tokens assumed supervised (loss FLOPs) and every padded micro-batch assumed "
+        "to carry a padding mask"
+    ]
     if assumed:
-        notes.append(f"assumed, not measured here: {', '.join(assumed)} (defaults of the H100 "
-                     "test host; `megatrain estimate --probe` measures them)")
+        notes.append(
+            f"assumed, not measured here: {', '.join(assumed)} (defaults of the H100 "
+            "test host; `megatrain estimate --probe` measures them)"
+        )
     return notes
 
 
-def check_fits(est: Estimate, hardware: Hardware | None = None, *, host_margin_gib: float = 4.0,
-               gpu_margin_gib: float = 2.0) -> None:
+def check_fits(
+    est: Estimate,
+    hardware: Hardware | None = None,
+    *,
+    host_margin_gib: float = 4.0,
+    gpu_margin_gib: float = 2.0,
+) -> None:
     """Raise ValueError, with the numbers and what to change, when host RAM or GPU won't do."""
     hw = hardware or est.hardware
-    problems = [p for p in (host_problem(est, hw, host_margin_gib),
-                            gpu_problem(est, hw, gpu_margin_gib)) if p]
+    problems = [
+        p
+        for p in (host_problem(est, hw, host_margin_gib), gpu_problem(est, hw, gpu_margin_gib))
+        if p
+    ]
     if problems:
         raise ValueError("this setup does not fit: " + "; ".join(problems))
 
@@ -231,12 +340,14 @@ def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
         return None
     per_param = h.store_bytes / est.total_params
     fp32 = est.settings["compute_dtype"] == "fp32"
-    return (f"host RAM: predicted {gib(h.total_bytes)} (store {gib(h.store_bytes)} = "
-            f"{per_param:.0f} B/param x {est.total_params / 1e9:.2f}B params, pinned blocks "
-            f"rounded up to {gib(h.pinned_reserved_bytes)}, process {gib(h.baseline_bytes)}, "
-            f"data {gib(h.data_bytes)}) > {gib(free)} available ({gib(hw.host_bytes)} "
-            f"total - margin {margin_gib:g} GiB). Use a machine with more RAM, a smaller "
-            "model" + (", or bf16 compute (14 instead of 16 B/param)" if fp32 else ""))
+    return (
+        f"host RAM: predicted {gib(h.total_bytes)} (store {gib(h.store_bytes)} = "
+        f"{per_param:.0f} B/param x {est.total_params / 1e9:.2f}B params, pinned blocks "
+        f"rounded up to {gib(h.pinned_reserved_bytes)}, process {gib(h.baseline_bytes)}, "
+        f"data {gib(h.data_bytes)}) > {gib(free)} available ({gib(hw.host_bytes)} "
+        f"total - margin {margin_gib:g} GiB). Use a machine with more RAM, a smaller "
+        "model" + (", or bf16 compute (14 instead of 16 B/param)" if fp32 else "")
+    )
 
 
 def gpu_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
@@ -246,15 +357,23 @@ def gpu_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
         return None
     s, items = est.settings, est.gpu.items
     top = sorted(items.items(), key=lambda kv: -kv[1])[:3]
-    advice = [f"fewer tokens per step (now {s['tokens_per_step']}: the boundary activations "
-              "grow with them)"]
+    advice = [
+        f"fewer tokens per step (now {s['tokens_per_step']}: the boundary activations "
+        "grow with them)"
+    ]
     if s["micro_batch_size"] > 1:
-        advice.append(f"a smaller micro_batch_size (now {s['micro_batch_size']}) with more "
-                      "gradient accumulation")
+        advice.append(
+            f"a smaller micro_batch_size (now {s['micro_batch_size']}) with more "
+            "gradient accumulation"
+        )
     if s["num_slots"] > 1:
         advice.append(f"fewer memory.num_slots (now {s['num_slots']})")
     if s["compute_dtype"] == "fp32":
         advice.append("bf16 compute (halves slots and activations)")
-    return (f"GPU: predicted peak {gib(est.gpu.peak_bytes)} > {gib(gpu_free)} available "
-            f"({gib(hw.gpu_bytes)} - margin {margin_gib:g} GiB); largest: "
-            + ", ".join(f"{k} {gib(v)}" for k, v in top) + ". Try " + ", or ".join(advice))
+    return (
+        f"GPU: predicted peak {gib(est.gpu.peak_bytes)} > {gib(gpu_free)} available "
+        f"({gib(hw.gpu_bytes)} - margin {margin_gib:g} GiB); largest: "
+        + ", ".join(f"{k} {gib(v)}" for k, v in top)
+        + ". Try "
+        + ", or ".join(advice)
+    )

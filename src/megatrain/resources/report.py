@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from megatrain.resources.estimate import Estimate
 from megatrain.resources.hardware import GIB
 
@@ -17,10 +15,10 @@ def _row(label: str, value: str, note: str = "") -> str:
 def format_estimate(est: Estimate) -> str:
     s, hw, h, g, t = est.settings, est.hardware, est.host, est.gpu, est.time
     bf16 = s["compute_dtype"] == "bf16"
-    dtype, peak_field = ((torch.bfloat16, "gpu_tflops_bf16") if bf16
-                         else (torch.float32, "gpu_tflops_fp32"))
-    layout = {"full": "full rows", "padded": "padded rows (4-D masks)",
-              "packed": "packed rows"}[s["layout"]]
+    peak_field = "gpu_tflops_bf16" if bf16 else "gpu_tflops_fp32"
+    layout = {"full": "full rows", "padded": "padded rows (4-D masks)", "packed": "packed rows"}[
+        s["layout"]
+    ]
     lines = [
         f"model  {est.model}",
         f"setup  {s['micro_batch_size']} x {s['seq_len']} tokens x {s['grad_accum']} "
@@ -28,31 +26,55 @@ def format_estimate(est: Estimate) -> str:
         f"{s['num_slots']} slots, {layout}, clipping {'on' if s['clipping'] else 'off'}",
         "",
         f"{'host RAM':<{_W + 2}}{'GiB':>10}",
-        _row("pageable (fp32 master + Adam m, v)" if bf16 else "pageable (Adam m, v)",
-             _gib(h.pageable_bytes)),
-        _row("pinned (bf16 shadow = gradient landing)" if bf16
-             else "pinned (fp32 master + gradient)", _gib(h.pinned_bytes),
-             f"pinned as {_gib(h.pinned_reserved_bytes)} GiB in power-of-two blocks"),
-        _row("process baseline (python, torch, CUDA)", _gib(h.baseline_bytes),
-             hw.source("process_baseline_bytes")),
+        _row(
+            "pageable (fp32 master + Adam m, v)" if bf16 else "pageable (Adam m, v)",
+            _gib(h.pageable_bytes),
+        ),
+        _row(
+            "pinned (bf16 shadow = gradient landing)"
+            if bf16
+            else "pinned (fp32 master + gradient)",
+            _gib(h.pinned_bytes),
+            f"pinned as {_gib(h.pinned_reserved_bytes)} GiB after allocation rounding",
+        ),
+        _row(
+            "process baseline (python, torch, CUDA)",
+            _gib(h.baseline_bytes),
+            hw.source("process_baseline_bytes"),
+        ),
         _row("tokenized data", _gib(h.data_bytes)),
-        _row("total", _gib(h.total_bytes),
-             f"of {_gib(hw.host_bytes)} GiB ({hw.source('host_bytes')})"),
+        _row(
+            "total",
+            _gib(h.total_bytes),
+            f"of {_gib(hw.host_bytes)} GiB ({hw.source('host_bytes')})",
+        ),
         _row("peak while loading the model", _gib(h.load_peak_bytes)),
         "",
         f"{'GPU peak (at: ' + g.peak_phase + ')':<{_W + 2}}{'GiB':>10}",
         *(_row(name, _gib(n)) for name, n in g.items.items()),
-        _row("total (torch.cuda.max_memory_allocated)", _gib(g.peak_bytes),
-             f"of {_gib(hw.gpu_bytes)} GiB ({hw.source('gpu_bytes')})"),
+        _row(
+            "total (torch.cuda.max_memory_allocated)",
+            _gib(g.peak_bytes),
+            f"of {_gib(hw.gpu_bytes)} GiB ({hw.source('gpu_bytes')})",
+        ),
         "",
         f"{'step time (predicted)':<{_W + 2}}{'s':>10}",
-        _row("GPU compute (forward, recompute, backward)", f"{t.compute_s:.3f}",
-             f"loss {t.loss_s:.3f} s; {t.flops / 1e12:.0f} TFLOP at "
-             f"{hw.flops_per_s(dtype) / 1e12:.0f} TFLOP/s ({hw.source(peak_field)})"),
+        _row(
+            "GPU compute (forward, recompute, backward)",
+            f"{t.compute_s:.3f}",
+            f"loss {t.loss_s:.3f} s; {t.flops / 1e12:.0f} TFLOP at "
+            f"{t.flops / max(t.compute_s, 1e-12) / 1e12:.0f} TFLOP/s achieved (peak "
+            f"{hw.source(peak_field)})",
+        ),
         _row("H2D weights", f"{t.h2d_s:.3f}", f"{hw.h2d_gbps:.0f} GB/s ({hw.source('h2d_gbps')})"),
-        _row("D2H gradients", f"{t.d2h_s:.3f}", f"{hw.d2h_gbps:.0f} GB/s ({hw.source('d2h_gbps')})"),
-        _row("CPU optimizer", f"{t.optimizer_s:.3f}", f"{hw.optimizer_gparams_s:.2f} Gparams/s "
-             f"({hw.source('optimizer_gparams_s')})"),
+        _row(
+            "D2H gradients", f"{t.d2h_s:.3f}", f"{hw.d2h_gbps:.0f} GB/s ({hw.source('d2h_gbps')})"
+        ),
+        _row(
+            "CPU optimizer",
+            f"{t.optimizer_s:.3f}",
+            f"{hw.optimizer_gparams_s:.2f} Gparams/s ({hw.source('optimizer_gparams_s')})",
+        ),
         _row("step (overlapped)", f"{t.step_s:.3f}", f"bound by {t.bound}"),
         _row("tokens/s", f"{t.tokens_per_s:,.0f}"),
         _row("model TFLOPS (6 x active params x tokens/s)", f"{t.model_tflops:.1f}"),

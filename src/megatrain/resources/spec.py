@@ -1,8 +1,9 @@
 """What the resource estimate needs to know about a model, from its config alone.
 
-The causal LM is built with every parameter on the meta device (no memory, no init) while
-buffers stay real on the CPU: rotary frequencies and other body buffers are needed to capture
-the layers' call arguments (resources/activations.py), and they are small. The structure comes
+The causal LM is built with every parameter on the meta device (no memory, no init) while the
+body's own buffers stay real on the CPU: rotary frequencies are needed to capture the layers'
+call arguments (resources/activations.py), and they are small. Buffers inside the layers, the
+embedding and the head go to meta like the parameters. The structure comes
 from `megatrain.model.structure.discover`, the same code the engine uses, so the blocks counted
 here are exactly the blocks the host store builds:
 
@@ -37,7 +38,6 @@ _ROUTED = re.compile(r"(^|\.)experts\.")
 class LayerSpec:
     """One decoder layer: its parameters and what its attention costs per token."""
 
-    kind: str  # structure group kind, e.g. "full_attention", "sliding_attention+moe"
     params: int
     active_params: int  # params a token goes through (MoE: top_k of the routed experts)
     attn_heads: int  # 0 for layers without softmax attention (linear attention)
@@ -86,9 +86,11 @@ class ModelSpec:
         moe = ""
         if self.active_params != self.total_params:
             moe = f", {_count(self.active_params)} active"
-        return (f"{self.structure.describe()}; {_count(self.total_params)} params{moe}; "
-                f"largest layer {_count(self.layer_params_max)}; vocab {self.vocab_size}, "
-                f"hidden {self.hidden_size}")
+        return (
+            f"{self.structure.describe()}; {_count(self.total_params)} params{moe}; "
+            f"largest layer {_count(self.layer_params_max)}; vocab {self.vocab_size}, "
+            f"hidden {self.hidden_size}"
+        )
 
 
 def _count(n: int) -> str:
@@ -98,33 +100,63 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def build_spec(config: PretrainedConfig, compute_dtype: torch.dtype = torch.bfloat16,
-               attn_implementation: str | None = None) -> ModelSpec:
+def build_spec(
+    config: PretrainedConfig,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str | None = None,
+) -> ModelSpec:
     """Build the causal LM of `config` with meta parameters and count its blocks.
 
     Attention is measured as sdpa unless `attn_implementation` (or else the config) says
-    eager: flash kernels keep the same O(tokens) memory as sdpa's fused kernels.
+    eager, or the architecture has no sdpa support (Gemma 2: transformers runs it eager):
+    flash kernels keep the same O(tokens) memory as sdpa's fused kernels.
     """
     attn = attn_implementation or getattr(config, "_attn_implementation", None)
     with _params_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=compute_dtype, attn_implementation="eager" if attn == "eager" else "sdpa")
+        try:
+            model = AutoModelForCausalLM.from_config(
+                config,
+                dtype=compute_dtype,
+                attn_implementation="eager" if attn == "eager" else "sdpa",
+            )
+        except ValueError:  # "does not support ... scaled_dot_product_attention"
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=compute_dtype, attn_implementation="eager"
+            )
     structure = discover(model)
+    # Only the body's own buffers (rotary tables) run for real, in the capture; the parts
+    # measured on meta tensors need theirs on meta too (e.g. DeepSeek's router bias).
+    for part in (structure.embed, structure.layers, structure.final_norm, structure.lm_head):
+        for module in part.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to("meta")
     text = model.config.get_text_config()
-    vocab, hidden = structure.embed.weight.shape
+    table = structure.embed.weight
+    assert isinstance(table, torch.Tensor)
+    vocab, hidden = table.shape
     embed_ids = {id(p) for p in structure.embed.parameters()}
-    head_params = sum(p.numel() for m in (structure.final_norm, structure.lm_head)
-                      for p in m.parameters() if id(p) not in embed_ids)
+    head_params = sum(
+        p.numel()
+        for m in (structure.final_norm, structure.lm_head)
+        for p in m.parameters()
+        if id(p) not in embed_ids
+    )
     layer_types = getattr(text, "layer_types", None) or []
-    kinds = {i: g.kind for g in structure.groups for i in g.layer_indices}
     layers = [
-        _layer_spec(layer, kinds[i], layer_types[i] if i < len(layer_types) else "", text)
+        _layer_spec(layer, layer_types[i] if i < len(layer_types) else "", text)
         for i, layer in enumerate(structure.layers)
     ]
     return ModelSpec(
-        config=model.config, structure=structure, compute_dtype=compute_dtype,
-        vocab_size=int(vocab), hidden_size=int(hidden), tied=structure.tied,
-        embed_params=structure.embed.weight.numel(), head_params=head_params, layers=layers,
+        config=model.config,
+        structure=structure,
+        compute_dtype=compute_dtype,
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        tied=structure.tied,
+        embed_params=table.numel(),
+        head_params=head_params,
+        layers=layers,
     )
 
 
@@ -142,22 +174,24 @@ def _params_on_meta() -> Iterator[None]:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[assignment,method-assign]
     try:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _layer_spec(layer: nn.Module, kind: str, layer_type: str,
-                text: PretrainedConfig) -> LayerSpec:
+def _layer_spec(layer: nn.Module, layer_type: str, text: PretrainedConfig) -> LayerSpec:
     params = sum(p.numel() for p in layer.parameters())
     experts = _expert_counts(text)
     active = params
     if experts is not None:
         num_experts, top_k = experts
-        routed = sum(p.numel() for n, p in layer.named_parameters()
-                     if _ROUTED.search(n) and "shared" not in n and p.shape[0] == num_experts)
+        routed = sum(
+            p.numel()
+            for n, p in layer.named_parameters()
+            if _ROUTED.search(n) and "shared" not in n and p.shape[0] == num_experts
+        )
         active = params - routed + routed * top_k // num_experts
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // max(heads, 1))
@@ -169,9 +203,14 @@ def _layer_spec(layer: nn.Module, kind: str, layer_type: str,
     # Without per-layer types, a config's sliding_window applies to every layer (Mistral).
     windowed = "sliding" in layer_type or not layer_type
     window = getattr(text, "sliding_window", None) if windowed else None
-    return LayerSpec(kind=kind, params=params, active_params=active,
-                     attn_heads=0 if linear else heads, attn_qk_dim=int(qk_dim),
-                     attn_v_dim=int(v_dim), window=int(window) if window else None)
+    return LayerSpec(
+        params=params,
+        active_params=active,
+        attn_heads=0 if linear else heads,
+        attn_qk_dim=int(qk_dim),
+        attn_v_dim=int(v_dim),
+        window=int(window) if window else None,
+    )
 
 
 def _expert_counts(text: PretrainedConfig) -> tuple[int, int] | None:

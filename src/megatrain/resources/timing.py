@@ -10,7 +10,9 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
 - CPU AdamW: params / rate per block, one worker thread;
-- host: `layer_call_s` per layer and micro-batch to issue a forward (twice that backward).
+- host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
+  + backward dispatch the op counts measured on meta (resources/activations.py). Small or
+  MoE layers (many small kernels) become host-bound: the GPU waits for the launches.
 
 The replay (`_Replay`) runs several steps of the engine's order of operations with three
 streams (compute, H2D, D2H), the host thread and the optimizer worker: slots are refilled
@@ -18,8 +20,9 @@ when the layer `num_slots` earlier is done with them, the next forward waits for
 update before copying it, the worker takes the landed block the next forward needs first;
 without clipping updates start as gradients land, with clipping all start after the backward
 (engine/engine.py). The last step's duration is the prediction. On the H200 run this gives
-1.43 s (measured 1.52 s) at 8k tokens per step, where the CPU optimizer bounds the step, and
-2.23 s (measured 2.21 s) at 32k, where GPU compute does.
+1.47 s (measured 1.52 s) at 8k tokens per step, where the CPU optimizer bounds the step, and
+2.29 s (measured 2.21 s) at 32k, where GPU compute does; tests/test_resources.py has more
+(dense, MoE, fp32; within 11% except MoE with clipping, under-predicted by 22-26%).
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ class _Costs:
     d2h_head_s: float
     d2h_embed_s: float
     opt_s: list[float]  # per block in forward order: embedding, layers, head
-    call_s: float  # host issue time per layer forward (all micro-batches)
+    fwd_call_s: list[float]  # host issue time per layer forward (all micro-batches)
+    bwd_call_s: list[float]  # per layer recompute + backward
+    loss_call_s: float
     num_slots: int
     clipping: bool
 
@@ -73,48 +78,102 @@ def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
     return 2.0 * span * layer.attn_heads * (layer.attn_qk_dim + layer.attn_v_dim)
 
 
-def step_time(spec: ModelSpec, hw: Hardware, *, rows: int, seq: int, micro_batches: int,
-              num_slots: int, clipping: bool) -> StepTime:
-    costs, flops = _costs(spec, hw, rows=rows, seq=seq, micro_batches=micro_batches,
-                          num_slots=num_slots, clipping=clipping)
+def step_time(
+    spec: ModelSpec,
+    hw: Hardware,
+    *,
+    rows: int,
+    seq: int,
+    micro_batches: int,
+    num_slots: int,
+    clipping: bool,
+    layer_ops: list[tuple[int, int]],
+    loss_ops: int,
+) -> StepTime:
+    """`layer_ops`: per layer (forward ops, recompute + backward ops) of one micro-batch;
+    `loss_ops`: ops of one micro-batch's loss (all its chunks)."""
+    costs, flops = _costs(
+        spec,
+        hw,
+        rows=rows,
+        seq=seq,
+        micro_batches=micro_batches,
+        num_slots=num_slots,
+        clipping=clipping,
+        layer_ops=layer_ops,
+        loss_ops=loss_ops,
+    )
     step_s = _Replay(costs).run(_STEPS)
     compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
-    h2d_s = sum(costs.h2d_s) * 2 - sum(costs.h2d_s[len(costs.h2d_s) - costs.num_slots:])
+    h2d_s = sum(costs.h2d_s) * 2 - sum(costs.h2d_s[len(costs.h2d_s) - costs.num_slots :])
     h2d_s += costs.h2d_head_s
     d2h_s = sum(costs.d2h_s) + costs.d2h_head_s + costs.d2h_embed_s
     optimizer_s = sum(costs.opt_s)
-    busy = {"GPU compute": compute_s, "CPU optimizer": optimizer_s, "PCIe (H2D)": h2d_s,
-            "host (kernel launches)": costs.call_s * 3 * len(costs.fwd_s)}
+    busy = {
+        "GPU compute": compute_s,
+        "CPU optimizer": optimizer_s,
+        "PCIe (H2D)": h2d_s,
+        "host (kernel launches)": sum(costs.fwd_call_s) + sum(costs.bwd_call_s),
+    }
     tokens = rows * seq * micro_batches
     return StepTime(
-        step_s=step_s, compute_s=compute_s, loss_s=costs.loss_s, h2d_s=h2d_s, d2h_s=d2h_s,
-        optimizer_s=optimizer_s, bound=max(busy, key=lambda k: busy[k]), flops=flops,
-        tokens_per_s=tokens / step_s, model_tflops=6 * spec.active_params * tokens / step_s / 1e12,
+        step_s=step_s,
+        compute_s=compute_s,
+        loss_s=costs.loss_s,
+        h2d_s=h2d_s,
+        d2h_s=d2h_s,
+        optimizer_s=optimizer_s,
+        bound=max(busy, key=lambda k: busy[k]),
+        flops=flops,
+        tokens_per_s=tokens / step_s,
+        model_tflops=6 * spec.active_params * tokens / step_s / 1e12,
     )
 
 
-def _costs(spec: ModelSpec, hw: Hardware, *, rows: int, seq: int, micro_batches: int,
-           num_slots: int, clipping: bool) -> tuple[_Costs, float]:
+def _costs(
+    spec: ModelSpec,
+    hw: Hardware,
+    *,
+    rows: int,
+    seq: int,
+    micro_batches: int,
+    num_slots: int,
+    clipping: bool,
+    layer_ops: list[tuple[int, int]],
+    loss_ops: int,
+) -> tuple[_Costs, float]:
     tokens = rows * seq * micro_batches
-    rate = hw.flops_per_s(spec.compute_dtype)
+    launch = hw.op_launch_s * micro_batches
+    rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     elem = torch.finfo(spec.compute_dtype).bits // 8  # weights up and gradients down
-    fwd = [tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq))
-           for la in spec.layers]
-    bwd = [tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
-           for la in spec.layers]
+    fwd = [
+        tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
+    ]
+    bwd = [
+        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
+        for la in spec.layers
+    ]
     loss = 6.0 * spec.lm_head_params * tokens
     table = spec.embed_params * elem if spec.tied else 0
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
     opt_rate = hw.optimizer_gparams_s * 1e9
     costs = _Costs(
-        fwd_s=[f / rate for f in fwd], bwd_s=[b / rate for b in bwd], loss_s=loss / rate,
+        fwd_s=[f / rate for f in fwd],
+        bwd_s=[b / rate for b in bwd],
+        loss_s=loss / rate,
         h2d_s=[la.params * elem / h2d for la in spec.layers],
         h2d_head_s=(spec.head_params * elem + table) / h2d,
         d2h_s=[la.params * elem / d2h for la in spec.layers],
-        d2h_head_s=spec.head_params * elem / d2h, d2h_embed_s=spec.embed_params * elem / d2h,
-        opt_s=[n / opt_rate for n in
-               (spec.embed_params, *(la.params for la in spec.layers), spec.head_params)],
-        call_s=hw.layer_call_s * micro_batches, num_slots=min(num_slots, spec.num_layers),
+        d2h_head_s=spec.head_params * elem / d2h,
+        d2h_embed_s=spec.embed_params * elem / d2h,
+        opt_s=[
+            n / opt_rate
+            for n in (spec.embed_params, *(la.params for la in spec.layers), spec.head_params)
+        ],
+        fwd_call_s=[f * launch for f, _ in layer_ops],
+        bwd_call_s=[b * launch for _, b in layer_ops],
+        loss_call_s=loss_ops * launch,
+        num_slots=min(num_slots, spec.num_layers),
         clipping=clipping,
     )
     return costs, sum(fwd) + sum(bwd) + loss
@@ -167,7 +226,7 @@ class _Replay:
         if c.num_slots >= n:
             self._load_head()
         for i in range(n):
-            self.t += c.call_s
+            self.t += c.fwd_call_s[i]
             s = i % c.num_slots
             self.slot_free[s] = self._compute(self.slot_ready[s], c.fwd_s[i])
             if i + c.num_slots < n:
@@ -180,7 +239,7 @@ class _Replay:
         self.tasks.append((order, self.t, self.d))
 
     def _loss(self) -> None:
-        self.t += self.c.call_s
+        self.t += self.c.loss_call_s
         self.head_free = self._compute(self.head_ready, self.c.loss_s)
         self._ship(len(self.c.fwd_s) + 1, self.c.d2h_head_s)
 
@@ -188,10 +247,9 @@ class _Replay:
         c, n = self.c, len(self.c.fwd_s)
         acc_free = [0.0, 0.0]  # the two gradient accumulators, free once copied out
         for i in range(n - 1, -1, -1):
-            self.t += 2 * c.call_s
+            self.t += c.bwd_call_s[i]
             s = i % c.num_slots
-            self.slot_free[s] = self._compute(max(self.slot_ready[s], acc_free[i % 2]),
-                                              c.bwd_s[i])
+            self.slot_free[s] = self._compute(max(self.slot_ready[s], acc_free[i % 2]), c.bwd_s[i])
             self._ship(1 + i, c.d2h_s[i])
             acc_free[i % 2] = self.d
             if i - c.num_slots >= 0:

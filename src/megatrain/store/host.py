@@ -113,7 +113,7 @@ class HostStore:
             exp_avg_sq=host_zeros(offset, torch.float32),
         )
         if self.compute_dtype == torch.bfloat16:
-            block.shadow = torch.empty(offset, dtype=torch.bfloat16, pin_memory=self.pin_memory)
+            block.shadow = host_zeros(offset, torch.bfloat16, pin=self.pin_memory)
             block.refresh_shadow()
         else:
             block.grad = host_zeros(offset, torch.float32, pin=self.pin_memory)

@@ -1,0 +1,207 @@
+"""`megatrain estimate`: the table prints, --json parses and carries the estimate's numbers,
+the run config and its overrides are read, auto micro-batch and the fit verdict work."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from megatrain.estimate_cmd import add_estimate_arguments, run_estimate
+from megatrain.model.tiny import tiny_config
+from megatrain.resources import estimate, model_spec
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    add_estimate_arguments(parser)
+    args, rest = parser.parse_known_args(argv)  # as cli.main does for takes_overrides
+    args.overrides = rest
+    status = run_estimate(args)
+    return status, capsys.readouterr().out
+
+
+def test_table_names_every_part(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out = _run(
+        [
+            "--model-type",
+            "llama",
+            "--tiny",
+            "--seq-len",
+            "64",
+            "--micro-batch-size",
+            "2",
+            "--grad-accum",
+            "3",
+        ],
+        capsys,
+    )
+    assert status == 0
+    for text in (
+        "host RAM",
+        "pinned (bf16 shadow",
+        "GPU peak",
+        "boundary activations",
+        "weight slots",
+        "step (overlapped)",
+        "tokens/s",
+        "fits: yes",
+        "2 x 64 tokens x 3 micro-batches = 384 tokens/step",
+    ):
+        assert text in out
+
+
+def test_json_carries_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out = _run(
+        [
+            "--model-type",
+            "qwen3_moe",
+            "--tiny",
+            "--seq-len",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--tokens-per-step",
+            "256",
+            "--dtype",
+            "fp32",
+            "--layout",
+            "packed",
+            "--num-slots",
+            "1",
+            "--json",
+        ],
+        capsys,
+    )
+    assert status == 0
+    report = json.loads(out)
+    assert report["fits"] is True and report["problem"] is None
+    assert report["settings"]["grad_accum"] == 4 and report["settings"]["layout"] == "packed"
+    expected = estimate(
+        tiny_config("qwen3_moe"),
+        seq_len=32,
+        micro_batch_size=2,
+        grad_accum=4,
+        compute_dtype="fp32",
+        num_slots=1,
+        padded=False,
+        packed=True,
+    )
+    assert report["host"]["store_bytes"] == 16 * report["total_params"]
+    assert report["gpu"]["peak_bytes"] == expected.gpu.peak_bytes
+    assert report["host"]["pageable_bytes"] == expected.host.pageable_bytes
+    assert report["active_params"] < report["total_params"]
+    assert report["time"]["step_s"] == pytest.approx(expected.time.step_s)
+
+
+def test_config_file_and_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model:\n  model_type: qwen2\n  tiny: true\n  tokenizer: demo\n"
+        "  compute_dtype: fp32\n  config_overrides: {num_hidden_layers: 2}\n"
+        "data:\n  cutoff_len: 48\n  packing: true\n"
+        "training:\n  micro_batch_size: 2\n  gradient_accumulation_steps: 5\n"
+        "memory:\n  num_slots: 1\n"
+        "optimizer:\n  max_grad_norm: 0.0\n"
+    )
+    status, out = _run(
+        ["--config", str(config), "--json", "--training.gradient_accumulation_steps", "3"], capsys
+    )
+    assert status == 0
+    s = json.loads(out)["settings"]
+    assert (s["seq_len"], s["micro_batch_size"], s["grad_accum"]) == (48, 2, 3)
+    assert (s["compute_dtype"], s["num_slots"], s["layout"], s["clipping"]) == (
+        "fp32",
+        1,
+        "packed",
+        False,
+    )
+    assert "full_attention x2;" in json.loads(out)["model"]  # config_overrides applied
+
+
+def test_auto_micro_batch_keeps_the_tokens_per_step(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out = _run(
+        [
+            "--model-type",
+            "llama",
+            "--tiny",
+            "--seq-len",
+            "64",
+            "--micro-batch-size",
+            "auto",
+            "--tokens-per-step",
+            "1024",
+            "--json",
+        ],
+        capsys,
+    )
+    report = json.loads(out)
+    s = report["settings"]
+    assert status == 0 and s["micro_batch_size"] * s["grad_accum"] == 16
+    assert s["micro_batch_size"] == 16  # a tiny model fits whole on an 80 GiB GPU
+    assert report["micro_batch_reason"].startswith("micro_batch_size 16 x grad_accum 1")
+
+
+def test_local_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny_config("mistral").save_pretrained(tmp_path)
+    status, out = _run(["--model", str(tmp_path), "--seq-len", "16", "--json"], capsys)
+    assert status == 0
+    spec = model_spec(tiny_config("mistral"))
+    assert json.loads(out)["total_params"] == spec.total_params
+
+
+def test_a_setup_that_does_not_fit_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out = _run(
+        [
+            "--model-type",
+            "llama",
+            "--tiny",
+            "--seq-len",
+            "64",
+            "--gpu-gib",
+            "0.001",
+            "--gpu-margin-gib",
+            "0",
+        ],
+        capsys,
+    )
+    assert status == 1
+    assert "fits: no" in out and "GPU: predicted peak" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--seq-len", "8"], "exactly one of --config"),
+        (["--model-type", "llama", "--tiny"], "give --seq-len"),
+        (
+            [
+                "--model-type",
+                "llama",
+                "--tiny",
+                "--seq-len",
+                "64",
+                "--micro-batch-size",
+                "3",
+                "--tokens-per-step",
+                "640",
+            ],
+            "multiple of micro_batch_size x seq_len = 192",
+        ),
+        (
+            ["--model-type", "llama", "--tiny", "--seq-len", "64", "--micro-batch-size", "x"],
+            "integer >= 1 or auto",
+        ),
+        (
+            ["--model-type", "llama", "--tiny", "--seq-len", "64", "--training.seq_len", "8"],
+            "need --config",
+        ),
+    ],
+)
+def test_usage_errors_name_the_fix(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        _run(argv, capsys)
