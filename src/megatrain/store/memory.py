@@ -5,7 +5,8 @@ shadow out). With 4 KiB pages that is a TLB miss every 1,024 floats per stream; 
 (2 MiB) make those misses 512x rarer. Linux gives huge pages to anonymous mappings that ask for
 them with madvise(MADV_HUGEPAGE) when transparent_hugepage is "madvise" (the common default),
 so large pageable buffers are mmap'ed and advised here. Pinned buffers come from CUDA's host
-allocator as before. The memory is zero-filled by the kernel, lazily, on first touch.
+allocator as before. The memory is zero-filled and touched here, at allocation, so the cost of
+faulting it in is paid while the store is built, not inside the first optimizer step.
 
 Pinned buffers (the bf16 shadows) are the same mappings, page-locked with cudaHostRegister:
 CUDA's own pinned allocator, behind `torch.empty(pin_memory=True)`, rounds every block up to a
@@ -34,6 +35,7 @@ def host_zeros(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.madvise(mmap.MADV_HUGEPAGE)
     tensor = torch.frombuffer(buf, dtype=dtype, count=numel)  # keeps `buf` alive
+    tensor.zero_()  # fault every page in now (the kernel zero-fills; this just touches)
     if pin and not _register(tensor, size):
         return torch.zeros(numel, dtype=dtype, pin_memory=True)
     return tensor
