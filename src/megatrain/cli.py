@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from megatrain.device import resolve_device
+from megatrain.model.loading import parse_config_sets
 
 
 def _add_verify(sub: argparse._SubParsersAction) -> None:
@@ -71,7 +72,7 @@ def _run_verify(args: argparse.Namespace) -> int:
         max_grad_norm=args.max_grad_norm,
         num_slots=args.num_slots,
         seed=args.seed,
-        config_overrides=_parse_sets(args.set),
+        config_overrides=parse_config_sets(args.set),
     )
     reports = run_verify(cfg)
     ok = within(reports)
@@ -87,19 +88,6 @@ def _run_verify(args: argparse.Namespace) -> int:
         print(format_report(reports, TOLERANCES[dtype]))
         print("PASS" if ok else "FAIL: the engine differs from PyTorch beyond tolerance")
     return 0 if ok else 1
-
-
-def _parse_sets(items: list[str]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:

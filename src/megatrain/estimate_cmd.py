@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain.model.loading import load_config as load_hf_config
+from megatrain.model.loading import parse_config_sets
 from megatrain.resources import (
     check_fits,
     detect,
@@ -212,7 +213,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     overrides = getattr(args, "overrides", None) or []
     if overrides and not args.config:
         raise ValueError(f"unexpected arguments {overrides}: --section.key overrides need --config")
-    sets = _parse_sets(args.set)
+    sets = parse_config_sets(args.set)
     if args.config:
         return _from_run_config(args, overrides, sets)
     if args.seq_len is None:
@@ -283,16 +284,3 @@ def _mbs(text: str) -> int | str:
     if value < 1:
         raise ValueError(f"--micro-batch-size must be an integer >= 1 or auto, got {text!r}")
     return value
-
-
-def _parse_sets(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out

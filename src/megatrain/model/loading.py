@@ -9,6 +9,7 @@ into 3-D tensors in transformers 5) is done by `from_pretrained`, and reversed b
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,20 @@ def load_config(
         )
     check_decoder_only(config, source or model_type or "")
     return config
+
+
+def parse_config_sets(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` command-line model-config overrides; VALUE read as JSON when it parses."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def check_decoder_only(config: PretrainedConfig, where: str) -> None:
