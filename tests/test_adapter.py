@@ -158,3 +158,33 @@ def test_tiny_config_keeps_structure() -> None:
         "sliding_attention",
         "full_attention",
     }
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "llama4"])
+def test_text_model_of_a_vision_language_checkpoint(model_type: str, tmp_path: Path) -> None:
+    """Qwen3.5 and Llama 4 checkpoints are vision-language; AutoModelForCausalLM loads their
+    text model (vision weights left out) and the engine trains it."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from megatrain.verify import VerifyConfig, run_verify, within
+
+    cfg = AutoConfig.for_model(model_type)
+    cfg.text_config = tiny_config(cfg.text_config.model_type)
+    for key, value in {
+        "depth": 1,
+        "num_hidden_layers": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "num_attention_heads": 2,
+        "out_hidden_size": 64,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+        "vision_output_dim": 64,
+    }.items():
+        if hasattr(cfg.vision_config, key):
+            setattr(cfg.vision_config, key, value)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path)
+    structure = discover(load_causal_lm(str(tmp_path)))
+    assert structure.num_layers == cfg.text_config.num_hidden_layers
+    assert within(run_verify(VerifyConfig(source=str(tmp_path), steps=1)))

@@ -77,3 +77,9 @@ def test_bf16_compute_within_pytorch_bf16_drift(model_type: str) -> None:
     reports = run_verify(VerifyConfig(model_type=model_type, tiny=True, compute_dtype="bfloat16"))
     assert within(reports), [(r.excess, r.worst) for r in reports]
     assert all(r.loss_rel < 1e-3 for r in reports)
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "deepseek_v2"])
+def test_other_example_families_match_pytorch(model_type: str) -> None:
+    # architectures of examples/ beyond the list above (Llama 4 Scout, DeepSeek-V2-Lite)
+    _check(VerifyConfig(model_type=model_type, tiny=True, steps=2))

@@ -63,10 +63,23 @@ class ModelStructure:
 def discover(causal_lm: PreTrainedModel) -> ModelStructure:
     """Take `causal_lm` apart; raises ValueError naming whatever is unsupported."""
     name = type(causal_lm).__name__
-    body_attr = getattr(causal_lm, "base_model_prefix", "model")
-    body = getattr(causal_lm, body_attr, None)
-    if not isinstance(body, nn.Module):
-        raise ValueError(f"{name}: no decoder body at attribute {body_attr!r}")
+    # The body is normally at base_model_prefix; some causal LMs split out of a multimodal
+    # family keep the multimodal prefix (Llama 4: "language_model") with the body at "model".
+    children = dict(causal_lm.named_children())
+    body_attr = next(
+        (
+            a
+            for a in (getattr(causal_lm, "base_model_prefix", ""), "model")
+            if isinstance(children.get(a), nn.Module)
+        ),
+        "",
+    )
+    if not body_attr:
+        raise ValueError(
+            f"{name}: no decoder body (looked for attributes "
+            f"{causal_lm.base_model_prefix!r} and 'model')"
+        )
+    body = children[body_attr]
     embed = causal_lm.get_input_embeddings()
     lm_head = causal_lm.get_output_embeddings()
     if embed is None or lm_head is None or not hasattr(lm_head, "weight"):
