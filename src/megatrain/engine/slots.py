@@ -99,9 +99,6 @@ class LayerSlots:
     def slot(self, layer: int) -> int:
         return layer % self.num_slots
 
-    def bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
     def load(self, layer: int) -> None:
         """Start copying `layer` into its slot unless its current weights are already there."""
         s = self.slot(layer)

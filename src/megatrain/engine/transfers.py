@@ -81,8 +81,3 @@ class Transfers:
             event = torch.cuda.Event()
             event.record(stream)
         return event
-
-    def synchronize(self) -> None:
-        """Block the host until every stream is idle. Sync point."""
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)

@@ -26,16 +26,6 @@ class LayerGroup:
     layer_indices: list[int]
     param_shapes: dict[str, tuple[int, ...]]
 
-    @property
-    def params_per_layer(self) -> int:
-        total = 0
-        for shape in self.param_shapes.values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
-
 
 @dataclass
 class ModelStructure:
