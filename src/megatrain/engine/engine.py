@@ -72,7 +72,8 @@ class StreamingEngine:
         self.store = store
         self.device = torch.device(device)
         self.dtype = store.compute_dtype
-        self.max_grad_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else None
+        assert max_grad_norm is None or max_grad_norm > 0, "clipping off is None, not 0"
+        self.max_grad_norm = max_grad_norm
         self.transfers = Transfers(self.device)
         _move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
