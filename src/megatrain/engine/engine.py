@@ -37,7 +37,7 @@ from megatrain.model.capture import LayerCallCapture
 from megatrain.model.router import RouterAux, RouterStats, RouterTap
 from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
-from megatrain.optim.worker import UpdateWorker
+from megatrain.engine.updates import UpdateWorker
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 
