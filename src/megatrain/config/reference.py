@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import itertools
 import textwrap
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -40,7 +41,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:], strict=False):
+    for stmt, nxt in itertools.pairwise(body):
         if (
             isinstance(stmt, ast.AnnAssign)
             and isinstance(stmt.target, ast.Name)
@@ -63,9 +64,7 @@ def render_reference() -> str:
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
         for f in fields(cls):
             meaning = " ".join(docs.get(f.name, "").split()).replace("|", "\\|")
-            parts.append(
-                f"| `{f.name}` | {type_name(types[f.name])} | {_default(f)} | {meaning} |"
-            )
+            parts.append(f"| `{f.name}` | {type_name(types[f.name])} | {_default(f)} | {meaning} |")
         parts.append("")
     return "\n".join(parts)
 

@@ -1,6 +1,6 @@
 """The streaming engine: one optimizer step over several micro-batches, layer-major.
 
-Step schedule (../shared/DESIGN.md section 2):
+Step schedule (docs/architecture.md, "One optimizer step"):
 1. Forward without autograd. Embedding rows gathered per micro-batch; then for each layer i:
    wait for its weights, run it over every micro-batch, keep its input (boundary activation).
    Layers stream into `num_slots` device slots, the next ones copied while this one computes.
@@ -33,11 +33,11 @@ from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
+from megatrain.engine.updates import UpdateWorker
 from megatrain.model.capture import LayerCallCapture
 from megatrain.model.router import RouterAux, RouterStats, RouterTap
 from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
-from megatrain.engine.updates import UpdateWorker
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 
