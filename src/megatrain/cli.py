@@ -17,6 +17,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from megatrain.commands import COMMANDS
+from megatrain.config import SECTIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,15 +35,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if rest and not getattr(args, "takes_overrides", False):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.overrides = rest
+    overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(rest)
+    if overrides and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.overrides = overrides
     try:
         return int(args.run(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(`--section.key VALUE` config overrides, the command's own arguments).
+
+    An override names a config section (`--optimizer.learning_rate 2e-5`, or with `=`); its
+    value is the next token. Taken out before argparse sees the rest, so a value is never
+    mistaken for a positional argument.
+    """
+    overrides: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name = token[2:].partition("=")[0] if token.startswith("--") else ""
+        if name.partition(".")[0] in SECTIONS and "." in name:
+            takes_next = "=" not in token and i + 1 < len(argv)
+            overrides += argv[i : i + 2] if takes_next else [token]
+            i += 2 if takes_next else 1
+        else:
+            rest.append(token)
+            i += 1
+    return overrides, rest
 
 
 def _version() -> str:

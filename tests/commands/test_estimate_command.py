@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
 from megatrain.model.tiny import tiny_config
 from megatrain.resources import estimate, model_spec
@@ -17,8 +18,9 @@ from megatrain.resources import estimate, model_spec
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args, rest = parser.parse_known_args(argv)  # as cli.main does for takes_overrides
-    args.overrides = rest
+    overrides, rest = split_overrides(argv)  # as cli.main does
+    args = parser.parse_args(rest)
+    args.overrides = overrides
     status = run(args)
     return status, capsys.readouterr().out
 

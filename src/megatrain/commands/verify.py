@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatrain.device import resolve_device
 from megatrain.model.loading import parse_config_sets
 
 
@@ -97,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.config or m.name_or_path or f"{m.model_type}{' (tiny)' if m.tiny else ''}"
     mbs, grad_accum = cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps
     print(
-        f"verify {name}: {m.compute_dtype} compute on {cfg.training.device}, {args.steps} "
+        f"verify {name}: {m.compute_dtype} compute on {resolve_device(cfg.training.device)}, "
+        f"{args.steps} "
         f"steps, {grad_accum} micro-batches of {mbs}x{cfg.seq_len} ({cfg.layout})"
     )
     print(format_report(reports, TOLERANCES[m.compute_dtype]))

@@ -67,9 +67,8 @@ class LayerSlots:
         transfers: Transfers,
         compile_layers: bool = False,
     ) -> None:
-        if num_slots < 1:
-            raise ValueError(f"memory.num_slots must be >= 1, got {num_slots}")
-        self.num_slots = min(num_slots, len(blocks))
+        assert num_slots >= 1, num_slots  # validated with the config (memory.num_slots)
+        self.num_slots = min(num_slots, len(blocks))  # more slots than layers are never used
         self.transfers = transfers
         numel = max(b.numel for b in blocks)
         self.buffers = [

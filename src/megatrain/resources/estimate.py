@@ -136,6 +136,7 @@ def estimate(
     if padded and packed:
         raise ValueError("a micro-batch is either padded or packed, not both")
     spec = model_spec(config, compute_dtype)
+    slots = min(num_slots, spec.num_layers)  # as the engine: more slots than layers go unused
     hw = hardware or detect()
     layout = "padded" if padded else "packed" if packed else "full"
     chunk = min(
@@ -147,7 +148,7 @@ def estimate(
         profile,
         tokens_mb=micro_batch_size * seq_len,
         micro_batches=grad_accum,
-        num_slots=num_slots,
+        num_slots=slots,
         chunk_tokens=chunk,
     )
     host = host_memory(spec, hw, data_bytes=data_bytes, pin_memory=pin_memory)
@@ -158,7 +159,7 @@ def estimate(
         rows=micro_batch_size,
         seq=seq_len,
         micro_batches=grad_accum,
-        num_slots=num_slots,
+        num_slots=slots,
         clipping=clipping,
         layer_ops=profile.ops,
         loss_ops=chunks_per_mb * loss_chunk(spec, chunk)[1],
@@ -169,7 +170,7 @@ def estimate(
         grad_accum=grad_accum,
         tokens_per_step=seq_len * micro_batch_size * grad_accum,
         compute_dtype="bf16" if spec.compute_dtype == torch.bfloat16 else "fp32",
-        num_slots=min(num_slots, spec.num_layers),
+        num_slots=slots,
         layout=layout,
         clipping=clipping,
         loss_chunk_tokens=chunk,
@@ -228,7 +229,7 @@ def gpu_memory(
     tokens = tokens_mb * micro_batches
     layer_peak, captured = profile.peak_bytes, profile.captured_bytes
     base = {
-        "weight slots": min(num_slots, spec.num_layers) * pl * c,
+        "weight slots": num_slots * pl * c,
         "gradient accumulators (fp32)": 2 * pl * 4,
         "gradient staging (bf16)": 2 * pl * 2 if bf16 else 0,
         "head weights": spec.head_params * c,

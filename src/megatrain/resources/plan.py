@@ -1,6 +1,6 @@
 """A run's resource plan: batch choice, estimate and fit check, all from one set of inputs.
 
-    shape = RunShape(seq_len=2048, num_slots=2, layout="packed", clipping=True)
+    shape = builder.shape()     # RunShape: seq_len, num_slots, layout, clipping, ... of the run
     plan = plan_resources(spec, shape, hardware=hw, micro_batch_size="auto", grad_accum=1,
                           tokens_per_step=65536)
     plan.require_fit()          # ValueError naming what does not fit and what to change
@@ -32,12 +32,12 @@ class RunShape:
     """What the estimate needs besides the model and the batch: the run's fixed settings."""
 
     seq_len: int
-    num_slots: int = 2
-    layout: str = "padded"  # padded rows (masks), packed samples, or full rows without mask
-    clipping: bool = True
-    loss_chunk_tokens: int | None = None
-    pin_memory: bool = True
-    check_gpu: bool = True  # a CUDA run: the GPU peak must fit too
+    num_slots: int
+    layout: str  # "padded" rows (masks), "packed" samples, or "full" rows without mask
+    clipping: bool
+    loss_chunk_tokens: int | None
+    pin_memory: bool
+    check_gpu: bool  # a CUDA run: the GPU peak must fit too
 
     def estimate_kwargs(self) -> dict[str, Any]:
         assert self.layout in LAYOUTS, self.layout

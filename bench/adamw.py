@@ -1,6 +1,6 @@
 """CPU AdamW throughput on the host: our fused C kernel vs torch's fused AdamW, and bandwidth.
 
-    python bench/adamw_cpu.py --params 1e9 --threads 16,12,8
+    python bench/adamw.py --params 1e9 --threads 16,12,8
 
 For P parameters in blocks like the engine's (fp32 master/m/v, bf16 grad-in-shadow), reports
 Gparams/s and the host memory bandwidth it implies (28 bytes per parameter: read p, m, v, g;

@@ -1,6 +1,6 @@
 """How fast one decoder layer runs on the GPU: eager vs torch.compile, forward and backward.
 
-    python bench/layer_eff.py --preset qwen2.5-7b --tokens 8192
+    python bench/layer_speed.py --preset qwen2.5-7b --tokens 8192
 
 Times, for one bf16 decoder layer of the preset and one micro-batch (rows x seq), the engine's
 per-layer work: a forward without autograd, then a forward with autograd + backward (the
