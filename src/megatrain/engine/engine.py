@@ -55,6 +55,16 @@ class StepResult:
 
 
 class StreamingEngine:
+    """Runs optimizer steps of a model whose weights live in a HostStore, streaming layers.
+
+    Owns the device side: the weight slots, the head and embedding on the device, gradient
+    accumulators, the copy streams, and the host worker that applies AdamW updates.
+    Invariants: between steps the store's master weights, states and shadow are consistent
+    once `wait_updates()` returns; a block is never copied to the device before its pending
+    update is applied; the step's loss is the mean over all its supervised tokens; with
+    clipping, updates use the exact global norm of the whole step's gradient.
+    """
+
     def __init__(
         self,
         structure: ModelStructure,

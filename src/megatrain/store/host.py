@@ -26,7 +26,14 @@ DEFAULT_NO_DECAY = ("bias", "norm")
 
 
 class HostStore:
-    """Every trainable parameter and optimizer state of the model, in host memory."""
+    """Every trainable parameter and optimizer state of the model, in host memory.
+
+    Owns one ParamBlock per embedding, decoder layer and head (forward order): fp32 master,
+    AdamW m and v, and the bf16 shadow the device copies from (which also receives the layer's
+    gradient between its backward and its update). Invariants: each parameter lives in exactly
+    one block (a tied lm_head in the embedding's); within a block the decayed parameters come
+    first; the HF model's parameters are replaced by meta tensors, so weights exist once.
+    """
 
     def __init__(
         self,
