@@ -33,11 +33,11 @@ from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
+from megatrain.engine.updates import UpdateWorker
 from megatrain.model.capture import LayerCallCapture
 from megatrain.model.router import RouterAux, RouterStats, RouterTap
 from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
-from megatrain.engine.updates import UpdateWorker
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 
