@@ -71,7 +71,7 @@ def _block(name: str, n: int = 0, seed: int = 0) -> ParamBlock:
 
 
 def _worker(optimizer: object, threaded: bool = True) -> UpdateWorker:
-    return UpdateWorker(optimizer, threaded=threaded)  # type: ignore[arg-type]
+    return UpdateWorker(optimizer, threaded=threaded)
 
 
 def _submit(worker: UpdateWorker, block: ParamBlock, landed: Event, lr: float = 1e-3) -> None:
