@@ -41,3 +41,14 @@ def test_compiled_layers_match_pytorch_on_cuda(monkeypatch: pytest.MonkeyPatch) 
         VerifyConfig(model_type="qwen3", tiny=True, device="cuda", compute_dtype="bfloat16")
     )
     assert within(reports), [(r.excess, r.worst) for r in reports]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_seed_oss_with_dropout_config_on_cuda(dtype: str) -> None:
+    # Seed-OSS enables attention and residual dropout; verify compares with both turned off
+    # (tests/test_engine_dropout.py proves the engine's masks on CUDA).
+    reports = run_verify(
+        VerifyConfig(model_type="seed_oss", tiny=True, device="cuda", compute_dtype=dtype)
+    )
+    assert reports[0].random_off == {"attention_dropout": 0.1, "residual_dropout": 0.1}
+    assert within(reports), [(r.excess, r.worst) for r in reports]
