@@ -3,7 +3,7 @@ gradient equals plain PyTorch's with the same masks (Seed-OSS: attention and res
 
 `megatrain verify` turns dropout off on both sides (two implementations draw their random numbers
 in a different order, so their masks differ); these tests prove training with dropout instead.
-The device tests run on CUDA too (tests/test_gpu.py runs this file's cuda cases).
+The mask test runs on CUDA too (its cuda cases are marked `gpu`: skipped without a device).
 """
 
 from __future__ import annotations
