@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OVERFLOW_CHOICES = ("truncate", "drop")
+MULTI_TURN_CHOICES = ("per_turn", "final")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,13 @@ class DataConfig:
     chat_template: str | None = None
     """Jinja chat template (the text, or a path to a .jinja file) replacing the tokenizer's own.
     None: the tokenizer's `chat_template`."""
+
+    multi_turn: str = "per_turn"
+    """Multi-turn data with a template that rewrites earlier turns (Qwen3, gpt-oss, DeepSeek-R1
+    drop past reasoning): "per_turn" trains every assistant turn as rendered when the
+    conversation ends at it (a row per turn where renderings differ), "final" one row, the whole
+    conversation as rendered at its end (earlier turns supervised only where rendered unchanged).
+    Prefix-stable templates give the same single row either way. See docs/chat_templates.md."""
 
     cutoff_len: int = 1024
     """Maximum tokens per sample after the chat template; longer samples follow `overflow`."""
@@ -95,6 +103,9 @@ class DataConfig:
         _check_int("seed", self.seed, minimum=0)
         if self.max_samples is not None:
             _check_int("max_samples", self.max_samples, minimum=1)
+        if self.multi_turn not in MULTI_TURN_CHOICES:
+            allowed = list(MULTI_TURN_CHOICES)
+            raise ValueError(f"data.multi_turn={self.multi_turn!r} must be one of {allowed}")
         if self.overflow not in OVERFLOW_CHOICES:
             allowed = list(OVERFLOW_CHOICES)
             raise ValueError(f"data.overflow={self.overflow!r} must be one of {allowed}")

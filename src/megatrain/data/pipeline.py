@@ -51,6 +51,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
         min_target_tokens=cfg.min_target_tokens,
         default_system=cfg.system_prompt,
         chat_template=cfg.chat_template,
+        multi_turn=cfg.multi_turn,
     )
     specs = resolve_datasets(cfg.dataset_names(), dataset_dir)
     train, stats = load_samples(specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed)
@@ -88,8 +89,9 @@ def load_samples(
             if isinstance(result, str):
                 stats.drop(result)
             else:
-                stats.keep(result)
-                samples.append(result)
+                for n, sample in enumerate(result):  # several: data.multi_turn per_turn
+                    stats.keep(sample, extra_row=n > 0)
+                samples += result
         log = logger.warning if stats.dropped else logger.info
         log("data set %s (%s): %s", spec.name, spec.path, stats.describe())
         _merge(total, stats)
@@ -99,6 +101,7 @@ def load_samples(
 def _merge(total: DataStats, part: DataStats) -> None:
     total.rows_read += part.rows_read
     total.kept += part.kept
+    total.extra_rows += part.extra_rows
     total.truncated += part.truncated
     total.num_tokens += part.num_tokens
     total.num_target_tokens += part.num_target_tokens

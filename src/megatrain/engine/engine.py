@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 from megatrain.batch import Batch
 from megatrain.engine.head import ChunkedLoss
@@ -390,11 +391,16 @@ def _move_body_buffers(structure: ModelStructure, device: torch.device) -> None:
 
 def _uses_randomness(structure: ModelStructure) -> bool:
     """Whether layers may draw random numbers in training (dropout, router jitter)."""
-    config = structure.causal_lm.config.get_text_config()
-    for key, value in config.to_dict().items():
-        if ("dropout" in key or "jitter" in key) and isinstance(value, float) and value > 0:
-            return True
-    return False
+    return bool(random_config_keys(structure.causal_lm.config))
+
+
+def random_config_keys(config: PretrainedConfig) -> dict[str, float]:
+    """The config's nonzero dropout / jitter probabilities: what makes training draw randoms."""
+    return {
+        key: value
+        for key, value in config.get_text_config().to_dict().items()
+        if ("dropout" in key or "jitter" in key) and isinstance(value, float) and value > 0
+    }
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
