@@ -261,7 +261,7 @@ def _from_run_config(
         tokens_per_step=args.tokens_per_step,
         dtype=args.dtype or m.compute_dtype,
         num_slots=_pick(args.num_slots, mem.num_slots),
-        layout=args.layout or ("packed" if cfg.data.packing else "padded"),
+        layout=args.layout or cfg.data.layout(),
         clipping=_pick(args.max_grad_norm, cfg.optimizer.max_grad_norm) > 0,
         loss_chunk_tokens=mem.loss_chunk_tokens,
         pin_memory=mem.pin_memory,

@@ -168,8 +168,8 @@ class Trainer:
         shape: dict[str, Any] = dict(
             seq_len=self.seq_len,
             num_slots=mem.num_slots,
-            padded=not cfg.data.packing,
-            packed=cfg.data.packing,
+            padded=cfg.data.layout() == "padded",
+            packed=cfg.data.layout() == "packed",
             clipping=cfg.optimizer.max_grad_norm > 0,
         )
         mbs, ga = t.micro_batch_size, t.gradient_accumulation_steps

@@ -2,8 +2,11 @@
 
 A row is a `dict[str, Any]` as stored in the file: no column is renamed or converted here (that is
 `formats.py`'s job). Supported: `.json` (a JSON array of objects, or JSON lines), `.jsonl`,
-`.parquet` (pyarrow), `.csv` (stdlib csv; every value a string), and folders of such files, read
-recursively in sorted path order so the row order is reproducible.
+`.parquet` (pyarrow, read one record batch at a time), `.csv` (stdlib csv; every value a string),
+`.txt` (one row `{"text": line}` per line, as LLaMA-Factory reads text files; blank lines are kept
+as empty rows, counted and dropped later), and folders of such files, read recursively in sorted
+path order so the row order is reproducible. Every reader streams except a `.json` array, which
+is parsed whole.
 
 Hub data sets (`hf_hub_url` in dataset_info.json) are fetched with
 `huggingface_hub.snapshot_download(repo_type="dataset")` and then read with the same readers.
@@ -18,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt")
+TEXT_COLUMN = "text"  # the column of a .txt file's rows, as the `datasets` text builder names it
 KNOWN_SPLITS = ("train", "validation", "valid", "val", "test", "dev", "eval")
 
 
@@ -48,7 +52,7 @@ def data_files(path: Path) -> list[Path]:
 def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
     """Rows of a data file or of every data file in a folder, in order."""
     for file in data_files(path):
-        for index, row in enumerate(_read_file(file)):
+        for index, row in enumerate(read_file(file)):
             if not isinstance(row, dict):
                 raise ValueError(
                     f"{file}: row {index} is {type(row).__name__}, expected a JSON object "
@@ -61,27 +65,57 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return list(iter_rows(path))
 
 
-def _read_file(file: Path) -> Iterator[Any]:
+def read_file(file: Path) -> Iterator[Any]:
+    """The rows of one data file, streamed (a `.json` array is parsed whole)."""
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
         yield from _read_jsonl(file)
     elif suffix == ".json":
-        text = file.read_text(encoding="utf-8")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            yield from _read_jsonl(file)  # JSON lines under a .json name, as `datasets` accepts
-            return
-        if not isinstance(data, list):
-            raise ValueError(f"{file}: expected a JSON array of objects, got {type(data).__name__}")
-        yield from data
+        yield from _read_json(file)
+    elif suffix == ".txt":
+        with file.open(encoding="utf-8") as f:
+            for line in f:
+                yield {TEXT_COLUMN: line.rstrip("\r\n")}
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        yield from pq.read_table(file).to_pylist()
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
     else:
         with file.open(newline="", encoding="utf-8") as f:
             yield from csv.DictReader(f)
+
+
+def _read_json(file: Path) -> Iterator[Any]:
+    """A JSON array, or JSON lines under a .json name (as `datasets` accepts).
+
+    A file that is neither reports the parse error of the reading it resembles: an array (first
+    character `[`) or a file whose first line is not JSON gets the whole-document error with its
+    line and column, JSON lines get the first bad line.
+    """
+    text = file.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        first_line = next((line for line in text.splitlines() if line.strip()), "")
+        if text.lstrip().startswith("[") or not _is_json(first_line):
+            raise ValueError(
+                f"{file}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}; fix "
+                "the file (a JSON array of objects, or one JSON object per line)"
+            ) from err
+        yield from _read_jsonl(file)
+        return
+    if not isinstance(data, list):
+        raise ValueError(f"{file}: expected a JSON array of objects, got {type(data).__name__}")
+    yield from data
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _read_jsonl(file: Path) -> Iterator[Any]:
@@ -92,7 +126,9 @@ def _read_jsonl(file: Path) -> Iterator[Any]:
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{file}:{line_no}: invalid JSON ({err.msg})") from err
+                raise ValueError(
+                    f"{file}: invalid JSON at line {line_no} column {err.colno}: {err.msg}"
+                ) from err
 
 
 def download_hub_dataset(
