@@ -31,9 +31,7 @@ def corpus_dir(tmp_path: Path) -> tuple[Path, dict]:
 
 
 def _cfg(folder: Path, **kw: Any) -> DataConfig:
-    base: dict[str, Any] = dict(
-        stage="pt", dataset="c4_demo,wiki_demo", dataset_dir=str(folder)
-    )
+    base: dict[str, Any] = dict(stage="pt", dataset="c4_demo,wiki_demo", dataset_dir=str(folder))
     base["cache_dir"] = str(folder.parent / "cache")
     return DataConfig(**{**base, **kw})
 

@@ -126,7 +126,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="show processed samples and data statistics")
     p.add_argument("--config", help="YAML config file")
     p.add_argument(
-        "--show", type=int, default=3, help="rows to print (>= 0; a packed row holds several samples)"
+        "--show", type=int, default=3, help="rows to print (>= 0; packed rows hold several samples)"
     )
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.set_defaults(func=_run_data, takes_overrides=True)

@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-WORDS = (
-    "the history of science is a long record of measurement and argument about nature while "
-    "rivers cities and languages change over centuries in ways that scholars describe"
-).split()
+WORDS = [
+    "the", "history", "of", "science", "is", "a", "long", "record", "of", "measurement", "and",
+    "argument", "about", "nature", "while", "rivers", "cities", "and", "languages", "change",
+    "over", "centuries", "in", "ways", "that", "scholars", "describe",
+]  # fmt: skip
 
 REGISTRY = {
     "c4_demo": {"file_name": "c4_demo.jsonl", "columns": {"prompt": "text"}},
@@ -41,7 +42,7 @@ def write_lf_corpus(folder: Path, *, c4_docs: int = 40, wiki_docs: int = 25, see
 
 def reference_document(tokenizer: Any, text: str) -> list[int]:
     """A document as stage pt must store it: the tokenizer's ids, then eos."""
-    return list(tokenizer(text)["input_ids"]) + [tokenizer.eos_token_id]
+    return [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]
 
 
 def reference_stream(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -134,7 +134,7 @@ def _resolve(
             return spec_from_path(name, candidate)
     registry_file = dataset_dir / REGISTRY_FILE
     if registry is not None:
-        where = f"not registered in {registry_file} (it registers {sorted(registry)})"
+        where = f"not registered in {registry_file}, which registers {sorted(registry)}"
     elif dataset_dir.is_dir():
         where = f"not registered: the folder {dataset_dir} has no {REGISTRY_FILE}"
     else:
