@@ -21,6 +21,7 @@ Invariant: `doc_lens.sum() == len(tokens)`; an entry is immutable once renamed i
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -146,7 +147,7 @@ def _write(
                     doc.append(eos)
             lens = np.fromiter((len(doc) for doc in ids), dtype=np.int64, count=len(ids))
             total = int(lens.sum())
-            flat = np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=total)
+            flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=total)
             flat.tofile(f)
             doc_lens.append(lens)
             stats.kept += len(ids)

@@ -121,6 +121,7 @@ def load_corpus(
             corpus = corpus.select(_draw(len(corpus), spec.num_samples, seed))
             stats.kept, stats.num_tokens = len(corpus), corpus.num_tokens
             stats.num_target_tokens = corpus.num_tokens
+            stats.rows_read = stats.kept + stats.num_dropped  # drawn documents count as read
         log = logger.warning if stats.dropped else logger.info
         log("data set %s (%s): %s", spec.name, spec.path, stats.describe())
         parts.append(corpus)
