@@ -88,11 +88,22 @@ def test_unknown_dataset_dir_reads_clearly(
 def test_raw_text_given_to_sft_says_it_looks_like_pt(tokenizer: Any, tmp_path: Path) -> None:
     folder = tmp_path / "data"
     write_lf_corpus(folder)
-    for name in ("c4_demo", "wiki_demo"):  # registered as LLaMA-Factory registers them
-        with pytest.raises(ValueError, match=rf"data set '{name}'.*set data.stage: pt"):
-            prepare_data(DataConfig(dataset=name, dataset_dir=str(folder)), tokenizer)
-    with pytest.raises(ValueError, match=r"looks like pre-training data; set data.stage: pt"):
+    # registered as LLaMA-Factory registers them
+    with pytest.raises(ValueError, match=r"data set 'c4_demo'.*set data.stage: pt"):
+        prepare_data(DataConfig(dataset="c4_demo", dataset_dir=str(folder)), tokenizer)
+    txt = r"wiki_demo.txt: a .txt file is raw text \(one document per line\).*set data.stage: pt"
+    with pytest.raises(ValueError, match=txt):
+        prepare_data(DataConfig(dataset="wiki_demo", dataset_dir=str(folder)), tokenizer)
+    with pytest.raises(ValueError, match=txt):
         prepare_data(DataConfig(dataset=str(folder / "wiki_demo.txt")), tokenizer)
+    rows = write_rows(tmp_path / "text.jsonl", [{"text": "Plain text."}])
+    with pytest.raises(ValueError, match=r"looks like pre-training data; set data.stage: pt"):
+        prepare_data(DataConfig(dataset=str(rows)), tokenizer)
+    (folder / "README.txt").write_text("not data\n")  # a .txt beside sft files is skipped
+    write_rows(folder / "sft" / "a.jsonl", [{"instruction": "Hi", "output": "Yo"}])
+    (folder / "sft" / "README.txt").write_text("not data\n")
+    data = prepare_data(DataConfig(dataset=str(folder / "sft")), tokenizer)
+    assert data.stats.rows_read == 1
 
 
 def test_sft_data_given_to_pt_says_it_looks_like_sft(tokenizer: Any, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from megatrain.data.corpus import TokenFile, default_cache_dir, tokenize_file, tokenizer_fingerprint
-from megatrain.data.readers import data_files, download_hub_dataset
+from megatrain.data.readers import TEXT_SUFFIXES, data_files, download_hub_dataset
 from megatrain.data.registry import REGISTRY_FILE, DatasetSpec
 from megatrain.data.sample import DataStats
 
@@ -170,5 +170,6 @@ def _files_of(spec: DatasetSpec) -> list[Path]:
             folder=spec.folder,
             subset=spec.subset,
             split=spec.split,
+            suffixes=TEXT_SUFFIXES,
         )
-    return data_files(Path(spec.path))
+    return data_files(Path(spec.path), TEXT_SUFFIXES)

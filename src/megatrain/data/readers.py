@@ -3,9 +3,10 @@
 A row is a `dict[str, Any]` as stored in the file: no column is renamed or converted here (that is
 `formats.py`'s job). Supported: `.json` (a JSON array of objects, or JSON lines), `.jsonl`,
 `.parquet` (pyarrow, read one record batch at a time), `.csv` (stdlib csv; every value a string),
-`.txt` (one row `{"text": line}` per line, as LLaMA-Factory reads text files; blank lines are kept
-as empty rows, counted and dropped later), and folders of such files, read recursively in sorted
-path order so the row order is reproducible. Every reader streams except a `.json` array, which
+`.txt` (raw text for data.stage: pt only, TEXT_SUFFIXES: one row `{"text": line}` per line, as
+LLaMA-Factory reads text files; blank lines are kept as empty rows, counted and dropped later),
+and folders of such files, read recursively in sorted path order so the row order is
+reproducible. Every reader streams except a `.json` array, which
 is parsed whole.
 
 Hub data sets (`hf_hub_url` in dataset_info.json) are fetched with
@@ -21,17 +22,27 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt")
+SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # conversation (sft) data
+TEXT_SUFFIXES = (*SUFFIXES, ".txt")  # raw text (pt) data: .txt files too
 TEXT_COLUMN = "text"  # the column of a .txt file's rows, as the `datasets` text builder names it
 KNOWN_SPLITS = ("train", "validation", "valid", "val", "test", "dev", "eval")
 
 
-def data_files(path: Path) -> list[Path]:
-    """`path` itself if it is a data file, else the data files under the folder, sorted."""
+def data_files(path: Path, suffixes: tuple[str, ...] = SUFFIXES) -> list[Path]:
+    """`path` itself if it is a data file, else the data files under the folder, sorted.
+
+    `suffixes`: the file types read; a folder's other files are skipped (a README.txt beside
+    conversation data is not data), a file of another type given directly is an error."""
     if path.is_file():
-        if path.suffix.lower() not in SUFFIXES:
+        if path.suffix.lower() == ".txt" and ".txt" not in suffixes:
             raise ValueError(
-                f"{path}: unsupported file type {path.suffix!r}; use one of {SUFFIXES}"
+                f"{path}: a .txt file is raw text (one document per line), which data.stage: pt "
+                "trains on; set data.stage: pt, or give conversations in "
+                f"{'/'.join(suffixes)} files for sft"
+            )
+        if path.suffix.lower() not in suffixes:
+            raise ValueError(
+                f"{path}: unsupported file type {path.suffix!r}; use one of {suffixes}"
             )
         return [path]
     if not path.is_dir():
@@ -40,12 +51,12 @@ def data_files(path: Path) -> list[Path]:
         p
         for p in path.rglob("*")
         if p.is_file()
-        and p.suffix.lower() in SUFFIXES
+        and p.suffix.lower() in suffixes
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
         and p.name != "dataset_info.json"
     )
     if not files:
-        raise FileNotFoundError(f"{path}: the folder holds no data file ({', '.join(SUFFIXES)})")
+        raise FileNotFoundError(f"{path}: the folder holds no data file ({', '.join(suffixes)})")
     return files
 
 
@@ -138,6 +149,7 @@ def download_hub_dataset(
     folder: str | None = None,
     subset: str | None = None,
     split: str = "train",
+    suffixes: tuple[str, ...] = SUFFIXES,
 ) -> list[Path]:
     """Download a hub data set repository and return the data files of `split`, sorted.
 
@@ -149,7 +161,7 @@ def download_hub_dataset(
     from huggingface_hub import snapshot_download
 
     prefix = "/".join(p.strip("/") for p in (folder, subset) if p)
-    patterns = [f"{prefix}/*{s}" if prefix else f"*{s}" for s in SUFFIXES]
+    patterns = [f"{prefix}/*{s}" if prefix else f"*{s}" for s in suffixes]
     local = Path(
         snapshot_download(
             repo_id=repo_id, repo_type="dataset", revision=revision, allow_patterns=patterns
@@ -161,7 +173,7 @@ def download_hub_dataset(
             f"hub data set {repo_id}: no folder {prefix!r} in the repository (from folder="
             f"{folder!r}, subset={subset!r}); check `folder`/`subset` in dataset_info.json"
         )
-    files = data_files(root)
+    files = data_files(root, suffixes)
     chosen = [f for f in files if _in_split(f.relative_to(root), split)]
     if (
         not chosen
