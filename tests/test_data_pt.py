@@ -4,6 +4,8 @@ and exact mid-epoch resume, each against the tokenizer's own ids."""
 
 from __future__ import annotations
 
+import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 from data_fixtures.helpers import demo_tokenizer, write_rows
 from data_fixtures.pt_corpus import reference_document, reference_stream, write_lf_corpus
 from megatrain.batch import IGNORE_INDEX
-from megatrain.data import DataConfig, make_loader, prepare_data
+from megatrain.data import DataConfig, make_loader, prepare_data, run_data_command
 from megatrain.data.pretrain import PretrainCorpus
 from megatrain.data.pretrain_loader import PretrainLoader
 
@@ -171,3 +173,31 @@ def test_a_folder_of_text_files_and_the_drop_reasons(tokenizer: Any, tmp_path: P
     assert data.stats.dropped == {"empty_text": 2, "missing_column": 1, "malformed_row": 1}
     limited = prepare_data(DataConfig(**{**cfg.__dict__, "max_samples": 3}), tokenizer)
     assert limited.stats.rows_read == 3 and len(limited.train) == 2
+
+
+def test_data_command_shows_the_loader_rows(tokenizer: Any, corpus_dir: tuple[Path, dict]) -> None:
+    folder, texts = corpus_dir
+    cfg = _cfg(folder)
+    out = io.StringIO()
+    run_data_command(
+        cfg, tokenizer, show=4, as_json=True, seq_len=SEQ_LEN, micro_batch_size=3, out=out
+    )
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(lines) == 5
+    loader = make_loader(
+        prepare_data(cfg, tokenizer).train, micro_batch_size=3, seq_len=SEQ_LEN,
+        packing=False, pad_token_id=0, shuffle=cfg.shuffle, seed=cfg.seed,
+    )  # fmt: skip
+    batches = iter(loader)
+    rows = [r for _ in range(2) for r in next(batches).input_ids.tolist()][:4]
+    assert [line["input_ids"] for line in lines[:4]] == rows
+    assert all(line["labels"] == line["input_ids"] for line in lines[:4])
+    stream, _ = reference_stream(tokenizer, texts["c4_demo"] + texts["wiki_demo"])
+    n_rows = len(stream) // SEQ_LEN
+    summary = lines[4]["summary"]
+    assert summary["train"] == {
+        "documents": 65, "tokens": len(stream), "supervised_tokens": len(stream)
+    }  # fmt: skip
+    assert summary["loader"]["rows_per_epoch"] == n_rows
+    assert summary["loader"]["supervised_tokens_per_epoch"] == n_rows * (SEQ_LEN - 1)
+    assert summary["loader"]["tokens_dropped"] == len(stream) - n_rows * SEQ_LEN

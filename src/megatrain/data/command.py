@@ -187,14 +187,15 @@ def _describe_summary(summary: dict[str, Any]) -> str:
             )
     ld = summary["loader"]
     fill = "" if ld["packed_fill"] is None else f", rows {ld['packed_fill']:.1%} filled"
+    layout = f"packing={ld['packing']}"
     if ld["tokens_dropped"] is not None:
+        layout = f"stage pt, neat_packing={ld['neat_packing']}"
         fill = (
-            f", neat_packing={ld['neat_packing']}, {ld['supervised_tokens_per_epoch']} "
-            f"supervised tokens per epoch, {ld['tokens_dropped']} tokens after the last full row "
-            "not trained on"
+            f", {ld['supervised_tokens_per_epoch']} supervised tokens per epoch, "
+            f"{ld['tokens_dropped']} tokens after the last full row not trained on"
         )
     lines.append(
-        f"loader: packing={ld['packing']}, seq_len {ld['seq_len']}, micro-batch "
+        f"loader: {layout}, seq_len {ld['seq_len']}, micro-batch "
         f"{ld['micro_batch_size']}, {ld['rows_per_epoch']} rows = "
         f"{ld['micro_batches_per_epoch']} micro-batches per epoch{fill}"
     )
