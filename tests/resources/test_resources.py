@@ -338,8 +338,9 @@ model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 store = HostStore(discover(model), compute_dtype=getattr(torch, a["dtype"]), pin_memory=cuda)
 if cuda:
     torch.cuda.reset_peak_memory_stats()
-engine = StreamingEngine(store.structure, store, CpuAdamW(AdamWHyper()), device=a["device"], num_slots=2,
-                         max_grad_norm=a["max_grad_norm"] or None, threaded_optimizer=cuda)
+engine = StreamingEngine(store.structure, store, CpuAdamW(AdamWHyper()), device=a["device"],
+                         num_slots=2, max_grad_norm=a["max_grad_norm"] or None,
+                         threaded_optimizer=cuda)
 gen = torch.Generator().manual_seed(0)
 phases = []
 for rows, seq, micro in a["phases"]:

@@ -316,8 +316,9 @@ class TrainConfig:
 
     @property
     def layout(self) -> str:
-        """How rows are laid out: "packed" (samples packed, positions restart) or "padded"."""
-        return "packed" if self.data.packing else "padded"
+        """How rows are laid out: "padded", "packed" (positions restart inside rows) or "full"
+        (plain causal rows); decided by the data section (DataConfig.layout)."""
+        return self.data.layout()
 
 
 SECTIONS: dict[str, type] = {

@@ -65,6 +65,17 @@ class DataStats:
         self.num_tokens += sample.num_tokens
         self.num_target_tokens += sample.num_target_tokens
 
+    def add(self, other: DataStats) -> None:
+        """Accumulate the counts of `other` (another data set or file) into these."""
+        self.rows_read += other.rows_read
+        self.kept += other.kept
+        self.extra_rows += other.extra_rows
+        self.truncated += other.truncated
+        self.num_tokens += other.num_tokens
+        self.num_target_tokens += other.num_target_tokens
+        for reason, count in other.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + count
+
     @property
     def num_dropped(self) -> int:
         return sum(self.dropped.values())
