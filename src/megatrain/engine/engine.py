@@ -26,11 +26,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import PretrainedConfig
 
 from megatrain.batch import Batch
 from megatrain.engine.head import ChunkedLoss
 from megatrain.engine.microbatch import Embedder, MicroBatch
+from megatrain.engine.rng import restored_rng, rng_state, uses_randomness
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
@@ -114,7 +114,7 @@ class StreamingEngine:
             [RouterTap(m, self.aux) for m in self.slots.modules] if self.aux is not None else []
         )
         self.worker = UpdateWorker(optimizer, threaded=threaded_optimizer)
-        self._preserve_rng = _uses_randomness(structure)
+        self._preserve_rng = uses_randomness(structure)
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
         self._order = {b.name: i for i, b in enumerate(store.blocks)}  # forward position
@@ -215,7 +215,7 @@ class StreamingEngine:
             for mb in mbs:
                 mb.saved.append(mb.hidden)
                 if self._preserve_rng:
-                    mb.rng.append(_rng_state(self.device))
+                    mb.rng.append(rng_state(self.device))
                 with torch.no_grad():
                     mb.hidden = self._run_layer(i, module, mb, mb.hidden, record=True)
             timer.stop()
@@ -335,7 +335,7 @@ class StreamingEngine:
         x = mb.saved[i]
         assert x is not None and mb.grad is not None
         x = x.detach().requires_grad_(True)
-        with torch.enable_grad(), _restored_rng(self.device, mb.rng[i] if mb.rng else None):
+        with torch.enable_grad(), restored_rng(self.device, mb.rng[i] if mb.rng else None):
             out = self._run_layer(i, self.slots.modules[i], mb, x, record=False)
             outputs, grads = [out], [mb.grad]
             tap = self.taps[i] if self.taps else None
@@ -387,44 +387,3 @@ def _move_body_buffers(structure: ModelStructure, device: torch.device) -> None:
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device != device and buf.device.type != "meta":
                 module._buffers[name] = buf.to(device)
-
-
-def _uses_randomness(structure: ModelStructure) -> bool:
-    """Whether layers may draw random numbers in training (dropout, router jitter)."""
-    return bool(random_config_keys(structure.causal_lm.config))
-
-
-def random_config_keys(config: PretrainedConfig) -> dict[str, float]:
-    """The config's nonzero dropout / jitter probabilities: what makes training draw randoms."""
-    return {
-        key: value
-        for key, value in config.get_text_config().to_dict().items()
-        if ("dropout" in key or "jitter" in key) and isinstance(value, float) and value > 0
-    }
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-class _restored_rng:
-    """Run a layer's recompute with the RNG state its forward saw (identical dropout masks)."""
-
-    def __init__(self, device: torch.device, state: tuple | None) -> None:
-        self.device, self.state = device, state
-
-    def __enter__(self) -> None:
-        if self.state is None:
-            return
-        self._saved = _rng_state(self.device)
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.state is None:
-            return
-        torch.set_rng_state(self._saved[0])
-        if self._saved[1] is not None:
-            torch.cuda.set_rng_state(self._saved[1], self.device)
