@@ -89,8 +89,9 @@ def _slot_of(slots: LayerSlots, transfers: CountingTransfers, copy_index: int) -
     return [b.data_ptr() for b in slots.buffers].index(address)
 
 
-def test_num_slots_is_checked_and_capped_at_the_layer_count(model: Model) -> None:
-    with pytest.raises(ValueError, match="num_slots"):
+def test_num_slots_is_capped_at_the_layer_count(model: Model) -> None:
+    # 0 slots is refused by the config (memory.num_slots >= 1, tests/config); here it is a bug
+    with pytest.raises(AssertionError):
         _slots(model, 0)
     slots, _ = _slots(model, 8)
     assert slots.num_slots == NUM_LAYERS and len(slots.buffers) == NUM_LAYERS
