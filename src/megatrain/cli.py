@@ -6,13 +6,16 @@
     megatrain data     --config FILE --show N [--json]
     megatrain export   --checkpoint DIR --out DIR
 
-Errors a user can fix (bad path, bad key, unsupported model) print one line and exit 2.
+Errors a user can fix (bad path, bad key, unsupported model, disk full) print one paragraph and
+exit 2; Ctrl-C prints where the last checkpoint is and exits 130. MEGATRAIN_DEBUG=1 shows the
+traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -20,6 +23,7 @@ import torch
 
 from megatrain.device import resolve_device
 from megatrain.model.loading import parse_config_sets
+from megatrain.resources.disk import DiskFullError
 
 
 def _add_verify(sub: argparse._SubParsersAction) -> None:
@@ -153,6 +157,11 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="a checkpoints/step-N directory")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="export into a non-empty folder that is not a previous export (keeps its files)",
+    )
     p.set_defaults(func=_run_export)
 
 
@@ -181,7 +190,9 @@ def _run_export(args: argparse.Namespace) -> int:
     )
     store = HostStore(discover(model), compute_dtype=torch.float32)
     load_checkpoint(ckpt, store)
-    out = export_hf(store, args.out, dtype=args.dtype, tokenizer=load_tokenizer(cfg))
+    out = export_hf(
+        store, args.out, dtype=args.dtype, tokenizer=load_tokenizer(cfg), overwrite=args.overwrite
+    )
     print(f"exported {ckpt} to {out}")
     return 0
 
@@ -219,11 +230,21 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = rest
+    debug = os.environ.get("MEGATRAIN_DEBUG", "") not in ("", "0")
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: its message names the file (disk full, ...)
+        if debug:
+            raise
         print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
+        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, DiskFullError)):
+            print("(MEGATRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # the trainer's says where the last checkpoint is
+        if debug:
+            raise
+        print(f"megatrain {args.command}: {str(e) or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -14,18 +14,19 @@ from __future__ import annotations
 import math
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from megatrain.batch import Batch
 from megatrain.checkpoint import (
     export_hf,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -33,15 +34,16 @@ from megatrain.checkpoint import (
 )
 from megatrain.config import TrainConfig, save_config
 from megatrain.data import make_loader, prepare_data
-from megatrain.data.assets import demo_tokenizer_dir
 from megatrain.device import resolve_device
 from megatrain.engine.engine import StepResult, StreamingEngine
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.loading import load_config as load_hf_config
 from megatrain.model.structure import ModelStructure, discover
+from megatrain.model.tokenizer import load_tokenizer as load_model_tokenizer
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
+from megatrain.output_dir import TrainingInterrupted, interrupted_message, prepare_output_dir
 from megatrain.resources import (
     detect,
     estimate,
@@ -50,6 +52,7 @@ from megatrain.resources import (
     model_spec,
     pick_micro_batch,
 )
+from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
 from megatrain.store.host import HostStore
 
 
@@ -67,6 +70,13 @@ class Trainer:
         self.cfg = cfg
         self.device = torch.device(resolve_device(cfg.training.device))
         self.output_dir = Path(cfg.training.output_dir)
+        prepare_output_dir(
+            self.output_dir,
+            resume_from=cfg.checkpoint.resume_from,
+            overwrite=cfg.training.overwrite_output_dir,
+            export_hf=cfg.checkpoint.export_hf,
+        )
+        self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (_resume)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.output_dir / "config.yaml")
         torch.manual_seed(cfg.training.seed)
@@ -164,6 +174,7 @@ class Trainer:
             overrides=dict(m.config_overrides) or None,
         )
         spec = model_spec(hf_config, m.compute_dtype, m.attn_implementation)
+        self._check_disk(spec.total_params)
         hw = detect()
         shape: dict[str, Any] = dict(
             seq_len=self.seq_len,
@@ -210,6 +221,23 @@ class Trainer:
         )
         return mbs, ga
 
+    def _check_disk(self, num_params: int) -> None:
+        """Refuse a run whose checkpoints and export the output_dir's disk cannot hold."""
+        c = self.cfg.checkpoint
+        disk = run_disk_bytes(
+            num_params,
+            save_every=c.save_every,
+            save_final=c.save_final,
+            keep_last=c.keep_last,
+            export_hf=c.export_hf,
+            export_dtype=c.export_dtype,
+            total_steps=self.cfg.training.max_steps,
+        )
+        # a resumed run prunes the kept checkpoints as it writes new ones
+        kept = min(len(list_checkpoints(self.output_dir)), c.keep_last) if c.resume_from else 0
+        written = kept * num_params * CHECKPOINT_BYTES_PER_PARAM
+        check_run_disk(self.output_dir, disk, already_written=written)
+
     def _total_steps(self) -> int:
         t = self.cfg.training
         if t.max_steps is not None:
@@ -232,6 +260,7 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self.run_id = state.get("run_id") or self.run_id
         print(f"resumed from {path} at step {self.step}", flush=True)
 
     # ------------------------------------------------------------------ training
@@ -284,9 +313,12 @@ class Trainer:
                     checkpoint = self.save()
             if self.data.eval:
                 eval_loss = self._evaluate(metrics)
-            if not cfg.checkpoint.save_every or self.step % cfg.checkpoint.save_every:
+            every = cfg.checkpoint.save_every
+            if cfg.checkpoint.save_final and (not every or self.step % every):
                 checkpoint = self.save()
             export_dir = self.export() if cfg.checkpoint.export_hf else None
+        except KeyboardInterrupt as e:
+            raise TrainingInterrupted(interrupted_message(self.output_dir, self.step)) from e
         finally:
             metrics.close()
         return TrainSummary(
@@ -333,6 +365,7 @@ class Trainer:
             self.store,
             state,
             keep_last=self.cfg.checkpoint.keep_last,
+            run_id=self.run_id,
             write_extra=lambda d: save_config(self.cfg, d / "config.yaml"),
         )
 
@@ -353,16 +386,8 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def load_tokenizer(cfg: TrainConfig) -> Any:
-    m = cfg.model
-    source = m.tokenizer or m.name_or_path
-    if source is None:
-        raise ValueError(
-            "model.tokenizer is required with model.model_type (a hub id, a "
-            "directory, or 'demo' for the built-in demo tokenizer)"
-        )
-    if source == "demo":
-        source = str(demo_tokenizer_dir())
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
+    """The run's tokenizer; kept here for callers of the old name (megatrain.model.tokenizer)."""
+    return load_model_tokenizer(cfg.model)
 
 
 def active_params(structure: ModelStructure, total: int) -> int:
