@@ -11,13 +11,17 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatrain import checkpoint as ckpt_mod
 from megatrain.checkpoint import latest_checkpoint, list_checkpoints
 from megatrain.cli import main
 from megatrain.config import load_config
+from megatrain.model.loading import load_causal_lm
+from megatrain.model.structure import discover
 from megatrain.resources import disk
 from megatrain.resources.disk import DiskFullError, run_disk_bytes
+from megatrain.store.host import HostStore
 from megatrain.trainer import Trainer
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
@@ -147,3 +151,20 @@ def test_estimate_reports_checkpoint_and_export_bytes(capsys: pytest.CaptureFixt
     export = f"{2 * params / 2**30:.2f}"
     assert re.search(rf"one checkpoint \(fp32 master \+ Adam m, v\) +{re.escape(ckpt)} ", out)
     assert re.search(rf"Hugging Face export \(bf16\) +{re.escape(export)}$", out, re.M)
+
+
+def test_disk_full_during_export_removes_the_partial_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_causal_lm(None, model_type="llama", tiny=True)
+    store = HostStore(discover(model), compute_dtype=torch.float32)
+
+    def full(self: object, folder: str, **kwargs: object) -> None:
+        Path(folder).mkdir()
+        (Path(folder) / "model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(type(model), "save_pretrained", full)
+    with pytest.raises(DiskFullError, match=f"the Hugging Face export hf into {tmp_path}"):
+        ckpt_mod.export_hf(store, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []

@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatrain.resources.disk import disk_full_error, is_disk_full
+from megatrain.resources.disk import AFTER_EXPORT, disk_full_error, is_disk_full
 from megatrain.store.host import HostStore
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -216,7 +216,8 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(e):
             needed = sum(b.master.numel() for b in store.blocks) * (2 if dtype == "bf16" else 4)
-            raise disk_full_error(out.parent, f"the Hugging Face export {out.name}", needed) from e
+            what = f"the Hugging Face export {out.name}"
+            raise disk_full_error(out.parent, what, needed, fix=AFTER_EXPORT) from e
         raise
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -127,7 +127,21 @@ def is_disk_full(exc: BaseException) -> bool:
     return "No space left on device" in text or "os error 28" in text
 
 
-def disk_full_error(folder: str | Path, what: str, needed_bytes: int) -> DiskFullError:
+_AFTER_CHECKPOINT = (
+    "The partial files were removed and the previous checkpoint is intact. Free space there (or "
+    "choose a training.output_dir on a larger disk) and resume with --checkpoint.resume_from "
+    "auto; to write less, lower checkpoint.keep_last or set checkpoint.save_final: false"
+)
+AFTER_EXPORT = (
+    "The partial export was removed; checkpoints are untouched. Free space there (or choose "
+    "another folder) and export the last checkpoint with megatrain export --checkpoint DIR --out "
+    "DIR"
+)
+
+
+def disk_full_error(
+    folder: str | Path, what: str, needed_bytes: int, *, fix: str = _AFTER_CHECKPOINT
+) -> DiskFullError:
     """The paragraph for a save that ran out of space in `folder`."""
     try:
         free = f"{_gib(free_bytes(folder))} GiB"
@@ -135,10 +149,7 @@ def disk_full_error(folder: str | Path, what: str, needed_bytes: int) -> DiskFul
         free = "an unknown amount"
     return DiskFullError(
         f"the disk filled while writing {what} into {folder}: it needs about "
-        f"{_gib(needed_bytes)} GiB and {free} is free now. The partial files were removed and "
-        "the previous checkpoint is intact. Free space there (or choose a training.output_dir "
-        "on a larger disk) and resume with --checkpoint.resume_from auto; to write less, lower "
-        "checkpoint.keep_last or set checkpoint.save_final: false"
+        f"{_gib(needed_bytes)} GiB and {free} is free now. " + fix
     )
 
 
