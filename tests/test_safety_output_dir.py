@@ -15,6 +15,7 @@ from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
+from megatrain.output_dir import prepare_output_dir
 from megatrain.store.host import HostStore
 from megatrain.trainer import Trainer
 
@@ -120,3 +121,16 @@ def test_resumed_run_inherits_the_lineage_and_prunes_its_own(tmp_path: Path) -> 
     assert resumed.run_id == first.run_id
     (last,) = list_checkpoints(tmp_path)
     assert last.name == "step-00000004" and checkpoint_run_id(last) == first.run_id
+
+
+def test_used_folder_without_checkpoints_is_not_offered_for_resume(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    with pytest.raises(ValueError, match="no checkpoint to resume from: choose another") as e:
+        prepare_output_dir(tmp_path, resume_from=None, overwrite=False, export_hf=True)
+    assert "holds metrics.jsonl" in str(e.value)
+    # a run may resume into it; an hf_model that is not an export is refused before training
+    (tmp_path / "hf_model").mkdir()
+    (tmp_path / "hf_model" / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"the export folder .*hf_model is not empty"):
+        prepare_output_dir(tmp_path, resume_from="auto", overwrite=False, export_hf=True)
+    prepare_output_dir(tmp_path, resume_from="auto", overwrite=False, export_hf=False)

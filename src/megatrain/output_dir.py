@@ -47,12 +47,16 @@ def prepare_output_dir(
     moved = None
     if entries and resume_from is None:
         if not overwrite:
+            resume = (
+                "Resume the old run with --checkpoint.resume_from auto, choose"
+                if latest_checkpoint(out) is not None
+                else "It has no checkpoint to resume from: choose"
+            )
             raise ValueError(
                 f"training.output_dir={str(out)!r} is not empty (it holds "
                 f"{_list(entries)}) and checkpoint.resume_from is null, so this would be a new "
                 "run on top of an old one: its checkpoints could replace the old ones and "
-                "metrics.jsonl would mix both runs. Resume the old run with "
-                "--checkpoint.resume_from auto, choose another training.output_dir, or set "
+                f"metrics.jsonl would mix both runs. {resume} another training.output_dir, or set "
                 "--training.overwrite_output_dir true to start a new run there (the previous "
                 "run's files are moved into a previous-<time>/ folder inside it, never deleted)"
             )
