@@ -54,7 +54,7 @@ def main() -> None:
         opt,
         device=device,
         num_slots=a.num_slots,
-        max_grad_norm=a.max_grad_norm,
+        max_grad_norm=a.max_grad_norm or None,
         threaded_optimizer=not a.no_threads,
         compile_layers=a.compile,
     )

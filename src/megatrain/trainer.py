@@ -12,7 +12,6 @@ learning rates, and produce identical losses.
 from __future__ import annotations
 
 import math
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from megatrain.batch import Batch
+from megatrain.builder import RunBuilder
 from megatrain.checkpoint import (
     export_hf,
     latest_checkpoint,
@@ -33,27 +33,12 @@ from megatrain.checkpoint import (
     set_rng_state,
 )
 from megatrain.config import TrainConfig, save_config
-from megatrain.data import make_loader, prepare_data
-from megatrain.device import resolve_device
-from megatrain.engine.engine import StepResult, StreamingEngine
+from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger, peak_flops
-from megatrain.model.loading import load_causal_lm
-from megatrain.model.loading import load_config as load_hf_config
-from megatrain.model.structure import ModelStructure, discover
-from megatrain.model.tokenizer import load_tokenizer as load_model_tokenizer
-from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.output_dir import TrainingInterrupted, interrupted_message, prepare_output_dir
-from megatrain.resources import (
-    detect,
-    estimate,
-    gpu_problem,
-    host_problem,
-    model_spec,
-    pick_micro_batch,
-)
 from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
-from megatrain.store.host import HostStore
+from megatrain.resources.plan import ResourcePlan
 
 
 @dataclass
@@ -66,9 +51,17 @@ class TrainSummary:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig) -> None:
+    """One training run: owns the run's parts (built by RunBuilder) and its step counter.
+
+    Invariants: `step` counts completed optimizer steps; the store, loader position and RNG
+    state after step N are exactly what a checkpoint of step N holds, so resuming from it
+    continues bit for bit. Only this class writes into `output_dir`.
+    """
+
+    def __init__(self, cfg: TrainConfig, builder: RunBuilder | None = None) -> None:
         self.cfg = cfg
-        self.device = torch.device(resolve_device(cfg.training.device))
+        self.builder = b = builder or RunBuilder(cfg)
+        self.device = b.device
         self.output_dir = Path(cfg.training.output_dir)
         prepare_output_dir(
             self.output_dir,
@@ -80,47 +73,20 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.output_dir / "config.yaml")
         torch.manual_seed(cfg.training.seed)
-        self.tokenizer = load_tokenizer(cfg)
-        self.data = prepare_data(cfg.data, self.tokenizer)
-        self.seq_len = cfg.training.seq_len or cfg.data.cutoff_len
-        self.micro_batch_size, self.grad_accum = self._plan_resources()
-        self.structure = self._load_model()
-        self.store = HostStore(
-            self.structure,
-            compute_dtype=_DTYPES[cfg.model.compute_dtype],
-            pin_memory=cfg.memory.pin_memory and self.device.type == "cuda",
-            no_decay=cfg.optimizer.no_decay,
-            decay_1d=cfg.optimizer.decay_1d,
-        )
-        opt = cfg.optimizer
-        self.optimizer = CpuAdamW(
-            AdamWHyper(
-                betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay
-            ),
-            impl=opt.impl,
-            num_threads=opt.threads or max(1, (os.cpu_count() or 2) - 2),
-        )
-        self.engine = StreamingEngine(
-            self.structure,
-            self.store,
-            self.optimizer,
-            device=self.device,
-            num_slots=cfg.memory.num_slots,
-            max_grad_norm=opt.max_grad_norm,
-            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-            compile_layers=cfg.training.compile_layers,
-        )
-        self.loader = make_loader(
-            self.data.train,
-            micro_batch_size=self.micro_batch_size,
-            seq_len=self.seq_len,
-            packing=cfg.data.packing,
-            pad_token_id=self.data.pad_token_id,
-            shuffle=cfg.data.shuffle,
-            seed=cfg.data.seed,
-            pad_to_multiple_of=cfg.data.pad_to_multiple_of,
-        )
+        self.tokenizer = b.tokenizer()
+        self.data = b.data()
+        self.plan = b.plan()
+        self.plan.require_fit()  # before anything large is allocated
+        self._check_disk(b.spec.total_params)  # before training time is spent
+        _report_plan(self.plan, b.placement.is_cuda)
+        self.micro_batch_size, self.grad_accum = self.plan.micro_batch_size, self.plan.grad_accum
+        self.structure = b.model()
+        print(f"model: {self.structure.describe()}", flush=True)
+        self.store = b.store(self.structure)
+        self.engine = b.engine(self.structure, self.store)
+        self.loader = b.loader(self.data.train)
         self.total_steps = self._total_steps()
+        opt = cfg.optimizer
         self.schedule = LRSchedule(
             peak_lr=opt.learning_rate,
             total_steps=self.total_steps,
@@ -130,96 +96,9 @@ class Trainer:
         )
         self.step = 0
         self._resume()
-        self.flops_per_token = 6 * active_params(self.structure, self.store.numel)
+        self.flops_per_token = 6 * b.spec.active_params
 
     # ------------------------------------------------------------------ setup
-
-    def _load_model(self) -> ModelStructure:
-        m = self.cfg.model
-        model = load_causal_lm(
-            m.name_or_path,
-            model_type=m.model_type,
-            tiny=m.tiny,
-            random_init=m.random_init,
-            trust_remote_code=m.trust_remote_code,
-            attn_implementation=m.attn_implementation,
-            config_overrides=dict(m.config_overrides) or None,
-            seed=self.cfg.training.seed,
-        )
-        vocab = model.config.get_text_config().vocab_size
-        if len(self.tokenizer) > vocab:
-            raise ValueError(
-                f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary has "
-                f"{vocab}: use the model's own tokenizer (model.tokenizer), or for a random-init "
-                f"model set model.config_overrides.vocab_size >= {len(self.tokenizer)}"
-            )
-        structure = discover(model)
-        print(f"model: {structure.describe()}", flush=True)
-        return structure
-
-    def _plan_resources(self) -> tuple[int, int]:
-        """Micro-batch and accumulation (resolving "auto"), checked to fit before loading.
-
-        Refuses, with the numbers and what to change, a run whose predicted host RAM or GPU
-        peak exceeds what this machine has (megatrain.resources), before anything large is
-        allocated. The GPU side applies on CUDA only.
-        """
-        cfg, t, mem = self.cfg, self.cfg.training, self.cfg.memory
-        m = cfg.model
-        hf_config = load_hf_config(
-            m.name_or_path,
-            model_type=m.model_type,
-            tiny=m.tiny,
-            trust_remote_code=m.trust_remote_code,
-            overrides=dict(m.config_overrides) or None,
-        )
-        spec = model_spec(hf_config, m.compute_dtype, m.attn_implementation)
-        self._check_disk(spec.total_params)
-        hw = detect()
-        shape: dict[str, Any] = dict(
-            seq_len=self.seq_len,
-            num_slots=mem.num_slots,
-            padded=not cfg.data.packing,
-            packed=cfg.data.packing,
-            clipping=cfg.optimizer.max_grad_norm > 0,
-        )
-        mbs, ga = t.micro_batch_size, t.gradient_accumulation_steps
-        if mbs == "auto":
-            target: dict[str, Any] = (
-                {"tokens_per_step": t.global_batch_size * self.seq_len}
-                if t.global_batch_size
-                else {"grad_accum": ga}
-            )
-            mbs, ga, why = pick_micro_batch(
-                spec, hardware=hw, gpu_margin_gib=mem.gpu_margin_gib, **target, **shape
-            )
-            print(f"micro_batch_size auto: {why}; gradient accumulation {ga}", flush=True)
-        assert isinstance(mbs, int)
-        est = estimate(
-            spec,
-            micro_batch_size=mbs,
-            grad_accum=ga,
-            hardware=hw,
-            loss_chunk_tokens=mem.loss_chunk_tokens,
-            pin_memory=mem.pin_memory and self.device.type == "cuda",
-            **shape,
-        )
-        problems = [host_problem(est, hw, mem.host_margin_gib)]
-        if self.device.type == "cuda":
-            problems.append(gpu_problem(est, hw, mem.gpu_margin_gib))
-        if any(problems):
-            raise ValueError("this run does not fit: " + "; ".join(p for p in problems if p))
-        print(
-            f"resources: host {est.host.total_bytes / 2**30:.1f} GiB"
-            + (
-                f", GPU peak {est.gpu.peak_bytes / 2**30:.1f} GiB"
-                if self.device.type == "cuda"
-                else ""
-            )
-            + " (predicted)",
-            flush=True,
-        )
-        return mbs, ga
 
     def _check_disk(self, num_params: int) -> None:
         """Refuse a run whose checkpoints and export the output_dir's disk cannot hold."""
@@ -332,15 +211,7 @@ class Trainer:
     def _evaluate(self, metrics: MetricsLogger) -> float | None:
         if not self.data.eval:
             return None
-        loader = make_loader(
-            self.data.eval,
-            micro_batch_size=self.micro_batch_size,
-            seq_len=self.seq_len,
-            packing=self.cfg.data.packing,
-            pad_token_id=self.data.pad_token_id,
-            shuffle=False,
-            pad_to_multiple_of=self.cfg.data.pad_to_multiple_of,
-        )
+        loader = self.builder.loader(self.data.eval, train=False)
         total, tokens = 0.0, 0
         limit = self.cfg.training.max_eval_batches
         for i, batch in enumerate(loader):
@@ -382,34 +253,19 @@ class Trainer:
         self.engine.close()
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def load_tokenizer(cfg: TrainConfig) -> Any:
-    """The run's tokenizer; kept here for callers of the old name (megatrain.model.tokenizer)."""
-    return load_model_tokenizer(cfg.model)
-
-
-def active_params(structure: ModelStructure, total: int) -> int:
-    """Parameters one token uses: MoE experts count by the fraction routed to."""
-    config = structure.causal_lm.config.get_text_config()
-    experts = next(
-        (
-            getattr(config, k)
-            for k in ("num_experts", "num_local_experts", "n_routed_experts")
-            if isinstance(getattr(config, k, None), int)
-        ),
-        None,
+def _report_plan(plan: ResourcePlan, gpu: bool) -> None:
+    if plan.batch_reason:
+        print(
+            f"micro_batch_size auto: {plan.batch_reason}; gradient accumulation {plan.grad_accum}",
+            flush=True,
+        )
+    est = plan.estimate
+    print(
+        f"resources: host {est.host.total_bytes / 2**30:.1f} GiB"
+        + (f", GPU peak {est.gpu.peak_bytes / 2**30:.1f} GiB" if gpu else "")
+        + " (predicted)",
+        flush=True,
     )
-    top_k = getattr(config, "num_experts_per_tok", None)
-    if not experts or not top_k:
-        return total
-    expert_params = sum(
-        p.numel()
-        for n, p in structure.layers.named_parameters()
-        if "experts." in n and "shared" not in n
-    )
-    return int(total - expert_params * (1 - top_k / experts))
 
 
 def _record(result: StepResult, lr: float, step_s: float) -> dict[str, Any]:

@@ -29,48 +29,73 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatrain.batch import IGNORE_INDEX, Batch
-from megatrain.engine.engine import StreamingEngine
+from megatrain.builder import RunBuilder
+from megatrain.config import TrainConfig
+from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.engine.microbatch import shifted_targets
-from megatrain.model.loading import load_causal_lm
-from megatrain.model.structure import discover
-from megatrain.optim.adamw import AdamWHyper, CpuAdamW
+from megatrain.optim.adamw import AdamWHyper
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 
 # Error always allowed, before the 10x-PyTorch-noise allowance (module docstring).
 TOLERANCES = {
-    "float32": {"loss": 1e-5, "grad": 1e-5, "weight": 1e-5},
-    "bfloat16": {"loss": 1e-3, "grad": 1e-2, "weight": 1e-3},
+    "fp32": {"loss": 1e-5, "grad": 1e-5, "weight": 1e-5},
+    "bf16": {"loss": 1e-3, "grad": 1e-2, "weight": 1e-3},
 }
 NOISE_FACTOR = 10.0
 
+VERIFY_BASE: dict[str, dict[str, Any]] = {
+    "model": {"compute_dtype": "fp32"},
+    "data": {"cutoff_len": 24},
+    "training": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "seq_len": 24, "seed": 0},
+    "optimizer": {"learning_rate": 1e-3, "weight_decay": 0.1, "lr_scheduler": "constant"},
+}
+"""verify's own defaults when no --config is given: small random batches, fp32, a large lr so
+that every step moves the weights measurably. No tokenizer is loaded: the tokens are random."""
 
-@dataclass
-class VerifyConfig:
-    source: str | None = None
-    model_type: str | None = None
-    tiny: bool = False
-    steps: int = 3
-    grad_accum: int = 2
-    batch_size: int = 2
-    seq_len: int = 24
-    packed: bool = False
-    compute_dtype: str = "float32"
-    device: str = "cpu"
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0
-    num_slots: int = 2
-    seed: int = 0
-    judge: bool = True  # run the extra target/noise references that decide pass or fail
-    config_overrides: dict = field(default_factory=dict)
+SHORTHANDS: dict[str, tuple[str, ...]] = {
+    "batch_size": ("training.micro_batch_size",),
+    "grad_accum": ("training.gradient_accumulation_steps",),
+    "seq_len": ("training.seq_len", "data.cutoff_len"),
+    "packed": ("data.packing",),
+    "dtype": ("model.compute_dtype",),
+    "device": ("training.device",),
+    "lr": ("optimizer.learning_rate",),
+    "weight_decay": ("optimizer.weight_decay",),
+    "max_grad_norm": ("optimizer.max_grad_norm",),
+    "num_slots": ("memory.num_slots",),
+    "seed": ("training.seed",),
+}
+"""verify's short flags (`--grad-accum 2`) and the config keys each one sets."""
+
+
+def verify_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    model: str | None = None,
+    model_type: str | None = None,
+    tiny: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+    **shorthands: Any,
+) -> TrainConfig:
+    """The run config verify checks: a YAML file (+ `--section.key` overrides), or a model
+    (hub id / directory, or `model_type` with `tiny`) on VERIFY_BASE; short flags on top."""
+    values = model_values(model, model_type, tiny, config_overrides=config_overrides)
+    for name, value in shorthands.items():
+        if name not in SHORTHANDS:
+            raise TypeError(f"verify_config: unknown shorthand {name!r}")
+        values |= {key: value for key in SHORTHANDS[name]}
+    return shorthand_config(path, overrides, base=VERIFY_BASE, values=values)
 
 
 @dataclass
@@ -87,73 +112,79 @@ class StepReport:
     worst: str  # where `excess` occurs
 
 
-def make_batches(cfg: VerifyConfig, vocab: int, pad_id: int) -> list[list[Batch]]:
+def make_batches(
+    cfg: TrainConfig, steps: int, vocab: int, pad_id: int, micro_batch_size: int, grad_accum: int
+) -> list[list[Batch]]:
     """Random micro-batches for every step: padded (last row shorter) or packed rows."""
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    steps = []
-    for _ in range(cfg.steps):
+    gen = torch.Generator().manual_seed(cfg.training.seed + 1)
+    rows, seq_len = micro_batch_size, cfg.seq_len
+    out = []
+    for _ in range(steps):
         micro = []
-        for _ in range(cfg.grad_accum):
-            ids = torch.randint(3, vocab, (cfg.batch_size, cfg.seq_len), generator=gen)
+        for _ in range(grad_accum):
+            ids = torch.randint(3, vocab, (rows, seq_len), generator=gen)
             labels = ids.clone()
-            labels[:, : cfg.seq_len // 4] = IGNORE_INDEX  # a "prompt" that is not supervised
-            if cfg.packed:
-                cut = cfg.seq_len // 2 - 1
-                pos = torch.cat([torch.arange(cut), torch.arange(cfg.seq_len - cut)])
+            labels[:, : seq_len // 4] = IGNORE_INDEX  # a "prompt" that is not supervised
+            if cfg.data.packing:
+                cut = seq_len // 2 - 1
+                pos = torch.cat([torch.arange(cut), torch.arange(seq_len - cut)])
                 labels[:, cut] = IGNORE_INDEX  # first token of the second sample
-                micro.append(Batch(ids, labels, None, pos.expand(cfg.batch_size, -1).clone()))
+                micro.append(Batch(ids, labels, None, pos.expand(rows, -1).clone()))
             else:
                 mask = torch.ones_like(ids)
-                short = cfg.seq_len - cfg.seq_len // 3
+                short = seq_len - seq_len // 3
                 mask[-1, short:] = 0
                 ids[-1, short:] = pad_id
                 labels[-1, short:] = IGNORE_INDEX
                 micro.append(Batch(ids, labels, mask, None))
-        steps.append(micro)
-    return steps
+        out.append(micro)
+    return out
 
 
-def run_verify(cfg: VerifyConfig) -> list[StepReport]:
-    load: dict[str, Any] = dict(
-        model_type=cfg.model_type,
-        tiny=cfg.tiny,
-        seed=cfg.seed,
-        config_overrides=cfg.config_overrides or None,
-    )
-    structure = discover(load_causal_lm(cfg.source, **load))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.compute_dtype]
-    store = HostStore(
-        structure, compute_dtype=dtype, pin_memory=torch.device(cfg.device).type == "cuda"
-    )
-    hyper = AdamWHyper(weight_decay=cfg.weight_decay)
-    engine = StreamingEngine(
-        structure,
-        store,
-        CpuAdamW(hyper),
-        device=cfg.device,
-        num_slots=cfg.num_slots,
-        max_grad_norm=cfg.max_grad_norm,
-    )
+def run_verify(cfg: TrainConfig, *, steps: int = 3, judge: bool = True) -> list[StepReport]:
+    """Train `steps` steps with the engine and with plain PyTorch; report their differences.
+
+    `judge`: also run the references that decide pass or fail (float64, or PyTorch's own
+    bf16 recipe); without it `excess` compares against fp32 PyTorch and the tolerance alone.
+    """
+    builder = RunBuilder(cfg)
+    device, lr = builder.device, cfg.optimizer.learning_rate
+    mbs, grad_accum = builder.batch()
+    structure = builder.model()
+    store = builder.store(structure)
+    engine = builder.engine(structure, store)
     landed: dict[str, torch.Tensor] = {}
     engine.worker.on_landed = lambda block: _snapshot(block, landed)
     decay = {e.full_name: e.decay for b in store.blocks for e in b.entries}
+    hyper = engine.worker.optimizer.hyper
 
-    def reference(model: torch.nn.Module, bf16_master: bool = False) -> _Reference:
-        return _Reference(model, decay, cfg, hyper, bf16_master)
+    def reference(bf16_master: bool = False, float64: bool = False) -> _Reference:
+        model = builder.model().causal_lm
+        return _Reference(
+            _float64(model) if float64 else model,
+            decay,
+            device=device,
+            lr=lr,
+            hyper=hyper,
+            clip_norm=cfg.optimizer.clip_norm,
+            bf16_master=bf16_master,
+        )
 
-    ref = reference(load_causal_lm(cfg.source, **load))
+    fp32_compute = cfg.model.compute_dtype == "fp32"
+    ref = reference()
     target, noise = ref, None
-    if cfg.judge and dtype == torch.float32:
-        target, noise = reference(_float64(load_causal_lm(cfg.source, **load))), ref
-    elif cfg.judge:
-        noise = reference(load_causal_lm(cfg.source, **load), bf16_master=True)
-    tol = TOLERANCES[cfg.compute_dtype]
+    if judge and fp32_compute:
+        target, noise = reference(float64=True), ref
+    elif judge:
+        noise = reference(bf16_master=True)
+    tol = TOLERANCES[cfg.model.compute_dtype]
     config = ref.model.config.get_text_config()
     pad_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
     reports = []
     try:
-        for step, micro in enumerate(make_batches(cfg, config.vocab_size, pad_id)):
-            result = engine.train_step(micro, lr=cfg.lr)
+        batches = make_batches(cfg, steps, config.vocab_size, pad_id, mbs, grad_accum)
+        for step, micro in enumerate(batches):
+            result = engine.train_step(micro, lr=lr)
             engine.wait_updates()
             ours = {
                 "loss": {"loss": torch.tensor(result.loss)},
@@ -167,7 +198,7 @@ def run_verify(cfg: VerifyConfig) -> list[StepReport]:
                 # float64 can turn fully-masked padding rows into NaN where fp32 does not
                 # (HF's mask constants): judge against fp32 PyTorch alone from here on.
                 target, noise, exact, noisy = ref, None, fp32, None
-            excess, worst = _judge(ours, exact, noisy, tol, per_tensor=dtype == torch.float32)
+            excess, worst = _judge(ours, exact, noisy, tol, per_tensor=fp32_compute)
             reports.append(
                 StepReport(
                     step=step + 1,
@@ -239,12 +270,15 @@ class _Reference:
         self,
         model: torch.nn.Module,
         decay: dict[str, bool],
-        cfg: VerifyConfig,
+        *,
+        device: torch.device,
+        lr: float,
         hyper: AdamWHyper,
+        clip_norm: float | None,
         bf16_master: bool = False,
     ) -> None:
-        self.model: Any = model.to(cfg.device)
-        self.cfg = cfg
+        self.model: Any = model.to(device)
+        self.device, self.clip_norm = device, clip_norm
         self.named = dict(model.named_parameters())
         self.master = dict(self.named)
         if bf16_master:
@@ -253,18 +287,18 @@ class _Reference:
         groups = [
             {
                 "params": [p for n, p in self.master.items() if decay[n]],
-                "weight_decay": cfg.weight_decay,
+                "weight_decay": hyper.weight_decay,
             },
             {"params": [p for n, p in self.master.items() if not decay[n]], "weight_decay": 0.0},
         ]
-        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=hyper.betas, eps=hyper.eps)
+        self.opt = torch.optim.AdamW(groups, lr=lr, betas=hyper.betas, eps=hyper.eps)
 
     def step(self, micro: list[Batch]) -> dict[str, dict[str, torch.Tensor]]:
-        model, cfg = self.model, self.cfg
+        model = self.model
         denom = sum(b.num_target_tokens for b in micro)
         total = 0.0
         for batch in micro:
-            b = batch.to(cfg.device)
+            b = batch.to(self.device)
             out = model(
                 input_ids=b.input_ids,
                 attention_mask=b.attention_mask,
@@ -292,8 +326,8 @@ class _Reference:
         grads = {
             n: p.grad.detach().cpu().clone() for n, p in self.master.items() if p.grad is not None
         }
-        if cfg.max_grad_norm and cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.master.values(), cfg.max_grad_norm)
+        if self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.master.values(), self.clip_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)

@@ -28,9 +28,23 @@ _Loader.add_implicit_resolver(
 )
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The validated config of YAML file `path` (None: all defaults) plus argv `overrides`."""
-    raw = {} if path is None else _read_yaml(Path(path))
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    *,
+    base: Mapping[str, Mapping[str, Any]] | None = None,
+) -> TrainConfig:
+    """The validated config of YAML file `path` (None: all defaults) plus argv `overrides`.
+
+    `base` (section -> {key: value}) replaces the dataclass defaults underneath the file: a
+    command's own defaults (verify's small random batches), still overridable by both.
+    """
+    raw: dict[str, Any] = {section: dict(body) for section, body in (base or {}).items()}
+    for section, body in ({} if path is None else _read_yaml(Path(path))).items():
+        if isinstance(body, dict) and isinstance(raw.get(section), dict):
+            raw[section].update(body)
+        else:
+            raw[section] = body
     for name, text in parse_overrides(overrides):
         _apply_override(raw, name, text)
     cfg = _build(raw)

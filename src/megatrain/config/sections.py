@@ -10,11 +10,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from megatrain.config.types import check_choice, check_int, check_number, check_types
 from megatrain.data.config import DataConfig
+from megatrain.dtypes import DTYPE_NAMES as DTYPES
+from megatrain.dtypes import torch_dtype
 
 ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager", "flash_attention_2", "flex_attention")
-DTYPES = ("bf16", "fp32")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 OPTIMIZER_IMPLS = ("auto", "c", "torch")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -71,6 +74,11 @@ class ModelConfig:
             )
         check_choice("model.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         check_choice("model.compute_dtype", self.compute_dtype, DTYPES)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The compute dtype as a torch dtype (the one place the name is mapped)."""
+        return torch_dtype(self.compute_dtype)
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,13 @@ class OptimizerConfig:
         check_choice("optimizer.impl", self.impl, OPTIMIZER_IMPLS)
         check_int("optimizer.threads", self.threads, minimum=1, optional=True)
 
+    @property
+    def clip_norm(self) -> float | None:
+        """The global gradient norm to clip to, or None: clipping off (max_grad_norm 0).
+
+        The one place "0 disables clipping" is decided; everything else asks this."""
+        return self.max_grad_norm if self.max_grad_norm > 0 else None
+
 
 @dataclass(frozen=True)
 class MemoryConfig:
@@ -304,6 +319,18 @@ class TrainConfig:
                 f"optimizer.warmup_steps={warmup} exceeds training.max_steps={t.max_steps}; "
                 f"set warmup_steps <= {t.max_steps} (or use optimizer.warmup_ratio)"
             )
+
+    # Derived values: computed here once, read everywhere else.
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per row: training.seq_len, or data.cutoff_len when that is None."""
+        return self.training.seq_len or self.data.cutoff_len
+
+    @property
+    def layout(self) -> str:
+        """How rows are laid out: "packed" (samples packed, positions restart) or "padded"."""
+        return "packed" if self.data.packing else "padded"
 
 
 SECTIONS: dict[str, type] = {

@@ -1,6 +1,6 @@
 """The streaming engine: one optimizer step over several micro-batches, layer-major.
 
-Step schedule (../shared/DESIGN.md section 2):
+Step schedule (docs/architecture.md, "One optimizer step"):
 1. Forward without autograd. Embedding rows gathered per micro-batch; then for each layer i:
    wait for its weights, run it over every micro-batch, keep its input (boundary activation).
    Layers stream into `num_slots` device slots, the next ones copied while this one computes.
@@ -33,11 +33,11 @@ from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
+from megatrain.engine.updates import UpdateWorker
 from megatrain.model.capture import LayerCallCapture
 from megatrain.model.router import RouterAux, RouterStats, RouterTap
 from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
-from megatrain.optim.worker import UpdateWorker
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 
@@ -72,7 +72,8 @@ class StreamingEngine:
         self.store = store
         self.device = torch.device(device)
         self.dtype = store.compute_dtype
-        self.max_grad_norm = max_grad_norm if max_grad_norm and max_grad_norm > 0 else None
+        assert max_grad_norm is None or max_grad_norm > 0, "clipping off is None, not 0"
+        self.max_grad_norm = max_grad_norm
         self.transfers = Transfers(self.device)
         _move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.optim.kernel import load_adamw_kernel
+from megatrain.native import load_adamw_kernel
 from megatrain.store.blocks import ParamBlock
 
 
@@ -137,12 +137,3 @@ class CpuAdamW:
         )
         if block.shadow is not None:
             block.shadow[start:end].copy_(p)
-
-
-def to_bf16_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst (bf16) <- src (fp32) rounded to nearest even; the C kernel's parallel cast if built."""
-    lib = load_adamw_kernel()
-    if lib is None or not (src.is_contiguous() and dst.is_contiguous()):
-        dst.copy_(src)
-        return
-    lib.mt_to_bf16(src.data_ptr(), dst.data_ptr(), src.numel(), torch.get_num_threads())

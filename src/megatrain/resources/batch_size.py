@@ -30,6 +30,8 @@ def pick_micro_batch(
     padded: bool = True,
     packed: bool = False,
     clipping: bool = True,
+    loss_chunk_tokens: int | None = None,
+    pin_memory: bool = True,
     max_micro_batch_size: int = 64,
 ) -> tuple[int, int, str]:
     """(micro_batch_size, grad_accum, reason). Raises ValueError, with the numbers and what to
@@ -67,6 +69,8 @@ def pick_micro_batch(
             packed=packed,
             clipping=clipping,
             hardware=hardware,
+            loss_chunk_tokens=loss_chunk_tokens,
+            pin_memory=pin_memory,
         )
 
     smallest = predict(0)

@@ -33,18 +33,12 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from megatrain.dtypes import torch_dtype
 from megatrain.engine.head import default_chunk_tokens
 from megatrain.resources.activations import LayerProfile, layer_profile, loss_chunk
 from megatrain.resources.hardware import GIB, Hardware, detect, gib
 from megatrain.resources.spec import ModelSpec, build_spec
 from megatrain.resources.timing import StepTime, step_time
-
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
 
 
 @dataclass(frozen=True)
@@ -89,16 +83,6 @@ class Estimate:
         return out
 
 
-def compute_dtype_of(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        if name not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"compute dtype must be bf16 or fp32, got {name}")
-        return name
-    if name not in _DTYPES:
-        raise ValueError(f"compute dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
-
-
 def model_spec(
     config: PretrainedConfig | ModelSpec,
     compute_dtype: str | torch.dtype | None = None,
@@ -110,7 +94,7 @@ def model_spec(
     """
     if compute_dtype is None:
         compute_dtype = config.compute_dtype if isinstance(config, ModelSpec) else "bf16"
-    dtype = compute_dtype_of(compute_dtype)
+    dtype = torch_dtype(compute_dtype)
     if isinstance(config, ModelSpec):
         if config.compute_dtype == dtype:
             return config

@@ -1,12 +1,12 @@
 """The machine the estimate is for: memory sizes and the rates of the engine's three resources
 (GPU compute, the PCIe link, the CPU optimizer).
 
-Defaults are the H100 test host of ../shared/bench/BASELINES.md and the engine's own H200 run
-(2026-11-26): 789 TFLOP/s bf16 matmul of which the engine achieves about half at 4k-32k tokens
-per step, 43-55 GB/s pinned copies each way, the C AdamW kernel at 2.26 Gparams/s on 14
-threads beside a busy main thread, and about 1.7 GiB of process RSS that is not the store
-(python, torch, CUDA context and libraries; 46.2 GiB RSS of that run minus the store with its
-pinned blocks rounded up). `detect()` replaces the memory sizes with this
+Defaults are the H100 test host of the peers' baseline runs (docs/performance.md) and the
+engine's own H200 run (2026-11-26): 789 TFLOP/s bf16 matmul of which the engine achieves about
+half at 4k-32k tokens per step, 43-55 GB/s pinned copies each way, the C AdamW kernel at 2.26
+Gparams/s on 14 threads beside a busy main thread, and about 1.7 GiB of process RSS that is not
+the store (python, torch, CUDA context and libraries; 46.2 GiB RSS of that run minus the store
+with its pinned blocks rounded up). `detect()` replaces the memory sizes with this
 machine's, `probe()` also measures the rates (a few seconds). `measured` names the fields that
 came from this machine or from the user (`--gpu-gib`); everything else is assumed. Two defaults
 are fitted, not measured: `achieved_fraction_fp32` and `op_launch_s` (tests/test_resources.py

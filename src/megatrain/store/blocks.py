@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megatrain.native import load_adamw_kernel
+
 
 @dataclass
 class ParamEntry:
@@ -74,8 +76,6 @@ class ParamBlock:
     def refresh_shadow(self) -> None:
         """Rewrite the bf16 shadow from the master (after a skipped update, at load)."""
         if self.shadow is not None:
-            from megatrain.optim.adamw import to_bf16_
-
             to_bf16_(self.shadow, self.master)
 
     def host_bytes(self) -> int:
@@ -84,3 +84,12 @@ class ParamBlock:
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
+
+
+def to_bf16_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst (bf16) <- src (fp32) rounded to nearest even; the C kernel's parallel cast if built."""
+    lib = load_adamw_kernel()
+    if lib is None or not (src.is_contiguous() and dst.is_contiguous()):
+        dst.copy_(src)
+        return
+    lib.mt_to_bf16(src.data_ptr(), dst.data_ptr(), src.numel(), torch.get_num_threads())

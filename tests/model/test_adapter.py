@@ -102,7 +102,7 @@ def test_extra_trainable_module_is_refused() -> None:
 
 
 def test_body_that_changes_hidden_states_between_layers_is_refused() -> None:
-    from megatrain.verify import VerifyConfig, run_verify
+    from megatrain.verify import run_verify, verify_config
 
     real = type(load_causal_lm(None, model_type="llama", tiny=True).model).forward
 
@@ -122,7 +122,7 @@ def test_body_that_changes_hidden_states_between_layers_is_refused() -> None:
     llama.LlamaModel.forward = scaled_forward
     try:
         with pytest.raises(ValueError, match="changes hidden states between decoder layers"):
-            run_verify(VerifyConfig(model_type="llama", tiny=True, steps=1))
+            run_verify(verify_config(model_type="llama", tiny=True), steps=1)
     finally:
         llama.LlamaModel.forward = original
 
@@ -166,7 +166,7 @@ def test_text_model_of_a_vision_language_checkpoint(model_type: str, tmp_path: P
     text model (vision weights left out) and the engine trains it."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from megatrain.verify import VerifyConfig, run_verify, within
+    from megatrain.verify import run_verify, verify_config, within
 
     cfg = AutoConfig.for_model(model_type)
     cfg.text_config = tiny_config(cfg.text_config.model_type)
@@ -187,4 +187,4 @@ def test_text_model_of_a_vision_language_checkpoint(model_type: str, tmp_path: P
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path)
     structure = discover(load_causal_lm(str(tmp_path)))
     assert structure.num_layers == cfg.text_config.num_hidden_layers
-    assert within(run_verify(VerifyConfig(source=str(tmp_path), steps=1)))
+    assert within(run_verify(verify_config(model=str(tmp_path)), steps=1))

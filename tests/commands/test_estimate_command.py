@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.estimate_cmd import add_estimate_arguments, run_estimate
+from megatrain.commands.estimate import add_arguments, run
 from megatrain.model.tiny import tiny_config
 from megatrain.resources import estimate, model_spec
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     parser = argparse.ArgumentParser()
-    add_estimate_arguments(parser)
+    add_arguments(parser)
     args, rest = parser.parse_known_args(argv)  # as cli.main does for takes_overrides
     args.overrides = rest
-    status = run_estimate(args)
+    status = run(args)
     return status, capsys.readouterr().out
 
 
@@ -196,7 +196,7 @@ def test_a_setup_that_does_not_fit_exits_1(capsys: pytest.CaptureFixture[str]) -
         ),
         (
             ["--model-type", "llama", "--tiny", "--seq-len", "64", "--training.seq_len", "8"],
-            "need --config",
+            "training.seq_len=8 is shorter than data.cutoff_len=64",
         ),
     ],
 )

@@ -9,7 +9,7 @@ import pytest
 
 from megatrain.config import load_config
 
-EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))  # demo.yaml included once it exists
 FAMILIES = {
     "qwen2_5_7b", "qwen3_8b", "qwen3_5_27b", "qwen3_next_80b_a3b", "qwen3_moe_30b_a3b",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.optim.adamw import AdamWHyper, CpuAdamW, to_bf16_
-from megatrain.optim.kernel import load_adamw_kernel
-from megatrain.store.blocks import ParamBlock
+from megatrain.native import load_adamw_kernel
+from megatrain.optim.adamw import AdamWHyper, CpuAdamW
+from megatrain.store.blocks import ParamBlock, to_bf16_
 
 IMPLS = ["torch"] + (["c"] if load_adamw_kernel() is not None else [])
 

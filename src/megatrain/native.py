@@ -1,4 +1,5 @@
-"""Build and load the fused C AdamW kernel (csrc/adamw.c) on first use, cached per machine.
+"""Build and load the C kernels (csrc/adamw.c: fused AdamW, bf16 cast) on first use, cached per
+machine. A leaf module: the optimizer and the store both use it, it imports nothing of theirs.
 
 Compiled with the system C compiler and OpenMP into ~/.cache/megatrain/kernels/<key>/, where the
 key hashes the source, the compiler and the CPU, so a cache shared between machines never hands
@@ -20,7 +21,7 @@ import warnings
 from functools import cache
 from pathlib import Path
 
-_SRC = Path(__file__).resolve().parent.parent / "csrc" / "adamw.c"
+_SRC = Path(__file__).resolve().parent / "csrc" / "adamw.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
 
 

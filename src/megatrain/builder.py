@@ -1,0 +1,270 @@
+"""The one builder: a validated `TrainConfig` -> the pieces of a run.
+
+Every command builds what it needs here and nowhere else:
+
+    b = RunBuilder(cfg)                  # device resolved, nothing loaded yet
+    plan = b.plan()                      # resource plan: estimate, fit check input, batch
+    tok = b.tokenizer(); data = b.data()
+    structure = b.model(); store = b.store(structure)
+    engine = b.engine(structure, store)  # with b.optimizer() unless one is given
+    loader = b.loader(data.train)
+
+`train` uses all of it, `verify` the model, store and engine (its reference is plain PyTorch),
+`estimate` the plan, `export` the model and store, `data` the tokenizer and data.
+
+Invariants:
+- Every setting is read from the config (or one of its derived properties) exactly once here:
+  the compute dtype (`cfg.model.torch_dtype`), clipping (`cfg.optimizer.clip_norm`), the row
+  length (`cfg.seq_len`), the slot count (`cfg.memory.num_slots`) and the batch (`plan()`).
+- The resource plan is computed before anything large is allocated, from the model's config
+  alone (meta device); `plan()` is cached, so the batch the run uses is the one that was checked.
+- Components receive plain keyword arguments, never the config (STYLE: only the recipe reads it).
+
+Where the next capabilities attach: `Placement` carries the rank and world size (a sharded store
+and per-rank data come with multi-GPU runs); the plan grows per-run memory choices (activation
+offload, optimizer-state tiers); further model roles (a frozen reference model, a generation
+path) are more methods here that reuse `model()` and `store()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatrain.config import TrainConfig
+from megatrain.data import BatchLoader, PreparedData, make_loader, prepare_data
+from megatrain.data.sample import Sample
+from megatrain.device import resolve_device
+from megatrain.engine.engine import StreamingEngine
+from megatrain.model.loading import load_causal_lm
+from megatrain.model.loading import load_config as load_hf_config
+from megatrain.model.structure import ModelStructure, discover
+from megatrain.model.tokenizer import load_tokenizer
+from megatrain.optim.adamw import AdamWHyper, CpuAdamW
+from megatrain.resources import Hardware, ModelSpec, detect, model_spec
+from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
+from megatrain.store.host import HostStore
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits in the job: its device, and its rank among `world_size`."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+class RunBuilder:
+    """Builds the parts of one run from its config; owns no state beyond caches of what it built.
+
+    The cached pieces (`hf_config`, `spec`, `plan`, `tokenizer`, `data`) are built at most once,
+    so commands that need them in several places see one object. `model()` and `store()` build
+    a new model each call (a second role would need its own copy).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        hardware: Hardware | None = None,
+        placement: Placement | None = None,
+    ) -> None:
+        """`placement` None: this process, alone, on `training.device` resolved here.
+        `megatrain estimate` passes the placement it plans for (a GPU it may not have)."""
+        self.cfg = cfg
+        self.placement = placement or Placement(torch.device(resolve_device(cfg.training.device)))
+        if self.placement.world_size != 1:
+            raise ValueError(
+                f"world size {self.placement.world_size}: this version trains with one "
+                "process; multi-GPU runs (torchrun) are not available yet"
+            )
+        self._hardware = hardware
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    # ---------------------------------------------------------------- plan (no weights)
+
+    @functools.cached_property
+    def hf_config(self) -> Any:
+        m = self.cfg.model
+        return load_hf_config(
+            m.name_or_path,
+            model_type=m.model_type,
+            tiny=m.tiny,
+            trust_remote_code=m.trust_remote_code,
+            overrides=dict(m.config_overrides) or None,
+        )
+
+    @functools.cached_property
+    def spec(self) -> ModelSpec:
+        m = self.cfg.model
+        return model_spec(self.hf_config, m.compute_dtype, m.attn_implementation)
+
+    @functools.cached_property
+    def hardware(self) -> Hardware:
+        return self._hardware or detect()
+
+    @property
+    def pin_memory(self) -> bool:
+        """Pinned host buffers: asked for, and useful (only CUDA copies from them)."""
+        return self.cfg.memory.pin_memory and self.placement.is_cuda
+
+    def shape(self, layout: str | None = None) -> RunShape:
+        cfg = self.cfg
+        return RunShape(
+            seq_len=cfg.seq_len,
+            num_slots=cfg.memory.num_slots,
+            layout=layout or cfg.layout,
+            clipping=cfg.optimizer.clip_norm is not None,
+            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+            pin_memory=self.pin_memory,
+            check_gpu=self.placement.is_cuda,
+        )
+
+    def plan(
+        self, *, tokens_per_step: int | None = None, layout: str | None = None
+    ) -> ResourcePlan:
+        """The resource plan; the run's own (no arguments) is computed once and cached.
+
+        `tokens_per_step` / `layout` ask what-if questions (megatrain estimate's flags).
+        With `training.global_batch_size` and micro_batch_size "auto" the step's tokens are
+        fixed at global_batch_size x seq_len.
+        """
+        if tokens_per_step is None and layout is None:
+            return self._own_plan
+        return self._plan(tokens_per_step, layout)
+
+    def batch(self) -> tuple[int, int]:
+        """(micro_batch_size, gradient accumulation) of the run: the config's, or the plan's
+        when micro_batch_size is "auto" (the plan is then computed, else it is not needed)."""
+        t = self.cfg.training
+        if isinstance(t.micro_batch_size, int):
+            return t.micro_batch_size, t.gradient_accumulation_steps
+        plan = self.plan()
+        return plan.micro_batch_size, plan.grad_accum
+
+    @functools.cached_property
+    def _own_plan(self) -> ResourcePlan:
+        return self._plan(None, None)
+
+    def _plan(self, tokens_per_step: int | None, layout: str | None) -> ResourcePlan:
+        t, mem = self.cfg.training, self.cfg.memory
+        if tokens_per_step is None and t.global_batch_size and t.micro_batch_size == "auto":
+            tokens_per_step = t.global_batch_size * self.cfg.seq_len
+        return plan_resources(
+            self.spec,
+            self.shape(layout),
+            hardware=self.hardware,
+            micro_batch_size=t.micro_batch_size,
+            grad_accum=t.gradient_accumulation_steps,
+            tokens_per_step=tokens_per_step,
+            gpu_margin_gib=mem.gpu_margin_gib,
+            host_margin_gib=mem.host_margin_gib,
+        )
+
+    # ---------------------------------------------------------------- data
+
+    @functools.cached_property
+    def _tokenizer(self) -> Any:
+        tokenizer = load_tokenizer(self.cfg.model)
+        vocab = self.hf_config.get_text_config().vocab_size
+        if len(tokenizer) > vocab:
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has "
+                f"{vocab}: use the model's own tokenizer (model.tokenizer), or for a random-init "
+                f"model set model.config_overrides.vocab_size >= {len(tokenizer)}"
+            )
+        return tokenizer
+
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @functools.cached_property
+    def _data(self) -> PreparedData:
+        return prepare_data(self.cfg.data, self.tokenizer())
+
+    def data(self) -> PreparedData:
+        return self._data
+
+    def loader(self, samples: list[Sample], *, train: bool = True) -> BatchLoader:
+        """Micro-batches of `samples` at the planned micro-batch size; shuffled when `train`."""
+        d = self.cfg.data
+        return make_loader(
+            samples,
+            micro_batch_size=self.batch()[0],
+            seq_len=self.cfg.seq_len,
+            packing=d.packing,
+            pad_token_id=self.data().pad_token_id,
+            shuffle=d.shuffle if train else False,
+            seed=d.seed,
+            pad_to_multiple_of=d.pad_to_multiple_of,
+        )
+
+    # ---------------------------------------------------------------- model and engine
+
+    def model(self, *, random_init: bool | None = None) -> ModelStructure:
+        """The HF model (fp32, CPU), its structure discovered; weights move into a store next.
+
+        `random_init` None: the config's choice (export passes True: weights come from the
+        checkpoint instead).
+        """
+        m = self.cfg.model
+        model = load_causal_lm(
+            m.name_or_path,
+            model_type=m.model_type,
+            tiny=m.tiny,
+            random_init=m.random_init if random_init is None else random_init,
+            trust_remote_code=m.trust_remote_code,
+            attn_implementation=m.attn_implementation,
+            config_overrides=dict(m.config_overrides) or None,
+            seed=self.cfg.training.seed,
+        )
+        return discover(model)
+
+    def store(
+        self, structure: ModelStructure, *, compute_dtype: torch.dtype | None = None
+    ) -> HostStore:
+        opt = self.cfg.optimizer
+        return HostStore(
+            structure,
+            compute_dtype=compute_dtype or self.cfg.model.torch_dtype,
+            pin_memory=self.pin_memory,
+            no_decay=opt.no_decay,
+            decay_1d=opt.decay_1d,
+        )
+
+    def optimizer(self) -> CpuAdamW:
+        opt = self.cfg.optimizer
+        return CpuAdamW(
+            AdamWHyper(
+                betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay
+            ),
+            impl=opt.impl,
+            num_threads=opt.threads or max(1, (os.cpu_count() or 2) - 2),
+        )
+
+    def engine(
+        self, structure: ModelStructure, store: HostStore, optimizer: CpuAdamW | None = None
+    ) -> StreamingEngine:
+        cfg = self.cfg
+        return StreamingEngine(
+            structure,
+            store,
+            optimizer or self.optimizer(),
+            device=self.device,
+            num_slots=cfg.memory.num_slots,
+            max_grad_norm=cfg.optimizer.clip_norm,
+            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+            compile_layers=cfg.training.compile_layers,
+        )

@@ -1,0 +1,13 @@
+"""The `megatrain` commands, one module each: parse, build (megatrain.builder), run, report.
+
+Each module has `register(subparsers)`, which adds its parser and sets `run` (the function
+taking the parsed namespace and returning the exit status) and, for commands that accept
+`--section.key VALUE` config overrides, `takes_overrides`. `megatrain.cli` only dispatches.
+"""
+
+from megatrain.commands import data, estimate, export, train, verify
+
+COMMANDS = (train, verify, estimate, data, export)
+"""In the order `megatrain --help` lists them."""
+
+__all__ = ["COMMANDS"]

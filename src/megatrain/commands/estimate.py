@@ -1,0 +1,149 @@
+"""`megatrain estimate`: host RAM, GPU peak and step time of a run, without loading weights.
+
+    megatrain estimate --config examples/qwen2_5_7b.yaml [--section.key VALUE ...]
+    megatrain estimate --model Qwen/Qwen2.5-7B --seq-len 4096 --micro-batch-size 4 --grad-accum 8
+    megatrain estimate --model-type qwen3 --tiny --seq-len 256 --tokens-per-step 4096 --json
+
+The run is described by a config as for `train` (a YAML file, or the short flags below on the
+defaults); the builder's resource plan (megatrain.builder) is what `train` checks before
+loading, so the two agree. Only the model's config is read; the model is built on the meta
+device. The run is planned for a GPU unless training.device is cpu. The machine is this one
+(`--probe` measures its rates, a few seconds), with the H100 test host's numbers for what is
+not measured; `--gpu-gib` / `--host-gib` set the memory sizes.
+
+Prints a table, or with `--json` one JSON object. Exit status 0 when the setup fits, 1 when it
+does not (the reasons are printed), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+
+from megatrain.builder import Placement, RunBuilder
+from megatrain.config import TrainConfig
+from megatrain.config.shorthand import model_values, shorthand_config
+from megatrain.model.loading import parse_config_sets
+from megatrain.resources import detect, format_estimate, probe
+from megatrain.resources.plan import LAYOUTS
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="host RAM, GPU peak and step time, before a run")
+    add_arguments(p)
+    p.set_defaults(run=run, takes_overrides=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_argument_group("the run (one of)")
+    src.add_argument("--config", help="a run's YAML file (megatrain train --config)")
+    src.add_argument("--model", help="hub id or local directory (only config.json is read)")
+    src.add_argument("--model-type", help="a transformers model type, e.g. qwen3")
+    src.add_argument("--tiny", action="store_true", help="tiny random config of --model-type")
+    src.add_argument("--trust-remote-code", action="store_true")
+    src.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model.config_overrides.KEY, e.g. num_hidden_layers=4",
+    )
+    run_ = parser.add_argument_group("short forms of config keys (default: the config's)")
+    run_.add_argument("--seq-len", type=int, help="training.seq_len: tokens per row")
+    run_.add_argument("--micro-batch-size", help="training.micro_batch_size: rows, or auto")
+    steps = run_.add_mutually_exclusive_group()
+    steps.add_argument("--grad-accum", type=int, help="training.gradient_accumulation_steps")
+    steps.add_argument(
+        "--tokens-per-step", type=int, help="tokens per optimizer step (grad accumulation follows)"
+    )
+    run_.add_argument("--dtype", choices=["bf16", "fp32"], help="model.compute_dtype")
+    run_.add_argument("--num-slots", type=int, help="memory.num_slots: GPU weight slots")
+    run_.add_argument(
+        "--layout",
+        choices=list(LAYOUTS),
+        help="rows padded (4-D masks), packed samples (data.packing), or full rows without mask",
+    )
+    run_.add_argument("--max-grad-norm", type=float, help="optimizer.max_grad_norm; 0: no clipping")
+    run_.add_argument("--gpu-margin-gib", type=float, help="memory.gpu_margin_gib")
+    run_.add_argument("--host-margin-gib", type=float, help="memory.host_margin_gib")
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure this machine's PCIe, matmul and CPU optimizer rates",
+    )
+    hw.add_argument("--gpu-gib", type=float, help="GPU memory (default: this GPU or 80)")
+    hw.add_argument("--host-gib", type=float, help="host RAM (default: this machine's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    hardware = (
+        probe(gpu_gib=args.gpu_gib, host_gib=args.host_gib)
+        if args.probe
+        else detect(gpu_gib=args.gpu_gib, host_gib=args.host_gib)
+    )
+    device = "cpu" if cfg.training.device == "cpu" else "cuda"
+    builder = RunBuilder(cfg, hardware=hardware, placement=Placement(torch.device(device)))
+    layout = "full" if args.layout == "full" else None
+    plan = builder.plan(tokens_per_step=args.tokens_per_step, layout=layout)
+    est, mem = plan.estimate, cfg.memory
+    problem = "; ".join(plan.problems) if plan.problems else None
+    if args.json:
+        report = {**est.to_dict(), "fits": plan.fits, "problem": problem}
+        print(json.dumps({**report, "micro_batch_reason": plan.batch_reason}))
+        return 0 if plan.fits else 1
+    print(format_estimate(est))
+    if plan.batch_reason:
+        print(f"auto micro-batch: {plan.batch_reason}")
+    print(
+        f"fits: {'yes' if plan.fits else 'no'} (margins: GPU {mem.gpu_margin_gib:g} GiB, "
+        f"host {mem.host_margin_gib:g} GiB)"
+    )
+    if problem:
+        print(problem)
+    return 0 if plan.fits else 1
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    given = [x for x in (args.config, args.model, args.model_type) if x]
+    if len(given) != 1:
+        raise ValueError(
+            "estimate needs exactly one of --config FILE, --model ID|PATH, --model-type NAME"
+        )
+    if not args.config and args.seq_len is None:
+        raise ValueError("give --seq-len N (or a --config file)")
+    values: dict[str, Any] = model_values(
+        args.model, args.model_type, args.tiny, args.trust_remote_code, parse_config_sets(args.set)
+    )
+    values |= {
+        "training.seq_len": args.seq_len,
+        "data.cutoff_len": args.seq_len,
+        "training.micro_batch_size": _micro_batch(args.micro_batch_size),
+        "training.gradient_accumulation_steps": args.grad_accum,
+        "model.compute_dtype": args.dtype,
+        "memory.num_slots": args.num_slots,
+        "data.packing": None if args.layout in (None, "full") else args.layout == "packed",
+        "optimizer.max_grad_norm": args.max_grad_norm,
+        "memory.gpu_margin_gib": args.gpu_margin_gib,
+        "memory.host_margin_gib": args.host_margin_gib,
+    }
+    if args.tokens_per_step is not None:
+        values["training.gradient_accumulation_steps"] = None  # follows from tokens per step
+    return shorthand_config(args.config, args.overrides, values=values)
+
+
+def _micro_batch(text: str | None) -> int | str | None:
+    if text is None or text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--micro-batch-size must be an integer >= 1 or auto, got {text!r}")
+    return value

@@ -1,0 +1,37 @@
+"""`megatrain train --config FILE [--section.key VALUE ...]`: SFT from a YAML config."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatrain.config import load_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train from a YAML config",
+        description="Any --section.key VALUE after the options overrides the "
+        "config, e.g. --optimizer.learning_rate 2e-5 (docs/configuration.md lists every key)",
+    )
+    p.add_argument("--config", help="YAML config file (see examples/)")
+    p.set_defaults(run=run, takes_overrides=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatrain.trainer import Trainer
+
+    trainer = Trainer(load_config(args.config, args.overrides))
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    first, last = summary.losses[:1], summary.losses[-1:]
+    print(
+        f"done: {summary.steps} steps"
+        + (f", loss {first[0]:.4f} -> {last[0]:.4f}" if first else "")
+        + (f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
+        + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
+        + (f"; Hugging Face model {summary.export_dir}" if summary.export_dir else "")
+    )
+    return 0

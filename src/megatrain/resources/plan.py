@@ -1,0 +1,135 @@
+"""A run's resource plan: batch choice, estimate and fit check, all from one set of inputs.
+
+    shape = RunShape(seq_len=2048, num_slots=2, layout="packed", clipping=True)
+    plan = plan_resources(spec, shape, hardware=hw, micro_batch_size="auto", grad_accum=1,
+                          tokens_per_step=65536)
+    plan.require_fit()          # ValueError naming what does not fit and what to change
+
+Invariant: the automatic micro-batch is chosen against exactly the estimate that the fit check
+then judges (same shape, same loss chunk, same pinning), so "auto" never picks a batch the check
+refuses for a reason it did not see. The builder (megatrain.builder) derives the shape from the
+run config once; `megatrain estimate` and `megatrain train` both read the plan from there.
+
+Later plans (activation offload for long rows, optimizer-state tiers, several ranks) extend
+`RunShape` and `ResourcePlan`, not their callers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatrain.resources.batch_size import pick_micro_batch
+from megatrain.resources.estimate import Estimate, estimate, gpu_problem, host_problem
+from megatrain.resources.hardware import Hardware
+from megatrain.resources.spec import ModelSpec
+
+LAYOUTS = ("padded", "packed", "full")
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the estimate needs besides the model and the batch: the run's fixed settings."""
+
+    seq_len: int
+    num_slots: int = 2
+    layout: str = "padded"  # padded rows (masks), packed samples, or full rows without mask
+    clipping: bool = True
+    loss_chunk_tokens: int | None = None
+    pin_memory: bool = True
+    check_gpu: bool = True  # a CUDA run: the GPU peak must fit too
+
+    def estimate_kwargs(self) -> dict[str, Any]:
+        assert self.layout in LAYOUTS, self.layout
+        return dict(
+            seq_len=self.seq_len,
+            num_slots=self.num_slots,
+            padded=self.layout == "padded",
+            packed=self.layout == "packed",
+            clipping=self.clipping,
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            pin_memory=self.pin_memory,
+        )
+
+
+@dataclass(frozen=True)
+class ResourcePlan:
+    """The batch a run uses and what it is predicted to need; `problems` empty when it fits."""
+
+    micro_batch_size: int
+    grad_accum: int
+    estimate: Estimate
+    batch_reason: str | None  # why "auto" chose this micro-batch (None: it was given)
+    problems: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def tokens_per_step(self) -> int:
+        return int(self.estimate.settings["tokens_per_step"])
+
+    def require_fit(self) -> None:
+        """Raise ValueError with the numbers and what to change when the run does not fit."""
+        if self.problems:
+            raise ValueError("this run does not fit: " + "; ".join(self.problems))
+
+
+def plan_resources(
+    spec: ModelSpec,
+    shape: RunShape,
+    *,
+    hardware: Hardware,
+    micro_batch_size: int | str,
+    grad_accum: int = 1,
+    tokens_per_step: int | None = None,
+    gpu_margin_gib: float = 2.0,
+    host_margin_gib: float = 4.0,
+) -> ResourcePlan:
+    """Resolve the batch ("auto" or given) and predict the run.
+
+    `tokens_per_step` (optional) fixes the step's tokens: with "auto" the accumulation follows
+    the chosen micro-batch; with a given micro-batch it must divide the step's rows.
+    """
+    reason = None
+    if micro_batch_size == "auto":
+        target: dict[str, Any] = (
+            {"tokens_per_step": tokens_per_step}
+            if tokens_per_step is not None
+            else {"grad_accum": grad_accum}
+        )
+        kwargs = shape.estimate_kwargs()
+        micro_batch_size, grad_accum, reason = pick_micro_batch(
+            spec, hardware=hardware, gpu_margin_gib=gpu_margin_gib, **target, **kwargs
+        )
+    elif tokens_per_step is not None:
+        grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)
+    assert isinstance(micro_batch_size, int)
+    est = estimate(
+        spec,
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        hardware=hardware,
+        **shape.estimate_kwargs(),
+    )
+    problems = [host_problem(est, hardware, host_margin_gib)]
+    if shape.check_gpu:
+        problems.append(gpu_problem(est, hardware, gpu_margin_gib))
+    return ResourcePlan(
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        estimate=est,
+        batch_reason=reason,
+        problems=tuple(p for p in problems if p),
+    )
+
+
+def _grad_accum_for(tokens_per_step: int, micro_batch_size: int, seq_len: int) -> int:
+    rows = tokens_per_step // seq_len
+    if rows < micro_batch_size or rows % micro_batch_size or rows * seq_len != tokens_per_step:
+        raise ValueError(
+            f"tokens per step {tokens_per_step} must be a multiple of micro_batch_size x "
+            f"seq_len = {micro_batch_size * seq_len}"
+        )
+    return rows // micro_batch_size
