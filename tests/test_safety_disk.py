@@ -63,6 +63,7 @@ def test_run_bytes_of_an_8b_model() -> None:
         total_steps=1000,
     )  # fmt: skip
     assert export_only.peak_bytes == 2 * n + metrics + small
+    assert export_only.describe().startswith(f"the Hugging Face export of {2 * n / 2**30:.2f} GiB;")
 
 
 def test_run_the_disk_cannot_hold_is_refused(

@@ -52,14 +52,17 @@ class RunDisk:
     peak_bytes: int
 
     def describe(self) -> str:
-        parts = [
-            f"{self.checkpoints_at_peak} checkpoint(s) of {_gib(self.checkpoint_bytes)} GiB "
-            f"({CHECKPOINT_BYTES_PER_PARAM} bytes per parameter: fp32 weights and AdamW m, v)"
-        ]
-        if self.export_bytes:
+        parts = []
+        if self.checkpoints_at_peak:
             parts.append(
-                f"the Hugging Face export of {_gib(self.export_bytes)} GiB written while "
-                f"{self.checkpoints_kept} checkpoint(s) are kept"
+                f"{self.checkpoints_at_peak} checkpoint(s) of {_gib(self.checkpoint_bytes)} GiB "
+                f"({CHECKPOINT_BYTES_PER_PARAM} bytes per parameter: fp32 weights and AdamW m, v)"
+            )
+        if self.export_bytes:
+            kept = f" written while {self.checkpoints_kept} checkpoint(s) are kept"
+            parts.append(
+                f"the Hugging Face export of {_gib(self.export_bytes)} GiB"
+                + (kept if self.checkpoints_kept else "")
             )
         parts.append(f"{_gib(self.metrics_bytes + SMALL_FILES_BYTES)} GiB of metrics and configs")
         return "; ".join(parts)
