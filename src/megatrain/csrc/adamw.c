@@ -6,6 +6,14 @@
  *   p *= decay; m = m + (1-b1) * (g - m); v = v*b2 + (1-b2)*g*g;
  *   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
  * The fp32 -> bf16 cast rounds to nearest even, as torch does.
+ *
+ * mt_adamw_bf16 and mt_adamw_int8 do the same update on compressed states (bf16, or 8-bit codes
+ * with a per-block absmax; store/states.py describes the layouts): each dequantizes m and v as
+ * it reads them, updates in fp32 registers, and writes them back rounded, still one pass over
+ * memory. They take a whole store block at once (the decay factor applies below `decay_end`)
+ * because a quantization block may straddle the decay boundary. Every operation is an IEEE
+ * float op in the order of the torch reference (optim/adamw.py), built with -ffp-contract=off,
+ * so the two agree bit for bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -76,4 +84,107 @@ void mt_adamw(float *p, float *m, float *v, const void *g, int g_is_bf16, uint16
 void mt_to_bf16(const float *src, uint16_t *dst, int64_t n, int nthreads) {
 #pragma omp parallel for simd num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_round(src[i]);
+}
+
+/* A 32-bit integer hash (C. Wellons' lowbias32), the same as store/states.py's. */
+static inline uint32_t lowbias32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* Random bits of element i of a block for one (block, step, m|v) key. */
+static inline uint32_t rounding_bits(uint32_t key, int64_t i) {
+    return lowbias32((uint32_t)i ^ lowbias32(key ^ (uint32_t)((uint64_t)i >> 32)));
+}
+
+/* fp32 -> bf16 rounding up in magnitude with probability equal to the dropped fraction. */
+static inline uint16_t bf16_round_stochastic(float f, uint32_t bits) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    if ((u & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(u >> 16);         /* inf */
+    return (uint16_t)((u + (bits >> 16)) >> 16);
+}
+
+/* The AdamW arithmetic of ADAMW_LOOP on one element whose old m, v are mo, vo. */
+#define ADAMW_ELEMENT(LOAD_G)                                                     \
+    float gi = (LOAD_G) * grad_scale;                                             \
+    float pi = i < decay_end ? p[i] * decay : p[i];                               \
+    float mi = mo + one_minus_b1 * (gi - mo);                                     \
+    float vi = vo * beta2 + one_minus_b2 * gi * gi;                               \
+    float denom = sqrtf(vi) / bc2_sqrt + eps;                                     \
+    pi = pi - step_size * (mi / denom);                                           \
+    p[i] = pi;                                                                    \
+    if (shadow) shadow[i] = bf16_round(pi);
+
+void mt_adamw_bf16(float *p, uint16_t *m, uint16_t *v, const void *g, int g_is_bf16,
+                   uint16_t *shadow, int64_t n, int64_t decay_end, float decay, float beta2,
+                   float one_minus_b1, float one_minus_b2, float step_size, float bc2_sqrt,
+                   float eps, float grad_scale, uint32_t key_m, uint32_t key_v, int nthreads) {
+    const uint16_t *gb = (const uint16_t *)g;
+    const float *gf = (const float *)g;
+    const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int64_t lo = c * CHUNK;
+        const int64_t hi = lo + CHUNK < n ? lo + CHUNK : n;
+        for (int64_t i = lo; i < hi; i++) {
+            float mo = bf16_load(m, i);
+            float vo = bf16_load(v, i);
+            ADAMW_ELEMENT(g_is_bf16 ? bf16_load(gb, i) : gf[i])
+            m[i] = bf16_round_stochastic(mi, rounding_bits(key_m, i));
+            v[i] = bf16_round_stochastic(vi, rounding_bits(key_v, i));
+        }
+    }
+}
+
+#define QBLOCK 2048 /* store/states.py QUANT_BLOCK; CHUNK is a multiple of it */
+
+/* Index of the nearest map value: how many of the 255 ascending midpoints lie below x. */
+static inline uint8_t quantize(const float *mids, float x) {
+    int c = 0;
+    for (int step = 128; step; step >>= 1)
+        if (mids[c + step - 1] < x) c += step;
+    return (uint8_t)c;
+}
+
+void mt_adamw_int8(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_absmax,
+                   const void *g, int g_is_bf16, uint16_t *shadow, int64_t n, int64_t decay_end,
+                   float decay, float beta2, float one_minus_b1, float one_minus_b2,
+                   float step_size, float bc2_sqrt, float eps, float grad_scale,
+                   const float *map_m, const float *mids_m, const float *map_v,
+                   const float *mids_v, int nthreads) {
+    const uint16_t *gb = (const uint16_t *)g;
+    const float *gf = (const float *)g;
+    const int64_t nblocks = (n + QBLOCK - 1) / QBLOCK;
+#pragma omp parallel for schedule(dynamic, CHUNK / QBLOCK) num_threads(nthreads)
+    for (int64_t b = 0; b < nblocks; b++) {
+        /* The block's new m and v wait here (in L1) until its new absmax is known. */
+        float new_m[QBLOCK], new_v[QBLOCK];
+        const int64_t lo = b * QBLOCK;
+        const int64_t hi = lo + QBLOCK < n ? lo + QBLOCK : n;
+        const float scale_m = m_absmax[b], scale_v = v_absmax[b];
+        float max_m = 0.0f, max_v = 0.0f;
+        for (int64_t i = lo; i < hi; i++) {
+            float mo = map_m[m[i]] * scale_m;
+            float vo = map_v[v[i]] * scale_v;
+            ADAMW_ELEMENT(g_is_bf16 ? bf16_load(gb, i) : gf[i])
+            new_m[i - lo] = mi;
+            new_v[i - lo] = vi;
+            max_m = fmaxf(max_m, fabsf(mi));
+            max_v = fmaxf(max_v, vi);
+        }
+        m_absmax[b] = max_m;
+        v_absmax[b] = max_v;
+        const float div_m = max_m > 0.0f ? max_m : 1.0f;
+        const float div_v = max_v > 0.0f ? max_v : 1.0f;
+        for (int64_t i = lo; i < hi; i++) {
+            m[i] = quantize(mids_m, new_m[i - lo] / div_m);
+            v[i] = quantize(mids_v, new_v[i - lo] / div_v);
+        }
+    }
 }

@@ -11,6 +11,12 @@ bf16 shadow is written in the same pass. Two implementations, picked by `impl`:
 
 Both release the GIL, so a host worker thread can run them while the main thread drives the GPU.
 Results equal `torch.optim.AdamW` + `clip_grad_norm_` to fp32 rounding (tests/test_adamw.py).
+
+Blocks whose m and v are compressed (`ParamBlock.state_dtype` "bf16" or "int8", layouts and
+rounding in store/states.py) take the same update with m and v dequantized as read and rounded
+as written: "c" runs csrc/adamw.c's mt_adamw_bf16 / mt_adamw_int8 (one pass over memory),
+"torch" runs `update_compressed_reference`, plain PyTorch ops in the same order on the same
+float32 scalars, which the C kernel equals bit for bit (tests/test_optim_states_parity.py).
 """
 
 from __future__ import annotations
@@ -22,6 +28,14 @@ import torch
 
 from megatrain.native import load_adamw_kernel
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.states import (
+    QUANT_BLOCK,
+    bf16_stochastic,
+    dequantize_blockwise,
+    dynamic_map,
+    quantize_blockwise,
+    rounding_keys,
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +43,32 @@ class AdamWHyper:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """The scalars of one block's update, as both compressed-state paths use them (float32)."""
+
+    decay: float  # 1 - lr * weight_decay, on the block's decayed range
+    beta2: float
+    one_minus_b1: float
+    one_minus_b2: float
+    step_size: float  # lr / (1 - beta1^step)
+    bc2_sqrt: float  # sqrt(1 - beta2^step)
+    eps: float
+    grad_scale: float
+
+    def as_c_floats(self) -> tuple[float, ...]:
+        return (
+            self.decay,
+            self.beta2,
+            self.one_minus_b1,
+            self.one_minus_b2,
+            self.step_size,
+            self.bc2_sqrt,
+            self.eps,
+            self.grad_scale,
+        )
 
 
 class CpuAdamW:
@@ -51,6 +91,22 @@ class CpuAdamW:
         beta1, beta2 = self.hyper.betas
         bc1 = 1.0 - beta1**block.step
         bc2_sqrt = math.sqrt(1.0 - beta2**block.step)
+        if block.state_dtype != "fp32":
+            scalars = StepScalars(
+                decay=1.0 - lr * self.hyper.weight_decay,
+                beta2=beta2,
+                one_minus_b1=1.0 - beta1,
+                one_minus_b2=1.0 - beta2,
+                step_size=lr / bc1,
+                bc2_sqrt=bc2_sqrt,
+                eps=self.hyper.eps,
+                grad_scale=grad_scale,
+            )
+            if self._lib is not None:
+                self._update_compressed_c(block, scalars)
+            else:
+                update_compressed_reference(block, scalars)
+            return
         ranges = [
             (0, block.decay_numel, 1.0 - lr * self.hyper.weight_decay),
             (block.decay_numel, block.numel, 1.0),
@@ -106,6 +162,45 @@ class CpuAdamW:
             self.num_threads,
         )
 
+    def _update_compressed_c(self, block: ParamBlock, s: StepScalars) -> None:
+        assert self._lib is not None
+        grad, shadow = block.grad_landing, block.shadow
+        common = (
+            grad.data_ptr(),
+            int(grad.dtype == torch.bfloat16),
+            shadow.data_ptr() if shadow is not None else None,
+            block.numel,
+            block.decay_numel,
+            *s.as_c_floats(),
+        )
+        if block.state_dtype == "bf16":
+            key_m, key_v = rounding_keys(block.name, block.step)
+            self._lib.mt_adamw_bf16(
+                block.master.data_ptr(),
+                block.exp_avg.data_ptr(),
+                block.exp_avg_sq.data_ptr(),
+                *common,
+                key_m,
+                key_v,
+                self.num_threads,
+            )
+            return
+        assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+        (map_m, mids_m), (map_v, mids_v) = dynamic_map(True), dynamic_map(False)
+        self._lib.mt_adamw_int8(
+            block.master.data_ptr(),
+            block.exp_avg.data_ptr(),
+            block.exp_avg_scale.data_ptr(),
+            block.exp_avg_sq.data_ptr(),
+            block.exp_avg_sq_scale.data_ptr(),
+            *common,
+            map_m.data_ptr(),
+            mids_m.data_ptr(),
+            map_v.data_ptr(),
+            mids_v.data_ptr(),
+            self.num_threads,
+        )
+
     def _update_torch(
         self,
         block: ParamBlock,
@@ -137,3 +232,66 @@ class CpuAdamW:
         )
         if block.shadow is not None:
             block.shadow[start:end].copy_(p)
+
+
+def update_compressed_reference(
+    block: ParamBlock, s: StepScalars, *, chunk: int = 64 * QUANT_BLOCK
+) -> None:
+    """The compressed-state update in plain PyTorch, `chunk` elements at a time.
+
+    Each operation is one correctly rounded float32 op in the C kernel's order, so results are
+    bit for bit the kernel's; device-agnostic (the block's tensors may live on any device).
+    """
+    assert chunk % QUANT_BLOCK == 0
+    device = block.master.device
+    f32 = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in vars(s).items()}
+    keys = rounding_keys(block.name, block.step)
+    for lo in range(0, block.numel, chunk):
+        hi = min(lo + chunk, block.numel)
+        grad = block.grad_landing[lo:hi].float() * f32["grad_scale"]  # read before the shadow
+        m_old, v_old = _read_states(block, lo, hi)
+        p = block.master[lo:hi]
+        p[: max(0, min(block.decay_numel, hi) - lo)].mul_(f32["decay"])
+        m = m_old + f32["one_minus_b1"] * (grad - m_old)
+        v = v_old * f32["beta2"] + f32["one_minus_b2"] * grad * grad
+        # sqrt in float64, rounded once to float32: the correctly rounded sqrt of C's sqrtf
+        # (torch's vectorized float32 sqrt is not, on AVX-512). A full-size divisor: CUDA
+        # divides by a 0-dim tensor as a multiply by its reciprocal.
+        root = torch.sqrt(v.double()).float()
+        denom = root / f32["bc2_sqrt"].expand_as(v) + f32["eps"]
+        p.sub_(f32["step_size"] * (m / denom))
+        if block.shadow is not None:
+            block.shadow[lo:hi].copy_(p)
+        _write_states(block, lo, hi, m, v, keys)
+
+
+def _read_states(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if block.state_dtype == "bf16":
+        return block.exp_avg[lo:hi].float(), block.exp_avg_sq[lo:hi].float()
+    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+    blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
+    return (
+        dequantize_blockwise(block.exp_avg[lo:hi], block.exp_avg_scale[blocks], signed=True),
+        dequantize_blockwise(
+            block.exp_avg_sq[lo:hi], block.exp_avg_sq_scale[blocks], signed=False
+        ),
+    )
+
+
+def _write_states(
+    block: ParamBlock, lo: int, hi: int, m: torch.Tensor, v: torch.Tensor, keys: tuple[int, int]
+) -> None:
+    if block.state_dtype == "bf16":
+        block.exp_avg[lo:hi].copy_(bf16_stochastic(m, keys[0], lo))
+        block.exp_avg_sq[lo:hi].copy_(bf16_stochastic(v, keys[1], lo))
+        return
+    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+    blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
+    for codes, scale, value, signed in (
+        (block.exp_avg, block.exp_avg_scale, m, True),
+        (block.exp_avg_sq, block.exp_avg_sq_scale, v, False),
+    ):
+        new_codes, absmax = quantize_blockwise(value, signed=signed)
+        codes[lo:hi].copy_(new_codes)
+        scale[blocks].copy_(absmax)
+

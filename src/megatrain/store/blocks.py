@@ -10,7 +10,9 @@ records where one named parameter of the block's module lives in that layout.
 Host buffers per block:
 - `master`  fp32 master weights (pageable; pinned in fp32 compute on CUDA, where it is the copy
             source)
-- `exp_avg`, `exp_avg_sq`  fp32 AdamW states
+- `exp_avg`, `exp_avg_sq`  AdamW m and v in the block's `state_dtype` (store/states.py): fp32,
+            bf16, or int8 (uint8 codes, with one fp32 absmax per quantization block in
+            `exp_avg_scale`, `exp_avg_sq_scale`)
 - `shadow`  bf16 copy of the weights, pinned: the host-to-device source in bf16 compute. Between
             a layer's backward and its optimizer update it holds that layer's bf16 gradient
             instead (the weights are not needed then); the update reads the gradient and writes
@@ -56,6 +58,9 @@ class ParamBlock:
     shadow: torch.Tensor | None = field(default=None, repr=False)
     grad: torch.Tensor | None = field(default=None, repr=False)
     step: int = 0  # optimizer steps applied to this block
+    state_dtype: str = "fp32"  # layout of exp_avg / exp_avg_sq: "fp32", "bf16" or "int8"
+    exp_avg_scale: torch.Tensor | None = field(default=None, repr=False)  # int8 only
+    exp_avg_sq_scale: torch.Tensor | None = field(default=None, repr=False)  # int8 only
 
     @property
     def source(self) -> torch.Tensor:
@@ -78,9 +83,16 @@ class ParamBlock:
         if self.shadow is not None:
             to_bf16_(self.shadow, self.master)
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer states as stored (what a checkpoint holds besides the master)."""
+        states = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.exp_avg_scale is not None and self.exp_avg_sq_scale is not None:
+            states.update(exp_avg_scale=self.exp_avg_scale, exp_avg_sq_scale=self.exp_avg_sq_scale)
+        return states
+
     def host_bytes(self) -> int:
         total = 0
-        for t in (self.master, self.exp_avg, self.exp_avg_sq, self.shadow, self.grad):
+        for t in (self.master, *self.state_tensors().values(), self.shadow, self.grad):
             if t is not None:
                 total += t.numel() * t.element_size()
         return total

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from megatrain.model.structure import ModelStructure
 from megatrain.store.blocks import ParamBlock, ParamEntry
 from megatrain.store.memory import host_zeros
+from megatrain.store.states import allocate_states, check_state_dtype
 
 DEFAULT_NO_DECAY = ("bias", "norm")
 
@@ -33,6 +34,9 @@ class HostStore:
     gradient between its backward and its update). Invariants: each parameter lives in exactly
     one block (a tied lm_head in the embedding's); within a block the decayed parameters come
     first; the HF model's parameters are replaced by meta tensors, so weights exist once.
+
+    `state_dtype` ("fp32", "bf16", "int8"; store/states.py) is the layout of every block's
+    AdamW m and v; the master is always fp32.
     """
 
     def __init__(
@@ -43,12 +47,15 @@ class HostStore:
         pin_memory: bool = False,
         no_decay: Sequence[str] = DEFAULT_NO_DECAY,
         decay_1d: bool = False,
+        state_dtype: str = "fp32",
     ) -> None:
+        check_state_dtype(state_dtype)
         if compute_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"compute dtype must be bfloat16 or float32, got {compute_dtype}")
         self.structure = structure
         self.compute_dtype = compute_dtype
         self.pin_memory = pin_memory
+        self.state_dtype = state_dtype
         self._patterns = [re.compile(p, re.IGNORECASE) for p in no_decay]
         self._decay_1d = decay_1d
         self._owners = _owners_by_param(structure.causal_lm)
@@ -116,8 +123,8 @@ class HostStore:
             numel=offset,
             decay_numel=decay_numel,
             master=master,
-            exp_avg=host_zeros(offset, torch.float32),
-            exp_avg_sq=host_zeros(offset, torch.float32),
+            state_dtype=self.state_dtype,
+            **allocate_states(offset, self.state_dtype),
         )
         if self.compute_dtype == torch.bfloat16:
             block.shadow = host_zeros(offset, torch.bfloat16, pin=self.pin_memory)
