@@ -130,6 +130,7 @@ class RunBuilder:
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
             pin_memory=self.pin_memory,
             check_gpu=self.placement.is_cuda,
+            state_dtype=cfg.optimizer.state_dtype,
         )
 
     def plan(
@@ -233,7 +234,11 @@ class RunBuilder:
         return discover(model)
 
     def store(
-        self, structure: ModelStructure, *, compute_dtype: torch.dtype | None = None
+        self,
+        structure: ModelStructure,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        state_dtype: str | None = None,
     ) -> HostStore:
         opt = self.cfg.optimizer
         return HostStore(
@@ -242,6 +247,7 @@ class RunBuilder:
             pin_memory=self.pin_memory,
             no_decay=opt.no_decay,
             decay_1d=opt.decay_1d,
+            state_dtype=state_dtype or opt.state_dtype,
         )
 
     def optimizer(self) -> CpuAdamW:

@@ -1,8 +1,10 @@
 """Checkpoints that resume exactly, and export to Hugging Face format.
 
 Layout of one checkpoint, `<output_dir>/checkpoints/step-<N>/`:
-    blocks/<block>.safetensors   fp32 master, exp_avg, exp_avg_sq of one store block
-                                 (metadata: the block's optimizer step and parameter names)
+    blocks/<block>.safetensors   fp32 master, exp_avg, exp_avg_sq of one store block, the states
+                                 as stored (fp32, bf16, or int8 codes plus exp_avg_scale and
+                                 exp_avg_sq_scale; store/states.py) (metadata: the block's
+                                 optimizer step, parameter names and state_dtype)
     trainer_state.json           step, data loader position, RNG states, metrics
     config.yaml                  the resolved run config
 
@@ -104,11 +106,12 @@ def _write_checkpoint(
     for block in store.blocks:
         path = tmp / "blocks" / f"{block.name}.safetensors"
         save_file(
-            {"master": block.master, "exp_avg": block.exp_avg, "exp_avg_sq": block.exp_avg_sq},
+            {"master": block.master, **block.state_tensors()},
             str(path),
             metadata={
                 "step": str(block.step),
                 "names": json.dumps([[e.full_name, list(e.shape)] for e in block.entries]),
+                "state_dtype": block.state_dtype,
             },
         )
         _fsync(path)
@@ -172,11 +175,14 @@ def load_checkpoint(path: str | Path, store: HostStore) -> dict[str, Any]:
                     "parameters than this model; resume with the model it was "
                     "trained with"
                 )
-            for key, dst in (
-                ("master", block.master),
-                ("exp_avg", block.exp_avg),
-                ("exp_avg_sq", block.exp_avg_sq),
-            ):
+            saved_dtype = meta.get("state_dtype", "fp32")  # checkpoints before state_dtype
+            if saved_dtype != block.state_dtype:
+                raise ValueError(
+                    f"checkpoint {path} holds optimizer states in {saved_dtype} but this run "
+                    f"has optimizer.state_dtype: {block.state_dtype}; resume with "
+                    f"optimizer.state_dtype: {saved_dtype} (states are not converted)"
+                )
+            for key, dst in {"master": block.master, **block.state_tensors()}.items():
                 dst.copy_(f.get_tensor(key))
             block.step = int(meta["step"])
         block.refresh_shadow()

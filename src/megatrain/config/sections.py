@@ -173,6 +173,9 @@ class OptimizerConfig:
     """AdamW kernel: "c" (compiled C, OpenMP), "torch", or "auto" (c when it compiles)."""
     threads: int | None = None
     """CPU threads for the optimizer; None: all cores but two."""
+    state_dtype: str = "fp32"
+    """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4)
+    or "int8" (block-wise 8-bit Adam, ~2); master weights stay fp32 (docs/optimizer_states.md)."""
 
     def validate(self) -> None:
         check_types("optimizer", self)
@@ -201,6 +204,7 @@ class OptimizerConfig:
         check_number("optimizer.min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
         check_choice("optimizer.impl", self.impl, OPTIMIZER_IMPLS)
         check_int("optimizer.threads", self.threads, minimum=1, optional=True)
+        check_choice("optimizer.state_dtype", self.state_dtype, ("fp32", "bf16", "int8"))
 
     @property
     def clip_norm(self) -> float | None:

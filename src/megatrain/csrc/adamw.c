@@ -96,21 +96,17 @@ static inline uint32_t lowbias32(uint32_t x) {
     return x;
 }
 
-/* Random bits of element i of a block for one (block, step, m|v) key. */
-static inline uint32_t rounding_bits(uint32_t key, int64_t i) {
-    return lowbias32((uint32_t)i ^ lowbias32(key ^ (uint32_t)((uint64_t)i >> 32)));
-}
-
-/* fp32 -> bf16 rounding up in magnitude with probability equal to the dropped fraction. */
+/* fp32 -> bf16 rounding up in magnitude with probability equal to the dropped fraction: adds
+ * the top 16 of 32 random bits below the bf16 mantissa and truncates. */
 static inline uint16_t bf16_round_stochastic(float f, uint32_t bits) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    if ((u & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(u >> 16);         /* inf */
-    return (uint16_t)((u + (bits >> 16)) >> 16);
+    const uint32_t magnitude = u & 0x7fffffffu;
+    const uint32_t special = (u >> 16) | (magnitude > 0x7f800000u ? 0x40u : 0u); /* NaN, inf */
+    return (uint16_t)(magnitude >= 0x7f800000u ? special : (u + (bits >> 16)) >> 16);
 }
 
-/* The AdamW arithmetic of ADAMW_LOOP on one element whose old m, v are mo, vo. */
+/* The AdamW arithmetic of ADAMW_LOOP on element i whose old m, v are mo, vo. */
 #define ADAMW_ELEMENT(LOAD_G)                                                     \
     float gi = (LOAD_G) * grad_scale;                                             \
     float pi = i < decay_end ? p[i] * decay : p[i];                               \
@@ -118,8 +114,20 @@ static inline uint16_t bf16_round_stochastic(float f, uint32_t bits) {
     float vi = vo * beta2 + one_minus_b2 * gi * gi;                               \
     float denom = sqrtf(vi) / bc2_sqrt + eps;                                     \
     pi = pi - step_size * (mi / denom);                                           \
-    p[i] = pi;                                                                    \
-    if (shadow) shadow[i] = bf16_round(pi);
+    p[i] = pi;
+
+/* Random bits of element i: lowbias32(low 32 bits of i ^ lowbias32(key ^ high 32 bits)); a
+ * chunk never crosses a multiple of 2^32, so the inner hash is one per chunk. */
+#define BF16_LOOP(LOAD_G, SHADOW)                                                 \
+    _Pragma("omp simd")                                                           \
+    for (int64_t i = lo; i < hi; i++) {                                           \
+        float mo = bf16_load(m, i);                                               \
+        float vo = bf16_load(v, i);                                               \
+        ADAMW_ELEMENT(LOAD_G)                                                     \
+        SHADOW                                                                    \
+        m[i] = bf16_round_stochastic(mi, lowbias32((uint32_t)i ^ chunk_key_m));   \
+        v[i] = bf16_round_stochastic(vi, lowbias32((uint32_t)i ^ chunk_key_v));   \
+    }
 
 void mt_adamw_bf16(float *p, uint16_t *m, uint16_t *v, const void *g, int g_is_bf16,
                    uint16_t *shadow, int64_t n, int64_t decay_end, float decay, float beta2,
@@ -132,59 +140,84 @@ void mt_adamw_bf16(float *p, uint16_t *m, uint16_t *v, const void *g, int g_is_b
     for (int64_t c = 0; c < nchunks; c++) {
         const int64_t lo = c * CHUNK;
         const int64_t hi = lo + CHUNK < n ? lo + CHUNK : n;
-        for (int64_t i = lo; i < hi; i++) {
-            float mo = bf16_load(m, i);
-            float vo = bf16_load(v, i);
-            ADAMW_ELEMENT(g_is_bf16 ? bf16_load(gb, i) : gf[i])
-            m[i] = bf16_round_stochastic(mi, rounding_bits(key_m, i));
-            v[i] = bf16_round_stochastic(vi, rounding_bits(key_v, i));
+        const uint32_t chunk_key_m = lowbias32(key_m ^ (uint32_t)((uint64_t)lo >> 32));
+        const uint32_t chunk_key_v = lowbias32(key_v ^ (uint32_t)((uint64_t)lo >> 32));
+        if (shadow && g_is_bf16) {
+            BF16_LOOP(bf16_load(gb, i), shadow[i] = bf16_round(pi);)
+        } else if (shadow) {
+            BF16_LOOP(gf[i], shadow[i] = bf16_round(pi);)
+        } else if (g_is_bf16) {
+            BF16_LOOP(bf16_load(gb, i), )
+        } else {
+            BF16_LOOP(gf[i], )
         }
     }
 }
 
 #define QBLOCK 2048 /* store/states.py QUANT_BLOCK; CHUNK is a multiple of it */
 
-/* Index of the nearest map value: how many of the 255 ascending midpoints lie below x. */
-static inline uint8_t quantize(const float *mids, float x) {
-    int c = 0;
-    for (int step = 128; step; step >>= 1)
-        if (mids[c + step - 1] < x) c += step;
-    return (uint8_t)c;
+/* Index of the nearest map value = how many of the ascending midpoints lie below x. `start`,
+ * indexed by the top 16 bits of x, holds that count for the lowest float sharing them; at most
+ * one more midpoint lies below any float sharing them (store/states.py checks this when it
+ * builds the tables), so one comparison finishes the count. Same as torch.searchsorted. */
+static inline uint8_t quantize(const uint8_t *start, const float *mids, float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    unsigned c = start[u >> 16];
+    return (uint8_t)(c + (mids[c] < x));
 }
+
+/* First half of an int8 block: dequantize, update, keep the new m and v for requantizing. */
+#define INT8_LOOP(LOAD_G, SHADOW)                                                 \
+    _Pragma("omp simd reduction(max : max_m, max_v)")                             \
+    for (int64_t i = lo; i < hi; i++) {                                           \
+        float mo = map_m[m[i]] * scale_m;                                         \
+        float vo = map_v[v[i]] * scale_v;                                         \
+        ADAMW_ELEMENT(LOAD_G)                                                     \
+        SHADOW                                                                    \
+        new_m[i - lo] = mi;                                                       \
+        new_v[i - lo] = vi;                                                       \
+        float abs_m = fabsf(mi);                                                  \
+        max_m = abs_m > max_m ? abs_m : max_m;                                    \
+        max_v = vi > max_v ? vi : max_v;                                          \
+    }
 
 void mt_adamw_int8(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_absmax,
                    const void *g, int g_is_bf16, uint16_t *shadow, int64_t n, int64_t decay_end,
                    float decay, float beta2, float one_minus_b1, float one_minus_b2,
                    float step_size, float bc2_sqrt, float eps, float grad_scale,
-                   const float *map_m, const float *mids_m, const float *map_v,
-                   const float *mids_v, int nthreads) {
+                   const float *map_m, const uint8_t *start_m, const float *mids_m,
+                   const float *map_v, const uint8_t *start_v, const float *mids_v,
+                   int nthreads) {
     const uint16_t *gb = (const uint16_t *)g;
     const float *gf = (const float *)g;
     const int64_t nblocks = (n + QBLOCK - 1) / QBLOCK;
 #pragma omp parallel for schedule(dynamic, CHUNK / QBLOCK) num_threads(nthreads)
     for (int64_t b = 0; b < nblocks; b++) {
-        /* The block's new m and v wait here (in L1) until its new absmax is known. */
+        /* The block's new m and v wait here (in L1) until its new absmax is known. The absmax
+         * ignores NaN (the comparison is false), where torch's amax would propagate it. */
         float new_m[QBLOCK], new_v[QBLOCK];
         const int64_t lo = b * QBLOCK;
         const int64_t hi = lo + QBLOCK < n ? lo + QBLOCK : n;
         const float scale_m = m_absmax[b], scale_v = v_absmax[b];
         float max_m = 0.0f, max_v = 0.0f;
-        for (int64_t i = lo; i < hi; i++) {
-            float mo = map_m[m[i]] * scale_m;
-            float vo = map_v[v[i]] * scale_v;
-            ADAMW_ELEMENT(g_is_bf16 ? bf16_load(gb, i) : gf[i])
-            new_m[i - lo] = mi;
-            new_v[i - lo] = vi;
-            max_m = fmaxf(max_m, fabsf(mi));
-            max_v = fmaxf(max_v, vi);
+        if (shadow && g_is_bf16) {
+            INT8_LOOP(bf16_load(gb, i), shadow[i] = bf16_round(pi);)
+        } else if (shadow) {
+            INT8_LOOP(gf[i], shadow[i] = bf16_round(pi);)
+        } else if (g_is_bf16) {
+            INT8_LOOP(bf16_load(gb, i), )
+        } else {
+            INT8_LOOP(gf[i], )
         }
         m_absmax[b] = max_m;
         v_absmax[b] = max_v;
         const float div_m = max_m > 0.0f ? max_m : 1.0f;
         const float div_v = max_v > 0.0f ? max_v : 1.0f;
+#pragma omp simd
         for (int64_t i = lo; i < hi; i++) {
-            m[i] = quantize(mids_m, new_m[i - lo] / div_m);
-            v[i] = quantize(mids_v, new_v[i - lo] / div_v);
+            m[i] = quantize(start_m, mids_m, new_m[i - lo] / div_m);
+            v[i] = quantize(start_v, mids_v, new_v[i - lo] / div_v);
         }
     }
 }

@@ -34,6 +34,7 @@ from megatrain.store.states import (
     dequantize_blockwise,
     dynamic_map,
     quantize_blockwise,
+    quantize_tables,
     rounding_keys,
 )
 
@@ -186,7 +187,7 @@ class CpuAdamW:
             )
             return
         assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
-        (map_m, mids_m), (map_v, mids_v) = dynamic_map(True), dynamic_map(False)
+        tables = [(dynamic_map(signed)[0], *quantize_tables(signed)) for signed in (True, False)]
         self._lib.mt_adamw_int8(
             block.master.data_ptr(),
             block.exp_avg.data_ptr(),
@@ -194,10 +195,7 @@ class CpuAdamW:
             block.exp_avg_sq.data_ptr(),
             block.exp_avg_sq_scale.data_ptr(),
             *common,
-            map_m.data_ptr(),
-            mids_m.data_ptr(),
-            map_v.data_ptr(),
-            mids_v.data_ptr(),
+            *(t.data_ptr() for table in tables for t in table),  # map, start, mids of m, of v
             self.num_threads,
         )
 
@@ -272,9 +270,7 @@ def _read_states(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, tor
     blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
     return (
         dequantize_blockwise(block.exp_avg[lo:hi], block.exp_avg_scale[blocks], signed=True),
-        dequantize_blockwise(
-            block.exp_avg_sq[lo:hi], block.exp_avg_sq_scale[blocks], signed=False
-        ),
+        dequantize_blockwise(block.exp_avg_sq[lo:hi], block.exp_avg_sq_scale[blocks], signed=False),
     )
 
 

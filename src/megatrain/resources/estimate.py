@@ -3,7 +3,9 @@
 Host (bytes per parameter P; the store of store/host.py, every block):
 - bf16 compute: fp32 master + exp_avg + exp_avg_sq pageable (12), bf16 shadow pinned (2;
   gradients land in it). fp32 compute: exp_avg + exp_avg_sq pageable (8), fp32 master and
-  fp32 gradient pinned (8).
+  fp32 gradient pinned (8). exp_avg + exp_avg_sq take 8 with `state_dtype` fp32, 4 with bf16
+  and 2 + 8/2048 (codes + per-block scales) with int8 (store/states.py, counted per block):
+  14, 10 and ~8 B/param in bf16 compute.
 - Pinned blocks of 32 MiB and more are huge-page mappings page-locked with cudaHostRegister
   (store/memory.py): their size rounded up to 2 MiB. Smaller ones come from torch's caching
   host allocator, which rounds up to a power of two. `pinned_reserved_bytes` counts that.
@@ -39,6 +41,7 @@ from megatrain.resources.activations import LayerProfile, layer_profile, loss_ch
 from megatrain.resources.hardware import GIB, Hardware, detect, gib
 from megatrain.resources.spec import ModelSpec, build_spec
 from megatrain.resources.timing import StepTime, step_time
+from megatrain.store.states import state_bytes_per_param, state_nbytes
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ def estimate(
     loss_chunk_tokens: int | None = None,
     data_bytes: int = 0,
     pin_memory: bool = True,
+    state_dtype: str = "fp32",
 ) -> Estimate:
     """Predict host RAM, GPU peak and step time of training `config` with these settings.
 
@@ -124,6 +128,7 @@ def estimate(
     rows of several samples (position ids restart); neither: full rows, no mask.
     `clipping`: gradient-norm clipping on (the optimizer then starts after the backward).
     `compute_dtype` "bf16" or "fp32"; None: the spec's, or bf16 for a config.
+    `state_dtype`: the AdamW states' layout, "fp32", "bf16" or "int8" (optimizer.state_dtype).
     """
     for name, value in (
         ("seq_len", seq_len),
@@ -151,7 +156,9 @@ def estimate(
         num_slots=slots,
         chunk_tokens=chunk,
     )
-    host = host_memory(spec, hw, data_bytes=data_bytes, pin_memory=pin_memory)
+    host = host_memory(
+        spec, hw, data_bytes=data_bytes, pin_memory=pin_memory, state_dtype=state_dtype
+    )
     chunks_per_mb = -(-micro_batch_size * seq_len // chunk)
     timing = step_time(
         spec,
@@ -174,6 +181,7 @@ def estimate(
         layout=layout,
         clipping=clipping,
         loss_chunk_tokens=chunk,
+        state_dtype=state_dtype,
     )
     return Estimate(
         model=spec.describe(),
@@ -193,18 +201,24 @@ HOST_REGISTER_MIN_BYTES = 32 << 20
 
 
 def host_memory(
-    spec: ModelSpec, hw: Hardware, *, data_bytes: int = 0, pin_memory: bool = True
+    spec: ModelSpec,
+    hw: Hardware,
+    *,
+    data_bytes: int = 0,
+    pin_memory: bool = True,
+    state_dtype: str = "fp32",
 ) -> HostMemory:
     numels = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
+    states = sum(state_nbytes(n, state_dtype) for n in numels)
     if spec.compute_dtype == torch.bfloat16:
-        pageable, pinned_per_block = 12, [2 * n for n in numels]
-    else:
-        pageable, pinned_per_block = 8, [4 * n for n in numels] * 2  # master and gradient
+        pageable, pinned_per_block = 4 * sum(numels) + states, [2 * n for n in numels]
+    else:  # master and gradient pinned
+        pageable, pinned_per_block = states, [4 * n for n in numels] * 2
     pinned = sum(pinned_per_block)
     reserved = sum(_pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
-    total = pageable * sum(numels) + reserved + hw.process_baseline_bytes + data_bytes
+    total = pageable + reserved + hw.process_baseline_bytes + data_bytes
     return HostMemory(
-        pageable_bytes=pageable * sum(numels),
+        pageable_bytes=pageable,
         pinned_bytes=pinned,
         pinned_reserved_bytes=reserved,
         baseline_bytes=hw.process_baseline_bytes,
@@ -324,14 +338,21 @@ def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
     if h.total_bytes <= free:
         return None
     per_param = h.store_bytes / est.total_params
-    fp32 = est.settings["compute_dtype"] == "fp32"
+    states = state_bytes_per_param(est.settings.get("state_dtype", "fp32"))
+    advice = ["a machine with more RAM", "a smaller model"]
+    if est.settings["compute_dtype"] == "fp32":
+        advice.append(f"bf16 compute ({6 + states:.0f} instead of {8 + states:.0f} B/param)")
+    if states > state_bytes_per_param("int8"):
+        advice.append(
+            f"compressed AdamW states, optimizer.state_dtype: int8 ({states - 2:.0f} B/param "
+            "less)" + (" or bf16 (4 less)" if states > state_bytes_per_param("bf16") else "")
+        )
     return (
         f"host RAM: predicted {gib(h.total_bytes)} (store {gib(h.store_bytes)} = "
         f"{per_param:.0f} B/param x {est.total_params / 1e9:.2f}B params, pinned blocks "
         f"rounded up to {gib(h.pinned_reserved_bytes)}, process {gib(h.baseline_bytes)}, "
         f"data {gib(h.data_bytes)}) > {gib(free)} available ({gib(hw.host_bytes)} "
-        f"total - margin {margin_gib:g} GiB). Use a machine with more RAM, a smaller "
-        "model" + (", or bf16 compute (14 instead of 16 B/param)" if fp32 else "")
+        f"total - margin {margin_gib:g} GiB). Use " + ", or ".join(advice)
     )
 
 

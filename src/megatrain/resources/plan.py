@@ -38,6 +38,7 @@ class RunShape:
     loss_chunk_tokens: int | None
     pin_memory: bool
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
+    state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
 
     def estimate_kwargs(self) -> dict[str, Any]:
         assert self.layout in LAYOUTS, self.layout
@@ -111,6 +112,7 @@ def plan_resources(
         micro_batch_size=micro_batch_size,
         grad_accum=grad_accum,
         hardware=hardware,
+        state_dtype=shape.state_dtype,
         **shape.estimate_kwargs(),
     )
     problems = [host_problem(est, hardware, host_margin_gib)]

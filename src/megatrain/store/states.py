@@ -103,6 +103,32 @@ def dynamic_map(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return qmap, mids
 
 
+@cache
+def quantize_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernel's lookup for quantizing: (uint8[65536] start codes, float32[256] midpoints).
+
+    start[k] is the code (number of midpoints below) of the lowest float32 whose top 16 bits
+    are k. The kernel compares x once with the next midpoint (padded with +inf at [255]): that
+    is exact because no range of floats sharing their top 16 bits (< 0.8% of its values wide)
+    holds two midpoints (the map's gaps are wider), which is checked here.
+    """
+    mids = dynamic_map(signed)[1]
+    prefix = torch.arange(1 << 16, dtype=torch.int64) << 16
+    negative = prefix >= 1 << 31  # sign-magnitude: the lowest negative float has low bits 1
+    lowest = _float32_of(prefix | torch.where(negative, 0xFFFF, 0))
+    highest = _float32_of(prefix | torch.where(negative, 0, 0xFFFF))
+    start = torch.searchsorted(mids, lowest)
+    assert int((torch.searchsorted(mids, highest) - start).max()) <= 1
+    padded = torch.cat([mids, torch.tensor([float("inf")])])
+    return start.to(torch.uint8), padded
+
+
+def _float32_of(bits: torch.Tensor) -> torch.Tensor:
+    """Floats of 32-bit patterns held in int64; NaN patterns become 0 (any code will do)."""
+    signed = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+    return signed.view(torch.float32).nan_to_num(nan=0.0)
+
+
 def zero_code(*, signed: bool) -> int:
     """The code of 0.0: what zero-initialised states hold."""
     return int((dynamic_map(signed)[0] == 0).nonzero().item())
@@ -179,4 +205,3 @@ def _lowbias32_t(x: torch.Tensor) -> torch.Tensor:
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2^32 for 0 <= x < 2^32 in int64, split so no product overflows 2^63."""
     return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _MASK32
-

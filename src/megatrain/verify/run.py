@@ -132,7 +132,7 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
     device, lr = builder.device, cfg.optimizer.learning_rate
     mbs, grad_accum = builder.batch()
     structure = builder.model()
-    store = builder.store(structure)
+    store = builder.store(structure, state_dtype="fp32")  # judged against exact AdamW
     engine = builder.engine(structure, store)
     landed: dict[str, torch.Tensor] = {}
     engine.worker.on_landed = lambda block: snapshot(block, landed)
