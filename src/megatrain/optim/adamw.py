@@ -290,4 +290,3 @@ def _write_states(
         new_codes, absmax = quantize_blockwise(value, signed=signed)
         codes[lo:hi].copy_(new_codes)
         scale[blocks].copy_(absmax)
-

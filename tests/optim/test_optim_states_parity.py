@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatrain.native import load_adamw_kernel
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
-from megatrain.optim.kernel import load_adamw_kernel
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.states import (
     QUANT_BLOCK,
@@ -29,7 +29,7 @@ def _block(n: int, decay_numel: int, state_dtype: str, bf16_grads: bool) -> Para
         decay_numel=decay_numel,
         master=torch.randn(n, generator=gen) * 0.02,
         state_dtype=state_dtype,
-        **allocate_states(n, state_dtype),
+        **allocate_states(n, state_dtype),  # type: ignore[arg-type]
     )
     if bf16_grads:
         block.shadow = torch.empty(n, dtype=torch.bfloat16)
