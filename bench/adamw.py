@@ -21,9 +21,10 @@ from common import result
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.memory import host_zeros
+from megatrain.store.states import allocate_states
 
 
-def make_blocks(total: int, block: int, huge: bool) -> list[ParamBlock]:
+def make_blocks(total: int, block: int, huge: bool, state_dtype: str = "fp32") -> list[ParamBlock]:
     def zeros(n: int) -> torch.Tensor:
         return host_zeros(n, torch.float32) if huge else torch.zeros(n)
 
@@ -38,8 +39,12 @@ def make_blocks(total: int, block: int, huge: bool) -> list[ParamBlock]:
             numel=n,
             decay_numel=n,
             master=master,
-            exp_avg=zeros(n),
-            exp_avg_sq=zeros(n),
+            **(
+                {"exp_avg": zeros(n), "exp_avg_sq": zeros(n)}
+                if state_dtype == "fp32"
+                else allocate_states(n, state_dtype)
+            ),
+            state_dtype=state_dtype,
         )
         b.shadow = torch.randn(n).to(torch.bfloat16)
         blocks.append(b)
@@ -85,6 +90,11 @@ def main() -> None:
         default="both",
         help="store buffers on madvise'd huge pages (megatrain's default), or not",
     )
+    ap.add_argument(
+        "--state-dtypes",
+        default="fp32",
+        help="optimizer.state_dtype layouts to time (fp32,bf16,int8); compressed: C kernel only",
+    )
     a = ap.parse_args()
     total, block = int(a.params), int(a.block)
     src, dst = torch.empty(total // 2), torch.empty(total // 2)
@@ -95,13 +105,18 @@ def main() -> None:
         threads=torch.get_num_threads(),
     )
     counts = [int(t) for t in a.threads.split(",") if t] or [torch.get_num_threads()]
-    for huge in {"both": [True, False], "yes": [True], "no": [False]}[a.huge]:
-        run_all(make_blocks(total, block, huge), counts, a.reps, huge)
+    for state_dtype in a.state_dtypes.split(","):
+        for huge in {"both": [True, False], "yes": [True], "no": [False]}[a.huge]:
+            blocks = make_blocks(total, block, huge, state_dtype)
+            run_all(blocks, counts, a.reps, huge, state_dtype)
 
 
-def run_all(blocks: list[ParamBlock], counts: list[int], reps: int, huge: bool) -> None:
+def run_all(
+    blocks: list[ParamBlock], counts: list[int], reps: int, huge: bool, state_dtype: str
+) -> None:
     total = sum(b.numel for b in blocks)
-    for impl in ("c", "torch"):
+    # the torch path of compressed states is a bit-exact test reference, ~1000x slower
+    for impl in ("c", "torch") if state_dtype == "fp32" else ("c",):
         for threads in counts if impl == "c" else [torch.get_num_threads()]:
             opt = CpuAdamW(AdamWHyper(weight_decay=0.01), impl=impl, num_threads=threads)
             for busy in (False, True):
@@ -118,6 +133,7 @@ def run_all(blocks: list[ParamBlock], counts: list[int], reps: int, huge: bool) 
                 result(
                     bench="adamw",
                     impl=impl,
+                    state_dtype=state_dtype,
                     threads=threads,
                     busy_main_thread=busy,
                     huge_pages=huge,

@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts (run on the GPU machine, not in CI).
 
-Model presets match ../shared/bench/peers.py so numbers compare with the peers' runs.
+Model presets are bench/peers.py's, so numbers compare with the peers' runs.
 """
 
 from __future__ import annotations

@@ -2,9 +2,13 @@
 
     python bench/compare.py --preset qwen2.5-3b --tokens 8192,32768 \
         --systems megatrain,gpu,fsdp2,deepspeed --peer-tokens 8192
+    python bench/compare.py --tokens 8192 --systems gpu,deepspeed,megatrain,\
+        megatrain:optimizer.state_dtype=int8+memory.gpu_state_blocks=auto
+
+A system `megatrain:KEY=VALUE+...` is the engine with those config overrides.
 
 Same model shape (random init), tokens, dtypes (bf16 compute, fp32 master weights and AdamW),
-seq 2048, no gradient clipping (as the peers' job in ../shared/bench). Each system runs in its
+seq 2048, no gradient clipping (as the peers' job in bench/peers.py). Each system runs in its
 own process: this engine (bench/train_shape.py), GPU-resident HF training with fused AdamW,
 torch FSDP2 with CPU offload, DeepSpeed ZeRO-3 with parameter and optimizer offload
 (bench/peers.py). The GPU-resident run reaches larger token counts by gradient accumulation of
@@ -59,7 +63,7 @@ def main() -> None:
         micro = tokens // (MICRO_ROWS * a.seq)
         for system in a.systems.split(","):
             log = out / f"{system}_{tokens}.log"
-            if system == "megatrain":
+            if system.split(":")[0] == "megatrain":
                 cmd = [
                     py,
                     str(HERE / "train_shape.py"),
@@ -75,6 +79,7 @@ def main() -> None:
                     str(a.steps),
                     "--opt-threads",
                     str(a.opt_threads),
+                    *variant_overrides(system),
                 ]
             elif system == "gpu":
                 cmd = [
@@ -117,6 +122,17 @@ def main() -> None:
     print(table)
     (out / "compare.md").write_text(table + "\n")
     (out / "compare.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def variant_overrides(system: str) -> list[str]:
+    """`megatrain:KEY=VALUE+KEY=VALUE` -> config overrides of that engine run, e.g.
+    megatrain:optimizer.state_dtype=int8+memory.gpu_state_blocks=auto."""
+    _, _, spec = system.partition(":")
+    out: list[str] = []
+    for item in filter(None, spec.split("+")):
+        key, _, value = item.partition("=")
+        out += [f"--{key}", value]
+    return out
 
 
 def render(rows: list[dict]) -> str:

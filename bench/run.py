@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+SITE = "/tmp/site"  # where peers_install puts DeepSpeed
 
 
 @dataclass(frozen=True)
@@ -73,9 +75,56 @@ SCENARIOS: dict[str, Scenario] = {
         ((PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"),),
         timeout_s=300,
     ),
+    "peers_install": Scenario(
+        "install DeepSpeed and its dependencies from .wheels/ (carried; no network) into "
+        f"{SITE}, which every scenario's PYTHONPATH includes",
+        (
+            (
+                PY,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--target",
+                SITE,
+                "$WHEELS",
+            ),
+            (
+                PY,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-build-isolation",
+                "--target",
+                SITE,
+                "$DEEPSPEED",
+            ),
+        ),
+    ),
     "adamw": Scenario(
-        "CPU AdamW: C kernel vs torch fused, Gparams/s and host copy bandwidth",
-        ((PY, "bench/adamw.py", "--params", "1e9", "--block", "80e6", "--threads", "14"),),
+        "CPU AdamW: C kernel vs torch fused, Gparams/s and host copy bandwidth; compressed "
+        "state layouts (optimizer.state_dtype bf16, int8) through the C kernel",
+        (
+            (
+                PY,
+                "bench/adamw.py",
+                "--params",
+                "1e9",
+                "--block",
+                "80e6",
+                "--threads",
+                "14",
+                "--huge",
+                "yes",
+                "--state-dtypes",
+                "fp32,bf16,int8",
+            ),
+        ),
     ),
     "layer_speed": Scenario(
         "one Qwen2.5-7B decoder layer: forward, recompute and backward times, eager and compiled",
@@ -107,13 +156,27 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+def _expand(argv: list[str]) -> list[str]:
+    """$WHEELS: every wheel in .wheels/; $DEEPSPEED: the DeepSpeed source archive there."""
+    wheels = ROOT / ".wheels"
+    out: list[str] = []
+    for arg in argv:
+        if arg == "$WHEELS":
+            out += sorted(str(p) for p in wheels.glob("*.whl"))
+        elif arg == "$DEEPSPEED":
+            out += sorted(str(p) for p in wheels.glob("deepspeed-*.tar.gz"))
+        else:
+            out.append(arg)
+    return out
+
+
 def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) -> list[str]:
     scenario = SCENARIOS[name]
     log = out / f"{name}.log"
     summary = []
     with log.open("a") as f:
         for command in scenario.commands:
-            argv = [c.replace("$OUT", str(out)) for c in command] + extra
+            argv = _expand([c.replace("$OUT", str(out)) for c in command]) + extra
             f.write(f"$ {shlex.join(argv)}\n")
             f.flush()
             t0 = time.time()
@@ -169,8 +232,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT / "bench"), env.get("PYTHONPATH", "")]
-    ).rstrip(os.pathsep)
+        [str(ROOT / "src"), str(ROOT / "bench"), env.get("PYTHONPATH", ""), SITE]
+    ).strip(os.pathsep)
+    nvcc = shutil.which("nvcc")
+    if nvcc and "CUDA_HOME" not in env:  # DeepSpeed's op builder looks for it
+        env["CUDA_HOME"] = str(Path(nvcc).resolve().parents[1])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     summary = []

@@ -2,7 +2,9 @@
 
     python bench/train_shape.py --preset qwen2.5-3b --batch 4 --seq 2048 --micro 1 --steps 5
 
-The same batch every step, as in ../shared/bench/peers.py, so the loss visibly falls. Prints a
+The same batch every step, as in bench/peers.py, so the loss visibly falls. The run is built
+by megatrain's RunBuilder from a config (the preset as model.config_overrides), so config
+overrides after the options apply as in `megatrain train`. Prints a
 per-step line (loss, step time, timeline) and one RESULT line: median step time, tokens/s,
 model TFLOPS (6 x params x tokens/s), GPU peak, host RSS.
 """
@@ -17,14 +19,15 @@ import torch
 from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result, sync
 
 from megatrain.batch import Batch
-from megatrain.engine.engine import StreamingEngine
-from megatrain.model.structure import discover
-from megatrain.optim.adamw import AdamWHyper, CpuAdamW
-from megatrain.store.host import HostStore
+from megatrain.builder import RunBuilder
+from megatrain.config.shorthand import model_values, shorthand_config
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        epilog="Arguments after the options are config overrides for the run, e.g. "
+        "--optimizer.state_dtype int8 --memory.gpu_state_blocks auto"
+    )
     ap.add_argument("--preset", default="qwen2.5-3b")
     ap.add_argument("--batch", type=int, default=4, help="rows per step")
     ap.add_argument("--seq", type=int, default=2048)
@@ -35,29 +38,33 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--opt-threads", type=int, default=None)
-    ap.add_argument("--no-threads", action="store_true")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
-    a = ap.parse_args()
-    from transformers import AutoModelForCausalLM
-
+    a, overrides = ap.parse_known_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    preset = dict(preset_config(a.preset).to_diff_dict())
+    preset = {k: v for k, v in preset.items() if k not in ("model_type", "transformers_version")}
+    values = model_values(model_type="qwen2", config_overrides=preset) | {
+        "model.attn_implementation": "sdpa",
+        "training.device": device,
+        "training.micro_batch_size": a.batch // a.micro,
+        "training.gradient_accumulation_steps": a.micro,
+        "training.seq_len": a.seq,
+        "data.cutoff_len": a.seq,
+        "memory.num_slots": a.num_slots,
+        "optimizer.max_grad_norm": a.max_grad_norm,
+        "optimizer.impl": a.impl,
+        "optimizer.threads": a.opt_threads,
+        "training.compile_layers": a.compile or None,
+    }
+    cfg = shorthand_config(None, overrides, values=values)
+    builder = RunBuilder(cfg)  # the same builder as `megatrain train`: store, optimizer, engine
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_config(preset_config(a.preset), dtype=torch.float32)
+    structure = builder.model()
     t_init = time.perf_counter() - t0
-    structure = discover(model)
-    store = HostStore(structure, compute_dtype=torch.bfloat16, pin_memory=device == "cuda")
+    store = builder.store(structure)
     t_store = time.perf_counter() - t0 - t_init
-    opt = CpuAdamW(AdamWHyper(weight_decay=0.0), impl=a.impl, num_threads=a.opt_threads)
-    engine = StreamingEngine(
-        structure,
-        store,
-        opt,
-        device=device,
-        num_slots=a.num_slots,
-        max_grad_norm=a.max_grad_norm or None,
-        threaded_optimizer=not a.no_threads,
-        compile_layers=a.compile,
-    )
+    engine = builder.engine(structure, store)
+    opt = engine.worker.optimizer
     n_params = store.numel
     log(
         f"{structure.describe()}; {n_params / 1e9:.3f}B params; init {t_init:.1f}s, store "
@@ -97,6 +104,7 @@ def main() -> None:
         max_grad_norm=a.max_grad_norm,
         optimizer=opt.impl,
         opt_threads=opt.num_threads,
+        overrides=" ".join(overrides),
         compiled=a.compile,
         step_s=round(step_s, 3),
         tokens_per_s=round(tokens / step_s, 1),
