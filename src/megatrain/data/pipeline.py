@@ -28,7 +28,7 @@ from megatrain.data.formats import MISSING_COLUMN, convert_row
 from megatrain.data.pretrain import PretrainCorpus, load_corpus, split_corpus
 from megatrain.data.readers import download_hub_dataset, iter_rows, read_rows
 from megatrain.data.registry import DatasetSpec, resolve_datasets, sft_format_of
-from megatrain.data.sample import DataStats, Sample
+from megatrain.data.sample import DataStats, Sample, held_out_mask
 from megatrain.data.template import ChatEncoder
 
 logger = logging.getLogger(__name__)
@@ -173,14 +173,7 @@ def split_validation(
     samples: list[Sample], *, val_size: float, seed: int
 ) -> tuple[list[Sample], list[Sample]]:
     """(train, eval): a seeded random draw of `val_size` (fraction or count); order is kept."""
-    count = max(1, round(val_size * len(samples))) if val_size < 1 else int(val_size)
-    if count >= len(samples):
-        raise ValueError(
-            f"data.val_size={val_size} takes {count} of the {len(samples)} samples and leaves "
-            "none to train on; lower it"
-        )
-    held_out = np.zeros(len(samples), dtype=np.bool_)
-    held_out[np.random.default_rng(seed).permutation(len(samples))[:count]] = True
+    held_out = held_out_mask(len(samples), val_size=val_size, seed=seed, unit="samples")
     train = [s for s, h in zip(samples, held_out, strict=True) if not h]
     return train, [s for s, h in zip(samples, held_out, strict=True) if h]
 

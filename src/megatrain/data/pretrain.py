@@ -23,7 +23,7 @@ import numpy as np
 from megatrain.data.corpus import TokenFile, default_cache_dir, tokenize_file, tokenizer_fingerprint
 from megatrain.data.readers import TEXT_SUFFIXES, data_files, download_hub_dataset
 from megatrain.data.registry import REGISTRY_FILE, DatasetSpec
-from megatrain.data.sample import DataStats
+from megatrain.data.sample import DataStats, held_out_mask
 
 logger = logging.getLogger(__name__)
 
@@ -133,14 +133,7 @@ def split_corpus(
     corpus: PretrainCorpus, *, val_size: float, seed: int
 ) -> tuple[PretrainCorpus, PretrainCorpus]:
     """(train, eval): a seeded random draw of `val_size` documents (fraction or count)."""
-    count = max(1, round(val_size * len(corpus))) if val_size < 1 else int(val_size)
-    if count >= len(corpus):
-        raise ValueError(
-            f"data.val_size={val_size} takes {count} of the {len(corpus)} documents and leaves "
-            "none to train on; lower it"
-        )
-    held_out = np.zeros(len(corpus), dtype=np.bool_)
-    held_out[np.random.default_rng(seed).permutation(len(corpus))[:count]] = True
+    held_out = held_out_mask(len(corpus), val_size=val_size, seed=seed, unit="documents")
     return corpus.select(np.flatnonzero(~held_out)), corpus.select(np.flatnonzero(held_out))
 
 

@@ -101,3 +101,17 @@ class DataStats:
             f"truncated {self.truncated}, tokens {self.num_tokens}, "
             f"supervised tokens {self.num_target_tokens}"
         )
+
+
+def held_out_mask(n: int, *, val_size: float, seed: int, unit: str) -> np.ndarray:
+    """Which of `n` items a seeded random draw of `val_size` (a fraction < 1 or a count) holds
+    out for evaluation; ValueError naming data.val_size when nothing would be left to train."""
+    count = max(1, round(val_size * n)) if val_size < 1 else int(val_size)
+    if count >= n:
+        raise ValueError(
+            f"data.val_size={val_size} takes {count} of the {n} {unit} and leaves none to train "
+            "on; lower it"
+        )
+    held_out = np.zeros(n, dtype=np.bool_)
+    held_out[np.random.default_rng(seed).permutation(n)[:count]] = True
+    return held_out
