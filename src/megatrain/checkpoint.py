@@ -2,7 +2,8 @@
 
 Layout of one checkpoint, `<output_dir>/checkpoints/step-<N>/`:
     blocks/<block>.safetensors   fp32 master, exp_avg, exp_avg_sq of one store block
-                                 (metadata: the block's optimizer step and parameter names)
+                                 (metadata: the block's optimizer step and parameter names);
+                                 the same for a block held on the GPU (optimizer-state tier)
     trainer_state.json           step, data loader position, RNG states, metrics
     config.yaml                  the resolved run config
 
@@ -57,7 +58,11 @@ def save_checkpoint(
     for block in store.blocks:
         path = tmp / "blocks" / f"{block.name}.safetensors"
         save_file(
-            {"master": block.master, "exp_avg": block.exp_avg, "exp_avg_sq": block.exp_avg_sq},
+            {  # .cpu(): a GPU-tier block is saved from the device into the same files
+                "master": block.master.cpu(),
+                "exp_avg": block.exp_avg.cpu(),
+                "exp_avg_sq": block.exp_avg_sq.cpu(),
+            },
             str(path),
             metadata={
                 "step": str(block.step),

@@ -218,9 +218,22 @@ class MemoryConfig:
     """GPU memory micro_batch_size "auto" leaves free."""
     host_margin_gib: float = 4.0
     """Host memory the resource check keeps free for the OS and data loading."""
+    gpu_state_blocks: int | str = "auto"
+    """Decoder layers (the first ones) whose fp32 master, AdamW states and gradient stay on the
+    GPU and are updated there, never streamed: an integer >= 0 (0: none; more than the model
+    has: all), or "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free);
+    none on the CPU."""
 
     def validate(self) -> None:
         check_types("memory", self)
+        blocks = self.gpu_state_blocks
+        if (isinstance(blocks, str) and blocks != "auto") or (
+            isinstance(blocks, int) and blocks < 0
+        ):
+            raise ValueError(
+                f"memory.gpu_state_blocks={blocks!r} must be an integer >= 0 (0: keep every "
+                "optimizer state on the host) or 'auto'"
+            )
         check_int("memory.num_slots", self.num_slots, minimum=1)
         check_int("memory.loss_chunk_tokens", self.loss_chunk_tokens, minimum=1, optional=True)
         check_number("memory.gpu_margin_gib", self.gpu_margin_gib, low=0.0)

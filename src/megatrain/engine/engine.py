@@ -15,6 +15,9 @@ Step schedule (docs/architecture.md, "One optimizer step"):
    its gradient lands (overlapping the rest of the backward). With clipping the global norm is
    known only after the whole backward; updates then run in forward order, overlapping the next
    step's forward, which waits for block i's update only before copying block i.
+   Layers of the GPU tier (engine/tier.py, the first `gpu_state_blocks`) stay on the device:
+   never copied, their gradient kept there, their AdamW run there on the compute stream (right
+   after their backward, or with clipping once the global norm is known).
 
 Shapes: B = rows, S = sequence, D = hidden size.
 """
@@ -31,6 +34,7 @@ from megatrain.batch import Batch
 from megatrain.engine.head import ChunkedLoss
 from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
+from megatrain.engine.tier import GpuTier
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.engine.updates import UpdateWorker
@@ -77,7 +81,9 @@ class StreamingEngine:
         loss_chunk_tokens: int | None = None,
         threaded_optimizer: bool = True,
         compile_layers: bool = False,
+        gpu_state_blocks: int = 0,
     ) -> None:
+        """`gpu_state_blocks`: the first decoder layers whose states live on the device."""
         self.structure = structure
         self.store = store
         self.device = torch.device(device)
@@ -87,6 +93,8 @@ class StreamingEngine:
         self.transfers = Transfers(self.device)
         _move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
+        assert 0 <= gpu_state_blocks <= len(store.layers), gpu_state_blocks  # plan clamps it
+        self.tier = GpuTier(store.layers[:gpu_state_blocks], optimizer, self.device)
         self.slots = LayerSlots(
             structure.layers,
             store.layers,
@@ -95,12 +103,13 @@ class StreamingEngine:
             num_slots=num_slots,
             transfers=self.transfers,
             compile_layers=compile_layers,
+            resident=len(self.tier),
         )
         self.embedder = Embedder(
             device_copy(structure.embed, self.device), store.embed, self.transfers, self.dtype
         )
         self._build_head(loss_chunk_tokens)
-        numel = max(b.numel for b in store.layers)
+        numel = max((b.numel for b in store.layers[len(self.tier) :]), default=0)
         self._acc = [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._stage = (
             [torch.empty(numel, dtype=torch.bfloat16, device=self.device) for _ in range(2)]
@@ -156,7 +165,11 @@ class StreamingEngine:
         coef = 1.0
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            for block in self.tier.blocks:  # before the next forward uses them (same stream)
+                self._update_tier(block, lr, coef)
             for order, block in enumerate(self.store.blocks):  # forward order
+                if block in self.tier:
+                    continue
                 self.worker.submit(
                     block, self._landed[block.name], order=order, lr=lr, grad_scale=coef
                 )
@@ -203,10 +216,10 @@ class StreamingEngine:
         mbs = [
             self.embedder.start(b, self.capture, training, self.aux is not None) for b in batches
         ]
-        layers = self.store.layers
-        for j in range(min(self.slots.num_slots, len(layers))):
+        layers, first = self.store.layers, self.slots.resident  # first streamed layer
+        for j in range(first, first + self.slots.num_slots):
             self._load_layer(j, timeline)
-        if self.slots.num_slots >= len(layers):
+        if first + self.slots.num_slots >= len(layers):
             self._load_head(timeline)
         for i in range(len(layers)):
             timer.start(functools.partial(self.slots.acquire, i))
@@ -220,7 +233,7 @@ class StreamingEngine:
             timer.stop()
             self.slots.release(i)
             nxt = i + self.slots.num_slots
-            if nxt < len(layers):
+            if i >= first and nxt < len(layers):
                 self._load_layer(nxt, timeline)
                 if nxt == len(layers) - 1:
                     self._load_head(timeline)
@@ -302,23 +315,27 @@ class StreamingEngine:
     def _backward(
         self, mbs: list[MicroBatch], timer: ComputeTimer, lr: float
     ) -> list[torch.Tensor]:
-        layers, num_slots = self.store.layers, self.slots.num_slots
-        for j in range(len(layers) - 1, max(-1, len(layers) - 1 - num_slots), -1):
+        layers, num_slots, first = self.store.layers, self.slots.num_slots, self.slots.resident
+        for j in range(len(layers) - 1, len(layers) - 1 - num_slots, -1):
             self.slots.load(j)  # no copy for layers still resident from the forward
         for i in range(len(layers) - 1, -1, -1):
-            block = layers[i]
-            k = i % 2
-            self.transfers.wait(self._acc_busy[k])  # this accumulator's last copy-out is done
-            acc = self._acc[k][: block.numel]
+            block, k, tier = layers[i], i % 2, i < first
+            if not tier:
+                self.transfers.wait(self._acc_busy[k])  # this accumulator's copy-out is done
             timer.start(functools.partial(self.slots.acquire, i))
-            acc.zero_()
+            acc = self.tier.gradient(block) if tier else self._acc[k][: block.numel].zero_()
             views = [block.view(acc, e) for e in block.entries]
             for mb in mbs:
                 self._layer_backward(i, mb, views, len(mbs))
             timer.stop()
             self.slots.release(i)
-            self._sumsq.append(self._ship(block, acc, lr, k))
-            if i - num_slots >= 0:
+            if tier:
+                self._sumsq.append(torch.linalg.vector_norm(acc).square())
+                if self.max_grad_norm is None:
+                    self._update_tier(block, lr, 1.0)
+            else:
+                self._sumsq.append(self._ship(block, acc, lr, k))
+            if i - num_slots >= first:
                 self.slots.load(i - num_slots)
         timer.start()
         for mb in mbs:
@@ -351,6 +368,9 @@ class StreamingEngine:
         pairs = [(v, g) for v, g in zip(views, result[1:], strict=True) if g is not None]
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [g for _, g in pairs])
+
+    def _update_tier(self, block: ParamBlock, lr: float, coef: float) -> None:
+        self.tier.update(block, lr=lr, grad_scale=coef, on_gradient=self.worker.on_landed)
 
     def _ship(
         self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None

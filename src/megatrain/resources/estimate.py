@@ -8,6 +8,8 @@ Host (bytes per parameter P; the store of store/host.py, every block):
   (store/memory.py): their size rounded up to 2 MiB. Smaller ones come from torch's caching
   host allocator, which rounds up to a power of two. `pinned_reserved_bytes` counts that.
 - Plus the process baseline (python, torch, CUDA context) and the tokenized data.
+- Layers of the GPU tier (the first `gpu_state_blocks`) hold nothing on the host once the
+  engine is built (their store blocks move to the GPU); while the model loads they are there.
 - Large pageable buffers are zero pages until first written (store/memory.py): the RSS of
   the Adam states appears with the first optimizer update, so `total_bytes` is what the
   process holds from the first step on.
@@ -15,7 +17,9 @@ Host (bytes per parameter P; the store of store/host.py, every block):
 GPU (what `torch.cuda.max_memory_allocated` sees; c = bytes of the compute dtype, L layers,
 T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph head block):
 - persistent: num_slots x Pl x c weight slots; 2 x Pl x 4 fp32 gradient accumulators;
-  2 x Pl x 2 bf16 staging (bf16 only); Ph x c head weights; V x D x c table (tied only);
+  2 x Pl x 2 bf16 staging (bf16 only) (Pl over the streamed layers); the GPU tier, per
+  parameter fp32 master + m + v + gradient (16) + bf16 weights (2, bf16 only; in fp32 compute
+  the master is the weights); Ph x c head weights; V x D x c table (tied only);
   Ph x 4 + V x D x 4 head and embedding gradient accumulators;
 - per step: every layer's input for every micro-batch, L x T x D x c, and one more T x D x c
   (the last hidden state, then its gradient), the gathered embedding rows, the captured layer
@@ -117,8 +121,12 @@ def estimate(
     loss_chunk_tokens: int | None = None,
     data_bytes: int = 0,
     pin_memory: bool = True,
+    gpu_state_blocks: int = 0,
 ) -> Estimate:
     """Predict host RAM, GPU peak and step time of training `config` with these settings.
+
+    `gpu_state_blocks`: the first decoder layers kept on the GPU with their optimizer states
+    (engine/tier.py); more than the model has means all.
 
     `padded`: micro-batches carry padding masks (4-D [B,1,S,S] masks under sdpa); `packed`:
     rows of several samples (position ids restart); neither: full rows, no mask.
@@ -136,7 +144,8 @@ def estimate(
     if padded and packed:
         raise ValueError("a micro-batch is either padded or packed, not both")
     spec = model_spec(config, compute_dtype)
-    slots = min(num_slots, spec.num_layers)  # as the engine: more slots than layers go unused
+    tier = min(max(gpu_state_blocks, 0), spec.num_layers)
+    slots = min(num_slots, spec.num_layers - tier)  # as the engine: only streamed layers use one
     hw = hardware or detect()
     layout = "padded" if padded else "packed" if packed else "full"
     chunk = min(
@@ -150,8 +159,11 @@ def estimate(
         micro_batches=grad_accum,
         num_slots=slots,
         chunk_tokens=chunk,
+        gpu_state_blocks=tier,
     )
-    host = host_memory(spec, hw, data_bytes=data_bytes, pin_memory=pin_memory)
+    host = host_memory(
+        spec, hw, data_bytes=data_bytes, pin_memory=pin_memory, gpu_state_blocks=tier
+    )
     chunks_per_mb = -(-micro_batch_size * seq_len // chunk)
     timing = step_time(
         spec,
@@ -161,6 +173,7 @@ def estimate(
         micro_batches=grad_accum,
         num_slots=slots,
         clipping=clipping,
+        gpu_state_blocks=tier,
         layer_ops=profile.ops,
         loss_ops=chunks_per_mb * loss_chunk(spec, chunk)[1],
     )
@@ -174,6 +187,7 @@ def estimate(
         layout=layout,
         clipping=clipping,
         loss_chunk_tokens=chunk,
+        gpu_state_blocks=tier,
     )
     return Estimate(
         model=spec.describe(),
@@ -193,24 +207,39 @@ HOST_REGISTER_MIN_BYTES = 32 << 20
 
 
 def host_memory(
-    spec: ModelSpec, hw: Hardware, *, data_bytes: int = 0, pin_memory: bool = True
+    spec: ModelSpec,
+    hw: Hardware,
+    *,
+    data_bytes: int = 0,
+    pin_memory: bool = True,
+    gpu_state_blocks: int = 0,
 ) -> HostMemory:
-    numels = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
-    if spec.compute_dtype == torch.bfloat16:
-        pageable, pinned_per_block = 12, [2 * n for n in numels]
-    else:
-        pageable, pinned_per_block = 8, [4 * n for n in numels] * 2  # master and gradient
-    pinned = sum(pinned_per_block)
-    reserved = sum(_pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
-    total = pageable * sum(numels) + reserved + hw.process_baseline_bytes + data_bytes
+    layers = [la.params for la in spec.layers]
+    every = [spec.embed_params, *layers, spec.head_params]
+    held = [spec.embed_params, *layers[gpu_state_blocks:], spec.head_params]
+
+    def store(numels: list[int]) -> tuple[int, int, int]:
+        """(pageable, pinned, pinned as reserved) bytes of these blocks."""
+        if spec.compute_dtype == torch.bfloat16:
+            pageable, pinned_per_block = 12, [2 * n for n in numels]
+        else:
+            pageable, pinned_per_block = 8, [4 * n for n in numels] * 2  # master and gradient
+        pinned = sum(pinned_per_block)
+        reserved = sum(_pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
+        return pageable * sum(numels), pinned, reserved
+
+    pageable, pinned, reserved = store(held)
+    process = hw.process_baseline_bytes + data_bytes
+    total = pageable + reserved + process
+    loading = sum(store(every)[::2]) + process  # every block is built on the host first
     return HostMemory(
-        pageable_bytes=pageable * sum(numels),
+        pageable_bytes=pageable,
         pinned_bytes=pinned,
         pinned_reserved_bytes=reserved,
         baseline_bytes=hw.process_baseline_bytes,
         data_bytes=data_bytes,
         total_bytes=total,
-        load_peak_bytes=total + 4 * max(numels),  # the block being moved exists twice
+        load_peak_bytes=loading + 4 * max(every),  # the block being moved exists twice
     )
 
 
@@ -222,13 +251,17 @@ def gpu_memory(
     micro_batches: int,
     num_slots: int,
     chunk_tokens: int,
+    gpu_state_blocks: int = 0,
 ) -> GpuMemory:
     c = torch.finfo(spec.compute_dtype).bits // 8
     bf16 = spec.compute_dtype == torch.bfloat16
-    pl, d, table = spec.layer_params_max, spec.hidden_size, spec.embed_params
+    streamed = [la.params for la in spec.layers[gpu_state_blocks:]]
+    tier_params = sum(la.params for la in spec.layers[:gpu_state_blocks])
+    pl, d, table = max(streamed, default=0), spec.hidden_size, spec.embed_params
     tokens = tokens_mb * micro_batches
     layer_peak, captured = profile.peak_bytes, profile.captured_bytes
     base = {
+        "GPU tier (fp32 master, m, v, gradient, weights)": tier_params * (18 if bf16 else 16),
         "weight slots": num_slots * pl * c,
         "gradient accumulators (fp32)": 2 * pl * 4,
         "gradient staging (bf16)": 2 * pl * 2 if bf16 else 0,
