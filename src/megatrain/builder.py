@@ -272,9 +272,9 @@ class RunBuilder:
         )
 
     def gpu_state_blocks(self, num_layers: int) -> int:
-        """GPU-tier layers: the config's count (clamped to the model), or the plan's for
-        "auto" (the plan is then computed, else it is not needed)."""
+        """GPU-tier blocks (layers, then embedding, then head): the config's count (clamped to
+        the model), or the plan's for "auto" (the plan is then computed, else not needed)."""
         blocks = self.cfg.memory.gpu_state_blocks
         if isinstance(blocks, int):
-            return min(blocks, num_layers)
+            return min(blocks, num_layers + 2)
         return self.plan().gpu_state_blocks

@@ -1,12 +1,13 @@
 """The GPU tier of optimizer states, run as its device-side code path on the CPU.
 
-The first k layers keep master, m, v and gradient "on the device" (here: the CPU device) and
-are updated by the engine, not the host worker. Checked against two references:
+The first k blocks (layers, then embedding, then head) keep master, m, v and gradient "on the
+device" (here: the CPU device) and are updated by the engine, not the host worker. Checked
+against two references:
 - the host path with the same AdamW implementation (optimizer.impl torch, the kernel the tier
   runs): in fp32 compute every loss, gradient norm, weight and state is equal bit for bit,
   because the same operations run in the same order on the same numbers;
-- plain PyTorch (megatrain verify), for k = 1, 2 and all layers, with and without clipping,
-  with gradient accumulation, in fp32 and bf16 compute.
+- plain PyTorch (megatrain verify), for k = 1, 2 and all blocks, with and without clipping,
+  with gradient accumulation, in fp32 and bf16 compute, tied and untied embeddings.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ from megatrain.store.blocks import ParamBlock
 from megatrain.verify import make_batches, run_verify, verify_config, within
 
 LAYERS = 4  # the tiny llama's decoder layers
+ORDER = [*(f"layer.{i}" for i in range(LAYERS)), "embed", "head"]  # tier order
 
 
-def _cfg(tier: int, *args: str, **shorthands: Any) -> TrainConfig:
+def _cfg(tier: int, *args: str, tied: bool = False, **shorthands: Any) -> TrainConfig:
     return verify_config(
         None,
         ["--memory.gpu_state_blocks", str(tier), "--optimizer.impl", "torch", *args],
         model_type="llama",
         tiny=True,
-        config_overrides={"num_hidden_layers": LAYERS},
+        config_overrides={"num_hidden_layers": LAYERS, "tie_word_embeddings": tied},
         **shorthands,
     )
 
@@ -66,7 +68,8 @@ def _train(cfg: TrainConfig, steps: int) -> tuple[list[tuple[float, float]], dic
         engine.wait_updates()
     finally:
         engine.close()
-    assert engine.slots.resident == len(engine.tier) == builder.gpu_state_blocks(LAYERS)
+    assert len(engine.tier) == builder.gpu_state_blocks(LAYERS)
+    assert engine.slots.resident == min(len(engine.tier), LAYERS)
     state = {
         (b.name, kind): getattr(b, kind).clone()
         for b in store.blocks
@@ -76,17 +79,26 @@ def _train(cfg: TrainConfig, steps: int) -> tuple[list[tuple[float, float]], dic
     return results, state, optimizer.calls
 
 
-@pytest.mark.parametrize("clip", [1.0, 0.0])
-@pytest.mark.parametrize("tier", [1, 2, LAYERS])
-def test_tier_equals_host_path_bit_for_bit(tier: int, clip: float) -> None:
-    host, host_state, host_calls = _train(_cfg(0, max_grad_norm=clip), steps=3)
-    ours, our_state, calls = _train(_cfg(tier, max_grad_norm=clip), steps=3)
+@pytest.mark.parametrize(
+    ("tier", "clip", "tied"),
+    [
+        (1, 1.0, False),
+        (2, 0.0, False),
+        (LAYERS, 1.0, True),
+        (LAYERS + 1, 0.0, True),  # + the embedding (the tied lm_head)
+        (LAYERS + 2, 1.0, False),  # everything
+        (LAYERS + 2, 0.0, True),
+    ],
+)
+def test_tier_equals_host_path_bit_for_bit(tier: int, clip: float, tied: bool) -> None:
+    host, host_state, host_calls = _train(_cfg(0, max_grad_norm=clip, tied=tied), steps=3)
+    ours, our_state, calls = _train(_cfg(tier, max_grad_norm=clip, tied=tied), steps=3)
     assert ours == host  # losses and gradient norms, exactly
     if clip:
         assert any(norm > clip for _, norm in host), "clipping never triggered"
     for key, value in host_state.items():
         assert torch.equal(our_state[key], value), key
-    tier_names = {f"layer.{i}" for i in range(tier)}
+    tier_names = set(ORDER[:tier])
     assert all(not on_device for _, on_device in host_calls)
     # tier blocks only on the device path, every other block only through the host worker
     assert {name for name, on_device in calls if on_device} == tier_names
@@ -95,11 +107,17 @@ def test_tier_equals_host_path_bit_for_bit(tier: int, clip: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("tier", "clip", "dtype"),
-    [(1, 1.0, "fp32"), (2, 0.0, "fp32"), (LAYERS, 1.0, "fp32"), (2, 1.0, "bf16")],
+    ("tier", "clip", "dtype", "tied"),
+    [
+        (1, 1.0, "fp32", False),
+        (2, 0.0, "fp32", True),
+        (LAYERS + 2, 1.0, "fp32", True),
+        (2, 1.0, "bf16", False),
+        (LAYERS + 2, 0.0, "bf16", False),
+    ],
 )
-def test_tier_matches_pytorch(tier: int, clip: float, dtype: str) -> None:
-    cfg = _cfg(tier, max_grad_norm=clip, dtype=dtype, grad_accum=2)
+def test_tier_matches_pytorch(tier: int, clip: float, dtype: str, tied: bool) -> None:
+    cfg = _cfg(tier, max_grad_norm=clip, dtype=dtype, grad_accum=2, tied=tied)
     reports = run_verify(cfg)
     assert within(reports), [(r.excess, r.worst) for r in reports]
     if clip:
@@ -107,8 +125,7 @@ def test_tier_matches_pytorch(tier: int, clip: float, dtype: str) -> None:
     assert all(r.loss_rel < (1e-5 if dtype == "fp32" else 1e-3) for r in reports)
 
 
-def test_more_blocks_than_layers_means_all() -> None:
-    cfg = _cfg(99)
-    builder = RunBuilder(cfg)
-    assert builder.gpu_state_blocks(LAYERS) == LAYERS
-    assert builder.plan().gpu_state_blocks == LAYERS
+def test_more_blocks_than_the_model_has_means_all() -> None:
+    builder = RunBuilder(_cfg(99))
+    assert builder.gpu_state_blocks(LAYERS) == LAYERS + 2
+    assert builder.plan().gpu_state_blocks == LAYERS + 2

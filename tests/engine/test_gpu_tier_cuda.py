@@ -19,28 +19,32 @@ pytestmark = pytest.mark.gpu
 LAYERS = 4
 
 
-def _cfg(tier: int | str, *args: str, **shorthands: Any) -> TrainConfig:
+def _cfg(tier: int | str, *args: str, tied: bool = False, **shorthands: Any) -> TrainConfig:
     return verify_config(
         None,
         ["--memory.gpu_state_blocks", str(tier), *args],
         model_type=shorthands.pop("model_type", "llama"),
         tiny=True,
         device="cuda",
-        config_overrides={"num_hidden_layers": LAYERS},
+        config_overrides={"num_hidden_layers": LAYERS, "tie_word_embeddings": tied},
         **shorthands,
     )
 
 
-@pytest.mark.parametrize(("tier", "clip"), [(1, 1.0), (2, 0.0), (LAYERS, 1.0)])
-def test_bf16_tier_within_pytorch_bf16_drift(tier: int, clip: float) -> None:
-    reports = run_verify(_cfg(tier, dtype="bf16", max_grad_norm=clip, grad_accum=2))
+@pytest.mark.parametrize(
+    ("tier", "clip", "tied"),
+    [(1, 1.0, False), (2, 0.0, False), (LAYERS + 1, 1.0, True), (LAYERS + 2, 0.0, False)],
+)
+def test_bf16_tier_within_pytorch_bf16_drift(tier: int, clip: float, tied: bool) -> None:
+    cfg = _cfg(tier, dtype="bf16", max_grad_norm=clip, grad_accum=2, tied=tied)
+    reports = run_verify(cfg)
     assert within(reports), [(r.excess, r.worst) for r in reports]
     assert all(r.loss_rel < 1e-3 for r in reports)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_fp32_tier_matches_pytorch(model_type: str) -> None:
-    reports = run_verify(_cfg(2, model_type=model_type))
+    reports = run_verify(_cfg(LAYERS + 2, model_type=model_type))
     assert within(reports), [(r.excess, r.worst) for r in reports]
 
 
@@ -97,7 +101,7 @@ def test_checkpoint_from_device_blocks_loads_anywhere(tmp_path: Path) -> None:
                     assert torch.equal(got, block.view(block.shadow, e).cpu())
     finally:
         engine.close()
-    for tier in (0, LAYERS):  # into host blocks, and into device blocks
+    for tier in (0, LAYERS + 2):  # into host blocks, and into device blocks (all of them)
         fresh_store, fresh = _trained_store(_cfg(tier, dtype="bf16"), steps=0)
         try:
             load_checkpoint(path, fresh_store)

@@ -73,11 +73,28 @@ def test_tier_bytes_move_from_host_to_gpu(
 
 
 def test_all_layers_in_the_tier_need_no_slots(qwen3b: ModelSpec) -> None:
-    est = _est(qwen3b, 99)
+    est = _est(qwen3b, 36)
     assert est.settings["gpu_state_blocks"] == 36 and est.settings["num_slots"] == 0
     items = est.gpu.items
     assert items[TIER_ITEM] == 18 * 36 * qwen3b.layers[0].params
     assert "weight slots" not in items and "gradient accumulators (fp32)" not in items
+
+
+def test_embedding_and_head_join_after_the_layers(qwen3b: ModelSpec) -> None:
+    layers, whole = _est(qwen3b, 36), _est(qwen3b, 99)
+    assert whole.settings["gpu_state_blocks"] == 38  # 36 layers, embedding, head
+    table, head = qwen3b.embed_params, qwen3b.head_params  # tied: the head is the final norm
+    # the tied table's bf16 copy and the fp32 gradients were on the GPU already: +12 B/param
+    assert whole.gpu.peak_phase == layers.gpu.peak_phase
+    assert whole.gpu.peak_bytes - layers.gpu.peak_bytes == 12 * (table + head)
+    for gone in ("head weights", "tied lm_head table", "head + embedding gradients (fp32)"):
+        assert gone not in whole.gpu.items
+    assert layers.host.total_bytes - whole.host.total_bytes == 14 * (table + head)
+    t = whole.time  # nothing crosses PCIe, nothing waits for the CPU
+    assert t.optimizer_s == t.h2d_s == t.d2h_s == 0.0
+    gpu_rate = GPU_ADAMW_GPARAMS_S * 1e9
+    assert t.gpu_optimizer_s == pytest.approx(qwen3b.total_params / gpu_rate)
+    assert t.step_s == pytest.approx(t.compute_s + t.gpu_optimizer_s, rel=0.05)
 
 
 @pytest.mark.parametrize("clipping", [True, False])
@@ -119,14 +136,14 @@ def test_auto_takes_the_most_layers_that_fit(qwen3b: ModelSpec) -> None:
     assert plan.estimate.gpu.peak_bytes <= budget
     one_more = _est(qwen3b, k + 1)
     assert one_more.gpu.peak_bytes > budget
-    assert plan.tier_reason is not None and f"GPU tier: {k} of 36 layers" in plan.tier_reason
+    assert plan.tier_reason is not None and f"GPU tier: {k} of 38 blocks" in plan.tier_reason
     # on the CPU there is no tier; a given count is clamped to the model
     on_cpu = plan_resources(
         qwen3b, _shape("auto", False), hardware=hw, micro_batch_size=1, grad_accum=2
     )
     assert on_cpu.gpu_state_blocks == 0
     given = plan_resources(qwen3b, _shape(99), hardware=hw, micro_batch_size=1, grad_accum=2)
-    assert given.gpu_state_blocks == 36 and given.tier_reason is None
+    assert given.gpu_state_blocks == 38 and given.tier_reason is None
 
 
 def test_estimate_command_reports_the_tier(capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,8 +155,8 @@ def test_estimate_command_reports_the_tier(capsys: pytest.CaptureFixture[str]) -
     args.overrides = overrides
     assert run(args) == 0
     out = capsys.readouterr().out
-    assert "GPU tier  3 decoder layers" in out  # the tiny llama fits whole
-    assert "auto GPU tier: 3 of 3 layers" in out
+    assert "GPU tier  5 blocks" in out  # the tiny llama fits whole: 3 layers, embed, head
+    assert "auto GPU tier: 5 of 5 blocks" in out
 
 
 @pytest.mark.parametrize("value", [-1, "many", 1.5])

@@ -219,10 +219,10 @@ class MemoryConfig:
     host_margin_gib: float = 4.0
     """Host memory the resource check keeps free for the OS and data loading."""
     gpu_state_blocks: int | str = "auto"
-    """Decoder layers (the first ones) whose fp32 master, AdamW states and gradient stay on the
-    GPU and are updated there, never streamed: an integer >= 0 (0: none; more than the model
-    has: all), or "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free);
-    none on the CPU."""
+    """Blocks whose fp32 master, AdamW states and gradient stay on the GPU and are updated there,
+    never streamed, counted in this order: the decoder layers from the first, then the
+    embedding, then the head. An integer >= 0 (0: none; more than the model has: all), or
+    "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free); none on the CPU."""
 
     def validate(self) -> None:
         check_types("memory", self)

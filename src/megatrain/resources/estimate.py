@@ -8,8 +8,9 @@ Host (bytes per parameter P; the store of store/host.py, every block):
   (store/memory.py): their size rounded up to 2 MiB. Smaller ones come from torch's caching
   host allocator, which rounds up to a power of two. `pinned_reserved_bytes` counts that.
 - Plus the process baseline (python, torch, CUDA context) and the tokenized data.
-- Layers of the GPU tier (the first `gpu_state_blocks`) hold nothing on the host once the
-  engine is built (their store blocks move to the GPU); while the model loads they are there.
+- Blocks of the GPU tier (the first `gpu_state_blocks` of: layers, embedding, head) hold
+  nothing on the host once the engine is built (they move to the GPU); while the model loads
+  they are there.
 - Large pageable buffers are zero pages until first written (store/memory.py): the RSS of
   the Adam states appears with the first optimizer update, so `total_bytes` is what the
   process holds from the first step on.
@@ -19,7 +20,8 @@ T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph h
 - persistent: num_slots x Pl x c weight slots; 2 x Pl x 4 fp32 gradient accumulators;
   2 x Pl x 2 bf16 staging (bf16 only) (Pl over the streamed layers); the GPU tier, per
   parameter fp32 master + m + v + gradient (16) + bf16 weights (2, bf16 only; in fp32 compute
-  the master is the weights); Ph x c head weights; V x D x c table (tied only);
+  the master is the weights), which replaces a tier head's or embedding's weights and gradient
+  below; Ph x c head weights; V x D x c table (tied only);
   Ph x 4 + V x D x 4 head and embedding gradient accumulators;
 - per step: every layer's input for every micro-batch, L x T x D x c, and one more T x D x c
   (the last hidden state, then its gradient), the gathered embedding rows, the captured layer
@@ -125,8 +127,8 @@ def estimate(
 ) -> Estimate:
     """Predict host RAM, GPU peak and step time of training `config` with these settings.
 
-    `gpu_state_blocks`: the first decoder layers kept on the GPU with their optimizer states
-    (engine/tier.py); more than the model has means all.
+    `gpu_state_blocks`: blocks kept on the GPU with their optimizer states, counted layers
+    first, then embedding, then head (engine/tier.py); more than the model has means all.
 
     `padded`: micro-batches carry padding masks (4-D [B,1,S,S] masks under sdpa); `packed`:
     rows of several samples (position ids restart); neither: full rows, no mask.
@@ -144,8 +146,8 @@ def estimate(
     if padded and packed:
         raise ValueError("a micro-batch is either padded or packed, not both")
     spec = model_spec(config, compute_dtype)
-    tier = min(max(gpu_state_blocks, 0), spec.num_layers)
-    slots = min(num_slots, spec.num_layers - tier)  # as the engine: only streamed layers use one
+    tier = min(max(gpu_state_blocks, 0), spec.num_layers + 2)
+    slots = min(num_slots, spec.num_layers - min(tier, spec.num_layers))  # streamed layers only
     hw = hardware or detect()
     layout = "padded" if padded else "packed" if packed else "full"
     chunk = min(
@@ -216,7 +218,8 @@ def host_memory(
 ) -> HostMemory:
     layers = [la.params for la in spec.layers]
     every = [spec.embed_params, *layers, spec.head_params]
-    held = [spec.embed_params, *layers[gpu_state_blocks:], spec.head_params]
+    order = [*layers, spec.embed_params, spec.head_params]  # tier order (engine/tier.py)
+    held = order[gpu_state_blocks:]
 
     def store(numels: list[int]) -> tuple[int, int, int]:
         """(pageable, pinned, pinned as reserved) bytes of these blocks."""
@@ -255,9 +258,14 @@ def gpu_memory(
 ) -> GpuMemory:
     c = torch.finfo(spec.compute_dtype).bits // 8
     bf16 = spec.compute_dtype == torch.bfloat16
+    n = spec.num_layers
     streamed = [la.params for la in spec.layers[gpu_state_blocks:]]
-    tier_params = sum(la.params for la in spec.layers[:gpu_state_blocks])
+    embed_tier, head_tier = gpu_state_blocks > n, gpu_state_blocks > n + 1
     pl, d, table = max(streamed, default=0), spec.hidden_size, spec.embed_params
+    head = 0 if head_tier else spec.head_params  # streamed head / embedding: their buffers
+    streamed_table = 0 if embed_tier else table
+    tier_params = sum(la.params for la in spec.layers[:gpu_state_blocks])
+    tier_params += table * embed_tier + spec.head_params * head_tier
     tokens = tokens_mb * micro_batches
     layer_peak, captured = profile.peak_bytes, profile.captured_bytes
     base = {
@@ -265,9 +273,9 @@ def gpu_memory(
         "weight slots": num_slots * pl * c,
         "gradient accumulators (fp32)": 2 * pl * 4,
         "gradient staging (bf16)": 2 * pl * 2 if bf16 else 0,
-        "head weights": spec.head_params * c,
-        "tied lm_head table": table * c if spec.tied else 0,
-        "head + embedding gradients (fp32)": (spec.head_params + table) * 4,
+        "head weights": head * c,
+        "tied lm_head table": streamed_table * c if spec.tied else 0,
+        "head + embedding gradients (fp32)": (head + streamed_table) * 4,
         "embedding rows": micro_batches * min(tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": micro_batches * captured,
     }
@@ -283,7 +291,7 @@ def gpu_memory(
         },
         "embedding backward": {
             "layer-0 inputs + gradients": 2 * tokens * d * c,
-            "embedding gradient staging": table * 2 if bf16 else 0,
+            "embedding gradient staging": streamed_table * 2 if bf16 else 0,
         },
     }
     phase = max(phases, key=lambda p: sum(phases[p].values()))

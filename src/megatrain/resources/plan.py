@@ -12,8 +12,9 @@ run config once; `megatrain estimate` and `megatrain train` both read the plan f
 
 The GPU tier of optimizer states (engine/tier.py) is chosen after the batch: the run's
 activations come first, and "auto" (`memory.gpu_state_blocks`) gives the tier the largest
-number of first layers whose predicted GPU peak still fits with `gpu_margin_gib` free; on the
-CPU "auto" is 0. A given count is clamped to the model's layers, like `num_slots`.
+number of blocks (layers from the first, then embedding, then head) whose predicted GPU peak
+still fits with `gpu_margin_gib` free; on the CPU "auto" is 0. A given count is clamped to the
+model's blocks, like `num_slots`.
 
 Later plans (activation offload for long rows, several ranks) extend `RunShape` and
 `ResourcePlan`, not their callers.
@@ -44,7 +45,7 @@ class RunShape:
     loss_chunk_tokens: int | None
     pin_memory: bool
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
-    gpu_state_blocks: int | str = 0  # GPU-tier layers, or "auto" (resolved by the plan)
+    gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
 
     def estimate_kwargs(self) -> dict[str, Any]:
         assert self.layout in LAYOUTS, self.layout
@@ -68,7 +69,7 @@ class ResourcePlan:
     estimate: Estimate
     batch_reason: str | None  # why "auto" chose this micro-batch (None: it was given)
     problems: tuple[str, ...]
-    gpu_state_blocks: int = 0  # first decoder layers whose optimizer states live on the GPU
+    gpu_state_blocks: int = 0  # blocks (layers, embedding, head) whose states live on the GPU
     tier_reason: str | None = None  # why "auto" chose that many (None: it was given)
 
     @property
@@ -129,10 +130,10 @@ def plan_resources(
     tier_reason = None
     if shape.gpu_state_blocks == "auto":
         tier, tier_reason = _pick_tier(
-            predict, spec.num_layers, shape.check_gpu, hardware, gpu_margin_gib
+            predict, spec.num_layers + 2, shape.check_gpu, hardware, gpu_margin_gib
         )
     else:
-        tier = min(int(shape.gpu_state_blocks), spec.num_layers)
+        tier = min(int(shape.gpu_state_blocks), spec.num_layers + 2)
     est = predict(tier)
     problems = [host_problem(est, hardware, host_margin_gib)]
     if shape.check_gpu:
@@ -150,20 +151,20 @@ def plan_resources(
 
 def _pick_tier(
     predict: Callable[[int], Estimate],
-    num_layers: int,
+    num_blocks: int,
     on_gpu: bool,
     hardware: Hardware,
     gpu_margin_gib: float,
 ) -> tuple[int, str]:
-    """The most first layers whose GPU-tier states fit beside the run, and why.
+    """The most blocks (tier order) whose GPU-tier states fit beside the run, and why.
 
-    The predicted peak grows with the count (each layer adds 16-18 B/param and frees at most
+    The predicted peak grows with the count (each block adds 8-18 B/param and frees at most
     its share of a slot), so a binary search finds the largest that fits.
     """
     if not on_gpu:
         return 0, "GPU tier: none (no GPU)"
     budget = hardware.gpu_bytes - gpu_margin_gib * GIB
-    lo, hi = 0, num_layers  # invariant: lo fits, or lo = 0
+    lo, hi = 0, num_blocks  # invariant: lo fits, or lo = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if predict(mid).gpu.peak_bytes <= budget:
@@ -172,7 +173,7 @@ def _pick_tier(
             hi = mid - 1
     peak = predict(lo).gpu.peak_bytes
     return lo, (
-        f"GPU tier: {lo} of {num_layers} layers, predicted GPU peak {gib(peak)} of "
+        f"GPU tier: {lo} of {num_blocks} blocks, predicted GPU peak {gib(peak)} of "
         f"{gib(hardware.gpu_bytes)} (margin {gpu_margin_gib:g} GiB)"
     )
 

@@ -10,9 +10,9 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
 - CPU AdamW: params / rate per block, one worker thread;
-- GPU tier (the first `gpu_state_blocks` layers, engine/tier.py): no copies and no CPU AdamW;
-  their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right after the layer's
-  backward, or with clipping after the norm sync of the step's end;
+- GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
+  copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
+  after the block's backward, or with clipping after the norm sync of the step's end;
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
   + backward dispatch the op counts measured on meta (resources/activations.py). Small or
   MoE layers (many small kernels) become host-bound: the GPU waits for the launches.
@@ -69,12 +69,14 @@ class _Costs:
     d2h_head_s: float
     d2h_embed_s: float
     opt_s: list[float]  # per block in forward order: embedding, layers, head (0: GPU tier)
-    tier_opt_s: list[float]  # per layer, AdamW on the GPU (0: streamed layers)
+    tier_opt_s: list[float]  # per block as opt_s: AdamW on the GPU (0: host blocks)
     fwd_call_s: list[float]  # host issue time per layer forward (all micro-batches)
     bwd_call_s: list[float]  # per layer recompute + backward
     loss_call_s: float
     num_slots: int  # slots of the streamed layers (0 when all are in the GPU tier)
     resident: int  # GPU-tier layers: the first ones
+    tier_embed: bool  # the embedding is in the GPU tier
+    tier_head: bool  # the head is in the GPU tier
     clipping: bool
 
 
@@ -112,7 +114,7 @@ def step_time(
         clipping=clipping,
         layer_ops=layer_ops,
         loss_ops=loss_ops,
-        resident=min(gpu_state_blocks, spec.num_layers),
+        tier=min(gpu_state_blocks, spec.num_layers + 2),
     )
     step_s = _Replay(costs).run(_STEPS)
     compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
@@ -154,7 +156,7 @@ def _costs(
     clipping: bool,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
-    resident: int,
+    tier: int,
 ) -> tuple[_Costs, float]:
     tokens = rows * seq * micro_batches
     launch = hw.op_launch_s * micro_batches
@@ -168,29 +170,32 @@ def _costs(
         for la in spec.layers
     ]
     loss = 6.0 * spec.lm_head_params * tokens
-    table = spec.embed_params * elem if spec.tied else 0
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
     opt_rate, gpu_opt_rate = hw.optimizer_gparams_s * 1e9, GPU_ADAMW_GPARAMS_S * 1e9
-    layers = spec.layers
-    host_layers = [0 if i < resident else la.params for i, la in enumerate(layers)]
+    n, resident = spec.num_layers, min(tier, spec.num_layers)
+    # per block in forward order (embedding, layers, head): parameters the host updates
+    params = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
+    on_gpu = [tier > n, *(i < resident for i in range(n)), tier > n + 1]
+    host = [0 if gpu else p for p, gpu in zip(params, on_gpu, strict=True)]
+    table = host[0] * elem if spec.tied else 0  # a tied table is copied up unless in the tier
     costs = _Costs(
         fwd_s=[f / rate for f in fwd],
         bwd_s=[b / rate for b in bwd],
         loss_s=loss / rate,
-        h2d_s=[n * elem / h2d for n in host_layers],
-        h2d_head_s=(spec.head_params * elem + table) / h2d,
-        d2h_s=[n * elem / d2h for n in host_layers],
-        d2h_head_s=spec.head_params * elem / d2h,
-        d2h_embed_s=spec.embed_params * elem / d2h,
-        opt_s=[n / opt_rate for n in (spec.embed_params, *host_layers, spec.head_params)],
-        tier_opt_s=[
-            (la.params - n) / gpu_opt_rate for la, n in zip(layers, host_layers, strict=True)
-        ],
+        h2d_s=[p * elem / h2d for p in host[1:-1]],
+        h2d_head_s=(host[-1] * elem + table) / h2d,
+        d2h_s=[p * elem / d2h for p in host[1:-1]],
+        d2h_head_s=host[-1] * elem / d2h,
+        d2h_embed_s=host[0] * elem / d2h,
+        opt_s=[p / opt_rate for p in host],
+        tier_opt_s=[(p - h) / gpu_opt_rate for p, h in zip(params, host, strict=True)],
         fwd_call_s=[f * launch for f, _ in layer_ops],
         bwd_call_s=[b * launch for _, b in layer_ops],
         loss_call_s=loss_ops * launch,
         num_slots=min(num_slots, spec.num_layers - resident),
         resident=resident,
+        tier_embed=on_gpu[0],
+        tier_head=on_gpu[-1],
         clipping=clipping,
     )
     return costs, sum(fwd) + sum(bwd) + loss
@@ -268,7 +273,14 @@ class _Replay:
     def _loss(self) -> None:
         self.t += self.c.loss_call_s
         self.head_free = self._compute(self.head_ready, self.c.loss_s)
-        self._ship(len(self.c.fwd_s) + 1, self.c.d2h_head_s)
+        self._finish(len(self.c.fwd_s) + 1, self.c.tier_head, self.c.d2h_head_s)
+
+    def _finish(self, order: int, in_tier: bool, d2h_s: float) -> None:
+        """A head or embedding gradient is complete: shipped, or updated on the GPU."""
+        if not in_tier:
+            self._ship(order, d2h_s)
+        elif not self.c.clipping:
+            self.g += self.c.tier_opt_s[order]
 
     def _backward(self) -> None:
         c, n = self.c, len(self.c.fwd_s)
@@ -278,14 +290,14 @@ class _Replay:
             if i < c.resident:  # GPU tier: own gradient buffer, AdamW on the compute stream
                 self._compute(0.0, c.bwd_s[i])
                 if not c.clipping:
-                    self.g += c.tier_opt_s[i]
+                    self.g += c.tier_opt_s[1 + i]
                 continue
             self._slot_compute(i, acc_free[i % 2], c.bwd_s[i])
             self._ship(1 + i, c.d2h_s[i])
             acc_free[i % 2] = self.d
             if i - c.num_slots >= c.resident:
                 self._load(i - c.num_slots, wait_update=False)
-        self._ship(0, c.d2h_embed_s)
+        self._finish(0, c.tier_embed, c.d2h_embed_s)
         self.t = max(self.t, self.g)  # sync point: the gradient norm
         if c.clipping:  # the GPU tier's updates are queued first, then the host's
             self.g += sum(c.tier_opt_s)
