@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from megatrain.config import TrainConfig
-from megatrain.data import BatchLoader, PreparedData, make_loader, prepare_data
+from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.sample import Sample
 from megatrain.device import resolve_device
 from megatrain.engine.engine import StreamingEngine
@@ -198,7 +198,7 @@ class RunBuilder:
     def data(self) -> PreparedData:
         return self._data
 
-    def loader(self, samples: list[Sample], *, train: bool = True) -> BatchLoader:
+    def loader(self, samples: list[Sample] | PretrainCorpus, *, train: bool = True) -> BatchLoader:
         """Micro-batches of `samples` at the planned micro-batch size; shuffled when `train`."""
         d = self.cfg.data
         return make_loader(

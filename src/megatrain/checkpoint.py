@@ -12,6 +12,20 @@ every file fsynced, then renamed into place in one `os.rename`, and the parent d
 fsynced. A crash mid-save leaves only the temporary directory, which is never taken for a
 checkpoint and is removed by the next save; the previous checkpoint is never touched before the
 new one is complete. Pruning to `keep_last` happens only after that rename.
+
+Ownership: every checkpoint records the `run_id` of the run lineage that wrote it (a resumed run
+inherits the id of the checkpoint it resumed from). Pruning considers only checkpoints of the
+saving run's lineage, so a run never deletes a checkpoint it did not write; a same-step
+checkpoint of another lineage is moved aside to `step-<N>.other-run-<id>`, never deleted.
+
+Disk full: a save or export that hits ENOSPC removes its temporary folder and raises
+`DiskFullError` (megatrain.resources.disk), one paragraph with the folder and the numbers.
+
+Exports carry a marker, `megatrain_export.json`, listing their files. `export_hf` replaces a
+folder only when it is empty or a previous export (or `overwrite=True` is given); the new export
+is written next to it and swapped in by rename, and only the files the previous export listed
+are removed. Anything else found in the folder is moved into the new export, or, on a name
+clash, kept in `<out>.kept-<time>` beside it.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,10 +44,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatrain.resources.disk import AFTER_EXPORT, disk_full_error, is_disk_full
 from megatrain.store.host import HostStore
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 FORMAT_VERSION = 1
+EXPORT_MARKER = "megatrain_export.json"
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -46,14 +63,44 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     *,
     keep_last: int,
+    run_id: str,
     write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically; returns its directory."""
+    """Write checkpoint `step` of run lineage `run_id` atomically; returns its directory."""
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(root)
     final = root / f"step-{step:08d}"
     tmp = root / f".step-{step:08d}.tmp-{os.getpid()}"
+    try:
+        _write_checkpoint(tmp, step, store, {**trainer_state, "run_id": run_id}, write_extra)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            needed = sum(3 * b.master.numel() * b.master.element_size() for b in store.blocks)
+            raise disk_full_error(root, f"checkpoint step {step}", needed) from e
+        raise
+    if final.exists() and checkpoint_run_id(final) != run_id:
+        os.rename(final, _free_name(root / f"{final.name}.other-run-{checkpoint_run_id(final)}"))
+    if final.exists():  # re-saving a step of this lineage (after a resume): swap, drop the old
+        old = root / f".step-{step:08d}.old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    _prune(root, keep_last, run_id)
+    return final
+
+
+def _write_checkpoint(
+    tmp: Path,
+    step: int,
+    store: HostStore,
+    trainer_state: dict[str, Any],
+    write_extra: Callable[[Path], None] | None,
+) -> None:
     (tmp / "blocks").mkdir(parents=True)
     for block in store.blocks:
         path = tmp / "blocks" / f"{block.name}.safetensors"
@@ -76,16 +123,16 @@ def save_checkpoint(
         write_extra(tmp)
     _fsync_dir(tmp / "blocks")
     _fsync_dir(tmp)
-    if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old one
-        old = root / f".step-{step:08d}.old-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(root)
-    _prune(root, keep_last)
-    return final
+
+
+def checkpoint_run_id(path: str | Path) -> str | None:
+    """The run lineage that wrote a checkpoint; None for one without (written before run ids)."""
+    try:
+        state = json.loads((Path(path) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    run_id = state.get("run_id")
+    return run_id if isinstance(run_id, str) else None
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -148,16 +195,72 @@ def load_checkpoint(path: str | Path, store: HostStore) -> dict[str, Any]:
 
 
 def export_hf(
-    store: HostStore, out_dir: str | Path, *, dtype: str = "bf16", tokenizer: Any | None = None
+    store: HostStore,
+    out_dir: str | Path,
+    *,
+    dtype: str = "bf16",
+    tokenizer: Any | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a Hugging Face model folder (safetensors, config, tokenizer) atomically."""
+    """Write a Hugging Face model folder (safetensors, config, tokenizer) atomically.
+
+    Refuses a non-empty `out_dir` that is not a previous export unless `overwrite`; never
+    removes a file the previous export did not list (see the module docstring).
+    """
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"checkpoint.export_dtype={dtype!r} must be 'bf16' or 'fp32'")
     out = Path(out_dir)
+    check_export_target(out, overwrite=overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
+    try:
+        _write_export(store, tmp, dtype, tokenizer)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            needed = sum(b.master.numel() for b in store.blocks) * (2 if dtype == "bf16" else 4)
+            what = f"the Hugging Face export {out.name}"
+            raise disk_full_error(out.parent, what, needed, fix=AFTER_EXPORT) from e
+        raise
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        _retire_previous_export(old, out)
+    else:
+        os.rename(tmp, out)
+    _fsync_dir(out.parent)
+    return out
+
+
+def is_export(folder: str | Path) -> bool:
+    return (Path(folder) / EXPORT_MARKER).is_file()
+
+
+_EXPORT_FIX = (
+    "Choose an empty or new folder, or pass --overwrite to write the export into it (files of "
+    "other names are kept, never deleted)"
+)
+
+
+def check_export_target(
+    out: str | Path, *, overwrite: bool = False, key: str = "--out", fix: str = _EXPORT_FIX
+) -> None:
+    """Refuse a non-empty folder that is not a previous MegaTrain export, unless `overwrite`."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{key} {out} is a file, not a folder; give a folder for the export")
+    if overwrite or not out.is_dir() or is_export(out) or not any(out.iterdir()):
+        return
+    raise ValueError(
+        f"{key} {out} is not empty and is not a previous MegaTrain export (it has no "
+        f"{EXPORT_MARKER}); exporting there would mix the model with files it did not write. " + fix
+    )
+
+
+def _write_export(store: HostStore, tmp: Path, dtype: str, tokenizer: Any | None) -> None:
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     with store.bound(torch_dtype) as model:
         training_use_cache = model.config.use_cache
@@ -168,18 +271,34 @@ def export_hf(
             model.config.use_cache = training_use_cache
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
+    files = sorted(p.name for p in tmp.iterdir())
+    marker = {"format_version": FORMAT_VERSION, "dtype": dtype, "files": files}
+    _write_json(tmp / EXPORT_MARKER, marker)
     for file in tmp.iterdir():
         _fsync(file)
     _fsync_dir(tmp)
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old)
+
+
+def _retire_previous_export(old: Path, out: Path) -> None:
+    """Remove what the previous export listed; move anything else into the new export."""
+    listed: set[str] = set()
+    if is_export(old):
+        listed = set(json.loads((old / EXPORT_MARKER).read_text()).get("files", []))
+        listed.add(EXPORT_MARKER)
+    for path in list(old.iterdir()):
+        if path.name in listed:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        elif not (out / path.name).exists():
+            os.rename(path, out / path.name)
+    if any(old.iterdir()):
+        kept = _free_name(out.parent / f"{out.name}.kept-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.rename(old, kept)
+        print(f"export: files of {out} that clash with the new export were kept in {kept}")
     else:
-        os.rename(tmp, out)
-    _fsync_dir(out.parent)
-    return out
+        old.rmdir()
 
 
 def rng_state() -> dict[str, str]:
@@ -203,9 +322,20 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    for path in list_checkpoints(root.parent)[:-keep_last]:
+def _prune(root: Path, keep_last: int, run_id: str) -> None:
+    """Delete all but the newest `keep_last` checkpoints of lineage `run_id`; no other ones."""
+    ours = [p for p in list_checkpoints(root.parent) if checkpoint_run_id(p) == run_id]
+    for path in ours[:-keep_last]:
         shutil.rmtree(path)
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path.1`, `path.2`, ... whichever does not exist yet."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
 
 
 def _remove_stale_temporaries(root: Path) -> None:

@@ -7,17 +7,20 @@
     megatrain export   --checkpoint DIR --out DIR
 
 `python -m megatrain` is the same command. Errors a user can fix (bad path, bad key,
-unsupported model) print one paragraph naming what to change and exit 2.
+unsupported model, disk full) print one paragraph naming what to change and exit 2; Ctrl-C prints
+where the last checkpoint is and exits 130. MEGATRAIN_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from megatrain.commands import COMMANDS
 from megatrain.config import SECTIONS
+from megatrain.resources.disk import DiskFullError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,11 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     args.overrides = overrides
+    debug = os.environ.get("MEGATRAIN_DEBUG", "") not in ("", "0")
     try:
         return int(args.run(args))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: its message names the file (disk full, ...)
+        if debug:
+            raise
         print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
+        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, DiskFullError)):
+            print("(MEGATRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # the trainer's says where the last checkpoint is
+        if debug:
+            raise
+        print(f"megatrain {args.command}: {str(e) or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -5,12 +5,19 @@ One `MetricsLogger` per run. Every optimizer step's record goes to `<output_dir>
 flight) and, when the tensorboard package is installed, to TensorBoard event files under
 `<output_dir>/tensorboard`. The console shows a tqdm bar with loss, tokens/s, MFU and ETA, or
 (without a bar) one line every `log_every` steps.
+
+Resume: the logger starts at the checkpoint's step. Records of the interrupted run after that
+step (kill at 48, resume from 45: steps 46-48) are dropped from metrics.jsonl before the first
+new line (the file is rewritten to a temporary file and renamed over, so a crash leaves either
+the old or the cut log), and TensorBoard purges its events from that step on (`purge_step`).
+So the log of a resumed run continues the checkpoint's history with every step once.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -61,9 +68,16 @@ class MetricsLogger:
         self.log_every = max(1, log_every)
         self.flops_per_token = flops_per_token
         self.peak = peak_flops_per_s
+        path = self.output_dir / "metrics.jsonl"
+        if jsonl and path.exists():
+            truncate_metrics(path, start_step)
         # held open for the run (closed in close()): one line per step, flushed each time
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "a") if jsonl else None  # noqa: SIM115
-        self._tb = _tensorboard_writer(self.output_dir / "tensorboard") if tensorboard else None
+        self._jsonl = open(path, "a") if jsonl else None  # noqa: SIM115
+        self._tb = (
+            _tensorboard_writer(self.output_dir / "tensorboard", purge_step=start_step + 1)
+            if tensorboard
+            else None
+        )
         self._bar = (
             tqdm(
                 total=total_steps,
@@ -138,7 +152,35 @@ class MetricsLogger:
             self._tb.close()
 
 
-def _tensorboard_writer(path: Path) -> Any:
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep only the records of steps <= `last_step` in a metrics.jsonl; returns those dropped.
+
+    Atomic: the kept lines go to a temporary file that is renamed over the log. A line cut off
+    by a crash (no valid JSON) is dropped too.
+    """
+    kept: list[str] = []
+    dropped = 0
+    with open(path) as f:
+        for line in f:
+            try:
+                step = json.loads(line).get("step")
+            except ValueError:
+                step = None
+            if isinstance(step, int) and step <= last_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
+def _tensorboard_writer(path: Path, *, purge_step: int) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -148,4 +190,4 @@ def _tensorboard_writer(path: Path) -> Any:
             stacklevel=3,
         )
         return None
-    return SummaryWriter(str(path))
+    return SummaryWriter(str(path), purge_step=purge_step)

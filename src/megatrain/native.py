@@ -5,7 +5,16 @@ Compiled with the system C compiler and OpenMP into ~/.cache/megatrain/kernels/<
 key hashes the source, the compiler and the CPU, so a cache shared between machines never hands
 one machine's -march=native build to another. The build writes to a temporary name and renames
 it into place: a crash mid-build never leaves a broken library under the final name. Returns
-None (and the optimizer falls back to torch) when no compiler is available.
+None (and the optimizer falls back to torch, with a warning) when no compiler is available, the
+build fails, or the built kernel fails its self-test.
+
+Exactness: every element is computed by the same sequence of IEEE fp32 operations whatever the
+vector width (SSE, AVX2, AVX-512) or thread count: -fno-fast-math keeps the compiler from
+reassociating or using approximate reciprocals and square roots, -ffp-contract=off from fusing
+a multiply and an add into an FMA (which rounds once instead of twice). Each +, -, *, / and
+sqrtf is then correctly rounded, so the result is bit-identical to the same operations done one
+by one in torch fp32 (`reference_step`). The self-test checks exactly that on values that
+exercise every branch, so a compiler that ignores the flags is caught before the first update.
 """
 
 from __future__ import annotations
@@ -21,8 +30,19 @@ import warnings
 from functools import cache
 from pathlib import Path
 
+import numpy as np
+import torch
+
 _SRC = Path(__file__).resolve().parent / "csrc" / "adamw.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared"]
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-fast-math",
+    "-ffp-contract=off",
+    "-fPIC",
+    "-shared",
+]
 
 
 def _cpu_id() -> str:
@@ -63,9 +83,79 @@ def load_adamw_kernel() -> ctypes.CDLL | None:
     target = _cache_dir() / key / "libmtadamw.so"
     if not target.exists() and not _build(compiler, target):
         return None
-    lib = ctypes.CDLL(str(target))
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as err:  # e.g. a stale cache entry for a different libgomp
+        warnings.warn(
+            f"could not load the C AdamW kernel {target}, using torch: {err}", stacklevel=2
+        )
+        return None
     _declare(lib)
+    if not self_test(lib):
+        warnings.warn(
+            f"the C AdamW kernel built by {compiler} differs from IEEE fp32 arithmetic (does the "
+            "compiler ignore -fno-fast-math / -ffp-contract=off?); using torch",
+            stacklevel=2,
+        )
+        return None
     return lib
+
+
+def reference_step(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    decay: float,
+    beta2: float,
+    one_minus_b1: float,
+    one_minus_b2: float,
+    step_size: float,
+    bc2_sqrt: float,
+    eps: float,
+    grad_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """csrc/adamw.c's arithmetic as single fp32 numpy operations, in its order: (p, m, v) new.
+
+    numpy, not torch: torch divides by a scalar as a multiplication by its reciprocal, which
+    rounds twice; numpy's elementwise operations round once each, as the C code's do.
+    """
+    f32 = np.float32
+    pn, mn, vn, gn = (t.float().numpy() for t in (p, m, v, g))
+    gi = gn * f32(grad_scale)
+    pi = pn * f32(decay)
+    mi = mn + f32(one_minus_b1) * (gi - mn)
+    vi = vn * f32(beta2) + (f32(one_minus_b2) * gi) * gi
+    denom = np.sqrt(vi) / f32(bc2_sqrt) + f32(eps)
+    pi = pi - f32(step_size) * (mi / denom)
+    return torch.from_numpy(pi), torch.from_numpy(mi), torch.from_numpy(vi)
+
+
+def self_test(lib: ctypes.CDLL) -> bool:
+    """The kernel's update equals `reference_step` bit for bit (fp32 and bf16 gradients)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * 1024 + 5  # a vector tail on every vector width
+    scale = 10.0 ** torch.randint(-6, 3, (n,), generator=gen).float()
+    p0, m0 = torch.randn(n, generator=gen) * scale, torch.randn(n, generator=gen) * scale
+    v0, g0 = torch.rand(n, generator=gen) * scale**2, torch.randn(n, generator=gen) * scale
+    consts = dict(
+        decay=0.9997, beta2=0.95, one_minus_b1=0.1, one_minus_b2=0.05,
+        step_size=3.3e-3, bc2_sqrt=0.31, eps=1e-8, grad_scale=0.37,
+    )  # fmt: skip
+    for g in (g0, g0.bfloat16()):
+        p, m, v = p0.clone(), m0.clone(), v0.clone()
+        shadow = torch.empty(n, dtype=torch.bfloat16)
+        lib.mt_adamw(
+            p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), int(g.dtype == torch.bfloat16),
+            shadow.data_ptr(), n, *consts.values(), 2,
+        )  # fmt: skip
+        expected = reference_step(p0, m0, v0, g, **consts)
+        if not all(torch.equal(a, b) for a, b in zip((p, m, v), expected, strict=True)):
+            return False
+        if not torch.equal(shadow, expected[0].bfloat16()):
+            return False
+    return True
 
 
 def _build(compiler: str, target: Path) -> bool:

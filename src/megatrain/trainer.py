@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from megatrain.builder import RunBuilder
 from megatrain.checkpoint import (
     export_hf,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -34,6 +36,8 @@ from megatrain.config import TrainConfig, save_config
 from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
+from megatrain.output_dir import TrainingInterrupted, interrupted_message, prepare_output_dir
+from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
 from megatrain.resources.plan import ResourcePlan
 
 
@@ -59,6 +63,13 @@ class Trainer:
         self.builder = b = builder or RunBuilder(cfg)
         self.device = b.device
         self.output_dir = Path(cfg.training.output_dir)
+        prepare_output_dir(
+            self.output_dir,
+            resume_from=cfg.checkpoint.resume_from,
+            overwrite=cfg.training.overwrite_output_dir,
+            export_hf=cfg.checkpoint.export_hf,
+        )
+        self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (_resume)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.output_dir / "config.yaml")
         torch.manual_seed(cfg.training.seed)
@@ -66,6 +77,7 @@ class Trainer:
         self.data = b.data()
         self.plan = b.plan()
         self.plan.require_fit()  # before anything large is allocated
+        self._check_disk(b.spec.total_params)  # before training time is spent
         _report_plan(self.plan, b.placement.is_cuda)
         self.micro_batch_size, self.grad_accum = self.plan.micro_batch_size, self.plan.grad_accum
         self.structure = b.model()
@@ -87,6 +99,23 @@ class Trainer:
         self.flops_per_token = 6 * b.spec.active_params
 
     # ------------------------------------------------------------------ setup
+
+    def _check_disk(self, num_params: int) -> None:
+        """Refuse a run whose checkpoints and export the output_dir's disk cannot hold."""
+        c = self.cfg.checkpoint
+        disk = run_disk_bytes(
+            num_params,
+            save_every=c.save_every,
+            save_final=c.save_final,
+            keep_last=c.keep_last,
+            export_hf=c.export_hf,
+            export_dtype=c.export_dtype,
+            total_steps=self.cfg.training.max_steps,
+        )
+        # a resumed run prunes the kept checkpoints as it writes new ones
+        kept = min(len(list_checkpoints(self.output_dir)), c.keep_last) if c.resume_from else 0
+        written = kept * num_params * CHECKPOINT_BYTES_PER_PARAM
+        check_run_disk(self.output_dir, disk, already_written=written)
 
     def _total_steps(self) -> int:
         t = self.cfg.training
@@ -110,6 +139,7 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self.run_id = state.get("run_id") or self.run_id
         print(f"resumed from {path} at step {self.step}", flush=True)
 
     # ------------------------------------------------------------------ training
@@ -162,9 +192,12 @@ class Trainer:
                     checkpoint = self.save()
             if self.data.eval:
                 eval_loss = self._evaluate(metrics)
-            if not cfg.checkpoint.save_every or self.step % cfg.checkpoint.save_every:
+            every = cfg.checkpoint.save_every
+            if cfg.checkpoint.save_final and (not every or self.step % every):
                 checkpoint = self.save()
             export_dir = self.export() if cfg.checkpoint.export_hf else None
+        except KeyboardInterrupt as e:
+            raise TrainingInterrupted(interrupted_message(self.output_dir, self.step)) from e
         finally:
             metrics.close()
         return TrainSummary(
@@ -203,6 +236,7 @@ class Trainer:
             self.store,
             state,
             keep_last=self.cfg.checkpoint.keep_last,
+            run_id=self.run_id,
             write_extra=lambda d: save_config(self.cfg, d / "config.yaml"),
         )
 

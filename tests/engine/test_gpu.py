@@ -39,3 +39,14 @@ def test_compiled_layers_match_pytorch_on_cuda() -> None:
     assert cfg.training.compile_layers
     reports = run_verify(cfg)
     assert within(reports), [(r.excess, r.worst) for r in reports]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_seed_oss_with_dropout_config_on_cuda(dtype: str) -> None:
+    # Seed-OSS enables attention and residual dropout; verify compares with both turned off
+    # (tests/engine/test_engine_dropout.py proves the engine's masks on CUDA).
+    reports = run_verify(
+        verify_config(model_type="seed_oss", tiny=True, device="cuda", dtype=dtype)
+    )
+    assert reports[0].random_off == {"attention_dropout": 0.1, "residual_dropout": 0.1}
+    assert within(reports), [(r.excess, r.worst) for r in reports]

@@ -339,7 +339,8 @@ store = HostStore(discover(model), compute_dtype=getattr(torch, a["dtype"]), pin
 if cuda:
     torch.cuda.reset_peak_memory_stats()
 engine = StreamingEngine(store.structure, store, CpuAdamW(AdamWHyper()), device=a["device"],
-                         max_grad_norm=a["max_grad_norm"] or None, threaded_optimizer=cuda)
+                         num_slots=2, max_grad_norm=a["max_grad_norm"] or None,
+                         threaded_optimizer=cuda)
 gen = torch.Generator().manual_seed(0)
 phases = []
 for rows, seq, micro in a["phases"]:

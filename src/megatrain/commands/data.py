@@ -13,7 +13,9 @@ from megatrain.data import run_data_command
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="show processed rows and data statistics")
     p.add_argument("--config", help="YAML config file")
-    p.add_argument("--show", type=int, default=3, help="rows to print")
+    p.add_argument(
+        "--show", type=int, default=3, help="rows to print (>= 0; packed rows hold several samples)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.set_defaults(run=run, takes_overrides=True)
 

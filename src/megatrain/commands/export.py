@@ -30,6 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", choices=["bf16", "fp32"], help="checkpoint.export_dtype (default: the config's)"
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="export into a non-empty folder that is not a previous export (keeps its files)",
+    )
     p.set_defaults(run=run, takes_overrides=True)
 
 
@@ -47,7 +52,11 @@ def run(args: argparse.Namespace) -> int:
     store = builder.store(builder.model(random_init=True), compute_dtype=torch.float32)
     load_checkpoint(ckpt, store)
     out = export_hf(
-        store, args.out, dtype=cfg.checkpoint.export_dtype, tokenizer=builder.tokenizer()
+        store,
+        args.out,
+        dtype=cfg.checkpoint.export_dtype,
+        tokenizer=builder.tokenizer(),
+        overwrite=args.overwrite,
     )
     print(f"exported {ckpt} to {out}")
     return 0

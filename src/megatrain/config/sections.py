@@ -110,6 +110,10 @@ class TrainingConfig:
     compile_layers: bool = False
     """torch.compile each decoder layer: about 17% faster layers on the GPU (measured, 7B
     shape), a minute or so of compiling at the start. Off on the CPU unless you ask."""
+    overwrite_output_dir: bool = False
+    """Start a new run (resume_from: null) in a non-empty output_dir. The previous run's files
+    there (config.yaml, metrics.jsonl, tensorboard, checkpoints, hf_model) are moved into
+    output_dir/previous-<time>/, never deleted. False: such a run is refused."""
 
     def validate(self) -> None:
         check_types("training", self)
@@ -270,6 +274,9 @@ class CheckpointConfig:
     """Write a Hugging Face model folder (safetensors + config + tokenizer) at the end."""
     export_dtype: str = "bf16"
     """Dtype of the exported weights: "bf16" or "fp32"."""
+    save_final: bool = True
+    """Write a resumable checkpoint at the end of the run (12 bytes per parameter). False: only
+    the Hugging Face export (2 bytes per parameter in bf16) keeps the trained weights."""
 
     def validate(self) -> None:
         check_types("checkpoint", self)
@@ -280,6 +287,12 @@ class CheckpointConfig:
                 "checkpoint.resume_from='' is empty; give a checkpoint directory, 'auto', or null"
             )
         check_choice("checkpoint.export_dtype", self.export_dtype, DTYPES)
+        if not (self.save_final or self.export_hf or self.save_every):
+            raise ValueError(
+                "checkpoint.save_final: false with checkpoint.export_hf: false and "
+                "checkpoint.save_every: 0 would save nothing: the trained weights would be lost; "
+                "set export_hf: true (the Hugging Face model) or save_final: true"
+            )
 
 
 @dataclass(frozen=True)
@@ -329,8 +342,9 @@ class TrainConfig:
 
     @property
     def layout(self) -> str:
-        """How rows are laid out: "packed" (samples packed, positions restart) or "padded"."""
-        return "packed" if self.data.packing else "padded"
+        """How rows are laid out: "padded", "packed" (positions restart inside rows) or "full"
+        (plain causal rows); decided by the data section (DataConfig.layout)."""
+        return self.data.layout()
 
 
 SECTIONS: dict[str, type] = {

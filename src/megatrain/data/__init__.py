@@ -1,9 +1,11 @@
-"""The data pipeline: LLaMA-Factory-style data sets -> chat template -> masked, packed batches.
+"""The data pipeline: LLaMA-Factory-style data sets -> chat template -> masked, packed batches
+(`data.stage: sft`), or raw text -> cached token stream -> full rows (`data.stage: pt`).
 
 Entry points for the trainer (the only place that reads `DataConfig`):
 
     data = prepare_data(cfg.data, tokenizer)          # PreparedData
-    data.train, data.eval                             # list[Sample] (eval: None or a list)
+    data.train, data.eval                             # list[Sample] (eval: None or a list);
+                                                      # stage pt: a PretrainCorpus each
     data.stats, data.eval_stats                       # DataStats: rows read, kept, dropped by
                                                       # reason, truncated, tokens, supervised
     loader = make_loader(data.train, micro_batch_size=4, seq_len=cfg.data.cutoff_len,
@@ -27,7 +29,11 @@ Data flow and modules:
     pipeline.py   prepare_data: the above per data set, statistics, val split
     packing.py    best-fit-decreasing packing; packed and padded Batch construction
     loader.py     BatchLoader: seeded per-epoch shuffle, exact mid-epoch resume
-    demo_assets.py  the built-in synthetic data set and tokenizer (megatrain/assets/demo)
+  stage pt:
+    corpus.py     one data file -> token ids + document lengths, via an on-disk cache (streamed)
+    pretrain.py   PretrainCorpus: the documents of the data sets over the cached token files
+    pretrain_loader.py  PretrainLoader: the document stream cut into rows of seq_len
+  demo_assets.py  the built-in synthetic data sets and tokenizer (megatrain/assets/demo)
 """
 
 from megatrain.data.assets import demo_assets_dir, demo_tokenizer_dir
@@ -37,6 +43,7 @@ from megatrain.data.formats import Conversation, convert_row
 from megatrain.data.loader import BatchLoader, make_loader
 from megatrain.data.packing import pack_rows
 from megatrain.data.pipeline import PreparedData, pad_token_id_of, prepare_data
+from megatrain.data.pretrain import PretrainCorpus
 from megatrain.data.registry import DatasetSpec, resolve_datasets
 from megatrain.data.sample import DataStats, Sample
 from megatrain.data.template import ChatEncoder
@@ -49,6 +56,7 @@ __all__ = [
     "DataStats",
     "DatasetSpec",
     "PreparedData",
+    "PretrainCorpus",
     "Sample",
     "convert_row",
     "demo_assets_dir",

@@ -4,7 +4,9 @@ Prints the first N rows of the first training epoch exactly as the loader yields
 chat template, masking, truncation, shuffle and packing), then a summary of the preparation.
 
 Human form: one block per row; each sample of the row is decoded with its supervised tokens
-(labels != -100) wrapped in `[[` and `]]`, and padding shown as `<pad x N>`.
+(labels != -100) wrapped in `[[` and `]]`, and padding shown as `<pad x N>`. Stage pt rows are
+cut from the document stream: one segment per row, or one per document piece with neat_packing;
+the eos between documents shows as the tokenizer decodes it.
 JSON form (`--json`): one object per line, {"input_ids", "labels", "position_ids",
 "attention_mask"} lists of a row (attention_mask null for packed rows), then a last line
 {"summary": {...}}, so the output parses line by line.
@@ -20,6 +22,8 @@ from megatrain.batch import IGNORE_INDEX, Batch
 from megatrain.data.config import DataConfig
 from megatrain.data.loader import BatchLoader, make_loader
 from megatrain.data.pipeline import PreparedData, prepare_data
+from megatrain.data.pretrain import PretrainCorpus
+from megatrain.data.pretrain_loader import PretrainLoader
 from megatrain.data.sample import Sample
 
 OPEN_MARK, CLOSE_MARK = "[[", "]]"
@@ -36,6 +40,10 @@ def run_data_command(
     out: TextIO,
 ) -> int:
     """Print `show` rows of epoch 0 and the data summary to `out`; the exit status."""
+    if isinstance(show, bool) or not isinstance(show, int) or show < 0:
+        raise ValueError(
+            f"--show {show}: the number of rows to print must be 0 or more (0: the summary only)"
+        )
     data = prepare_data(cfg, tokenizer)
     loader = make_loader(
         data.train,
@@ -118,9 +126,12 @@ def _marked_text(ids: list[int], labels: list[int], tokenizer: Any) -> str:
     return "".join(parts)
 
 
-def _split_summary(samples: list[Sample] | None) -> dict[str, int] | None:
+def _split_summary(samples: list[Sample] | PretrainCorpus | None) -> dict[str, int] | None:
     if samples is None:
         return None
+    if isinstance(samples, PretrainCorpus):  # raw text: every token is a label
+        n = samples.num_tokens
+        return {"documents": len(samples), "tokens": n, "supervised_tokens": n}
     return {
         "samples": len(samples),
         "tokens": sum(s.num_tokens for s in samples),
@@ -129,8 +140,13 @@ def _split_summary(samples: list[Sample] | None) -> dict[str, int] | None:
 
 
 def _summary(data: PreparedData, loader: BatchLoader) -> dict[str, Any]:
-    real = sum(s.num_tokens for s in data.train)
     slots = loader.num_rows * loader.seq_len if loader.packing else None
+    pt = loader if isinstance(loader, PretrainLoader) else None
+    if pt is not None:  # rows are cut full from the stream
+        real = loader.num_rows * loader.seq_len
+    else:
+        assert not isinstance(data.train, PretrainCorpus)
+        real = sum(s.num_tokens for s in data.train)
     return {
         "train": _split_summary(data.train),
         "eval": _split_summary(data.eval),
@@ -143,6 +159,9 @@ def _summary(data: PreparedData, loader: BatchLoader) -> dict[str, Any]:
             "rows_per_epoch": loader.num_rows,
             "micro_batches_per_epoch": len(loader),
             "packed_fill": None if slots is None else round(real / slots, 4),
+            "neat_packing": None if pt is None else pt.neat_packing,
+            "supervised_tokens_per_epoch": None if pt is None else pt.supervised_tokens_per_epoch(),
+            "tokens_dropped": None if pt is None else pt.tokens_dropped,
         },
     }
 
@@ -152,8 +171,9 @@ def _describe_summary(summary: dict[str, Any]) -> str:
     for split in ("train", "eval"):
         part = summary[split]
         if part is not None:
+            unit = "documents" if "documents" in part else "samples"
             lines.append(
-                f"{split}: {part['samples']} samples, {part['tokens']} tokens, "
+                f"{split}: {part[unit]} {unit}, {part['tokens']} tokens, "
                 f"{part['supervised_tokens']} supervised tokens"
             )
     for key in ("preparation", "eval_preparation"):
@@ -167,8 +187,15 @@ def _describe_summary(summary: dict[str, Any]) -> str:
             )
     ld = summary["loader"]
     fill = "" if ld["packed_fill"] is None else f", rows {ld['packed_fill']:.1%} filled"
+    layout = f"packing={ld['packing']}"
+    if ld["tokens_dropped"] is not None:
+        layout = f"stage pt, neat_packing={ld['neat_packing']}"
+        fill = (
+            f", {ld['supervised_tokens_per_epoch']} supervised tokens per epoch, "
+            f"{ld['tokens_dropped']} tokens after the last full row not trained on"
+        )
     lines.append(
-        f"loader: packing={ld['packing']}, seq_len {ld['seq_len']}, micro-batch "
+        f"loader: {layout}, seq_len {ld['seq_len']}, micro-batch "
         f"{ld['micro_batch_size']}, {ld['rows_per_epoch']} rows = "
         f"{ld['micro_batches_per_epoch']} micro-batches per epoch{fill}"
     )

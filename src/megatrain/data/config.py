@@ -13,10 +13,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OVERFLOW_CHOICES = ("truncate", "drop")
+MULTI_TURN_CHOICES = ("per_turn", "final")
+STAGES = ("sft", "pt")
+# Options that shape conversations: under stage pt (raw text) each must keep its default.
+SFT_ONLY_DEFAULTS: dict[str, object] = {
+    "chat_template": None,
+    "overflow": "truncate",
+    "packing": False,
+    "train_on_prompt": False,
+    "system_prompt": None,
+    "min_target_tokens": 1,
+}
 
 
 @dataclass(frozen=True)
 class DataConfig:
+    stage: str = "sft"
+    """"sft": conversations (alpaca / sharegpt / OpenAI) through the chat template, assistant turns
+    supervised. "pt": continued pre-training on raw text, as LLaMA-Factory's `stage: pt`: one
+    document per row of a text column (`columns: {prompt: <column>}`, default `text`) or per line
+    of a .txt file, no template, every token supervised, an eos token after each document, the
+    documents concatenated and cut into rows of exactly `seq_len` tokens."""
+
     dataset: str | list[str] = "demo"
     """Names registered in `dataset_dir/dataset_info.json`, or paths to data files/folders (format
     detected from the first row). Several: a list or a comma-separated string, concatenated."""
@@ -35,6 +53,13 @@ class DataConfig:
     chat_template: str | None = None
     """Jinja chat template (the text, or a path to a .jinja file) replacing the tokenizer's own.
     None: the tokenizer's `chat_template`."""
+
+    multi_turn: str = "per_turn"
+    """Multi-turn data with a template that rewrites earlier turns (Qwen3, gpt-oss, DeepSeek-R1
+    drop past reasoning): "per_turn" trains every assistant turn as rendered when the
+    conversation ends at it (a row per turn where renderings differ), "final" one row, the whole
+    conversation as rendered at its end (earlier turns supervised only where rendered unchanged).
+    Prefix-stable templates give the same single row either way. See docs/chat_templates.md."""
 
     cutoff_len: int = 1024
     """Maximum tokens per sample after the chat template; longer samples follow `overflow`."""
@@ -68,6 +93,23 @@ class DataConfig:
     seed: int = 42
     """Seed of the shuffle (mixed with the epoch number), of `val_size` and of `num_samples`."""
 
+    neat_packing: bool = False
+    """Stage pt: restart attention and position ids at every document boundary inside a row (no
+    attention across documents; the first token of a document is not a target). False: rows are
+    plain causal windows over the concatenated documents, as LLaMA-Factory's pt stage."""
+
+    cache_dir: str | None = None
+    """Stage pt: folder of the tokenized-corpus cache (one entry per data file, keyed on its path,
+    size and mtime, the tokenizer and the settings). None: `$MEGATRAIN_CACHE`, else
+    `~/.cache/megatrain`."""
+
+    def layout(self) -> str:
+        """The row layout the loader produces, as the resource estimate names it: "padded",
+        "packed" (position ids restart inside rows) or "full" (plain causal rows)."""
+        if self.stage == "pt":
+            return "packed" if self.neat_packing else "full"
+        return "packed" if self.packing else "padded"
+
     def dataset_names(self) -> list[str]:
         """`dataset` as a list: a comma-separated string is split, blanks removed."""
         return _names(self.dataset)
@@ -77,6 +119,11 @@ class DataConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming `data.<field>`, the bad value and what is allowed."""
+        if self.stage not in STAGES:
+            raise ValueError(
+                f"data.stage={self.stage!r} must be one of {list(STAGES)} (sft: conversations, "
+                "pt: continued pre-training on raw text)"
+            )
         for name in ("dataset", "eval_dataset"):
             value = getattr(self, name)
             if value is not None and not (
@@ -87,7 +134,7 @@ class DataConfig:
         if not self.dataset_names():
             raise ValueError(
                 f"data.dataset={self.dataset!r} names no data set; give a name from "
-                "dataset_info.json or a path to a .json/.jsonl/.parquet/.csv file or a folder"
+                "dataset_info.json or a path to a .json/.jsonl/.parquet/.csv/.txt file or a folder"
             )
         _check_int("cutoff_len", self.cutoff_len, minimum=2)
         _check_int("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
@@ -95,13 +142,38 @@ class DataConfig:
         _check_int("seed", self.seed, minimum=0)
         if self.max_samples is not None:
             _check_int("max_samples", self.max_samples, minimum=1)
+        if self.multi_turn not in MULTI_TURN_CHOICES:
+            allowed = list(MULTI_TURN_CHOICES)
+            raise ValueError(f"data.multi_turn={self.multi_turn!r} must be one of {allowed}")
         if self.overflow not in OVERFLOW_CHOICES:
             allowed = list(OVERFLOW_CHOICES)
             raise ValueError(f"data.overflow={self.overflow!r} must be one of {allowed}")
-        for name in ("packing", "train_on_prompt", "shuffle"):
+        for name in ("packing", "train_on_prompt", "shuffle", "neat_packing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"data.{name}={getattr(self, name)!r} must be true or false")
+        self._validate_stage_options()
         self._validate_val_size()
+
+    def _validate_stage_options(self) -> None:
+        if self.stage == "sft" and self.neat_packing:
+            raise ValueError(
+                "data.neat_packing=True applies to data.stage: pt; under sft, packing: true "
+                "already keeps attention within each sample"
+            )
+        if self.stage != "pt":
+            return
+        for name, default in SFT_ONLY_DEFAULTS.items():
+            if getattr(self, name) != default:
+                hint = (
+                    "; pt always concatenates documents into full rows (set neat_packing: true "
+                    "for per-document attention)"
+                    if name == "packing"
+                    else ""
+                )
+                raise ValueError(
+                    f"data.{name}={getattr(self, name)!r} shapes conversations and does not apply "
+                    f"to data.stage: pt (raw text, every token supervised); remove it{hint}"
+                )
 
     def _validate_val_size(self) -> None:
         v = self.val_size

@@ -3,10 +3,13 @@
 `python -m megatrain.data.demo_assets` rewrites `megatrain/assets/demo/` (committed to git, shipped
 as package data) so that `megatrain train` and the tests run with no download:
 
-    dataset_info.json     registers `demo` (OpenAI `messages` rows) and `demo_alpaca`
+    dataset_info.json     registers `demo` (OpenAI `messages` rows), `demo_alpaca` and
+                          `demo_text` (raw text for data.stage: pt, as LLaMA-Factory registers
+                          its wiki_demo.txt)
     demo.jsonl            NUM_CONVERSATIONS conversations, OpenAI messages format
     demo_alpaca.jsonl     the same conversations in alpaca format (instruction/input/output,
                           system, history): both files render to identical token ids
+    demo_text.txt         the same conversations as plain text, one document per line
     tokenizer/            byte-level BPE (VOCAB_SIZE tokens) + ChatML chat template
 
 The task is deterministic and learnable by a tiny model in minutes on a CPU: reverse, sort or
@@ -90,6 +93,13 @@ def to_openai(conv: dict[str, Any]) -> dict[str, Any]:
     return {"messages": messages}
 
 
+def to_text(conv: dict[str, Any]) -> str:
+    """One line of plain text: the system prompt, then `instruction input -> answer.` per turn."""
+    parts = [conv["system"]] if conv["system"] else []
+    parts += [f"{instruction} {query} -> {answer}." for instruction, query, answer in conv["turns"]]
+    return " ".join(parts)
+
+
 def to_alpaca(conv: dict[str, Any]) -> dict[str, Any]:
     *history, (instruction, query, answer) = conv["turns"]
     row: dict[str, Any] = {"instruction": instruction, "input": query, "output": answer}
@@ -123,6 +133,7 @@ DATASET_INFO = {
             "history": "history",
         },
     },
+    "demo_text": {"file_name": "demo_text.txt", "columns": {"prompt": "text"}},
 }
 
 
@@ -179,6 +190,8 @@ def generate(out_dir: Path, seed: int = SEED, num_conversations: int = NUM_CONVE
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_jsonl(out_dir / "demo.jsonl", [to_openai(c) for c in conversations])
     _write_jsonl(out_dir / "demo_alpaca.jsonl", [to_alpaca(c) for c in conversations])
+    text = "".join(to_text(c) + "\n" for c in conversations)
+    (out_dir / "demo_text.txt").write_text(text, encoding="utf-8")
     (out_dir / "dataset_info.json").write_text(json.dumps(DATASET_INFO, indent=2) + "\n")
     train_tokenizer(_corpus(conversations), out_dir / "tokenizer")
 

@@ -32,6 +32,8 @@ EMPTY_CONVERSATION = "empty_conversation"
 BAD_ROLE_ORDER = "bad_role_order"
 LAST_TURN_NOT_ASSISTANT = "last_turn_not_assistant"
 EMPTY_CONTENT = "empty_content"
+# Assistant-message keys holding reasoning, passed through to the chat template as they are.
+REASONING_KEYS = ("reasoning_content", "thinking")
 DROP_REASONS = (
     MISSING_COLUMN,
     MALFORMED_ROW,
@@ -110,7 +112,10 @@ def _sharegpt(row: dict[str, Any], spec: DatasetSpec) -> Conversation:
         elif role == "function_call":
             messages.append(_function_call(turn.get(spec.content_tag)))
         else:
-            messages.append(_text(role, turn.get(spec.content_tag)))
+            message = _text(role, turn.get(spec.content_tag))
+            if role == "assistant":  # reasoning the chat template renders (Qwen3, gpt-oss)
+                message.update({k: turn[k] for k in REASONING_KEYS if isinstance(turn.get(k), str)})
+            messages.append(message)
     return Conversation(messages, system, _tools(row, spec.tools))
 
 

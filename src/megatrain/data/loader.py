@@ -20,6 +20,7 @@ import numpy as np
 
 from megatrain.batch import Batch
 from megatrain.data.packing import pack_rows, packed_batch, padded_batch
+from megatrain.data.pretrain import PretrainCorpus
 from megatrain.data.sample import Sample
 
 
@@ -125,7 +126,7 @@ class BatchLoader:
 
 
 def make_loader(
-    samples: list[Sample],
+    samples: list[Sample] | PretrainCorpus,
     *,
     micro_batch_size: int,
     seq_len: int,
@@ -135,7 +136,21 @@ def make_loader(
     seed: int = 0,
     pad_to_multiple_of: int = 1,
 ) -> BatchLoader:
-    """A BatchLoader over `samples`; with `packing`, rows of exactly `seq_len` tokens."""
+    """A BatchLoader over `samples`; with `packing`, rows of exactly `seq_len` tokens.
+
+    A PretrainCorpus (stage pt) always gives rows of exactly `seq_len` tokens cut from its
+    document stream (pretrain_loader.py); `packing` and `pad_to_multiple_of` do not apply."""
+    if isinstance(samples, PretrainCorpus):
+        from megatrain.data.pretrain_loader import make_pretrain_loader  # imports this module
+
+        return make_pretrain_loader(
+            samples,
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len,
+            pad_token_id=pad_token_id,
+            shuffle=shuffle,
+            seed=seed,
+        )
     if not samples:
         raise ValueError("no samples to load; check the data statistics for what was dropped")
     if micro_batch_size < 1 or seq_len < 1 or pad_to_multiple_of < 1:

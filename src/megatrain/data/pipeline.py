@@ -6,6 +6,9 @@ draw, with repetition when it exceeds the rows, as LLaMA-Factory does), keep the
 concatenated in the order given. The evaluation set is `eval_dataset` processed the same way, or
 a seeded random `val_size` split of the processed training samples.
 
+Stage pt (raw text) takes the same steps through pretrain.py instead: the data sets become one
+`PretrainCorpus` (documents over cached token files) and `val_size` splits whole documents.
+
 Invariant: every row read is either kept or counted under exactly one drop reason, so
 `stats.rows_read == stats.kept + stats.num_dropped`; nothing is dropped silently.
 """
@@ -21,9 +24,10 @@ import numpy as np
 
 from megatrain.data.assets import demo_assets_dir
 from megatrain.data.config import DataConfig
-from megatrain.data.formats import convert_row
+from megatrain.data.formats import MISSING_COLUMN, convert_row
+from megatrain.data.pretrain import PretrainCorpus, load_corpus, split_corpus
 from megatrain.data.readers import download_hub_dataset, iter_rows, read_rows
-from megatrain.data.registry import DatasetSpec, resolve_datasets
+from megatrain.data.registry import DatasetSpec, resolve_datasets, sft_format_of
 from megatrain.data.sample import DataStats, Sample
 from megatrain.data.template import ChatEncoder
 
@@ -32,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PreparedData:
-    train: list[Sample]
-    eval: list[Sample] | None
+    train: list[Sample] | PretrainCorpus  # a PretrainCorpus for stage pt
+    eval: list[Sample] | PretrainCorpus | None
     stats: DataStats  # the training data sets, before any val_size split
     eval_stats: DataStats | None  # the eval_dataset data sets, when given
     pad_token_id: int
@@ -43,6 +47,13 @@ def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
     """Read, convert, render and split the data sets of `cfg` with `tokenizer`."""
     cfg.validate()
     dataset_dir = Path(cfg.dataset_dir).expanduser() if cfg.dataset_dir else demo_assets_dir()
+    if cfg.dataset_dir and not dataset_dir.is_dir():
+        raise FileNotFoundError(
+            f"data.dataset_dir={cfg.dataset_dir!r}: no such folder; point it at the folder that "
+            "holds dataset_info.json, or leave it unset for the built-in demo data"
+        )
+    if cfg.stage == "pt":
+        return _prepare_pretrain(cfg, tokenizer, dataset_dir)
     encoder = ChatEncoder(
         tokenizer,
         cutoff_len=cfg.cutoff_len,
@@ -51,6 +62,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
         min_target_tokens=cfg.min_target_tokens,
         default_system=cfg.system_prompt,
         chat_template=cfg.chat_template,
+        multi_turn=cfg.multi_turn,
     )
     specs = resolve_datasets(cfg.dataset_names(), dataset_dir)
     train, stats = load_samples(specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed)
@@ -61,15 +73,40 @@ def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
         eval_samples, eval_stats = load_samples(
             eval_specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed
         )
-    elif cfg.val_size > 0:
-        train, eval_samples = split_validation(train, val_size=cfg.val_size, seed=cfg.seed)
     if not train:
         raise ValueError(
             f"no training sample is left from data.dataset={cfg.dataset!r}: {stats.describe()}; "
             "see the drop reasons (raise data.cutoff_len, set overflow: truncate, fix the columns "
             "in dataset_info.json)"
         )
+    if not cfg.eval_dataset_names() and cfg.val_size > 0:
+        train, eval_samples = split_validation(train, val_size=cfg.val_size, seed=cfg.seed)
     return PreparedData(train, eval_samples, stats, eval_stats, pad_token_id_of(tokenizer))
+
+
+def _prepare_pretrain(cfg: DataConfig, tokenizer: Any, dataset_dir: Path) -> PreparedData:
+    options: dict[str, Any] = dict(
+        max_samples=cfg.max_samples,
+        seed=cfg.seed,
+        neat_packing=cfg.neat_packing,
+        cache_dir=cfg.cache_dir,
+    )
+    specs = resolve_datasets(cfg.dataset_names(), dataset_dir, stage="pt")
+    train, stats = load_corpus(specs, tokenizer, **options)
+    if not len(train):
+        raise ValueError(
+            f"no document is left from data.dataset={cfg.dataset!r}: {stats.describe()}; see the "
+            "drop reasons (empty_text: blank rows or lines; missing_column: name the text column "
+            'in dataset_info.json as `"columns": {"prompt": "<column>"}`)'
+        )
+    eval_corpus: PretrainCorpus | None = None
+    eval_stats: DataStats | None = None
+    if cfg.eval_dataset_names():
+        eval_specs = resolve_datasets(cfg.eval_dataset_names(), dataset_dir, stage="pt")
+        eval_corpus, eval_stats = load_corpus(eval_specs, tokenizer, **options)
+    elif cfg.val_size > 0:
+        train, eval_corpus = split_corpus(train, val_size=cfg.val_size, seed=cfg.seed)
+    return PreparedData(train, eval_corpus, stats, eval_stats, pad_token_id_of(tokenizer))
 
 
 def load_samples(
@@ -88,22 +125,25 @@ def load_samples(
             if isinstance(result, str):
                 stats.drop(result)
             else:
-                stats.keep(result)
-                samples.append(result)
+                for n, sample in enumerate(result):  # several: data.multi_turn per_turn
+                    stats.keep(sample, extra_row=n > 0)
+                samples += result
+        if rows and not stats.kept and stats.dropped.get(MISSING_COLUMN) == stats.rows_read:
+            _refuse_raw_text(spec, rows[0])
         log = logger.warning if stats.dropped else logger.info
         log("data set %s (%s): %s", spec.name, spec.path, stats.describe())
-        _merge(total, stats)
+        total.add(stats)
     return samples, total
 
 
-def _merge(total: DataStats, part: DataStats) -> None:
-    total.rows_read += part.rows_read
-    total.kept += part.kept
-    total.truncated += part.truncated
-    total.num_tokens += part.num_tokens
-    total.num_target_tokens += part.num_target_tokens
-    for reason, count in part.dropped.items():
-        total.dropped[reason] = total.dropped.get(reason, 0) + count
+def _refuse_raw_text(spec: DatasetSpec, first: dict[str, Any]) -> None:
+    """Every row lacked a column: say so if the rows are raw text, i.e. pre-training data."""
+    if sft_format_of(first) is None and isinstance(first.get(spec.text), str):
+        raise ValueError(
+            f"data set {spec.name!r} ({spec.path}): no row is a conversation; the rows hold raw "
+            f"text in column {spec.text!r} (keys {sorted(first)}), which looks like pre-training "
+            "data: set data.stage: pt to train on it (data.stage is sft)"
+        )
 
 
 def read_dataset(spec: DatasetSpec, *, seed: int) -> list[dict[str, Any]]:

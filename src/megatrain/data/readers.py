@@ -2,8 +2,12 @@
 
 A row is a `dict[str, Any]` as stored in the file: no column is renamed or converted here (that is
 `formats.py`'s job). Supported: `.json` (a JSON array of objects, or JSON lines), `.jsonl`,
-`.parquet` (pyarrow), `.csv` (stdlib csv; every value a string), and folders of such files, read
-recursively in sorted path order so the row order is reproducible.
+`.parquet` (pyarrow, read one record batch at a time), `.csv` (stdlib csv; every value a string),
+`.txt` (raw text for data.stage: pt only, TEXT_SUFFIXES: one row `{"text": line}` per line, as
+LLaMA-Factory reads text files; blank lines are kept as empty rows, counted and dropped later),
+and folders of such files, read recursively in sorted path order so the row order is
+reproducible. Every reader streams except a `.json` array, which
+is parsed whole.
 
 Hub data sets (`hf_hub_url` in dataset_info.json) are fetched with
 `huggingface_hub.snapshot_download(repo_type="dataset")` and then read with the same readers.
@@ -18,16 +22,27 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # conversation (sft) data
+TEXT_SUFFIXES = (*SUFFIXES, ".txt")  # raw text (pt) data: .txt files too
+TEXT_COLUMN = "text"  # the column of a .txt file's rows, as the `datasets` text builder names it
 KNOWN_SPLITS = ("train", "validation", "valid", "val", "test", "dev", "eval")
 
 
-def data_files(path: Path) -> list[Path]:
-    """`path` itself if it is a data file, else the data files under the folder, sorted."""
+def data_files(path: Path, suffixes: tuple[str, ...] = SUFFIXES) -> list[Path]:
+    """`path` itself if it is a data file, else the data files under the folder, sorted.
+
+    `suffixes`: the file types read; a folder's other files are skipped (a README.txt beside
+    conversation data is not data), a file of another type given directly is an error."""
     if path.is_file():
-        if path.suffix.lower() not in SUFFIXES:
+        if path.suffix.lower() == ".txt" and ".txt" not in suffixes:
             raise ValueError(
-                f"{path}: unsupported file type {path.suffix!r}; use one of {SUFFIXES}"
+                f"{path}: a .txt file is raw text (one document per line), which data.stage: pt "
+                "trains on; set data.stage: pt, or give conversations in "
+                f"{'/'.join(suffixes)} files for sft"
+            )
+        if path.suffix.lower() not in suffixes:
+            raise ValueError(
+                f"{path}: unsupported file type {path.suffix!r}; use one of {suffixes}"
             )
         return [path]
     if not path.is_dir():
@@ -36,19 +51,19 @@ def data_files(path: Path) -> list[Path]:
         p
         for p in path.rglob("*")
         if p.is_file()
-        and p.suffix.lower() in SUFFIXES
+        and p.suffix.lower() in suffixes
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
         and p.name != "dataset_info.json"
     )
     if not files:
-        raise FileNotFoundError(f"{path}: the folder holds no data file ({', '.join(SUFFIXES)})")
+        raise FileNotFoundError(f"{path}: the folder holds no data file ({', '.join(suffixes)})")
     return files
 
 
 def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
     """Rows of a data file or of every data file in a folder, in order."""
     for file in data_files(path):
-        for index, row in enumerate(_read_file(file)):
+        for index, row in enumerate(read_file(file)):
             if not isinstance(row, dict):
                 raise ValueError(
                     f"{file}: row {index} is {type(row).__name__}, expected a JSON object "
@@ -61,27 +76,57 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return list(iter_rows(path))
 
 
-def _read_file(file: Path) -> Iterator[Any]:
+def read_file(file: Path) -> Iterator[Any]:
+    """The rows of one data file, streamed (a `.json` array is parsed whole)."""
     suffix = file.suffix.lower()
     if suffix == ".jsonl":
         yield from _read_jsonl(file)
     elif suffix == ".json":
-        text = file.read_text(encoding="utf-8")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            yield from _read_jsonl(file)  # JSON lines under a .json name, as `datasets` accepts
-            return
-        if not isinstance(data, list):
-            raise ValueError(f"{file}: expected a JSON array of objects, got {type(data).__name__}")
-        yield from data
+        yield from _read_json(file)
+    elif suffix == ".txt":
+        with file.open(encoding="utf-8") as f:
+            for line in f:
+                yield {TEXT_COLUMN: line.rstrip("\r\n")}
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        yield from pq.read_table(file).to_pylist()
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
     else:
         with file.open(newline="", encoding="utf-8") as f:
             yield from csv.DictReader(f)
+
+
+def _read_json(file: Path) -> Iterator[Any]:
+    """A JSON array, or JSON lines under a .json name (as `datasets` accepts).
+
+    A file that is neither reports the parse error of the reading it resembles: an array (first
+    character `[`) or a file whose first line is not JSON gets the whole-document error with its
+    line and column, JSON lines get the first bad line.
+    """
+    text = file.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        first_line = next((line for line in text.splitlines() if line.strip()), "")
+        if text.lstrip().startswith("[") or not _is_json(first_line):
+            raise ValueError(
+                f"{file}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}; fix "
+                "the file (a JSON array of objects, or one JSON object per line)"
+            ) from err
+        yield from _read_jsonl(file)
+        return
+    if not isinstance(data, list):
+        raise ValueError(f"{file}: expected a JSON array of objects, got {type(data).__name__}")
+    yield from data
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _read_jsonl(file: Path) -> Iterator[Any]:
@@ -92,7 +137,9 @@ def _read_jsonl(file: Path) -> Iterator[Any]:
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{file}:{line_no}: invalid JSON ({err.msg})") from err
+                raise ValueError(
+                    f"{file}: invalid JSON at line {line_no} column {err.colno}: {err.msg}"
+                ) from err
 
 
 def download_hub_dataset(
@@ -102,6 +149,7 @@ def download_hub_dataset(
     folder: str | None = None,
     subset: str | None = None,
     split: str = "train",
+    suffixes: tuple[str, ...] = SUFFIXES,
 ) -> list[Path]:
     """Download a hub data set repository and return the data files of `split`, sorted.
 
@@ -113,7 +161,7 @@ def download_hub_dataset(
     from huggingface_hub import snapshot_download
 
     prefix = "/".join(p.strip("/") for p in (folder, subset) if p)
-    patterns = [f"{prefix}/*{s}" if prefix else f"*{s}" for s in SUFFIXES]
+    patterns = [f"{prefix}/*{s}" if prefix else f"*{s}" for s in suffixes]
     local = Path(
         snapshot_download(
             repo_id=repo_id, repo_type="dataset", revision=revision, allow_patterns=patterns
@@ -125,7 +173,7 @@ def download_hub_dataset(
             f"hub data set {repo_id}: no folder {prefix!r} in the repository (from folder="
             f"{folder!r}, subset={subset!r}); check `folder`/`subset` in dataset_info.json"
         )
-    files = data_files(root)
+    files = data_files(root, suffixes)
     chosen = [f for f in files if _in_split(f.relative_to(root), split)]
     if (
         not chosen

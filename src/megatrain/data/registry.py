@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from megatrain.data.readers import iter_rows
+from megatrain.data.readers import TEXT_COLUMN, iter_rows
 
 REGISTRY_FILE = "dataset_info.json"
 FORMATTINGS = ("alpaca", "sharegpt", "openai")
@@ -83,6 +83,8 @@ class DatasetSpec:
     observation_tag: str = "observation"
     function_tag: str = "function_call"
     system_tag: str = "system"
+    # stage pt: the column of raw text (LLaMA-Factory's `columns: {prompt: <column>}`)
+    text: str = TEXT_COLUMN
 
 
 OPENAI_DEFAULTS: dict[str, Any] = {
@@ -110,29 +112,37 @@ def load_registry(dataset_dir: Path) -> dict[str, Any] | None:
     return info
 
 
-def resolve_datasets(names: list[str], dataset_dir: Path) -> list[DatasetSpec]:
-    """One spec per name: a registry entry of `dataset_dir/dataset_info.json`, else a path."""
+def resolve_datasets(
+    names: list[str], dataset_dir: Path, *, stage: str = "sft"
+) -> list[DatasetSpec]:
+    """One spec per name: a registry entry of `dataset_dir/dataset_info.json`, else a path.
+
+    Stage "pt" reads a path's rows as raw text (column `text`) instead of detecting a format."""
     registry = load_registry(dataset_dir)
-    return [_resolve(name, registry, dataset_dir) for name in names]
+    return [_resolve(name, registry, dataset_dir, stage) for name in names]
 
 
-def _resolve(name: str, registry: dict[str, Any] | None, dataset_dir: Path) -> DatasetSpec:
+def _resolve(
+    name: str, registry: dict[str, Any] | None, dataset_dir: Path, stage: str
+) -> DatasetSpec:
     if registry is not None and name in registry:
         return spec_from_entry(name, registry[name], dataset_dir)
     for candidate in (Path(name).expanduser(), dataset_dir / name):
         if candidate.exists():
+            if stage == "pt":
+                return DatasetSpec(name=name, load_from="file", path=str(candidate))
             return spec_from_path(name, candidate)
     registry_file = dataset_dir / REGISTRY_FILE
-    known = sorted(registry) if registry is not None else []
-    where = (
-        f"{registry_file}, which registers {known}"
-        if registry is not None
-        else (f"no {registry_file}")
-    )
+    if registry is not None:
+        where = f"not registered in {registry_file}, which registers {sorted(registry)}"
+    elif dataset_dir.is_dir():
+        where = f"not registered: the folder {dataset_dir} has no {REGISTRY_FILE}"
+    else:
+        where = f"not registered: the data.dataset_dir folder {dataset_dir} does not exist"
     raise ValueError(
-        f"unknown data set {name!r}: not in {where}, and no file or folder of that "
-        f"name (relative to the working directory or to {dataset_dir}); add it to "
-        f"{REGISTRY_FILE} or give a path"
+        f"unknown data set {name!r}: {where}, and there is no file or folder of that name "
+        f"(relative to the working directory or to {dataset_dir}); fix data.dataset_dir, add "
+        f"{name!r} to {REGISTRY_FILE}, or give a path to a data file or folder"
     )
 
 
@@ -173,6 +183,8 @@ def spec_from_entry(name: str, entry: Any, dataset_dir: Path) -> DatasetSpec:
     if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
         raise ValueError(f"{where}: num_samples={num_samples!r} must be an integer >= 1")
     fields.update(_mapping(entry, "columns", _allowed_columns(formatting), where))
+    if "prompt" in fields:
+        fields["text"] = fields["prompt"]
     fields.update(_mapping(entry, "tags", TAGS if formatting != "alpaca" else (), where))
     return replace(spec, **fields)
 
@@ -203,23 +215,42 @@ def spec_from_path(name: str, path: Path) -> DatasetSpec:
     except StopIteration:
         raise ValueError(f"{path}: the data file holds no rows") from None
     base = DatasetSpec(name=name, load_from="file", path=str(path), system="system", tools="tools")
-    messages = first.get("messages")
-    conversations = first.get("conversations")
-    if _is_turn_list(messages, "role", "content"):
+    detected = sft_format_of(first)
+    if detected == "openai":
         return replace(base, formatting="openai", **OPENAI_DEFAULTS)
-    if _is_turn_list(conversations, "from", "value"):
+    if detected == "sharegpt":
         return replace(base, formatting="sharegpt")
-    if _is_turn_list(conversations, "role", "content"):
+    if detected == "openai (conversations)":
         return replace(
             base, formatting="openai", **{**OPENAI_DEFAULTS, "messages": "conversations"}
         )
-    if "instruction" in first and "output" in first:
+    if detected == "alpaca":
         return replace(base, formatting="alpaca", history="history")
+    if isinstance(first.get(TEXT_COLUMN), str):
+        raise ValueError(
+            f"{path}: the rows hold raw text (a {TEXT_COLUMN!r} column, keys {sorted(first)}): "
+            "this looks like pre-training data; set data.stage: pt to train on it"
+        )
     raise ValueError(
         f"{path}: cannot detect the format from the first row (keys {sorted(first)}); expected "
         "alpaca (instruction, input, output), sharegpt (conversations: [{from, value}]) or OpenAI "
         f"(messages: [{{role, content}}]); or register it in {REGISTRY_FILE} with its columns"
     )
+
+
+def sft_format_of(row: dict[str, Any]) -> str | None:
+    """The conversation format a row is written in, or None if it looks like no SFT format."""
+    messages = row.get("messages")
+    conversations = row.get("conversations")
+    if _is_turn_list(messages, "role", "content"):
+        return "openai"
+    if _is_turn_list(conversations, "from", "value"):
+        return "sharegpt"
+    if _is_turn_list(conversations, "role", "content"):
+        return "openai (conversations)"
+    if "instruction" in row and "output" in row:
+        return "alpaca"
+    return None
 
 
 def _is_turn_list(value: Any, role_key: str, content_key: str) -> bool:

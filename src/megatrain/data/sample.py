@@ -46,6 +46,7 @@ class DataStats:
 
     rows_read: int = 0
     kept: int = 0
+    extra_rows: int = 0  # rows beyond one per kept conversation (data.multi_turn: per_turn)
     dropped: dict[str, int] = field(default_factory=dict)
     truncated: int = 0
     num_tokens: int = 0
@@ -54,11 +55,26 @@ class DataStats:
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
-    def keep(self, sample: Sample) -> None:
-        self.kept += 1
+    def keep(self, sample: Sample, *, extra_row: bool = False) -> None:
+        """Count a kept row; `extra_row`: a further row of a conversation already counted."""
+        if extra_row:
+            self.extra_rows += 1
+        else:
+            self.kept += 1
         self.truncated += int(sample.truncated)
         self.num_tokens += sample.num_tokens
         self.num_target_tokens += sample.num_target_tokens
+
+    def add(self, other: DataStats) -> None:
+        """Accumulate the counts of `other` (another data set or file) into these."""
+        self.rows_read += other.rows_read
+        self.kept += other.kept
+        self.extra_rows += other.extra_rows
+        self.truncated += other.truncated
+        self.num_tokens += other.num_tokens
+        self.num_target_tokens += other.num_target_tokens
+        for reason, count in other.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + count
 
     @property
     def num_dropped(self) -> int:
@@ -68,6 +84,7 @@ class DataStats:
         return {
             "rows_read": self.rows_read,
             "kept": self.kept,
+            "extra_rows": self.extra_rows,
             "dropped": dict(sorted(self.dropped.items())),
             "truncated": self.truncated,
             "num_tokens": self.num_tokens,
@@ -78,7 +95,9 @@ class DataStats:
         """One line for logs and the `megatrain data` summary."""
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or "none"
         return (
-            f"rows {self.rows_read}, kept {self.kept}, dropped {self.num_dropped} ({reasons}), "
+            f"rows {self.rows_read}, kept {self.kept}"
+            + (f" (+{self.extra_rows} per-turn rows)" if self.extra_rows else "")
+            + f", dropped {self.num_dropped} ({reasons}), "
             f"truncated {self.truncated}, tokens {self.num_tokens}, "
             f"supervised tokens {self.num_target_tokens}"
         )

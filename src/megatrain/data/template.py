@@ -1,4 +1,4 @@
-"""Rendering: a `Conversation` to a `Sample` through the tokenizer's own chat template.
+"""Rendering: a `Conversation` to training rows (`Sample`s) through the tokenizer's chat template.
 
 Masks are derived from the template itself, never from per-model knowledge. For every assistant
 turn k of the message list (system first, when there is one):
@@ -7,19 +7,32 @@ turn k of the message list (system first, when there is one):
     end_k    = render(messages[:k + 1])
     full     = render(messages)                  (= end_k of the last assistant turn)
 
-Turn k's supervised tokens are tokens(end_k)[len(tokens(prompt_k)):]: the assistant's content and
-whatever the template closes the turn with (end-of-turn token, trailing newline). Rendering is
+Turn k's supervised tokens are tokens(end_k)[len(tokens(prompt_k)):]: exactly what the template
+renders for the assistant when the conversation ends at that turn (its content, its reasoning
+block if the template renders one, whatever closes the turn). Rendering is
 `tokenizer.apply_chat_template(..., tokenize=False)` then `tokenizer(text,
 add_special_tokens=False)`, which is exactly what `apply_chat_template(tokenize=True)` does.
 
-Invariants checked per conversation:
-- text: prompt_k is a prefix of end_k, and end_k of full. A template that breaks this (it rewrites
-  earlier turns, or renders a turn differently once it is not the last) cannot be masked turn by
-  turn: ValueError naming the template problem, never a wrong mask.
-- tokens: the same prefixes hold for the token ids. When the text holds but the tokenizer merges
-  characters across a turn boundary (rare: a reply that starts with whitespace the template's
-  header ends with), the sample is dropped as "token_merge_across_turns".
-Then `cutoff_len`: the sample is truncated (first tokens kept) or dropped per `overflow`, and
+Prefix-stable templates (ChatML, Llama 3, ...) render every turn the same whatever follows it:
+each end_k is a prefix of full, and one row supervises every turn. Others rewrite earlier turns
+(Qwen3 drops `<think>` blocks of past replies, gpt-oss and DeepSeek-R1 drop their reasoning):
+then `multi_turn` decides (docs/chat_templates.md):
+- "per_turn" (default): every turn is trained as rendered when the conversation ends at it. Rows
+  are the fewest renderings that hold every turn: the row end_K supervises turn K and every
+  earlier turn j with prompt_j and end_j prefixes of end_K (for a prefix-stable template, all
+  of them: one row). Earlier turns in a row are context as the template renders history.
+- "final": one row, full: the conversation as the template renders it at its end. Supervised:
+  the last turn, and every earlier turn that full renders exactly as end_j does (with Qwen3-like
+  templates, usually only the last one); the others are context.
+
+Checks per conversation, each failure a counted drop, never a crash of the run:
+- prompt_k must be a prefix of end_k, else the turn cannot be masked (the generation prompt
+  differs from the rendered header, e.g. it opens an empty think block the rendered reply lacks):
+  "generation_prompt_not_prefix".
+- tokens: the same prefixes must hold for the token ids; when the tokenizer merges characters
+  across a turn boundary (a reply that starts with whitespace the header ends with):
+  "token_merge_across_turns".
+Then `cutoff_len`: each row is truncated (first tokens kept) or dropped per `overflow`, and
 dropped if fewer than `min_target_tokens` supervised tokens remain.
 """
 
@@ -31,10 +44,12 @@ from typing import Any
 import jinja2
 import numpy as np
 
+from megatrain.data.config import MULTI_TURN_CHOICES
 from megatrain.data.formats import Conversation
 from megatrain.data.sample import Sample
 
 TEMPLATE_ERROR = "template_error"
+PROMPT_NOT_PREFIX = "generation_prompt_not_prefix"
 TOKEN_MERGE = "token_merge_across_turns"
 OVER_CUTOFF = "over_cutoff_len"
 TOO_FEW_TARGETS = "too_few_target_tokens"
@@ -78,8 +93,11 @@ class ChatEncoder:
         min_target_tokens: int = 1,
         default_system: str | None = None,
         chat_template: str | None = None,
+        multi_turn: str = "per_turn",
     ) -> None:
         assert overflow in ("truncate", "drop"), overflow
+        assert multi_turn in MULTI_TURN_CHOICES, multi_turn
+        self.multi_turn = multi_turn
         self.tokenizer = tokenizer
         self.chat_template = resolve_chat_template(tokenizer, chat_template)
         self.cutoff_len = cutoff_len
@@ -94,8 +112,9 @@ class ChatEncoder:
         head = [{"role": "system", "content": system}] if system else []
         return head + conv.messages
 
-    def encode(self, conv: Conversation) -> Sample | str:
-        """The conversation as a Sample, or the reason it is dropped."""
+    def encode(self, conv: Conversation) -> list[Sample] | str:
+        """The conversation's training rows (one, unless `multi_turn` splits it), or the reason
+        the conversation is dropped."""
         messages = self.messages(conv)
         turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         try:
@@ -107,23 +126,43 @@ class ChatEncoder:
             raise ValueError(f"chat template syntax error, line {err.lineno}: {err}") from err
         except jinja2.TemplateError:
             return TEMPLATE_ERROR  # e.g. raise_exception() for roles the template rejects
-        full_text = texts[-1]
-        for i, k in enumerate(turns):
-            gen = f"render(messages[:{k}], add_generation_prompt=True)"
-            end = f"render(messages[:{k + 1}])"
-            _check_text_prefix(texts[2 * i], texts[2 * i + 1], f"{gen} is not a prefix of {end}")
-            whole = f"{end} is not a prefix of the rendering of all {len(messages)} messages"
-            _check_text_prefix(texts[2 * i + 1], full_text, whole)
+        spans = list(zip(texts[0::2], texts[1::2], strict=True))  # (prompt_k, end_k) per turn
+        must_mask = spans if self.multi_turn == "per_turn" else spans[-1:]
+        if any(not end.startswith(prompt) for prompt, end in must_mask):
+            return PROMPT_NOT_PREFIX
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        full = ids[-1]
-        mask = np.zeros(len(full), dtype=np.bool_)
-        for start_ids, end_ids in zip(ids[0::2], ids[1::2], strict=True):
-            if full[: len(start_ids)] != start_ids or full[: len(end_ids)] != end_ids:
-                return TOKEN_MERGE
-            mask[len(start_ids) : len(end_ids)] = True
-        if self.train_on_prompt:
-            mask[:] = True
-        return self._limit(np.asarray(full, dtype=np.int32), mask)
+        id_spans = list(zip(ids[0::2], ids[1::2], strict=True))
+        rows = []
+        for last, members in self._rows(spans):
+            full = id_spans[last][1]
+            mask = np.zeros(len(full), dtype=np.bool_)
+            for j in members:
+                start_ids, end_ids = id_spans[j]
+                if full[: len(start_ids)] != start_ids or full[: len(end_ids)] != end_ids:
+                    return TOKEN_MERGE
+                mask[len(start_ids) : len(end_ids)] = True
+            if self.train_on_prompt:
+                mask[:] = True
+            rows.append(self._limit(np.asarray(full, dtype=np.int32), mask))
+        kept = [row for row in rows if isinstance(row, Sample)]
+        return kept or next(row for row in rows if isinstance(row, str))
+
+    def _rows(self, spans: list[tuple[str, str]]) -> list[tuple[int, list[int]]]:
+        """(turn whose end_k is the row's text, turns supervised in it), in conversation order.
+
+        per_turn: the last unplaced turn's rendering takes every unplaced turn it holds
+        unchanged, until every turn is placed. final: the last turn's rendering alone.
+        """
+        remaining = list(range(len(spans)))
+        rows = []
+        while remaining:
+            text = spans[remaining[-1]][1]
+            members = [j for j in remaining if _holds(text, *spans[j])]
+            rows.append((remaining[-1], members))
+            if self.multi_turn == "final":
+                break
+            remaining = [j for j in remaining if j not in members]
+        return rows[::-1]
 
     def _render(self, messages: list[dict[str, Any]], tools: Any, generation: bool) -> str:
         text = self.tokenizer.apply_chat_template(
@@ -146,15 +185,6 @@ class ChatEncoder:
         return sample
 
 
-def _check_text_prefix(prefix: str, text: str, problem: str) -> None:
-    if text.startswith(prefix):
-        return
-    at = next((i for i, (a, b) in enumerate(zip(prefix, text, strict=False)) if a != b), len(text))
-    raise ValueError(
-        f"chat template is not prefix-stable: {problem} (they differ at character {at}: "
-        f"{prefix[at : at + 40]!r} vs {text[at : at + 40]!r}). The template renders a turn "
-        "differently depending on what follows it (e.g. it strips reasoning from past replies, or "
-        "its generation prompt differs from its assistant header), so assistant tokens cannot be "
-        "masked turn by turn; set data.chat_template to a template that renders each turn the "
-        "same way whatever follows"
-    )
+def _holds(text: str, prompt: str, end: str) -> bool:
+    """Whether `text` renders the turn (prompt, end) unchanged, so it can be supervised there."""
+    return end.startswith(prompt) and text.startswith(end)

@@ -33,6 +33,7 @@ import torch
 from megatrain.batch import Batch
 from megatrain.engine.head import ChunkedLoss
 from megatrain.engine.microbatch import Embedder, MicroBatch
+from megatrain.engine.rng import restored_rng, rng_state, uses_randomness
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
 from megatrain.engine.tier import GpuTier
 from megatrain.engine.timeline import ComputeTimer, Timeline
@@ -125,7 +126,7 @@ class StreamingEngine:
             [RouterTap(m, self.aux) for m in self.slots.modules] if self.aux is not None else []
         )
         self.worker = UpdateWorker(optimizer, threaded=threaded_optimizer)
-        self._preserve_rng = _uses_randomness(structure)
+        self._preserve_rng = uses_randomness(structure)
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
         self._order = {b.name: i for i, b in enumerate(store.blocks)}  # forward position
@@ -243,7 +244,7 @@ class StreamingEngine:
             for mb in mbs:
                 mb.saved.append(mb.hidden)
                 if self._preserve_rng:
-                    mb.rng.append(_rng_state(self.device))
+                    mb.rng.append(rng_state(self.device))
                 with torch.no_grad():
                     mb.hidden = self._run_layer(i, module, mb, mb.hidden, record=True)
             timer.stop()
@@ -363,7 +364,7 @@ class StreamingEngine:
         x = mb.saved[i]
         assert x is not None and mb.grad is not None
         x = x.detach().requires_grad_(True)
-        with torch.enable_grad(), _restored_rng(self.device, mb.rng[i] if mb.rng else None):
+        with torch.enable_grad(), restored_rng(self.device, mb.rng[i] if mb.rng else None):
             out = self._run_layer(i, self.slots.modules[i], mb, x, record=False)
             outputs, grads = [out], [mb.grad]
             tap = self.taps[i] if self.taps else None
@@ -430,39 +431,3 @@ def _move_body_buffers(structure: ModelStructure, device: torch.device) -> None:
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device != device and buf.device.type != "meta":
                 module._buffers[name] = buf.to(device)
-
-
-def _uses_randomness(structure: ModelStructure) -> bool:
-    """Whether layers may draw random numbers in training (dropout, router jitter)."""
-    config = structure.causal_lm.config.get_text_config()
-    for key, value in config.to_dict().items():
-        if ("dropout" in key or "jitter" in key) and isinstance(value, float) and value > 0:
-            return True
-    return False
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-class _restored_rng:
-    """Run a layer's recompute with the RNG state its forward saw (identical dropout masks)."""
-
-    def __init__(self, device: torch.device, state: tuple | None) -> None:
-        self.device, self.state = device, state
-
-    def __enter__(self) -> None:
-        if self.state is None:
-            return
-        self._saved = _rng_state(self.device)
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.state is None:
-            return
-        torch.set_rng_state(self._saved[0])
-        if self._saved[1] is not None:
-            torch.cuda.set_rng_state(self._saved[1], self.device)

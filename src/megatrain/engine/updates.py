@@ -10,6 +10,10 @@ block's update only (`wait(block)`).
 
 Gradient copies complete in the order they were issued (one copy stream), so the oldest pending
 task is the first to land; when none has landed the worker blocks on that one's event.
+
+Every error reaches the thread that waits: an update's (or `on_landed`'s) is raised by `wait`
+for that block; one that stops the worker itself (a failing event query) fails every pending
+and later task, so no `wait` blocks forever on a dead thread.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class UpdateWorker:
         self._seq = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._dead: BaseException | None = None  # what stopped the worker thread, if anything
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._loop, name="megatrain-adamw", daemon=True)
@@ -66,6 +71,10 @@ class UpdateWorker:
             self._run(task)
             return
         with self._cond:
+            if self._dead is not None:
+                task.error = self._dead
+                task.done.set()
+                return
             self._queue.append(task)
             self._cond.notify()
 
@@ -107,8 +116,16 @@ class UpdateWorker:
             return task
 
     def _loop(self) -> None:
-        while (task := self._next()) is not None:
-            self._run(task)
+        try:
+            while (task := self._next()) is not None:
+                self._run(task)
+        except BaseException as e:  # the worker stops: fail what waits on it instead of hanging
+            with self._cond:
+                self._dead = e
+                for task in self._queue:
+                    task.error = e
+                    task.done.set()
+                self._queue.clear()
 
     def _run(self, task: _Task) -> None:
         try:

@@ -5,6 +5,10 @@ each block's parameters into its flat fp32 master and leaves meta tensors behind
 copy of the model ever sits in RAM. Weight renaming and fusion (for example MoE experts fused
 into 3-D tensors in transformers 5) is done by `from_pretrained`, and reversed by
 `save_pretrained` at export: never re-implemented here.
+
+Errors: a missing folder, a folder without config.json, and a hub id that cannot be fetched
+(offline, unknown repo, no access) are one paragraph each, naming the key and the fix
+(`hub_error`), instead of transformers' traceback.
 """
 
 from __future__ import annotations
@@ -50,9 +54,15 @@ def load_config(
             "or model.model_type (with model.tiny: true for a tiny random model)"
         )
     else:
-        config = AutoConfig.from_pretrained(
-            _resolve(source), trust_remote_code=trust_remote_code, **(overrides or {})
-        )
+        resolved = _resolve(source)
+        try:
+            config = AutoConfig.from_pretrained(
+                resolved, trust_remote_code=trust_remote_code, **(overrides or {})
+            )
+        except OSError as e:
+            if Path(resolved).is_dir():
+                raise
+            raise hub_error("model.name_or_path", source, e, what="model config") from e
     check_decoder_only(config, source or model_type or "")
     return config
 
@@ -116,7 +126,13 @@ def load_causal_lm(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if source is not None and not random_init and _has_weights(source):
-        model = AutoModelForCausalLM.from_pretrained(_resolve(source), config=config, **kwargs)
+        resolved = _resolve(source)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(resolved, config=config, **kwargs)
+        except OSError as e:
+            if Path(resolved).is_dir():
+                raise
+            raise hub_error("model.name_or_path", source, e, what="model weights") from e
     else:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, **kwargs)
@@ -134,17 +150,32 @@ def _resolve(source: str) -> str:
                 "folder written by save_pretrained, or use a hub id like Qwen/Qwen2.5-0.5B"
             )
         return str(path)
-    looks_like_path = (
-        source.startswith((".", "/", "~"))
-        or source.count("/") > 1
-        or (os.sep != "/" and os.sep in source)
-    )
-    if looks_like_path or path.exists():
+    if looks_like_path(source) or path.exists():
         raise FileNotFoundError(
             f"model path {source!r} does not exist (or is not a directory); give an existing "
             "directory with config.json, or a hub id like Qwen/Qwen2.5-0.5B"
         )
     return source
+
+
+def looks_like_path(source: str) -> bool:
+    """A value meant as a local path (a hub id is `name` or `org/name`)."""
+    return (
+        source.startswith((".", "/", "~"))
+        or source.count("/") > 1
+        or (os.sep != "/" and os.sep in source)
+    )
+
+
+def hub_error(key: str, source: str, error: OSError, *, what: str) -> ValueError:
+    """One paragraph for a hub id whose files could not be fetched (offline, unknown, gated)."""
+    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return ValueError(
+        f"{key}={source!r}: cannot load the {what} from the Hugging Face hub ({first.strip()}). "
+        "Offline (or HF_HUB_OFFLINE=1), only models already in the hub cache load: download it "
+        "once with network access (huggingface-cli download ID), or give a local folder that "
+        "holds it; check the id's spelling, and for a gated model log in (huggingface-cli login)"
+    )
 
 
 def _has_weights(source: str) -> bool:

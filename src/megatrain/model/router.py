@@ -18,6 +18,7 @@ function differs, so an unknown formula can never produce silently wrong gradien
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -158,3 +159,36 @@ class RouterTap:
     def take(self) -> list[torch.Tensor]:
         logits, self.logits = self.logits, []
         return logits
+
+
+class RoutingMargins(torch.overrides.TorchFunctionMode):
+    """Records how close every top-k decision made while active came to a tie.
+
+    A decision's margin is (v_k - v_{k+1}) / max|v| over its row: the gap between the last value
+    kept and the first one dropped, relative to the row's scale. Two computations whose inputs
+    differ by a relative error below the margin make the same choice; below it, rounding alone
+    decides which expert a token goes to. Every `torch.topk` / `Tensor.topk` counts (in a causal
+    LM, top-k is routing).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.smallest = math.inf
+        self.decisions = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.topk, torch.Tensor.topk):
+            self._record(*args, **(kwargs or {}))
+        return out
+
+    def _record(self, x: torch.Tensor, k: int, dim: int = -1, *args: Any, **kwargs: Any) -> None:
+        if k >= x.shape[dim]:
+            return  # nothing is dropped: no decision
+        with torch._C.DisableTorchFunction():
+            values = x.detach().double().movedim(dim, -1).sort(dim=-1, descending=True).values
+            gap = values[..., k - 1] - values[..., k]
+            scale = values.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+            if gap.numel():
+                self.smallest = min(self.smallest, float((gap / scale).min()))
+                self.decisions += gap.numel()

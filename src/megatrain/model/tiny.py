@@ -4,14 +4,25 @@ A tiny config keeps every structural feature of its architecture (grouped-query 
 sliding-window and full layers, linear-attention layers, MoE routing, dense-then-MoE stacks,
 logit soft-capping, tied or untied embeddings) at a size that runs in milliseconds on a CPU.
 Sizes are overridden only for keys the architecture's config actually has.
+
+Invariant: a config returned here builds its model. `tiny_config` constructs the model on the
+meta device (no memory, milliseconds); when that fails and some integer fields of the config are
+still None (counts the architecture needs but whose class leaves unset, e.g. dots1's
+`n_shared_experts`), it fills them with small values and tries again; if the model still does
+not build, a ValueError names the model type, the error, the unset and the shrunk fields, and
+how to set a field by hand.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 # Applied to every architecture that has the key. Sliding windows are smaller than the sequence
 # lengths the tests use (24-32 tokens), so windowed layers really differ from full ones.
@@ -46,7 +57,11 @@ _SIZES: dict[str, Any] = {
     "linear_value_head_dim": 16,
     "query_pre_attn_scalar": 16,
     "num_nextn_predict_layers": 0,
+    "n_shared_experts": 1,
 }
+
+# Integer fields that are None by design (None means "off" or "derive it"), never filled.
+_NONE_BY_DESIGN = ("sliding_window", "head_dim", "num_key_value_heads", "max_window_layers")
 
 # Per-architecture adjustments: hybrid stacks need enough layers to hold every layer type.
 _PER_TYPE: dict[str, dict[str, Any]] = {
@@ -88,7 +103,10 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     if model_type not in CONFIG_MAPPING_NAMES:
         known = ", ".join(sorted(CONFIG_MAPPING_NAMES))
         raise ValueError(f"unknown model type {model_type!r}; transformers knows: {known}")
-    defaults = AutoConfig.for_model(model_type)
+    try:
+        defaults = AutoConfig.for_model(model_type)
+    except Exception as err:  # the class's own defaults do not validate
+        raise _tiny_error(model_type, "its default config", err, [], {}) from err
     sizes = {**_SIZES, **_PER_TYPE.get(model_type, {}), **overrides}
     kwargs = {k: v for k, v in sizes.items() if _has_key(defaults, k)}
     if _has_key(defaults, "layer_types"):
@@ -101,7 +119,71 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
         token_id = getattr(defaults, key, None)
         if isinstance(token_id, int) and isinstance(vocab, int) and token_id >= vocab:
             kwargs[key] = small_id
-    return AutoConfig.for_model(model_type, **kwargs)
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+    except Exception as err:  # the config class's own validation of the shrunk sizes
+        raise _tiny_error(model_type, "its config", err, [], kwargs) from err
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return config  # no causal LM to build: the loader's decoder-only check names the problem
+    error = _build_error(config)
+    unset = _unset_int_fields(config)
+    if error is not None and unset:
+        fill = {k: v for k, v in unset.items() if k not in overrides}
+        with contextlib.suppress(Exception):  # the filled values are refused: report the first
+            filled = AutoConfig.for_model(model_type, **{**kwargs, **fill})
+            if _build_error(filled) is None:
+                return filled
+    if error is not None:
+        raise _tiny_error(model_type, "its model", error, list(unset), kwargs) from error
+    return config
+
+
+def _tiny_error(
+    model_type: str, what: str, err: Exception, unset: list[str], sizes: dict[str, Any]
+) -> ValueError:
+    shrunk = ", ".join(f"{k}={v}" for k, v in sizes.items() if not isinstance(v, list))
+    return ValueError(
+        f"the tiny config of model type {model_type!r} does not build {what} "
+        f"({type(err).__name__}: {_first_line(err)}). Integer fields left None: "
+        f"{', '.join(unset) or 'none'}; sizes set by the tiny builder: {shrunk or 'none'}. "
+        "Set the field the error names with --set FIELD=VALUE (verify) or "
+        "model.config_overrides (train), or use a real checkpoint's config"
+    )
+
+
+def _build_error(config: PretrainedConfig) -> Exception | None:
+    """The exception constructing the model raises (on the meta device), or None if it builds."""
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except ImportError:
+        raise  # a missing optional dependency: its own message says what to install
+    except Exception as err:  # any crash inside the HF constructor becomes a ValueError
+        return err
+    return None
+
+
+def _unset_int_fields(config: PretrainedConfig) -> dict[str, int]:
+    """None-valued fields the config class types as integers, with a small value for each."""
+    params = inspect.signature(type(config).__init__).parameters
+    values = config.to_dict()
+    out = {}
+    for key, param in params.items():
+        hint = str(param.annotation)
+        if (
+            values.get(key, 0) is None
+            and "int" in hint
+            and not any(t in hint for t in ("list", "dict", "tuple", "float", "str"))
+            and not key.endswith(("_token_id", "_id"))
+            and key not in _NONE_BY_DESIGN
+        ):
+            out[key] = _SIZES.get(key, 1)
+    return out
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return " ".join(lines[:2])[:300] if lines else repr(err)
 
 
 def _has_key(config: PretrainedConfig, key: str) -> bool:

@@ -1,20 +1,41 @@
-"""The run's tokenizer: `model.tokenizer`, else the checkpoint's own (`model.name_or_path`).
+"""The run's tokenizer: `model.tokenizer` (or `model.name_or_path`), with errors a user can act on.
 
-"demo" names the built-in tokenizer shipped with the package (megatrain/assets/demo).
+Sources: "demo" (the built-in tokenizer shipped with the package), a local folder, or a hub id.
+What transformers reports for a mistake is often misleading (a missing folder reads "Repo id must
+be in the form ...", an empty folder reads "install sentencepiece or tiktoken", an uncached hub
+id while offline is a long traceback); each is turned here into one paragraph naming the key,
+the value and the fix. Nothing else about loading changes: `AutoTokenizer.from_pretrained`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
-from megatrain.config import ModelConfig
 from megatrain.data.assets import demo_tokenizer_dir
+from megatrain.model.loading import hub_error, looks_like_path
+
+if TYPE_CHECKING:
+    from megatrain.config import ModelConfig
+
+# Any of these in a folder makes it a tokenizer folder AutoTokenizer can read.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tiktoken.model",
+)
 
 
-def load_tokenizer(model: ModelConfig) -> Any:
-    source = model.tokenizer or model.name_or_path
+def load_tokenizer(model_cfg: ModelConfig) -> Any:
+    """The tokenizer of the run's model config; ValueError/FileNotFoundError with the fix."""
+    key = "model.tokenizer" if model_cfg.tokenizer else "model.name_or_path"
+    source = model_cfg.tokenizer or model_cfg.name_or_path
     if source is None:
         raise ValueError(
             "model.tokenizer is required with model.model_type (a hub id, a "
@@ -22,4 +43,28 @@ def load_tokenizer(model: ModelConfig) -> Any:
         )
     if source == "demo":
         source = str(demo_tokenizer_dir())
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        _check_folder(path, key)
+        source = str(path)
+    elif looks_like_path(source) or path.exists():
+        raise FileNotFoundError(
+            f"{key}={source!r}: no such folder; give the folder holding the model's tokenizer "
+            "(tokenizer.json or tokenizer_config.json), a hub id like Qwen/Qwen3-8B, or 'demo'"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+    except OSError as e:
+        if path.is_dir():
+            raise
+        raise hub_error(key, source, e, what="tokenizer") from e
+
+
+def _check_folder(path: Path, key: str) -> None:
+    if any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return
+    raise FileNotFoundError(
+        f"{key}={str(path)!r} holds no tokenizer files (none of {', '.join(_TOKENIZER_FILES[:3])}"
+        " ...); point it at the folder the model's tokenizer was saved to (save_pretrained "
+        "writes tokenizer.json and tokenizer_config.json), a hub id, or 'demo'"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, EXPORT_BYTES_PER_PARAM
 from megatrain.resources.estimate import Estimate
 from megatrain.resources.hardware import GIB
 
@@ -85,6 +86,14 @@ def format_estimate(est: Estimate) -> str:
         _row("step (overlapped)", f"{t.step_s:.3f}", f"bound by {t.bound}"),
         _row("tokens/s", f"{t.tokens_per_s:,.0f}"),
         _row("model TFLOPS (6 x active params x tokens/s)", f"{t.model_tflops:.1f}"),
+        "",
+        f"{'disk (training.output_dir)':<{_W + 2}}{'GiB':>10}",
+        _row(
+            "one checkpoint (fp32 master + Adam m, v)",
+            _gib(CHECKPOINT_BYTES_PER_PARAM * est.total_params),
+            "x keep_last, + 1 while the next one is written",
+        ),
+        _row("Hugging Face export (bf16)", _gib(EXPORT_BYTES_PER_PARAM["bf16"] * est.total_params)),
         "",
         *(f"note: {n}" for n in est.notes),
     ]

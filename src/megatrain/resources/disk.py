@@ -1,0 +1,160 @@
+"""Disk a training run writes (byte arithmetic from the parameter count); the free-space check.
+
+What a run writes under `training.output_dir`:
+    checkpoint    12 bytes per parameter (fp32 master weights, AdamW exp_avg and exp_avg_sq) plus
+                  small files (trainer_state.json with the RNG states, config.yaml);
+                  `keep_last` of them are kept, and while the next one is written (into a
+                  temporary folder, before the oldest is pruned) keep_last + 1 exist at once
+    HF export     2 (bf16) or 4 (fp32) bytes per parameter, plus config and tokenizer files;
+                  written after the last checkpoint, while the kept checkpoints still exist
+    metrics       one JSON line per optimizer step and evaluation (under 2 KiB each)
+
+The check refuses a run whose peak exceeds the free space of output_dir's filesystem *before*
+the model is loaded, so no training time is spent on a run that cannot save its result.
+`DiskFullError` is what a save raises when the disk fills anyway (another writer, a wrong
+estimate): one paragraph naming the folder, the bytes needed and free, and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master + AdamW m + v
+EXPORT_BYTES_PER_PARAM = {"bf16": 2, "fp32": 4}
+SMALL_FILES_BYTES = 64 * 2**20  # tokenizer, configs, trainer_state.json, safetensors headers
+METRICS_BYTES_PER_STEP = 2048  # a train record (~1 KiB with the timeline) and an eval record
+GIB = 2**30
+
+
+class DiskFullError(OSError):
+    """A save ran out of disk space; str() is the user-facing paragraph."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class RunDisk:
+    """Bytes a run writes at its peak, and the parts that make it up."""
+
+    checkpoint_bytes: int  # one checkpoint
+    checkpoints_at_peak: int  # complete + the one being written
+    checkpoints_kept: int  # after the last prune, while the export is written
+    export_bytes: int  # 0 without an export
+    metrics_bytes: int
+    peak_bytes: int
+
+    def describe(self) -> str:
+        parts = []
+        if self.checkpoints_at_peak:
+            parts.append(
+                f"{self.checkpoints_at_peak} checkpoint(s) of {_gib(self.checkpoint_bytes)} GiB "
+                f"({CHECKPOINT_BYTES_PER_PARAM} bytes per parameter: fp32 weights and AdamW m, v)"
+            )
+        if self.export_bytes:
+            kept = f" written while {self.checkpoints_kept} checkpoint(s) are kept"
+            parts.append(
+                f"the Hugging Face export of {_gib(self.export_bytes)} GiB"
+                + (kept if self.checkpoints_kept else "")
+            )
+        parts.append(f"{_gib(self.metrics_bytes + SMALL_FILES_BYTES)} GiB of metrics and configs")
+        return "; ".join(parts)
+
+
+def run_disk_bytes(
+    num_params: int,
+    *,
+    save_every: int,
+    save_final: bool,
+    keep_last: int,
+    export_hf: bool,
+    export_dtype: str,
+    total_steps: int | None,
+) -> RunDisk:
+    """Peak bytes a run writes to output_dir. `total_steps` None: unknown, assume many saves."""
+    ckpt = num_params * CHECKPOINT_BYTES_PER_PARAM
+    if total_steps is None:
+        saves = keep_last + 1 if save_every else int(save_final)
+    else:
+        periodic = total_steps // save_every if save_every else 0
+        final = save_final and (not save_every or total_steps % save_every != 0)
+        saves = periodic + int(final)
+    at_peak = min(saves, keep_last + 1)
+    kept = min(saves, keep_last)
+    export = num_params * EXPORT_BYTES_PER_PARAM[export_dtype] if export_hf else 0
+    metrics = METRICS_BYTES_PER_STEP * (total_steps if total_steps is not None else 100_000)
+    peak = max(at_peak * ckpt, kept * ckpt + export) + metrics + SMALL_FILES_BYTES
+    return RunDisk(ckpt, at_peak, kept, export, metrics, peak)
+
+
+def free_bytes(folder: str | Path) -> int:
+    """Free bytes of the filesystem that holds `folder` (or its nearest existing parent)."""
+    path = Path(folder).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_run_disk(output_dir: str | Path, disk: RunDisk, *, already_written: int = 0) -> None:
+    """Refuse, with the numbers and what to change, a run the output_dir's disk cannot hold.
+
+    `already_written`: bytes of this run's lineage already on disk that the run replaces (the
+    kept checkpoints of a resumed run are pruned as new ones are written).
+    """
+    needed = max(0, disk.peak_bytes - already_written)
+    free = free_bytes(output_dir)
+    if needed <= free:
+        return
+    raise ValueError(
+        f"not enough disk for this run: training.output_dir={str(output_dir)!r} is on a "
+        f"filesystem with {_gib(free)} GiB free, and the run writes up to {_gib(needed)} GiB "
+        f"({disk.describe()}). Free space there, choose an output_dir on a larger disk, or "
+        "write less: lower checkpoint.keep_last, set checkpoint.save_final: false (no "
+        "resumable checkpoint at the end, only the Hugging Face export), raise "
+        "checkpoint.save_every or set checkpoint.export_dtype: bf16"
+    )
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC as an OSError, or as the safetensors writer's error text ("os error 28")."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "os error 28" in text
+
+
+_AFTER_CHECKPOINT = (
+    "The partial files were removed and the previous checkpoint is intact. Free space there (or "
+    "choose a training.output_dir on a larger disk) and resume with --checkpoint.resume_from "
+    "auto; to write less, lower checkpoint.keep_last or set checkpoint.save_final: false"
+)
+AFTER_EXPORT = (
+    "The partial export was removed; checkpoints are untouched. Free space there (or choose "
+    "another folder) and export the last checkpoint with megatrain export --checkpoint DIR --out "
+    "DIR"
+)
+
+
+def disk_full_error(
+    folder: str | Path, what: str, needed_bytes: int, *, fix: str = _AFTER_CHECKPOINT
+) -> DiskFullError:
+    """The paragraph for a save that ran out of space in `folder`."""
+    try:
+        free = f"{_gib(free_bytes(folder))} GiB"
+    except OSError:
+        free = "an unknown amount"
+    return DiskFullError(
+        f"the disk filled while writing {what} into {folder}: it needs about "
+        f"{_gib(needed_bytes)} GiB and {free} is free now. " + fix
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
