@@ -131,6 +131,7 @@ class RunBuilder:
             pin_memory=self.pin_memory,
             check_gpu=self.placement.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
+            gpu_state_blocks=cfg.memory.gpu_state_blocks,
         )
 
     def plan(
@@ -273,4 +274,13 @@ class RunBuilder:
             max_grad_norm=cfg.optimizer.clip_norm,
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
             compile_layers=cfg.training.compile_layers,
+            gpu_state_blocks=self.gpu_state_blocks(len(store.layers)),
         )
+
+    def gpu_state_blocks(self, num_layers: int) -> int:
+        """GPU-tier blocks (layers, then embedding, then head): the config's count (clamped to
+        the model), or the plan's for "auto" (the plan is then computed, else not needed)."""
+        blocks = self.cfg.memory.gpu_state_blocks
+        if isinstance(blocks, int):
+            return min(blocks, num_layers + 2)
+        return self.plan().gpu_state_blocks

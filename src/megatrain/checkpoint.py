@@ -5,6 +5,8 @@ Layout of one checkpoint, `<output_dir>/checkpoints/step-<N>/`:
                                  as stored (fp32, bf16, or int8 codes plus exp_avg_scale and
                                  exp_avg_sq_scale; store/states.py) (metadata: the block's
                                  optimizer step, parameter names and state_dtype)
+                                 (a block held on the GPU, optimizer-state tier, is saved
+                                 from the device into the same files)
     trainer_state.json           step, data loader position, RNG states, metrics
     config.yaml                  the resolved run config
 
@@ -106,7 +108,10 @@ def _write_checkpoint(
     for block in store.blocks:
         path = tmp / "blocks" / f"{block.name}.safetensors"
         save_file(
-            {"master": block.master, **block.state_tensors()},
+            {  # .cpu(): a GPU-tier block is saved from the device into the same files
+                "master": block.master.cpu(),
+                **{name: t.cpu() for name, t in block.state_tensors().items()},
+            },
             str(path),
             metadata={
                 "step": str(block.step),

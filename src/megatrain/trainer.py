@@ -259,6 +259,8 @@ def _report_plan(plan: ResourcePlan, gpu: bool) -> None:
             f"micro_batch_size auto: {plan.batch_reason}; gradient accumulation {plan.grad_accum}",
             flush=True,
         )
+    if plan.tier_reason and plan.gpu_state_blocks:
+        print(f"memory.gpu_state_blocks auto: {plan.tier_reason}", flush=True)
     est = plan.estimate
     print(
         f"resources: host {est.host.total_bytes / 2**30:.1f} GiB"

@@ -37,6 +37,8 @@ def test_table_names_every_part(capsys: pytest.CaptureFixture[str]) -> None:
             "2",
             "--grad-accum",
             "3",
+            "--memory.gpu_state_blocks",  # all streamed: the table's streaming rows
+            "0",
         ],
         capsys,
     )
@@ -73,6 +75,8 @@ def test_json_carries_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
             "packed",
             "--num-slots",
             "1",
+            "--memory.gpu_state_blocks",
+            "0",
             "--json",
         ],
         capsys,
@@ -105,7 +109,7 @@ def test_config_file_and_overrides(tmp_path: Path, capsys: pytest.CaptureFixture
         "  compute_dtype: fp32\n  config_overrides: {num_hidden_layers: 2}\n"
         "data:\n  cutoff_len: 48\n  packing: true\n"
         "training:\n  micro_batch_size: 2\n  gradient_accumulation_steps: 5\n"
-        "memory:\n  num_slots: 1\n"
+        "memory:\n  num_slots: 1\n  gpu_state_blocks: 0\n"
         "optimizer:\n  max_grad_norm: 0.0\n"
     )
     status, out = _run(

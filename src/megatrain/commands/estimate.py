@@ -95,11 +95,14 @@ def run(args: argparse.Namespace) -> int:
     problem = "; ".join(plan.problems) if plan.problems else None
     if args.json:
         report = {**est.to_dict(), "fits": plan.fits, "problem": problem}
-        print(json.dumps({**report, "micro_batch_reason": plan.batch_reason}))
+        reasons = {"micro_batch_reason": plan.batch_reason, "gpu_tier_reason": plan.tier_reason}
+        print(json.dumps({**report, **reasons}))
         return 0 if plan.fits else 1
     print(format_estimate(est))
     if plan.batch_reason:
         print(f"auto micro-batch: {plan.batch_reason}")
+    if plan.tier_reason:
+        print(f"auto {plan.tier_reason}")
     print(
         f"fits: {'yes' if plan.fits else 'no'} (margins: GPU {mem.gpu_margin_gib:g} GiB, "
         f"host {mem.host_margin_gib:g} GiB)"

@@ -226,9 +226,22 @@ class MemoryConfig:
     """GPU memory micro_batch_size "auto" leaves free."""
     host_margin_gib: float = 4.0
     """Host memory the resource check keeps free for the OS and data loading."""
+    gpu_state_blocks: int | str = "auto"
+    """Blocks whose fp32 master, AdamW states and gradient stay on the GPU and are updated there,
+    never streamed, counted in this order: the decoder layers from the first, then the
+    embedding, then the head. An integer >= 0 (0: none; more than the model has: all), or
+    "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free); none on the CPU."""
 
     def validate(self) -> None:
         check_types("memory", self)
+        blocks = self.gpu_state_blocks
+        if (isinstance(blocks, str) and blocks != "auto") or (
+            isinstance(blocks, int) and blocks < 0
+        ):
+            raise ValueError(
+                f"memory.gpu_state_blocks={blocks!r} must be an integer >= 0 (0: keep every "
+                "optimizer state on the host) or 'auto'"
+            )
         check_int("memory.num_slots", self.num_slots, minimum=1)
         check_int("memory.loss_chunk_tokens", self.loss_chunk_tokens, minimum=1, optional=True)
         check_number("memory.gpu_margin_gib", self.gpu_margin_gib, low=0.0)
@@ -316,6 +329,13 @@ class TrainConfig:
             raise ValueError(
                 f"training.eval_every={t.eval_every} but there is no evaluation data; set "
                 "data.val_size or data.eval_dataset, or training.eval_every: 0"
+            )
+        blocks, states = self.memory.gpu_state_blocks, self.optimizer.state_dtype
+        if isinstance(blocks, int) and blocks > 0 and states != "fp32":
+            raise ValueError(
+                f"memory.gpu_state_blocks={blocks} with optimizer.state_dtype={states!r}: the GPU "
+                "tier keeps fp32 states (a block's checkpoint must not depend on its tier); set "
+                "memory.gpu_state_blocks: 0 (or auto), or optimizer.state_dtype: fp32"
             )
         warmup = self.optimizer.warmup_steps
         if t.max_steps is not None and warmup > t.max_steps:

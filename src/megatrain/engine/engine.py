@@ -15,6 +15,9 @@ Step schedule (docs/architecture.md, "One optimizer step"):
    its gradient lands (overlapping the rest of the backward). With clipping the global norm is
    known only after the whole backward; updates then run in forward order, overlapping the next
    step's forward, which waits for block i's update only before copying block i.
+   Blocks of the GPU tier (engine/tier.py: the first layers, then the embedding and the head)
+   stay on the device: never copied, their gradient kept there, their AdamW run there on the
+   compute stream (right after their backward, or with clipping once the global norm is known).
 
 Shapes: B = rows, S = sequence, D = hidden size.
 """
@@ -32,6 +35,7 @@ from megatrain.engine.head import ChunkedLoss
 from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.rng import restored_rng, rng_state, uses_randomness
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
+from megatrain.engine.tier import GpuTier
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.engine.updates import UpdateWorker
@@ -78,7 +82,9 @@ class StreamingEngine:
         loss_chunk_tokens: int | None = None,
         threaded_optimizer: bool = True,
         compile_layers: bool = False,
+        gpu_state_blocks: int = 0,
     ) -> None:
+        """`gpu_state_blocks`: blocks whose states live on the device (engine/tier.py)."""
         self.structure = structure
         self.store = store
         self.device = torch.device(device)
@@ -88,6 +94,7 @@ class StreamingEngine:
         self.transfers = Transfers(self.device)
         _move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
+        self.tier = GpuTier.first_blocks(store, gpu_state_blocks, optimizer, self.device)
         self.slots = LayerSlots(
             structure.layers,
             store.layers,
@@ -96,12 +103,17 @@ class StreamingEngine:
             num_slots=num_slots,
             transfers=self.transfers,
             compile_layers=compile_layers,
+            resident=self.tier.num_layers,
         )
         self.embedder = Embedder(
-            device_copy(structure.embed, self.device), store.embed, self.transfers, self.dtype
+            device_copy(structure.embed, self.device),
+            store.embed,
+            self.transfers,
+            self.dtype,
+            resident=store.embed in self.tier,
         )
         self._build_head(loss_chunk_tokens)
-        numel = max(b.numel for b in store.layers)
+        numel = max((b.numel for b in store.layers[self.tier.num_layers :]), default=0)
         self._acc = [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._stage = (
             [torch.empty(numel, dtype=torch.bfloat16, device=self.device) for _ in range(2)]
@@ -123,21 +135,34 @@ class StreamingEngine:
         st, store = self.structure, self.store
         self.norm = device_copy(st.final_norm, self.device)
         self.lm_head = device_copy(st.lm_head, self.device)
-        self.head_buf = torch.empty(store.head.numel, dtype=self.dtype, device=self.device)
+        # GPU-tier blocks bring their own device weights and fp32 gradient
+        self.head_buf, self.head_acc = self._device_buffers(store.head)
         self.head_params = bind_module(
             {"norm": self.norm, "lm_head": self.lm_head}, store.head, self.head_buf
         )
-        self.head_acc = torch.zeros(store.head.numel, dtype=torch.float32, device=self.device)
-        self.embed_acc = torch.zeros(store.embed.numel, dtype=torch.float32, device=self.device)
+        self.table_buf, self.embed_acc = self._device_buffers(store.embed, st.tied)
         self.head_grad_views = [store.head.view(self.head_acc, e) for e in store.head.entries]
         if st.tied:  # the lm_head is the embedding table: it goes to the GPU whole for the loss
-            self.table_buf = torch.empty(store.embed.numel, dtype=self.dtype, device=self.device)
             self.head_params += bind_module({"embed": self.lm_head}, store.embed, self.table_buf)
             self.head_grad_views.append(self.embed_acc.view(store.embed.entries[0].shape))
         self.loss_fn = ChunkedLoss(st, self.norm, self.lm_head, loss_chunk_tokens)
         self._head_ready: Event = DONE
         self._head_free: Event = DONE
         self._head_busy: list[Event] = []
+
+    def _device_buffers(
+        self, block: ParamBlock, weights: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(compute-dtype weights, fp32 gradient) of a head or embedding block on the device:
+        the block's own for the GPU tier, else new buffers (weights empty if not `weights`)."""
+        if block in self.tier:
+            assert block.grad is not None
+            return block.source, block.grad
+        n = block.numel if weights else 0
+        return (
+            torch.empty(n, dtype=self.dtype, device=self.device),
+            torch.zeros(block.numel, dtype=torch.float32, device=self.device),
+        )
 
     # ---------------------------------------------------------------- public API
 
@@ -157,7 +182,11 @@ class StreamingEngine:
         coef = 1.0
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            for block in self.tier.blocks:  # before the next forward uses them (same stream)
+                self._update_tier(block, lr, coef)
             for order, block in enumerate(self.store.blocks):  # forward order
+                if block in self.tier:
+                    continue
                 self.worker.submit(
                     block, self._landed[block.name], order=order, lr=lr, grad_scale=coef
                 )
@@ -204,10 +233,10 @@ class StreamingEngine:
         mbs = [
             self.embedder.start(b, self.capture, training, self.aux is not None) for b in batches
         ]
-        layers = self.store.layers
-        for j in range(min(self.slots.num_slots, len(layers))):
+        layers, first = self.store.layers, self.slots.resident  # first streamed layer
+        for j in range(first, first + self.slots.num_slots):
             self._load_layer(j, timeline)
-        if self.slots.num_slots >= len(layers):
+        if first + self.slots.num_slots >= len(layers):
             self._load_head(timeline)
         for i in range(len(layers)):
             timer.start(functools.partial(self.slots.acquire, i))
@@ -221,7 +250,7 @@ class StreamingEngine:
             timer.stop()
             self.slots.release(i)
             nxt = i + self.slots.num_slots
-            if nxt < len(layers):
+            if i >= first and nxt < len(layers):
                 self._load_layer(nxt, timeline)
                 if nxt == len(layers) - 1:
                     self._load_head(timeline)
@@ -232,11 +261,12 @@ class StreamingEngine:
         self.slots.load(i)
 
     def _load_head(self, timeline: Timeline) -> None:
-        timeline.wait_optimizer_s += self.worker.wait(self.store.head)
-        self._head_ready = self.transfers.h2d(
-            self.head_buf, self.store.head.source, after=self._head_free
-        )
-        if self.structure.tied:
+        if self.store.head not in self.tier:
+            timeline.wait_optimizer_s += self.worker.wait(self.store.head)
+            self._head_ready = self.transfers.h2d(
+                self.head_buf, self.store.head.source, after=self._head_free
+            )
+        if self.structure.tied and self.store.embed not in self.tier:
             timeline.wait_optimizer_s += self.worker.wait(self.store.embed)
             self.transfers.wait(self._head_ready)
             self._head_ready = self.transfers.h2d(
@@ -286,7 +316,7 @@ class StreamingEngine:
         self._head_free = self.transfers.compute_event()
         aux = self._aux_value(mbs)
         if training:
-            self._sumsq = [self._ship(self.store.head, self.head_acc, lr)]
+            self._sumsq = [self._finish(self.store.head, self.head_acc, lr)]
         return ce, aux
 
     def _aux_value(self, mbs: list[MicroBatch]) -> torch.Tensor | None:
@@ -303,29 +333,28 @@ class StreamingEngine:
     def _backward(
         self, mbs: list[MicroBatch], timer: ComputeTimer, lr: float
     ) -> list[torch.Tensor]:
-        layers, num_slots = self.store.layers, self.slots.num_slots
-        for j in range(len(layers) - 1, max(-1, len(layers) - 1 - num_slots), -1):
+        layers, num_slots, first = self.store.layers, self.slots.num_slots, self.slots.resident
+        for j in range(len(layers) - 1, len(layers) - 1 - num_slots, -1):
             self.slots.load(j)  # no copy for layers still resident from the forward
         for i in range(len(layers) - 1, -1, -1):
-            block = layers[i]
-            k = i % 2
-            self.transfers.wait(self._acc_busy[k])  # this accumulator's last copy-out is done
-            acc = self._acc[k][: block.numel]
+            block, k, tier = layers[i], i % 2, i < first
+            if not tier:
+                self.transfers.wait(self._acc_busy[k])  # this accumulator's copy-out is done
             timer.start(functools.partial(self.slots.acquire, i))
-            acc.zero_()
+            acc = self.tier.gradient(block) if tier else self._acc[k][: block.numel].zero_()
             views = [block.view(acc, e) for e in block.entries]
             for mb in mbs:
                 self._layer_backward(i, mb, views, len(mbs))
             timer.stop()
             self.slots.release(i)
-            self._sumsq.append(self._ship(block, acc, lr, k))
-            if i - num_slots >= 0:
+            self._sumsq.append(self._finish(block, acc, lr, k))
+            if i - num_slots >= first:
                 self.slots.load(i - num_slots)
         timer.start()
         for mb in mbs:
             self.embedder.backward(mb, self.embed_acc.view(self.store.embed.entries[0].shape))
         timer.stop()
-        self._sumsq.append(self._ship(self.store.embed, self.embed_acc, lr))
+        self._sumsq.append(self._finish(self.store.embed, self.embed_acc, lr))
         return self._sumsq
 
     def _layer_backward(
@@ -352,6 +381,21 @@ class StreamingEngine:
         pairs = [(v, g) for v, g in zip(views, result[1:], strict=True) if g is not None]
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [g for _, g in pairs])
+
+    def _finish(
+        self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None
+    ) -> torch.Tensor:
+        """The block's gradient is complete: its squared norm (on the device). Shipped to the
+        host worker, or for the GPU tier kept, and without clipping applied here at once."""
+        if block not in self.tier:
+            return self._ship(block, acc, lr, k)
+        sumsq = torch.linalg.vector_norm(acc).square()
+        if self.max_grad_norm is None:
+            self._update_tier(block, lr, 1.0)
+        return sumsq
+
+    def _update_tier(self, block: ParamBlock, lr: float, coef: float) -> None:
+        self.tier.update(block, lr=lr, grad_scale=coef, on_gradient=self.worker.on_landed)
 
     def _ship(
         self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None

@@ -4,7 +4,8 @@ The embedding table never goes to the GPU whole: the rows a micro-batch uses are
 the host from the embedding block's copy source (bf16 shadow, or fp32 master), copied over, and
 fed to a device copy of the HF embedding module through remapped ids. The module's own forward
 runs (so scaled embeddings such as Gemma's are exact), and its gradient w.r.t. the gathered rows
-is scattered back into the full-table accumulator at the end of the backward.
+is scattered back into the full-table accumulator at the end of the backward. An embedding in
+the GPU tier (engine/tier.py, `resident`) has its table on the device: rows are gathered there.
 
 Shapes: B = batch rows, S = sequence, D = hidden, U = distinct token ids of the micro-batch.
 """
@@ -48,7 +49,13 @@ def shifted_targets(labels_BS: torch.Tensor) -> torch.Tensor:
 
 class Embedder:
     def __init__(
-        self, embed: nn.Module, block: ParamBlock, transfers: Transfers, dtype: torch.dtype
+        self,
+        embed: nn.Module,
+        block: ParamBlock,
+        transfers: Transfers,
+        dtype: torch.dtype,
+        *,
+        resident: bool = False,
     ) -> None:
         if [e.name for e in block.entries] != ["weight"] or len(block.entries[0].shape) != 2:
             raise ValueError(
@@ -62,6 +69,7 @@ class Embedder:
         self.transfers = transfers
         self.dtype = dtype
         self.shape = block.entries[0].shape
+        self.resident = resident
 
     def start(
         self, batch: Batch, capture: LayerCallCapture, training: bool, with_router_weights: bool
@@ -69,12 +77,16 @@ class Embedder:
         device = self.transfers.device
         uniq, inverse = torch.unique(batch.input_ids, return_inverse=True)
         table = self.block.source.view(self.shape)
-        rows_host = torch.empty(
-            (uniq.numel(), self.shape[1]), dtype=table.dtype, pin_memory=self.transfers.is_cuda
-        )
-        torch.index_select(table, 0, uniq, out=rows_host)
-        rows = torch.empty(rows_host.shape, dtype=self.dtype, device=device)
-        self.transfers.wait(self.transfers.h2d(rows, rows_host))
+        if self.resident:  # GPU tier: the table, in the compute dtype, is on the device
+            rows = table.index_select(0, uniq.to(device, non_blocking=True))
+        else:
+            rows_host = torch.empty(
+                (uniq.numel(), self.shape[1]), dtype=table.dtype, pin_memory=self.transfers.is_cuda
+            )
+            torch.index_select(table, 0, uniq, out=rows_host)
+            rows = torch.empty(rows_host.shape, dtype=self.dtype, device=device)
+            self.transfers.wait(self.transfers.h2d(rows, rows_host))
+        assert rows.dtype == self.dtype
         rows.requires_grad_(training)
         dev = batch.to(device)
         self.module.weight = rows  # a plain attribute: the parameter was removed

@@ -5,6 +5,10 @@ lives in slot i % num_slots, and has its own module: a copy of the HF layer made
 device whose parameters are views into that slot's buffer. Loading layer i is one copy into the
 buffer; its module is ready at once, with no per-step binding.
 
+The first `resident` layers are the GPU tier (engine/tier.py): their modules are bound to the
+block's own device weights (`block.source`, on the device for the whole run), they take no slot,
+and loading them is a no-op. Streamed layer i lives in slot (i - resident) % num_slots.
+
 One module per layer rather than one per structural group: HF layers carry per-layer attributes
 that parameter shapes do not reveal (sliding window or not, layer type, whether RoPE applies),
 and modules cost no device memory since their parameters are views.
@@ -66,11 +70,15 @@ class LayerSlots:
         num_slots: int,
         transfers: Transfers,
         compile_layers: bool = False,
+        resident: int = 0,
     ) -> None:
         assert num_slots >= 1, num_slots  # validated with the config (memory.num_slots)
-        self.num_slots = min(num_slots, len(blocks))  # more slots than layers are never used
+        assert 0 <= resident <= len(blocks), resident
+        self.resident = resident
+        streamed = blocks[resident:]
+        self.num_slots = min(num_slots, len(streamed))  # more slots than layers are never used
         self.transfers = transfers
-        numel = max(b.numel for b in blocks)
+        numel = max((b.numel for b in streamed), default=0)
         self.buffers = [
             torch.empty(numel, dtype=dtype, device=device) for _ in range(self.num_slots)
         ]
@@ -78,7 +86,8 @@ class LayerSlots:
         self.params: list[list[nn.Parameter]] = []
         for i, (layer, block) in enumerate(zip(layers, blocks, strict=True)):
             module = device_copy(layer, device)
-            self.params.append(bind_module({"layer": module}, block, self.buffers[self.slot(i)]))
+            flat = block.source if i < resident else self.buffers[self.slot(i)]
+            self.params.append(bind_module({"layer": module}, block, flat))
             if compile_layers:
                 module.compile()  # in place: the bound parameters stay the module's own
             self.modules.append(module)
@@ -96,10 +105,13 @@ class LayerSlots:
         self._free: list[Event | None] = [None] * self.num_slots
 
     def slot(self, layer: int) -> int:
-        return layer % self.num_slots
+        assert layer >= self.resident, f"layer {layer} is resident, it has no slot"
+        return (layer - self.resident) % self.num_slots
 
     def load(self, layer: int) -> None:
         """Start copying `layer` into its slot unless its current weights are already there."""
+        if layer < self.resident:
+            return  # GPU tier: its weights never leave the device
         s = self.slot(layer)
         if self.holds[s] == layer:
             return
@@ -111,6 +123,8 @@ class LayerSlots:
 
     def acquire(self, layer: int) -> nn.Module:
         """The layer's module, once its weights are on the device (compute stream waits)."""
+        if layer < self.resident:
+            return self.modules[layer]  # updated on the compute stream itself: no wait
         s = self.slot(layer)
         assert self.holds[s] == layer, f"layer {layer} not loaded (slot {s} has {self.holds[s]})"
         self.transfers.wait(self._ready[s])
@@ -118,7 +132,8 @@ class LayerSlots:
 
     def release(self, layer: int) -> None:
         """Compute issued so far is the last use of this slot's content."""
-        self._free[self.slot(layer)] = self.transfers.compute_event()
+        if layer >= self.resident:
+            self._free[self.slot(layer)] = self.transfers.compute_event()
 
     def invalidate(self) -> None:
         """The host weights changed (optimizer step): nothing on the device is current."""

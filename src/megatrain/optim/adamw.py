@@ -9,6 +9,7 @@ bf16 shadow is written in the same pass. Two implementations, picked by `impl`:
   separate cast pass for the shadow, and a conversion pass when the gradient is bf16.
 - "auto": "c" when the kernel builds on this machine, else "torch".
 
+Blocks of the GPU tier take the "torch" path on the device (`update(on_device=True)`).
 Both release the GIL, so a host worker thread can run them while the main thread drives the GPU.
 Results equal `torch.optim.AdamW` + `clip_grad_norm_` to fp32 rounding (tests/test_adamw.py).
 
@@ -86,8 +87,14 @@ class CpuAdamW:
         self.impl = "c" if self._lib is not None else "torch"
         self.num_threads = num_threads or torch.get_num_threads()
 
-    def update(self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0) -> None:
-        """One AdamW step on `block` with its landed gradient times `grad_scale`."""
+    def update(
+        self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0, on_device: bool = False
+    ) -> None:
+        """One AdamW step on `block` with its landed gradient times `grad_scale`.
+
+        `on_device`: the block lives on the compute device (GPU tier, engine/tier.py): the
+        "torch" implementation runs there, queued on the current stream (no host sync).
+        """
         block.step += 1
         beta1, beta2 = self.hyper.betas
         bc1 = 1.0 - beta1**block.step
@@ -114,7 +121,7 @@ class CpuAdamW:
         ]
         for start, end, decay in ranges:
             if end > start:
-                if self._lib is not None:
+                if self._lib is not None and not on_device:
                     self._update_c(block, start, end, decay, lr / bc1, bc2_sqrt, grad_scale)
                 else:
                     self._update_torch(
@@ -219,7 +226,7 @@ class CpuAdamW:
             [block.exp_avg[start:end]],
             [block.exp_avg_sq[start:end]],
             [],
-            [torch.tensor(float(block.step))],
+            [torch.full((), float(block.step), device=p.device)],  # a fill, not a copy
             lr=lr,
             beta1=beta1,
             beta2=beta2,

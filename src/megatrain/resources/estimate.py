@@ -10,6 +10,9 @@ Host (bytes per parameter P; the store of store/host.py, every block):
   (store/memory.py): their size rounded up to 2 MiB. Smaller ones come from torch's caching
   host allocator, which rounds up to a power of two. `pinned_reserved_bytes` counts that.
 - Plus the process baseline (python, torch, CUDA context) and the tokenized data.
+- Blocks of the GPU tier (the first `gpu_state_blocks` of: layers, embedding, head) hold
+  nothing on the host once the engine is built (they move to the GPU); while the model loads
+  they are there.
 - Large pageable buffers are zero pages until first written (store/memory.py): the RSS of
   the Adam states appears with the first optimizer update, so `total_bytes` is what the
   process holds from the first step on.
@@ -17,7 +20,10 @@ Host (bytes per parameter P; the store of store/host.py, every block):
 GPU (what `torch.cuda.max_memory_allocated` sees; c = bytes of the compute dtype, L layers,
 T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph head block):
 - persistent: num_slots x Pl x c weight slots; 2 x Pl x 4 fp32 gradient accumulators;
-  2 x Pl x 2 bf16 staging (bf16 only); Ph x c head weights; V x D x c table (tied only);
+  2 x Pl x 2 bf16 staging (bf16 only) (Pl over the streamed layers); the GPU tier, per
+  parameter fp32 master + m + v + gradient (16) + bf16 weights (2, bf16 only; in fp32 compute
+  the master is the weights), which replaces a tier head's or embedding's weights and gradient
+  below; Ph x c head weights; V x D x c table (tied only);
   Ph x 4 + V x D x 4 head and embedding gradient accumulators;
 - per step: every layer's input for every micro-batch, L x T x D x c, and one more T x D x c
   (the last hidden state, then its gradient), the gathered embedding rows, the captured layer
@@ -121,8 +127,12 @@ def estimate(
     data_bytes: int = 0,
     pin_memory: bool = True,
     state_dtype: str = "fp32",
+    gpu_state_blocks: int = 0,
 ) -> Estimate:
     """Predict host RAM, GPU peak and step time of training `config` with these settings.
+
+    `gpu_state_blocks`: blocks kept on the GPU with their optimizer states, counted layers
+    first, then embedding, then head (engine/tier.py); more than the model has means all.
 
     `padded`: micro-batches carry padding masks (4-D [B,1,S,S] masks under sdpa); `packed`:
     rows of several samples (position ids restart); neither: full rows, no mask.
@@ -141,7 +151,8 @@ def estimate(
     if padded and packed:
         raise ValueError("a micro-batch is either padded or packed, not both")
     spec = model_spec(config, compute_dtype)
-    slots = min(num_slots, spec.num_layers)  # as the engine: more slots than layers go unused
+    tier = min(max(gpu_state_blocks, 0), spec.num_layers + 2)
+    slots = min(num_slots, spec.num_layers - min(tier, spec.num_layers))  # streamed layers only
     hw = hardware or detect()
     layout = "padded" if padded else "packed" if packed else "full"
     chunk = min(
@@ -155,9 +166,15 @@ def estimate(
         micro_batches=grad_accum,
         num_slots=slots,
         chunk_tokens=chunk,
+        gpu_state_blocks=tier,
     )
     host = host_memory(
-        spec, hw, data_bytes=data_bytes, pin_memory=pin_memory, state_dtype=state_dtype
+        spec,
+        hw,
+        data_bytes=data_bytes,
+        pin_memory=pin_memory,
+        state_dtype=state_dtype,
+        gpu_state_blocks=tier,
     )
     chunks_per_mb = -(-micro_batch_size * seq_len // chunk)
     timing = step_time(
@@ -168,6 +185,7 @@ def estimate(
         micro_batches=grad_accum,
         num_slots=slots,
         clipping=clipping,
+        gpu_state_blocks=tier,
         layer_ops=profile.ops,
         loss_ops=chunks_per_mb * loss_chunk(spec, chunk)[1],
     )
@@ -182,6 +200,7 @@ def estimate(
         clipping=clipping,
         loss_chunk_tokens=chunk,
         state_dtype=state_dtype,
+        gpu_state_blocks=tier,
     )
     return Estimate(
         model=spec.describe(),
@@ -207,16 +226,28 @@ def host_memory(
     data_bytes: int = 0,
     pin_memory: bool = True,
     state_dtype: str = "fp32",
+    gpu_state_blocks: int = 0,
 ) -> HostMemory:
-    numels = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
-    states = sum(state_nbytes(n, state_dtype) for n in numels)
-    if spec.compute_dtype == torch.bfloat16:
-        pageable, pinned_per_block = 4 * sum(numels) + states, [2 * n for n in numels]
-    else:  # master and gradient pinned
-        pageable, pinned_per_block = states, [4 * n for n in numels] * 2
-    pinned = sum(pinned_per_block)
-    reserved = sum(_pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
-    total = pageable + reserved + hw.process_baseline_bytes + data_bytes
+    layers = [la.params for la in spec.layers]
+    every = [spec.embed_params, *layers, spec.head_params]
+    order = [*layers, spec.embed_params, spec.head_params]  # tier order (engine/tier.py)
+    held = order[gpu_state_blocks:]
+
+    def store(numels: list[int]) -> tuple[int, int, int]:
+        """(pageable, pinned, pinned as reserved) bytes of these blocks on the host."""
+        states = sum(state_nbytes(n, state_dtype) for n in numels)
+        if spec.compute_dtype == torch.bfloat16:
+            pageable, pinned_per_block = 4 * sum(numels) + states, [2 * n for n in numels]
+        else:  # master and gradient pinned
+            pageable, pinned_per_block = states, [4 * n for n in numels] * 2
+        pinned = sum(pinned_per_block)
+        reserved = sum(_pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
+        return pageable, pinned, reserved
+
+    pageable, pinned, reserved = store(held)
+    process = hw.process_baseline_bytes + data_bytes
+    total = pageable + reserved + process
+    loading = sum(store(every)[::2]) + process  # every block is built on the host first
     return HostMemory(
         pageable_bytes=pageable,
         pinned_bytes=pinned,
@@ -224,7 +255,7 @@ def host_memory(
         baseline_bytes=hw.process_baseline_bytes,
         data_bytes=data_bytes,
         total_bytes=total,
-        load_peak_bytes=total + 4 * max(numels),  # the block being moved exists twice
+        load_peak_bytes=loading + 4 * max(every),  # the block being moved exists twice
     )
 
 
@@ -236,19 +267,28 @@ def gpu_memory(
     micro_batches: int,
     num_slots: int,
     chunk_tokens: int,
+    gpu_state_blocks: int = 0,
 ) -> GpuMemory:
     c = torch.finfo(spec.compute_dtype).bits // 8
     bf16 = spec.compute_dtype == torch.bfloat16
-    pl, d, table = spec.layer_params_max, spec.hidden_size, spec.embed_params
+    n = spec.num_layers
+    streamed = [la.params for la in spec.layers[gpu_state_blocks:]]
+    embed_tier, head_tier = gpu_state_blocks > n, gpu_state_blocks > n + 1
+    pl, d, table = max(streamed, default=0), spec.hidden_size, spec.embed_params
+    head = 0 if head_tier else spec.head_params  # streamed head / embedding: their buffers
+    streamed_table = 0 if embed_tier else table
+    tier_params = sum(la.params for la in spec.layers[:gpu_state_blocks])
+    tier_params += table * embed_tier + spec.head_params * head_tier
     tokens = tokens_mb * micro_batches
     layer_peak, captured = profile.peak_bytes, profile.captured_bytes
     base = {
+        "GPU tier (fp32 master, m, v, gradient, weights)": tier_params * (18 if bf16 else 16),
         "weight slots": num_slots * pl * c,
         "gradient accumulators (fp32)": 2 * pl * 4,
         "gradient staging (bf16)": 2 * pl * 2 if bf16 else 0,
-        "head weights": spec.head_params * c,
-        "tied lm_head table": table * c if spec.tied else 0,
-        "head + embedding gradients (fp32)": (spec.head_params + table) * 4,
+        "head weights": head * c,
+        "tied lm_head table": streamed_table * c if spec.tied else 0,
+        "head + embedding gradients (fp32)": (head + streamed_table) * 4,
         "embedding rows": micro_batches * min(tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": micro_batches * captured,
     }
@@ -264,7 +304,7 @@ def gpu_memory(
         },
         "embedding backward": {
             "layer-0 inputs + gradients": 2 * tokens * d * c,
-            "embedding gradient staging": table * 2 if bf16 else 0,
+            "embedding gradient staging": streamed_table * 2 if bf16 else 0,
         },
     }
     phase = max(phases, key=lambda p: sum(phases[p].values()))

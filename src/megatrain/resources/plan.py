@@ -10,18 +10,25 @@ then judges (same shape, same loss chunk, same pinning), so "auto" never picks a
 refuses for a reason it did not see. The builder (megatrain.builder) derives the shape from the
 run config once; `megatrain estimate` and `megatrain train` both read the plan from there.
 
-Later plans (activation offload for long rows, optimizer-state tiers, several ranks) extend
-`RunShape` and `ResourcePlan`, not their callers.
+The GPU tier of optimizer states (engine/tier.py) is chosen after the batch: the run's
+activations come first, and "auto" (`memory.gpu_state_blocks`) gives the tier the largest
+number of blocks (layers from the first, then embedding, then head) whose predicted GPU peak
+still fits with `gpu_margin_gib` free; on the CPU "auto" is 0. A given count is clamped to the
+model's blocks, like `num_slots`.
+
+Later plans (activation offload for long rows, several ranks) extend `RunShape` and
+`ResourcePlan`, not their callers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from megatrain.resources.batch_size import pick_micro_batch
 from megatrain.resources.estimate import Estimate, estimate, gpu_problem, host_problem
-from megatrain.resources.hardware import Hardware
+from megatrain.resources.hardware import GIB, Hardware, gib
 from megatrain.resources.spec import ModelSpec
 
 LAYOUTS = ("padded", "packed", "full")
@@ -39,6 +46,7 @@ class RunShape:
     pin_memory: bool
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
     state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
+    gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
 
     def estimate_kwargs(self) -> dict[str, Any]:
         assert self.layout in LAYOUTS, self.layout
@@ -62,6 +70,8 @@ class ResourcePlan:
     estimate: Estimate
     batch_reason: str | None  # why "auto" chose this micro-batch (None: it was given)
     problems: tuple[str, ...]
+    gpu_state_blocks: int = 0  # blocks (layers, embedding, head) whose states live on the GPU
+    tier_reason: str | None = None  # why "auto" chose that many (None: it was given)
 
     @property
     def fits(self) -> bool:
@@ -107,14 +117,28 @@ def plan_resources(
     elif tokens_per_step is not None:
         grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)
     assert isinstance(micro_batch_size, int)
-    est = estimate(
-        spec,
-        micro_batch_size=micro_batch_size,
-        grad_accum=grad_accum,
-        hardware=hardware,
-        state_dtype=shape.state_dtype,
-        **shape.estimate_kwargs(),
-    )
+
+    def predict(tier: int) -> Estimate:
+        return estimate(
+            spec,
+            micro_batch_size=micro_batch_size,
+            grad_accum=grad_accum,
+            hardware=hardware,
+            gpu_state_blocks=tier,
+            state_dtype=shape.state_dtype,
+            **shape.estimate_kwargs(),
+        )
+
+    tier_reason = None
+    if shape.gpu_state_blocks == "auto" and shape.state_dtype != "fp32":
+        tier, tier_reason = 0, f"GPU tier: none (state_dtype {shape.state_dtype}: fp32 only)"
+    elif shape.gpu_state_blocks == "auto":
+        tier, tier_reason = _pick_tier(
+            predict, spec.num_layers + 2, shape.check_gpu, hardware, gpu_margin_gib
+        )
+    else:
+        tier = min(int(shape.gpu_state_blocks), spec.num_layers + 2)
+    est = predict(tier)
     problems = [host_problem(est, hardware, host_margin_gib)]
     if shape.check_gpu:
         problems.append(gpu_problem(est, hardware, gpu_margin_gib))
@@ -124,6 +148,37 @@ def plan_resources(
         estimate=est,
         batch_reason=reason,
         problems=tuple(p for p in problems if p),
+        gpu_state_blocks=tier,
+        tier_reason=tier_reason,
+    )
+
+
+def _pick_tier(
+    predict: Callable[[int], Estimate],
+    num_blocks: int,
+    on_gpu: bool,
+    hardware: Hardware,
+    gpu_margin_gib: float,
+) -> tuple[int, str]:
+    """The most blocks (tier order) whose GPU-tier states fit beside the run, and why.
+
+    The predicted peak grows with the count (each block adds 8-18 B/param and frees at most
+    its share of a slot), so a binary search finds the largest that fits.
+    """
+    if not on_gpu:
+        return 0, "GPU tier: none (no GPU)"
+    budget = hardware.gpu_bytes - gpu_margin_gib * GIB
+    lo, hi = 0, num_blocks  # invariant: lo fits, or lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if predict(mid).gpu.peak_bytes <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    peak = predict(lo).gpu.peak_bytes
+    return lo, (
+        f"GPU tier: {lo} of {num_blocks} blocks, predicted GPU peak {gib(peak)} of "
+        f"{gib(hardware.gpu_bytes)} (margin {gpu_margin_gib:g} GiB)"
     )
 
 

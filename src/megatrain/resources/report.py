@@ -25,6 +25,8 @@ def format_estimate(est: Estimate) -> str:
         f"setup  {s['micro_batch_size']} x {s['seq_len']} tokens x {s['grad_accum']} "
         f"micro-batches = {s['tokens_per_step']} tokens/step; {s['compute_dtype']} compute, "
         f"{s['num_slots']} slots, {layout}, clipping {'on' if s['clipping'] else 'off'}",
+        f"GPU tier  {s['gpu_state_blocks']} blocks (layers from the first, then embedding, head) "
+        "keep their optimizer states on the GPU: no copies, AdamW there",
         "",
         f"{'host RAM':<{_W + 2}}{'GiB':>10}",
         _row(
@@ -75,6 +77,11 @@ def format_estimate(est: Estimate) -> str:
             "CPU optimizer",
             f"{t.optimizer_s:.3f}",
             f"{hw.optimizer_gparams_s:.2f} Gparams/s ({hw.source('optimizer_gparams_s')})",
+        ),
+        _row(
+            "GPU AdamW (GPU tier, on the compute stream)",
+            f"{t.gpu_optimizer_s:.3f}",
+            "assumed rate",
         ),
         _row("step (overlapped)", f"{t.step_s:.3f}", f"bound by {t.bound}"),
         _row("tokens/s", f"{t.tokens_per_s:,.0f}"),

@@ -10,6 +10,9 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
 - CPU AdamW: params / rate per block, one worker thread;
+- GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
+  copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
+  after the block's backward, or with clipping after the norm sync of the step's end;
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
   + backward dispatch the op counts measured on meta (resources/activations.py). Small or
   MoE layers (many small kernels) become host-bound: the GPU waits for the launches.
@@ -35,6 +38,9 @@ from megatrain.resources.hardware import Hardware
 from megatrain.resources.spec import LayerSpec, ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
+GPU_ADAMW_GPARAMS_S = 60.0
+"""Fused AdamW on the GPU (assumed, H100): ~34 bytes per parameter through HBM (read p, g, m,
+v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class StepTime:
     h2d_s: float  # host-to-device copy stream busy (weights)
     d2h_s: float  # device-to-host copy stream busy (gradients)
     optimizer_s: float  # CPU AdamW busy time per step
+    gpu_optimizer_s: float  # AdamW of the GPU tier on the compute stream (not in compute_s)
     bound: str  # the resource the step waits on most
     flops: float  # hardware FLOPs per step (forward + recompute + backward + loss)
     tokens_per_s: float
@@ -61,11 +68,15 @@ class _Costs:
     d2h_s: list[float]  # per layer
     d2h_head_s: float
     d2h_embed_s: float
-    opt_s: list[float]  # per block in forward order: embedding, layers, head
+    opt_s: list[float]  # per block in forward order: embedding, layers, head (0: GPU tier)
+    tier_opt_s: list[float]  # per block as opt_s: AdamW on the GPU (0: host blocks)
     fwd_call_s: list[float]  # host issue time per layer forward (all micro-batches)
     bwd_call_s: list[float]  # per layer recompute + backward
     loss_call_s: float
-    num_slots: int
+    num_slots: int  # slots of the streamed layers (0 when all are in the GPU tier)
+    resident: int  # GPU-tier layers: the first ones
+    tier_embed: bool  # the embedding is in the GPU tier
+    tier_head: bool  # the head is in the GPU tier
     clipping: bool
 
 
@@ -89,6 +100,7 @@ def step_time(
     clipping: bool,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
+    gpu_state_blocks: int = 0,
 ) -> StepTime:
     """`layer_ops`: per layer (forward ops, recompute + backward ops) of one micro-batch;
     `loss_ops`: ops of one micro-batch's loss (all its chunks)."""
@@ -102,6 +114,7 @@ def step_time(
         clipping=clipping,
         layer_ops=layer_ops,
         loss_ops=loss_ops,
+        tier=min(gpu_state_blocks, spec.num_layers + 2),
     )
     step_s = _Replay(costs).run(_STEPS)
     compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
@@ -109,6 +122,7 @@ def step_time(
     h2d_s += costs.h2d_head_s
     d2h_s = sum(costs.d2h_s) + costs.d2h_head_s + costs.d2h_embed_s
     optimizer_s = sum(costs.opt_s)
+    gpu_optimizer_s = sum(costs.tier_opt_s)
     busy = {
         "GPU compute": compute_s,
         "CPU optimizer": optimizer_s,
@@ -123,6 +137,7 @@ def step_time(
         h2d_s=h2d_s,
         d2h_s=d2h_s,
         optimizer_s=optimizer_s,
+        gpu_optimizer_s=gpu_optimizer_s,
         bound=max(busy, key=lambda k: busy[k]),
         flops=flops,
         tokens_per_s=tokens / step_s,
@@ -141,6 +156,7 @@ def _costs(
     clipping: bool,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
+    tier: int,
 ) -> tuple[_Costs, float]:
     tokens = rows * seq * micro_batches
     launch = hw.op_launch_s * micro_batches
@@ -154,26 +170,32 @@ def _costs(
         for la in spec.layers
     ]
     loss = 6.0 * spec.lm_head_params * tokens
-    table = spec.embed_params * elem if spec.tied else 0
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
-    opt_rate = hw.optimizer_gparams_s * 1e9
+    opt_rate, gpu_opt_rate = hw.optimizer_gparams_s * 1e9, GPU_ADAMW_GPARAMS_S * 1e9
+    n, resident = spec.num_layers, min(tier, spec.num_layers)
+    # per block in forward order (embedding, layers, head): parameters the host updates
+    params = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
+    on_gpu = [tier > n, *(i < resident for i in range(n)), tier > n + 1]
+    host = [0 if gpu else p for p, gpu in zip(params, on_gpu, strict=True)]
+    table = host[0] * elem if spec.tied else 0  # a tied table is copied up unless in the tier
     costs = _Costs(
         fwd_s=[f / rate for f in fwd],
         bwd_s=[b / rate for b in bwd],
         loss_s=loss / rate,
-        h2d_s=[la.params * elem / h2d for la in spec.layers],
-        h2d_head_s=(spec.head_params * elem + table) / h2d,
-        d2h_s=[la.params * elem / d2h for la in spec.layers],
-        d2h_head_s=spec.head_params * elem / d2h,
-        d2h_embed_s=spec.embed_params * elem / d2h,
-        opt_s=[
-            n / opt_rate
-            for n in (spec.embed_params, *(la.params for la in spec.layers), spec.head_params)
-        ],
+        h2d_s=[p * elem / h2d for p in host[1:-1]],
+        h2d_head_s=(host[-1] * elem + table) / h2d,
+        d2h_s=[p * elem / d2h for p in host[1:-1]],
+        d2h_head_s=host[-1] * elem / d2h,
+        d2h_embed_s=host[0] * elem / d2h,
+        opt_s=[p / opt_rate for p in host],
+        tier_opt_s=[(p - h) / gpu_opt_rate for p, h in zip(params, host, strict=True)],
         fwd_call_s=[f * launch for f, _ in layer_ops],
         bwd_call_s=[b * launch for _, b in layer_ops],
         loss_call_s=loss_ops * launch,
-        num_slots=min(num_slots, spec.num_layers),
+        num_slots=min(num_slots, spec.num_layers - resident),
+        resident=resident,
+        tier_embed=on_gpu[0],
+        tier_head=on_gpu[-1],
         clipping=clipping,
     )
     return costs, sum(fwd) + sum(bwd) + loss
@@ -204,9 +226,11 @@ class _Replay:
         return duration
 
     def _load(self, i: int, wait_update: bool) -> None:
+        if i < self.c.resident:
+            return  # GPU tier: never copied
         if wait_update:
             self.t = max(self.t, self.updated[1 + i])  # host sync point: worker.wait(block)
-        s = i % self.c.num_slots
+        s = (i - self.c.resident) % self.c.num_slots
         begin = max(self.t, self.h, self.slot_free[s])
         self.h = self.slot_ready[s] = begin + self.c.h2d_s[i]
 
@@ -218,18 +242,26 @@ class _Replay:
         self.g = max(self.g, ready, self.t) + seconds
         return self.g
 
+    def _slot_compute(self, i: int, ready: float, seconds: float) -> None:
+        """Layer i's compute once `ready` and its weights are in; a streamed layer's slot is
+        free again after it (a GPU-tier layer has no slot)."""
+        if i < self.c.resident:
+            self._compute(ready, seconds)
+            return
+        s = (i - self.c.resident) % self.c.num_slots
+        self.slot_free[s] = self._compute(max(ready, self.slot_ready[s]), seconds)
+
     def _forward(self) -> None:
-        c, n = self.c, len(self.c.fwd_s)
+        c, n, first = self.c, len(self.c.fwd_s), self.c.resident
         self.t = max(self.t, self.updated[0])  # the embedding rows come from updated weights
-        for j in range(c.num_slots):
+        for j in range(first, first + c.num_slots):
             self._load(j, wait_update=True)
-        if c.num_slots >= n:
+        if first + c.num_slots >= n:
             self._load_head()
         for i in range(n):
             self.t += c.fwd_call_s[i]
-            s = i % c.num_slots
-            self.slot_free[s] = self._compute(self.slot_ready[s], c.fwd_s[i])
-            if i + c.num_slots < n:
+            self._slot_compute(i, 0.0, c.fwd_s[i])
+            if i >= first and i + c.num_slots < n:
                 self._load(i + c.num_slots, wait_update=True)
                 if i + c.num_slots == n - 1:
                     self._load_head()
@@ -241,22 +273,34 @@ class _Replay:
     def _loss(self) -> None:
         self.t += self.c.loss_call_s
         self.head_free = self._compute(self.head_ready, self.c.loss_s)
-        self._ship(len(self.c.fwd_s) + 1, self.c.d2h_head_s)
+        self._finish(len(self.c.fwd_s) + 1, self.c.tier_head, self.c.d2h_head_s)
+
+    def _finish(self, order: int, in_tier: bool, d2h_s: float) -> None:
+        """A head or embedding gradient is complete: shipped, or updated on the GPU."""
+        if not in_tier:
+            self._ship(order, d2h_s)
+        elif not self.c.clipping:
+            self.g += self.c.tier_opt_s[order]
 
     def _backward(self) -> None:
         c, n = self.c, len(self.c.fwd_s)
         acc_free = [0.0, 0.0]  # the two gradient accumulators, free once copied out
         for i in range(n - 1, -1, -1):
             self.t += c.bwd_call_s[i]
-            s = i % c.num_slots
-            self.slot_free[s] = self._compute(max(self.slot_ready[s], acc_free[i % 2]), c.bwd_s[i])
+            if i < c.resident:  # GPU tier: own gradient buffer, AdamW on the compute stream
+                self._compute(0.0, c.bwd_s[i])
+                if not c.clipping:
+                    self.g += c.tier_opt_s[1 + i]
+                continue
+            self._slot_compute(i, acc_free[i % 2], c.bwd_s[i])
             self._ship(1 + i, c.d2h_s[i])
             acc_free[i % 2] = self.d
-            if i - c.num_slots >= 0:
+            if i - c.num_slots >= c.resident:
                 self._load(i - c.num_slots, wait_update=False)
-        self._ship(0, c.d2h_embed_s)
+        self._finish(0, c.tier_embed, c.d2h_embed_s)
         self.t = max(self.t, self.g)  # sync point: the gradient norm
-        if c.clipping:  # updates are submitted now, in forward order
+        if c.clipping:  # the GPU tier's updates are queued first, then the host's
+            self.g += sum(c.tier_opt_s)
             self.tasks = sorted((order, self.t, landed) for order, _, landed in self.tasks)
 
     def _optimizer(self) -> None:

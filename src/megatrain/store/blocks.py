@@ -18,6 +18,10 @@ Host buffers per block:
             instead (the weights are not needed then); the update reads the gradient and writes
             the new weights into the same place. So gradients need no host memory of their own.
 - `grad`    fp32 gradient, only in fp32 compute (where there is no bf16 shadow to reuse).
+
+A block of the GPU tier (`to_device`) holds all of these on the compute device instead, for the
+whole run: fp32 master, m, v, an fp32 gradient, and (bf16 compute) the shadow as the layer's
+device weights. Its checkpoint files are the same (engine/tier.py).
 """
 
 from __future__ import annotations
@@ -93,15 +97,31 @@ class ParamBlock:
     def host_bytes(self) -> int:
         total = 0
         for t in (self.master, *self.state_tensors().values(), self.shadow, self.grad):
-            if t is not None:
+            if t is not None and t.device.type == "cpu":
                 total += t.numel() * t.element_size()
         return total
+
+    def to_device(self, device: torch.device) -> None:
+        """Move master, m, v and shadow to `device` for good, with an fp32 gradient there.
+
+        The host copies are freed. On the CPU the tensors stay where they are (the GPU tier's
+        code path, run on the CPU) and only the fp32 gradient is added.
+        """
+        self.master = self.master.to(device)
+        self.exp_avg = self.exp_avg.to(device)
+        self.exp_avg_sq = self.exp_avg_sq.to(device)
+        if self.shadow is not None:
+            self.shadow = self.shadow.to(device)
+        if self.grad is not None and self.grad.device == device:
+            return
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
 
 
 def to_bf16_(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst (bf16) <- src (fp32) rounded to nearest even; the C kernel's parallel cast if built."""
     lib = load_adamw_kernel()
-    if lib is None or not (src.is_contiguous() and dst.is_contiguous()):
+    on_host = src.device.type == "cpu" and dst.device.type == "cpu"
+    if lib is None or not (on_host and src.is_contiguous() and dst.is_contiguous()):
         dst.copy_(src)
         return
     lib.mt_to_bf16(src.data_ptr(), dst.data_ptr(), src.numel(), torch.get_num_threads())

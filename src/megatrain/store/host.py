@@ -160,9 +160,10 @@ class HostStore:
     def bound(self, dtype: torch.dtype = torch.float32) -> Iterator[PreTrainedModel]:
         """The HF model with its current weights bound in, as `dtype` (fp32 or bf16).
 
-        fp32 binds the master itself; bf16 binds the shadow (or a cast copy in fp32 compute).
-        Each parameter gets a storage of its own over the block's memory (no copy), so
-        `save_pretrained` sees separate tensors rather than views of one shared buffer. Call
+        fp32 binds the master itself; bf16 binds the shadow (or a cast copy in fp32 compute);
+        blocks of the GPU tier are copied to the host first. Each parameter gets a storage of
+        its own over the block's memory (no copy), so `save_pretrained` sees separate tensors
+        rather than views of one shared buffer. Call
         only between steps, with all updates applied (the shadow holds gradients mid-step).
         The skeleton is weightless again afterwards.
         """
@@ -170,6 +171,7 @@ class HostStore:
             flat = block.master
             if dtype == torch.bfloat16:
                 flat = block.shadow if block.shadow is not None else block.master.bfloat16()
+            flat = flat.cpu()  # a GPU-tier block's weights are copied back (sync point)
             for entry in block.entries:
                 param = nn.Parameter(_own_storage(block.view(flat, entry)), requires_grad=False)
                 for module, attr in entry.owners:

@@ -15,7 +15,7 @@ from megatrain.config import load_config
 from megatrain.store.states import QUANT_BLOCK
 from megatrain.trainer import Trainer
 
-DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
 
 def _trainer(tmp: Path, *overrides: str) -> Trainer:

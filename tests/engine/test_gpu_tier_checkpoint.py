@@ -1,0 +1,98 @@
+"""Checkpoints do not depend on the GPU tier: a run killed and resumed with any tier split
+continues exactly like the straight run: tier blocks are written to, and read from, the same
+files as host blocks.
+
+The demo run (4 layers, fp32, clipping on) with optimizer.impl torch, the kernel the tier runs
+on the device: then every split gives bit-identical steps (tests/engine/test_gpu_tier.py), so
+losses after a resume must equal the straight run's exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from megatrain.checkpoint import latest_checkpoint
+from megatrain.config import load_config
+from megatrain.trainer import Trainer
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
+COMMON = (
+    "--training.max_steps",
+    "6",
+    "--checkpoint.save_every",
+    "3",
+    "--checkpoint.export_hf",
+    "false",
+    "--data.val_size",
+    "0",
+    "--optimizer.impl",
+    "torch",
+    "--logging.progress_bar",
+    "false",
+    "--logging.tensorboard",
+    "false",
+)
+
+
+def _trainer(out: Path, tier: int, *overrides: str) -> Trainer:
+    cfg = load_config(
+        DEMO,
+        [
+            "--training.output_dir",
+            str(out),
+            "--memory.gpu_state_blocks",
+            str(tier),
+            *COMMON,
+            *overrides,
+        ],
+    )
+    return Trainer(cfg)
+
+
+def _losses(out: Path, tier: int, *overrides: str) -> list[float]:
+    trainer = _trainer(out, tier, *overrides)
+    try:
+        assert len(trainer.engine.tier) == tier
+        return trainer.train().losses
+    finally:
+        trainer.close()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    return _losses(tmp_path_factory.mktemp("straight"), 0)
+
+
+# 6: every block of the 4-layer demo (layers, embedding = tied lm_head, head = final norm)
+@pytest.mark.parametrize(("crash_tier", "resume_tier"), [(2, 0), (0, 6)])
+def test_resume_across_tier_splits_is_exact(
+    tmp_path: Path, straight: list[float], crash_tier: int, resume_tier: int
+) -> None:
+    crashed = _trainer(tmp_path, crash_tier)
+    real_step, seen = crashed.engine.train_step, []
+
+    def dies_at_step_4(*args: object, **kwargs: object) -> object:
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        result = real_step(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append(result.loss)
+        return result
+
+    crashed.engine.train_step = dies_at_step_4  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    crashed.close()
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt is not None and ckpt.name == "step-00000003"
+    for i in range(4):  # every layer's file holds fp32 master, m, v, wherever it lived
+        with safe_open(str(ckpt / "blocks" / f"layer.{i}.safetensors"), framework="pt") as f:
+            assert sorted(f.keys()) == ["exp_avg", "exp_avg_sq", "master"]
+            assert f.get_tensor("master").dtype == torch.float32
+            assert f.metadata()["step"] == "3"
+    resumed = _losses(tmp_path, resume_tier, "--checkpoint.resume_from", "auto")
+    assert len(seen) == 3 and len(resumed) == 3
+    assert seen + resumed == straight
