@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatrain.config import load_config
 
@@ -20,6 +21,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatrain.grpo.recipe import GRPOTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(
+            f"megatrain grpo was started as {world} processes (torchrun, WORLD_SIZE={world}); "
+            "GRPO runs in one process on one GPU for now: start it without torchrun, "
+            "`megatrain grpo --config FILE`"
+        )
 
     trainer = GRPOTrainer(load_config(args.config, args.overrides))
     try:
