@@ -68,6 +68,9 @@ def test_format_and_module_rewards() -> None:
     exact = load_reward("megatrain.grpo.rewards:exact_answer", format_pattern="")
     got = exact(["p"] * 3, [" a b ", "a c", "x"], [[1]] * 3, {"answer": ["a b", "a b", None]})
     assert got[:2] == [1.0, 0.0] and math.isnan(got[2]) and nan != nan
+    similar = load_reward("answer_similarity", format_pattern="")
+    got = similar(["p"] * 3, ["c b a", "c a", "zz"], [[1]] * 3, {"answer": ["c b a"] * 3})
+    assert got == [1.0, 2 * 3 / (3 + 5), 0.0]  # 2 x matching characters / total characters
 
 
 def _user_file(tmp_path: Path, body: str) -> str:

@@ -49,7 +49,8 @@ class GRPOConfig:
     reward_funcs: tuple[str, ...] = ("math_answer",)
     """Rewards, summed with reward_weights: built-ins "math_answer" (the final answer, from
     \\boxed{} or the last number, equals the `answer` column), "exact_answer" (the stripped
-    completion equals `answer`), "format" (format_pattern matches), or your own as
+    completion equals `answer`), "answer_similarity" (partial credit in [0, 1]: their similarity
+    ratio), "format" (format_pattern matches), or your own as
     "path/to/file.py:function" or "package.module:function" (docs/grpo.md)."""
     reward_weights: tuple[float, ...] | None = None
     """One weight per reward function; None: all 1."""

@@ -13,7 +13,8 @@ out of that completion's reward, as in TRL).
 Built-ins: "math_answer" (the completion's final answer, from the last \\boxed{...} else the last
 number, equals `answer`: its \\boxed{} content, else its text after "####" (GSM8K), else all of
 it; numbers compare by value), "exact_answer" (the stripped completion equals the stripped
-`answer`), "format" (the completion matches a regular expression). User functions:
+`answer`), "answer_similarity" (partial credit: difflib's similarity ratio of the two, for
+string answers), "format" (the completion matches a regular expression). User functions:
 "path/to/file.py:name" (path relative to the working directory) or "package.module:name".
 
 Invariant: a reward that raises, returns something other than a list of numbers of the right
@@ -22,6 +23,7 @@ length, or cannot be found stops the run with a ValueError / FileNotFoundError n
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import math
@@ -105,6 +107,16 @@ def exact_answer(completions: list[Any], answer: list[Any], **_: Any) -> list[fl
     ]
 
 
+def answer_similarity(completions: list[Any], answer: list[Any], **_: Any) -> list[float | None]:
+    """Partial credit in [0, 1]: difflib's similarity ratio of stripped completion and answer."""
+    return [
+        None
+        if ref is None
+        else difflib.SequenceMatcher(None, completion_text(c).strip(), str(ref).strip()).ratio()
+        for c, ref in zip(completions, answer, strict=True)
+    ]
+
+
 def format_reward(pattern: str) -> Callable[..., list[float | None]]:
     """1.0 where the completion matches `pattern` (DOTALL, from its start), else 0.0."""
     regex = re.compile(pattern, re.DOTALL)
@@ -169,6 +181,7 @@ def load_reward(name: str, *, format_pattern: str) -> RewardFunction:
     builtins: dict[str, Callable[..., Any]] = {
         "math_answer": math_answer,
         "exact_answer": exact_answer,
+        "answer_similarity": answer_similarity,
         "format": format_reward(format_pattern),
     }
     if name in builtins:
