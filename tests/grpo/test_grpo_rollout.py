@@ -1,5 +1,6 @@
-"""Rollouts: greedy generation from the store's weights equals transformers' `generate` on the
-same weights; sampling is reproducible from its seed; completions end at the first EOS."""
+"""Rollouts: greedy generation from the store's weights (resident, or layers streamed) equals
+transformers' `generate` on the same weights; sampling is reproducible from its seed;
+completions end at the first EOS."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ def test_greedy_rollout_equals_transformers_generate(model_type: str, tied: bool
             for s in (1, 1, 2)
         ]
     assert sampled[0] == sampled[1] != sampled[2]
+    for num_slots in (1, 2):  # layers streamed into slots by forward pre-hooks: same tokens
+        with device_model(
+            structure, store, builder.device, streamed=True, num_slots=num_slots
+        ) as model:
+            streamed = generate(
+                model,
+                prompts,
+                max_new_tokens=12,
+                pad_token_id=0,
+                eos_token_ids=eos,
+                do_sample=False,
+            )
+        assert streamed.completions == ours.completions
     width = max(len(p) for p in prompts)
     for prompt, completion, clipped in zip(prompts, ours.completions, ours.clipped, strict=True):
         ids = torch.tensor([prompt])  # one prompt alone: no padding at all in the reference

@@ -14,6 +14,7 @@ from megatrain.config.types import check_choice, check_int, check_number, check_
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+GENERATION = ("auto", "resident", "streamed")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ class GRPOConfig:
     """One weight per reward function; None: all 1."""
     format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
     """Regular expression (DOTALL) the built-in "format" reward checks the completion against."""
+    generation: str = "auto"
+    """Where rollouts run: "resident" (the whole model copied to the GPU once per generation
+    batch), "streamed" (decoder layers copied in one by one, every decoding step: any size,
+    slow) or "auto" (resident when the model's weights take under 80% of the free GPU memory,
+    and always on the CPU)."""
     seed: int = 42
     """Seed of the prompt order and of sampling (a checkpoint resumes both exactly)."""
 
@@ -75,6 +81,7 @@ class GRPOConfig:
         if isinstance(self.scale_rewards, str):
             check_choice("grpo.scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check_int("grpo.num_iterations", self.num_iterations, minimum=1)
+        check_choice("grpo.generation", self.generation, GENERATION)
         check_int("grpo.seed", self.seed, minimum=0)
         if not self.reward_funcs:
             raise ValueError(

@@ -174,7 +174,14 @@ class GRPOTrainer:
         prompts = [p for p in self.batch_prompts(index) for _ in range(g.num_generations)]
         t0 = time.perf_counter()
         self.engine.wait_updates()  # the store holds the current weights
-        with device_model(self.structure, self.store, b.device) as model:
+        streamed = self._streamed_generation()
+        with device_model(
+            self.structure,
+            self.store,
+            b.device,
+            streamed=streamed,
+            num_slots=self.cfg.memory.num_slots,
+        ) as model:
             rollout = generate(
                 model,
                 [p.prompt_ids for p in prompts],
@@ -234,6 +241,16 @@ class GRPOTrainer:
             "generation_tokens_per_s": round(rollout.generated_tokens / max(gen_s, 1e-9), 1),
         }
         return _Generation(batches, inputs, record)
+
+    def _streamed_generation(self) -> bool:
+        mode, device = self.cfg.grpo.generation, self.builder.device
+        if mode != "auto":
+            return mode == "streamed"
+        if device.type != "cuda":
+            return False
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        weight_bytes = self.store.numel * self.store.compute_dtype.itemsize
+        return weight_bytes > 0.8 * free_bytes
 
     def _score(self, prompts: list[Prompt], completions: list[list[int]]) -> tuple[Any, dict]:
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
