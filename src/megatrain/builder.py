@@ -23,7 +23,8 @@ Invariants:
 Where the next capabilities attach: `Placement` carries the rank and world size (a sharded store
 and per-rank data come with multi-GPU runs); the plan grows per-run memory choices (activation
 offload, optimizer-state tiers); further model roles (a frozen reference model, a generation
-path) are more methods here that reuse `model()` and `store()`.
+path) are more methods here that reuse `model()` and `store()`; `reference()` is GRPO's frozen
+KL reference.
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loade
 from megatrain.data.sample import Sample
 from megatrain.device import resolve_device
 from megatrain.engine.engine import StreamingEngine
+from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.loading import load_config as load_hf_config
 from megatrain.model.structure import ModelStructure, discover
 from megatrain.model.tokenizer import load_tokenizer
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
+from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.resources import Hardware, ModelSpec, detect, model_spec
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
 from megatrain.store.host import HostStore
+from megatrain.store.reference import ReferenceWeights
 
 
 @dataclass(frozen=True)
@@ -284,3 +288,35 @@ class RunBuilder:
         if isinstance(blocks, int):
             return min(blocks, num_layers + 2)
         return self.plan().gpu_state_blocks
+
+    def reference(self, store: HostStore) -> ReferenceWeights:
+        """The store's current weights, frozen in host memory (GRPO's KL reference)."""
+        return ReferenceWeights(store)
+
+    def schedule(self, total_steps: int) -> LRSchedule:
+        """The learning-rate schedule of a run of `total_steps` optimizer steps."""
+        opt = self.cfg.optimizer
+        return LRSchedule(
+            peak_lr=opt.learning_rate,
+            total_steps=total_steps,
+            kind=opt.lr_scheduler,
+            warmup_steps=warmup_steps_for(total_steps, opt.warmup_steps, opt.warmup_ratio),
+            min_lr_ratio=opt.min_lr_ratio,
+        )
+
+    def metrics(self, *, total_steps: int, start_step: int) -> MetricsLogger:
+        """The run's metrics logger (metrics.jsonl, TensorBoard, progress bar) in output_dir."""
+        log, device = self.cfg.logging, self.device
+        return MetricsLogger(
+            self.cfg.training.output_dir,
+            total_steps=total_steps,
+            start_step=start_step,
+            log_every=log.log_every,
+            jsonl=log.jsonl,
+            tensorboard=log.tensorboard,
+            progress_bar=log.progress_bar,
+            flops_per_token=6 * self.spec.active_params,
+            peak_flops_per_s=peak_flops(
+                torch.cuda.get_device_name(device) if device.type == "cuda" else None
+            ),
+        )

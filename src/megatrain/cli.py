@@ -1,6 +1,7 @@
 """The `megatrain` command: dispatch to megatrain.commands, and print user errors as one line.
 
     megatrain train    --config FILE [--section.key VALUE ...]
+    megatrain grpo     --config FILE [--section.key VALUE ...]
     megatrain verify   --config FILE | MODEL | --model-type NAME --tiny  [--steps N] [...]
     megatrain estimate --config FILE | --model MODEL --seq-len N [...]
     megatrain data     --config FILE --show N [--json]

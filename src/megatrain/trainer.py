@@ -34,8 +34,7 @@ from megatrain.checkpoint import (
 )
 from megatrain.config import TrainConfig, save_config
 from megatrain.engine.engine import StepResult
-from megatrain.metrics import MetricsLogger, peak_flops
-from megatrain.optim.schedule import LRSchedule, warmup_steps_for
+from megatrain.metrics import MetricsLogger
 from megatrain.output_dir import TrainingInterrupted, interrupted_message, prepare_output_dir
 from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
 from megatrain.resources.plan import ResourcePlan
@@ -78,7 +77,7 @@ class Trainer:
         self.plan = b.plan()
         self.plan.require_fit()  # before anything large is allocated
         self._check_disk(b.spec.total_params)  # before training time is spent
-        _report_plan(self.plan, b.placement.is_cuda)
+        report_plan(self.plan, b.placement.is_cuda)
         self.micro_batch_size, self.grad_accum = self.plan.micro_batch_size, self.plan.grad_accum
         self.structure = b.model()
         print(f"model: {self.structure.describe()}", flush=True)
@@ -86,17 +85,9 @@ class Trainer:
         self.engine = b.engine(self.structure, self.store)
         self.loader = b.loader(self.data.train)
         self.total_steps = self._total_steps()
-        opt = cfg.optimizer
-        self.schedule = LRSchedule(
-            peak_lr=opt.learning_rate,
-            total_steps=self.total_steps,
-            kind=opt.lr_scheduler,
-            warmup_steps=warmup_steps_for(self.total_steps, opt.warmup_steps, opt.warmup_ratio),
-            min_lr_ratio=opt.min_lr_ratio,
-        )
+        self.schedule = b.schedule(self.total_steps)
         self.step = 0
         self._resume()
-        self.flops_per_token = 6 * b.spec.active_params
 
     # ------------------------------------------------------------------ setup
 
@@ -150,19 +141,7 @@ class Trainer:
 
     def train(self) -> TrainSummary:
         cfg = self.cfg
-        metrics = MetricsLogger(
-            self.output_dir,
-            total_steps=self.total_steps,
-            start_step=self.step,
-            log_every=cfg.logging.log_every,
-            jsonl=cfg.logging.jsonl,
-            tensorboard=cfg.logging.tensorboard,
-            progress_bar=cfg.logging.progress_bar,
-            flops_per_token=self.flops_per_token,
-            peak_flops_per_s=peak_flops(
-                torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-            ),
-        )
+        metrics = self.builder.metrics(total_steps=self.total_steps, start_step=self.step)
         losses: list[float] = []
         stream = self._micro_batches()
         ga = self.grad_accum
@@ -183,7 +162,7 @@ class Trainer:
                         "the data"
                     )
                 losses.append(result.loss)
-                metrics.log_step(self.step, _record(result, lr, step_s))
+                metrics.log_step(self.step, step_record(result, lr, step_s))
                 if cfg.logging.timeline:
                     metrics.console(f"step {self.step}: {result.timeline.summary()}")
                 if cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
@@ -253,7 +232,7 @@ class Trainer:
         self.engine.close()
 
 
-def _report_plan(plan: ResourcePlan, gpu: bool) -> None:
+def report_plan(plan: ResourcePlan, gpu: bool) -> None:
     if plan.batch_reason:
         print(
             f"micro_batch_size auto: {plan.batch_reason}; gradient accumulation {plan.grad_accum}",
@@ -270,7 +249,8 @@ def _report_plan(plan: ResourcePlan, gpu: bool) -> None:
     )
 
 
-def _record(result: StepResult, lr: float, step_s: float) -> dict[str, Any]:
+def step_record(result: StepResult, lr: float, step_s: float) -> dict[str, Any]:
+    """The metrics record of one optimizer step (what MetricsLogger.log_step takes)."""
     record: dict[str, Any] = {
         "loss": result.loss,
         "ce_loss": result.ce_loss,

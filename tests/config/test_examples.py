@@ -42,9 +42,13 @@ def test_readme_lists_every_example() -> None:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_loads_and_is_headed_by_its_command(path: Path) -> None:
     cfg = load_config(path)
-    assert f"megatrain train --config examples/{path.name}" in _header(path)
+    command = "grpo" if path.name.startswith("grpo") else "train"
+    assert f"megatrain {command} --config examples/{path.name}" in _header(path)
     if path.name == "demo.yaml":
         assert cfg.model.model_type is not None and cfg.model.tiny
+        return
+    if path.name == "grpo_demo.yaml":  # starts from the demo's exported model
+        assert cfg.model.name_or_path == "outputs/demo/hf_model"
         return
     assert cfg.model.name_or_path is not None and HUB_ID.fullmatch(cfg.model.name_or_path)
     assert "80 GB GPU" in _header(path) and "bytes per parameter" in _header(path)

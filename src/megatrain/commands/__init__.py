@@ -5,9 +5,9 @@ taking the parsed namespace and returning the exit status) and, for commands tha
 `--section.key VALUE` config overrides, `takes_overrides`. `megatrain.cli` only dispatches.
 """
 
-from megatrain.commands import data, estimate, export, train, verify
+from megatrain.commands import data, estimate, export, grpo, train, verify
 
-COMMANDS = (train, verify, estimate, data, export)
+COMMANDS = (train, grpo, verify, estimate, data, export)
 """In the order `megatrain --help` lists them."""
 
 __all__ = ["COMMANDS"]

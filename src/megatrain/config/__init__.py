@@ -1,7 +1,8 @@
 """A run's configuration: one frozen dataclass per YAML section, loaded from YAML + CLI overrides.
 
     cfg = load_config("examples/qwen3_8b.yaml", ["--optimizer.learning_rate", "2e-5"])
-    cfg.model, cfg.data, cfg.training, cfg.optimizer, cfg.memory, cfg.logging, cfg.checkpoint
+    cfg.model, cfg.data, cfg.training, cfg.optimizer, cfg.memory, cfg.logging, cfg.checkpoint,
+    cfg.grpo (read by `megatrain grpo` only)
     save_config(cfg, out_dir / "config.yaml")       # load_config(that file) == cfg
 
 Sections map one to one onto YAML mappings (`model:`, `data:`, ...); `data` is
@@ -21,6 +22,7 @@ Invariants:
 - `load_config(save_config(cfg))` gives back an equal `TrainConfig`.
 """
 
+from megatrain.config.grpo import GRPOConfig
 from megatrain.config.loading import config_to_dict, load_config, parse_overrides, save_config
 from megatrain.config.sections import (
     ATTN_IMPLEMENTATIONS,
@@ -44,6 +46,7 @@ __all__ = [
     "OPTIMIZER_IMPLS",
     "SECTIONS",
     "CheckpointConfig",
+    "GRPOConfig",
     "LoggingConfig",
     "MemoryConfig",
     "ModelConfig",

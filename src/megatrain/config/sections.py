@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatrain.config.grpo import GRPOConfig
 from megatrain.config.types import check_choice, check_int, check_number, check_types
 from megatrain.data.config import DataConfig
 from megatrain.dtypes import DTYPE_NAMES as DTYPES
@@ -308,6 +309,7 @@ class TrainConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def validate(self) -> None:
         """Each section's checks, then the ones that span sections."""
@@ -319,6 +321,7 @@ class TrainConfig:
         self.memory.validate()
         self.logging.validate()
         self.checkpoint.validate()
+        self.grpo.validate()
         t, d = self.training, self.data
         if t.seq_len is not None and t.seq_len < d.cutoff_len:
             raise ValueError(
@@ -366,5 +369,6 @@ SECTIONS: dict[str, type] = {
     "memory": MemoryConfig,
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
+    "grpo": GRPOConfig,
 }
 """YAML section name -> its dataclass, in TrainConfig's field order."""

@@ -7,7 +7,9 @@ Step schedule (docs/architecture.md, "One optimizer step"):
 2. Loss: final norm + lm_head + cross-entropy per token chunk, forward and backward fused
    (engine/head.py). The loss is the sum over supervised tokens of the whole step divided by
    their count (not a mean of per-micro-batch means), plus the MoE router aux loss when the HF
-   model would add it (mean over micro-batches of HF's per-forward value).
+   model would add it (mean over micro-batches of HF's per-forward value). With a
+   `TokenObjective` (GRPO) the first term is instead the sum of its per-token function of the
+   targets' log-probs; `logprobs()` gives those log-probs without a step.
 3. Backward, last layer first: each layer re-runs forward with autograd from its saved input;
    `torch.autograd.grad` gives the input gradient and parameter gradients, accumulated in fp32
    over micro-batches, then copied to the host (bf16 in bf16 compute) on a second stream.
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.batch import Batch
-from megatrain.engine.head import ChunkedLoss
+from megatrain.engine.head import ChunkedLoss, TokenObjective
 from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.rng import restored_rng, rng_state, uses_randomness
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
@@ -49,8 +51,8 @@ from megatrain.store.host import HostStore
 
 @dataclass
 class StepResult:
-    loss: float  # what the step minimised: ce_loss (+ router aux term)
-    ce_loss: float  # mean cross-entropy over the step's supervised tokens
+    loss: float  # what the step minimised: ce_loss or the objective (+ router aux term)
+    ce_loss: float  # mean cross-entropy over the step's supervised tokens (at the temperature)
     aux_loss: float | None  # router_aux_loss_coef * mean aux loss, when HF would add it
     grad_norm: float  # global L2 norm of the gradient, before clipping
     clip_coef: float  # factor applied to the gradient (1.0 when not clipped)
@@ -166,7 +168,11 @@ class StreamingEngine:
 
     # ---------------------------------------------------------------- public API
 
-    def train_step(self, batches: list[Batch], *, lr: float) -> StepResult:
+    def train_step(
+        self, batches: list[Batch], *, lr: float, objective: TokenObjective | None = None
+    ) -> StepResult:
+        """One optimizer step over `batches`: mean cross-entropy, or `objective`'s loss."""
+        assert objective is None or len(objective.inputs) == len(batches)
         t0 = time.perf_counter()
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
         target_tokens = sum(b.num_target_tokens for b in batches)
@@ -174,7 +180,7 @@ class StreamingEngine:
             raise ValueError("this step has no supervised tokens (all labels are -100)")
         mbs = self._forward(batches, True, timeline, timer)
         t1 = time.perf_counter()
-        ce, aux = self._loss(mbs, float(target_tokens), True, timer, lr)
+        value, nll, aux = self._loss(mbs, float(target_tokens), True, timer, lr, objective)
         t2 = time.perf_counter()
         sumsq = self._backward(mbs, timer, lr)
         t3 = time.perf_counter()
@@ -191,14 +197,16 @@ class StreamingEngine:
                     block, self._landed[block.name], order=order, lr=lr, grad_scale=coef
                 )
         self.slots.invalidate()
-        loss_ce = float(ce)  # sync point (already synced above)
+        # sync points (already synced above); cross-entropy unchanged: sum of (chunk sum / count)
+        loss_ce = float(value) if objective is None else float(nll) / target_tokens
+        main = loss_ce if objective is None else float(value)
         aux_loss = None if aux is None else float(aux)
         timeline.forward_s, timeline.loss_s, timeline.backward_s = t1 - t0, t2 - t1, t3 - t2
         timeline.step_s = time.perf_counter() - t0
         timer.read(timeline)
         timeline.optimizer_s, self.worker.busy_s = self.worker.busy_s, 0.0
         return StepResult(
-            loss=loss_ce + (aux_loss or 0.0),
+            loss=main + (aux_loss or 0.0),
             ce_loss=loss_ce,
             aux_loss=aux_loss,
             grad_norm=grad_norm,
@@ -213,8 +221,26 @@ class StreamingEngine:
         """(sum of cross-entropy over supervised tokens, their count); weights unchanged."""
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
         mbs = self._forward(batches, False, timeline, timer)
-        ce, _ = self._loss(mbs, 1.0, False, timer, lr=0.0)
+        ce, _, _ = self._loss(mbs, 1.0, False, timer, lr=0.0)
         return float(ce), sum(b.num_target_tokens for b in batches)
+
+    @torch.no_grad()
+    def logprobs(self, batches: list[Batch], *, temperature: float = 1.0) -> list[torch.Tensor]:
+        """Per micro-batch, host fp32 [B, S]: entry t is the log-prob of input_ids[t] (under
+        logits / temperature) where labels[t] is supervised, else 0. Weights unchanged."""
+        timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
+        mbs = self._forward(batches, False, timeline, timer)
+        self._wait_head(timer)
+        out = []
+        for mb in mbs:
+            shifted = self.loss_fn.logprobs(mb.hidden, mb.targets_BS, temperature)
+            mb.hidden = None  # type: ignore[assignment]
+            logp = torch.zeros_like(shifted)
+            logp[:, 1:] = shifted[:, :-1]  # back to label alignment: position t+1 held by t
+            out.append(logp)
+        timer.stop()
+        self._head_free = self.transfers.compute_event()
+        return out
 
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""
@@ -242,7 +268,7 @@ class StreamingEngine:
             timer.start(functools.partial(self.slots.acquire, i))
             module = self.slots.modules[i]
             for mb in mbs:
-                mb.saved.append(mb.hidden)
+                mb.saved.append(mb.hidden if training else None)  # kept for the backward only
                 if self._preserve_rng:
                     mb.rng.append(rng_state(self.device))
                 with torch.no_grad():
@@ -291,33 +317,51 @@ class StreamingEngine:
 
     # ---------------------------------------------------------------- loss
 
-    def _loss(
-        self, mbs: list[MicroBatch], denom: float, training: bool, timer: ComputeTimer, lr: float
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _wait_head(self, timer: ComputeTimer) -> None:
         for ev in self._head_busy:
             self.transfers.wait(ev)  # previous step's gradient copies out of the accumulators
         self._head_busy = []
         timer.start(lambda: self.transfers.wait(self._head_ready))
+
+    def _loss(
+        self,
+        mbs: list[MicroBatch],
+        denom: float,
+        training: bool,
+        timer: ComputeTimer,
+        lr: float,
+        objective: TokenObjective | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(loss, sum of the targets' negative log-probs, router aux term or None)."""
+        self._wait_head(timer)
         if training:
             self.head_acc.zero_()
             self.embed_acc.zero_()
-        ce = torch.zeros((), dtype=torch.float32, device=self.device)
-        for mb in mbs:
-            loss, mb.grad = self.loss_fn.run(
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        nll = torch.zeros((), dtype=torch.float32, device=self.device)
+        for k, mb in enumerate(mbs):
+            side = None
+            if objective is not None:
+                side = {n: _shifted(t) for n, t in objective.inputs[k].items()}
+            loss, mb_nll, mb.grad = self.loss_fn.run(
                 mb.hidden,
                 mb.targets_BS,
                 denom,
                 self.head_params if training else None,
                 self.head_grad_views if training else None,
+                fn=None if objective is None else objective.fn,
+                side_host_BS=side,
+                temperature=1.0 if objective is None else objective.temperature,
             )
-            ce += loss
+            total += loss
+            nll += mb_nll
             mb.hidden = None  # type: ignore[assignment]
         timer.stop()
         self._head_free = self.transfers.compute_event()
         aux = self._aux_value(mbs)
         if training:
             self._sumsq = [self._finish(self.store.head, self.head_acc, lr)]
-        return ce, aux
+        return total, nll, aux
 
     def _aux_value(self, mbs: list[MicroBatch]) -> torch.Tensor | None:
         if self.aux is None:
@@ -420,6 +464,13 @@ class StreamingEngine:
         if self.max_grad_norm is None:
             self.worker.submit(block, landed, order=self._order[block.name], lr=lr, grad_scale=1.0)
         return sumsq
+
+
+def _shifted(values_BS: torch.Tensor) -> torch.Tensor:
+    """Label-aligned per-token values moved to target alignment (position t predicts t + 1)."""
+    out = torch.zeros_like(values_BS)
+    out[:, :-1] = values_BS[:, 1:]
+    return out
 
 
 def _move_body_buffers(structure: ModelStructure, device: torch.device) -> None:

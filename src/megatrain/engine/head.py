@@ -1,4 +1,4 @@
-"""Final norm + lm_head + cross-entropy, fused per token chunk, forward and backward together.
+"""Final norm + lm_head + a per-token loss, fused per token chunk, forward and backward together.
 
 The full [tokens x vocab] logits never exist: for each chunk of supervised positions the head
 runs forward with autograd, the chunk's loss is differentiated at once, and only the gradient
@@ -10,6 +10,11 @@ Logits come from the HF causal LM's own forward with its body replaced by a stub
 the normed hidden states, so whatever that forward does between body and logits (Gemma's final
 logit soft-capping, a logit scale) is applied exactly as Hugging Face does it.
 
+The loss is cross-entropy (mean over the step's target tokens) unless a `TokenObjective` is
+given: then it is any function of the targets' log-probs (of logits / temperature) and of
+per-token side inputs (advantages, old log-probs, weights, ...), which the head gathers for each
+chunk's tokens. `logprobs` is the same pass without gradients: each target's log-prob.
+
 Shapes: N = tokens of a micro-batch, C = tokens of a chunk, D = hidden size, V = vocab.
 """
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +37,26 @@ from megatrain.model.structure import ModelStructure
 # A chunk's fp32 logits, their gradient and the bf16 logits (~10 bytes per logit) stay under
 # ~2 GiB: large enough that per-chunk overhead is small (1,400 tokens at a 152k vocabulary).
 _LOGIT_BYTES_PER_CHUNK = 2 << 30
+
+
+TokenFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+"""(log-probs [C] of a chunk's targets, side inputs of those C tokens) -> the chunk's loss."""
+
+
+@dataclass
+class TokenObjective:
+    """A step's loss as a sum over its target tokens of `fn` of their log-probs.
+
+    `inputs[k]` holds micro-batch k's per-token side inputs: name -> host tensor [B, S] aligned
+    with its labels (entry t belongs to the target token at position t). `fn` sees the
+    log-probs of `logits / temperature` and returns the chunk's share of the loss; every
+    weighting and normalisation lives in `fn` and its inputs, so the step's loss is exactly
+    the sum of what `fn` returns.
+    """
+
+    fn: TokenFn
+    inputs: list[dict[str, torch.Tensor]]
+    temperature: float = 1.0
 
 
 class _StubOutput(BaseModelOutputWithPast):
@@ -98,31 +125,45 @@ class ChunkedLoss:
         denom: float,
         params: list[nn.Parameter] | None,
         grad_acc: list[torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Loss sum / denom of one micro-batch; with `params`, also its gradients.
+        *,
+        fn: TokenFn | None = None,
+        side_host_BS: dict[str, torch.Tensor] | None = None,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Loss of one micro-batch; with `params`, also its gradients.
 
         `targets_host_BS` are the shifted labels on the host (position t predicts its target).
-        With `params`, each parameter's gradient is added into the matching fp32 tensor of
-        `grad_acc`. Returns (loss, d loss / d hidden_BSD, or None without `params`).
+        Without `fn` the loss is the cross-entropy sum / denom; with it, the sum of what `fn`
+        returns per chunk, given the chunk's log-probs and `side_host_BS` (shifted like the
+        targets) gathered for its tokens. With `params`, each parameter's gradient is added into
+        the matching fp32 tensor of `grad_acc`. Returns (loss, sum of the targets' negative
+        log-probs, d loss / d hidden_BSD or None without `params`).
         """
         device = hidden_BSD.device
         hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
-        flat = targets_host_BS.reshape(-1)
-        rows = torch.nonzero(flat != IGNORE_INDEX).squeeze(1)
-        rows_dev = rows.to(device, non_blocking=True)
-        targets_dev = flat[rows].to(device, non_blocking=True)
+        rows, rows_dev, targets_dev = self._rows(targets_host_BS, device)
+        side_dev = {
+            name: t.reshape(-1)[rows].to(device, non_blocking=True)
+            for name, t in (side_host_BS or {}).items()
+        }
         loss = torch.zeros((), dtype=torch.float32, device=device)
+        nll = torch.zeros((), dtype=torch.float32, device=device)
         grad_ND = torch.zeros_like(hidden_ND) if params is not None else None
         for start in range(0, rows.numel(), self.chunk_tokens):
-            idx = rows_dev[start : start + self.chunk_tokens]
-            tgt = targets_dev[start : start + self.chunk_tokens]
+            span = slice(start, start + self.chunk_tokens)
+            idx, tgt = rows_dev[span], targets_dev[span]
+            side = {name: t[span] for name, t in side_dev.items()}
             if params is None:
                 with torch.no_grad():
-                    loss += self._chunk_loss(hidden_ND[idx], tgt) / denom
+                    chunk, chunk_nll = self._chunk_loss(
+                        hidden_ND[idx], tgt, denom, fn, side, temperature
+                    )
+                loss += chunk
+                nll += chunk_nll
                 continue
             h_CD = hidden_ND[idx].detach().requires_grad_(True)
             with torch.enable_grad():
-                chunk = self._chunk_loss(h_CD, tgt) / denom
+                chunk, chunk_nll = self._chunk_loss(h_CD, tgt, denom, fn, side, temperature)
             grads = torch.autograd.grad(chunk, [h_CD, *params], allow_unused=True)
             assert grad_ND is not None and grad_acc is not None
             grad_ND.index_copy_(0, idx, grads[0].to(grad_ND.dtype))
@@ -130,9 +171,49 @@ class ChunkedLoss:
                 if g is not None:
                     acc.add_(g)
             loss += chunk.detach()
+            nll += chunk_nll
         grad_BSD = None if grad_ND is None else grad_ND.view_as(hidden_BSD)
-        return loss, grad_BSD
+        return loss, nll, grad_BSD
 
-    def _chunk_loss(self, h_CD: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
-        logits_CV = self.logits(self.norm(h_CD))
-        return F.cross_entropy(logits_CV.float(), targets_C, reduction="sum")
+    @torch.no_grad()
+    def logprobs(
+        self, hidden_BSD: torch.Tensor, targets_host_BS: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """Host fp32 [B, S]: log-prob of each target under logits / temperature (0 elsewhere)."""
+        hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
+        rows, rows_dev, targets_dev = self._rows(targets_host_BS, hidden_BSD.device)
+        out_N = torch.zeros(targets_host_BS.numel(), dtype=torch.float32, device=hidden_BSD.device)
+        for start in range(0, rows.numel(), self.chunk_tokens):
+            span = slice(start, start + self.chunk_tokens)
+            logits_CV = self._logits(hidden_ND[rows_dev[span]], temperature)
+            out_N[rows_dev[span]] = -F.cross_entropy(logits_CV, targets_dev[span], reduction="none")
+        return out_N.view(targets_host_BS.shape).cpu()  # sync point: copy to the host
+
+    def _rows(
+        self, targets_host_BS: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(target positions on the host, the same on the device, their targets on the device)."""
+        flat = targets_host_BS.reshape(-1)
+        rows = torch.nonzero(flat != IGNORE_INDEX).squeeze(1)
+        return rows, rows.to(device, non_blocking=True), flat[rows].to(device, non_blocking=True)
+
+    def _logits(self, h_CD: torch.Tensor, temperature: float) -> torch.Tensor:
+        logits_CV = self.logits(self.norm(h_CD)).float()
+        return logits_CV if temperature == 1.0 else logits_CV / temperature
+
+    def _chunk_loss(
+        self,
+        h_CD: torch.Tensor,
+        targets_C: torch.Tensor,
+        denom: float,
+        fn: TokenFn | None,
+        side_C: dict[str, torch.Tensor],
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the chunk's loss, the sum of its targets' negative log-probs, detached)."""
+        logits_CV = self._logits(h_CD, temperature)
+        if fn is None:
+            ce = F.cross_entropy(logits_CV, targets_C, reduction="sum")
+            return ce / denom, ce.detach()
+        logp_C = -F.cross_entropy(logits_CV, targets_C, reduction="none")
+        return fn(logp_C, side_C), -logp_C.detach().sum()

@@ -1,0 +1,10 @@
+"""GRPO: reinforcement learning with verifiable rewards, full parameters, through the engine.
+
+recipe.py      GRPOTrainer: the only GRPO module that reads the config (megatrain grpo)
+prompts.py     prompt data through the data registry, rendered with the chat template
+rewards.py     built-in and user reward functions (TRL's signature), checked calls
+advantages.py  group-normalised advantages (TRL's scale_rewards)
+rollout.py     sampling with the current weights: a device copy of the model + generate
+sequences.py   prompt + completion token lists -> engine micro-batches, per-token inputs
+loss.py        the clipped surrogate + k3 KL per token, TRL's loss_type normalisations
+"""

@@ -1,0 +1,160 @@
+"""Rollouts: sampling completions with the policy's current weights, from the host store.
+
+Each generation batch builds a device copy of the Hugging Face model (the weightless skeleton
+copied, materialised on the device, its weights copied once from each store block's copy
+source: the bf16 shadow, or the fp32 master in fp32 compute; no reload from disk) and runs
+transformers' `generate` on it with a KV cache. The copy and its cache are freed before the
+training phase, so the GPU holds either the rollout model or the engine's working set. When
+the model does not fit, the streamed copy keeps only embedding and head resident and copies
+each decoder layer into a slot just before it runs (all sequences advance one token per pass
+over the layers; the KV cache stays on the GPU): slow, but any size generates.
+
+Sampling is seeded by (seed, generation index) alone, under a forked RNG: a run and its resume
+draw the same completions from the same weights, and the global RNG is untouched.
+
+A completion is the generated tokens up to and including the first end-of-sequence token, or
+`max_new_tokens` tokens when there is none (clipped).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from megatrain.engine.slots import bind_module
+from megatrain.model.structure import ModelStructure
+from megatrain.store.host import HostStore
+
+
+@dataclass
+class Rollout:
+    completions: list[list[int]]  # per prompt row, its completion tokens (EOS included)
+    clipped: list[bool]  # no EOS within max_new_tokens
+    generated_tokens: int  # tokens the model produced, padding after EOS excluded
+
+
+@contextmanager
+def device_model(
+    structure: ModelStructure,
+    store: HostStore,
+    device: torch.device,
+    *,
+    streamed: bool = False,
+    num_slots: int = 2,
+) -> Iterator[Any]:
+    """The HF model on `device` in the store's compute dtype, with its current weights.
+
+    Resident (default): every weight copied to the device once. `streamed`: only the embedding
+    and head are; each decoder layer's parameters are views into one of `num_slots` device
+    buffers, and a forward pre-hook copies the layer's weights in just before it runs, so
+    `generate` works whatever the model's size (every decoding step streams all layers).
+    Call between optimizer steps (every update applied). The copy is freed on exit.
+    """
+    model = copy.deepcopy(structure.causal_lm)  # meta parameters: copies the module tree only
+    names = {id(m): n for n, m in structure.causal_lm.named_modules()}
+    layers = model.get_submodule(names[id(structure.layers)])
+    skip = {id(p) for p in layers.parameters()} if streamed else set()
+    made: dict[int, nn.Parameter] = {}  # tied parameters stay one tensor
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in skip:
+                if id(p) not in made:
+                    empty = torch.empty(p.shape, dtype=store.compute_dtype, device=device)
+                    made[id(p)] = nn.Parameter(empty, requires_grad=False)
+                module._parameters[name] = made[id(p)]
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)  # rotary frequencies etc., dtype kept
+    resident = [store.embed, store.head] if streamed else store.blocks
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled = set()
+    with torch.no_grad():
+        for block in resident:
+            for entry in block.entries:
+                params[entry.full_name].copy_(block.view(block.source, entry), non_blocking=True)
+                filled.add(id(params[entry.full_name]))
+    assert filled == {id(p) for p in made.values()}, "every parameter lives in a store block"
+    hooks = _stream_layers(list(layers.children()), store, device, num_slots) if streamed else []
+    model.eval()
+    try:
+        yield model
+    finally:
+        for hook in hooks:
+            hook.remove()
+        del model, params, made
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _stream_layers(
+    layers: list[nn.Module], store: HostStore, device: torch.device, num_slots: int
+) -> list[Any]:
+    """Bind layer i's parameters to slot i % num_slots; copy its weights in before it runs."""
+    numel = max(b.numel for b in store.layers)
+    slots = [
+        torch.empty(numel, dtype=store.compute_dtype, device=device)
+        for _ in range(min(num_slots, len(store.layers)))
+    ]
+    hooks = []
+    for i, (layer, block) in enumerate(zip(layers, store.layers, strict=True)):
+        slot = slots[i % len(slots)]
+        bind_module({"layer": layer}, block, slot)
+
+        def load(_module: nn.Module, _args: Any, block: Any = block, slot: Any = slot) -> None:
+            slot[: block.numel].copy_(block.source)  # synchronous: ready before the layer runs
+
+        hooks.append(layer.register_forward_pre_hook(load))
+    return hooks
+
+
+def generate(
+    model: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    pad_token_id: int,
+    eos_token_ids: list[int],
+    do_sample: bool,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> Rollout:
+    """Completions of `prompts` (one per row; repeat a prompt for several), left-padded batch."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p) :] = 1
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature if do_sample else None,
+        top_p=top_p if do_sample else None,
+        top_k=0 if do_sample else None,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_ids,
+        use_cache=True,
+    )
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(seed)
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+        )
+    new = out[:, width:].cpu()  # sync point: the completions to the host
+    eos = set(eos_token_ids)
+    completions, clipped = [], []
+    for row in new.tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), None)
+        completions.append(row[: end if end is not None else max_new_tokens])
+        clipped.append(end is None)
+    return Rollout(completions, clipped, sum(len(c) for c in completions))
