@@ -20,8 +20,12 @@ Invariants:
   alone (meta device); `plan()` is cached, so the batch the run uses is the one that was checked.
 - Components receive plain keyword arguments, never the config (STYLE: only the recipe reads it).
 
-Where the next capabilities attach: `Placement` carries the rank and world size (a sharded store
-and per-rank data come with multi-GPU runs); the plan grows per-run memory choices (activation
+Ranks: under torchrun (RANK / WORLD_SIZE in the environment, megatrain/distributed.py) the
+placement is this rank's: cuda:LOCAL_RANK, the process group joined, the store sharded
+(store/shard.py), the training loader reading this rank's rows (data/ranks.py). A plain run is
+a world of one and builds exactly what it did before.
+
+Where the next capabilities attach: the plan grows per-run memory choices (activation
 offload, optimizer-state tiers); further model roles (a frozen reference model, a generation
 path) are more methods here that reuse `model()` and `store()`.
 """
@@ -37,8 +41,10 @@ import torch
 
 from megatrain.config import TrainConfig
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
+from megatrain.data.ranks import RankLoader
 from megatrain.data.sample import Sample
 from megatrain.device import resolve_device
+from megatrain.distributed import init_process_group, rank_env
 from megatrain.engine.engine import StreamingEngine
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.loading import load_config as load_hf_config
@@ -48,6 +54,7 @@ from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.resources import Hardware, ModelSpec, detect, model_spec
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
 from megatrain.store.host import HostStore
+from megatrain.store.shard import shard_store
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class Placement:
     device: torch.device
     rank: int = 0
     world_size: int = 1
+    local_world_size: int = 1  # ranks on this node (they share its cores and host memory)
 
     @property
     def is_cuda(self) -> bool:
@@ -81,12 +89,7 @@ class RunBuilder:
         """`placement` None: this process, alone, on `training.device` resolved here.
         `megatrain estimate` passes the placement it plans for (a GPU it may not have)."""
         self.cfg = cfg
-        self.placement = placement or Placement(torch.device(resolve_device(cfg.training.device)))
-        if self.placement.world_size != 1:
-            raise ValueError(
-                f"world size {self.placement.world_size}: this version trains with one "
-                "process; multi-GPU runs (torchrun) are not available yet"
-            )
+        self.placement = placement or _placement_here(cfg.training.device)
         self._hardware = hardware
 
     @property
@@ -161,7 +164,13 @@ class RunBuilder:
     def _plan(self, tokens_per_step: int | None, layout: str | None) -> ResourcePlan:
         t, mem = self.cfg.training, self.cfg.memory
         if tokens_per_step is None and t.global_batch_size and t.micro_batch_size == "auto":
-            tokens_per_step = t.global_batch_size * self.cfg.seq_len
+            world = self.placement.world_size
+            if t.global_batch_size % world:
+                raise ValueError(
+                    f"training.global_batch_size={t.global_batch_size} rows do not split over "
+                    f"{world} ranks; make it a multiple of the number of processes"
+                )
+            tokens_per_step = t.global_batch_size // world * self.cfg.seq_len  # per rank
         return plan_resources(
             self.spec,
             self.shape(layout),
@@ -197,10 +206,15 @@ class RunBuilder:
     def data(self) -> PreparedData:
         return self._data
 
-    def loader(self, samples: list[Sample] | PretrainCorpus, *, train: bool = True) -> BatchLoader:
-        """Micro-batches of `samples` at the planned micro-batch size; shuffled when `train`."""
+    def loader(
+        self, samples: list[Sample] | PretrainCorpus, *, train: bool = True
+    ) -> BatchLoader | RankLoader:
+        """Micro-batches of `samples` at the planned micro-batch size; shuffled when `train`.
+        Several ranks: the training loader yields this rank's share (data/ranks.py); the eval
+        loader is the whole set (the trainer splits it)."""
         d = self.cfg.data
-        return make_loader(
+        p = self.placement
+        loader = make_loader(
             samples,
             micro_batch_size=self.batch()[0],
             seq_len=self.cfg.seq_len,
@@ -210,6 +224,9 @@ class RunBuilder:
             seed=d.seed,
             pad_to_multiple_of=d.pad_to_multiple_of,
         )
+        if train and p.world_size > 1:
+            return RankLoader(loader, rank=p.rank, world_size=p.world_size)
+        return loader
 
     # ---------------------------------------------------------------- model and engine
 
@@ -236,13 +253,17 @@ class RunBuilder:
         self, structure: ModelStructure, *, compute_dtype: torch.dtype | None = None
     ) -> HostStore:
         opt = self.cfg.optimizer
-        return HostStore(
+        store = HostStore(
             structure,
             compute_dtype=compute_dtype or self.cfg.model.torch_dtype,
             pin_memory=self.pin_memory,
             no_decay=opt.no_decay,
             decay_1d=opt.decay_1d,
         )
+        p = self.placement
+        if p.world_size > 1:
+            shard_store(store, p.rank, p.world_size)
+        return store
 
     def optimizer(self) -> CpuAdamW:
         opt = self.cfg.optimizer
@@ -251,7 +272,7 @@ class RunBuilder:
                 betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay
             ),
             impl=opt.impl,
-            num_threads=opt.threads or max(1, (os.cpu_count() or 2) - 2),
+            num_threads=opt.threads or _default_threads(self.placement.local_world_size),
         )
 
     def engine(
@@ -267,4 +288,27 @@ class RunBuilder:
             max_grad_norm=cfg.optimizer.clip_norm,
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
             compile_layers=cfg.training.compile_layers,
+            world_size=self.placement.world_size,
+            rank=self.placement.rank,
         )
+
+
+def _placement_here(device_setting: str) -> Placement:
+    """This process's placement: alone on `training.device`, or its rank under torchrun."""
+    device = torch.device(resolve_device(device_setting))
+    env = rank_env()
+    if env is None:
+        return Placement(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)  # one GPU per rank
+    init_process_group(env, device)
+    return Placement(device, env.rank, env.world_size, env.local_world_size)
+
+
+def _default_threads(local_world_size: int) -> int:
+    """Optimizer threads: the node's cores less two for the driving threads, or with several
+    ranks on the node, each rank's share less one."""
+    cores = os.cpu_count() or 2
+    if local_world_size == 1:
+        return max(1, cores - 2)
+    return max(1, cores // local_world_size - 1)

@@ -11,6 +11,7 @@ learning rates, and produce identical losses.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from megatrain.batch import Batch
-from megatrain.builder import RunBuilder
+from megatrain.builder import Placement, RunBuilder
 from megatrain.checkpoint import (
     export_hf,
     latest_checkpoint,
@@ -32,7 +33,10 @@ from megatrain.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from megatrain.checkpoint_shards import export_sharded, save_sharded_checkpoint
 from megatrain.config import TrainConfig, save_config
+from megatrain.distributed import close as close_process_group
+from megatrain.distributed import is_main, on_rank0
 from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
@@ -63,15 +67,8 @@ class Trainer:
         self.builder = b = builder or RunBuilder(cfg)
         self.device = b.device
         self.output_dir = Path(cfg.training.output_dir)
-        prepare_output_dir(
-            self.output_dir,
-            resume_from=cfg.checkpoint.resume_from,
-            overwrite=cfg.training.overwrite_output_dir,
-            export_hf=cfg.checkpoint.export_hf,
-        )
         self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (_resume)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.output_dir / "config.yaml")
+        on_rank0(self._prepare_output_dir)  # several ranks: rank 0 alone writes the folder
         torch.manual_seed(cfg.training.seed)
         self.tokenizer = b.tokenizer()
         self.data = b.data()
@@ -99,6 +96,17 @@ class Trainer:
         self.flops_per_token = 6 * b.spec.active_params
 
     # ------------------------------------------------------------------ setup
+
+    def _prepare_output_dir(self) -> None:
+        cfg = self.cfg
+        prepare_output_dir(
+            self.output_dir,
+            resume_from=cfg.checkpoint.resume_from,
+            overwrite=cfg.training.overwrite_output_dir,
+            export_hf=cfg.checkpoint.export_hf,
+        )
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.output_dir / "config.yaml")
 
     def _check_disk(self, num_params: int) -> None:
         """Refuse a run whose checkpoints and export the output_dir's disk cannot hold."""
@@ -135,6 +143,14 @@ class Trainer:
                 flush=True,
             )
             return
+        world, saved = self.builder.placement.world_size, _saved_world_size(path)
+        if saved != world:
+            raise ValueError(
+                f"checkpoint {path} was written by {saved} rank(s) and this run has {world}: "
+                f"resume with the same number of processes (torchrun --nproc-per-node x "
+                f"--nnodes = {saved}), or export it (megatrain export) and start a new run "
+                "from the exported model"
+            )
         state = load_checkpoint(path, self.store)
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
@@ -150,14 +166,16 @@ class Trainer:
 
     def train(self) -> TrainSummary:
         cfg = self.cfg
+        main = is_main()  # metrics and progress from rank 0 only
         metrics = MetricsLogger(
             self.output_dir,
             total_steps=self.total_steps,
             start_step=self.step,
             log_every=cfg.logging.log_every,
-            jsonl=cfg.logging.jsonl,
-            tensorboard=cfg.logging.tensorboard,
-            progress_bar=cfg.logging.progress_bar,
+            jsonl=cfg.logging.jsonl and main,
+            tensorboard=cfg.logging.tensorboard and main,
+            progress_bar=cfg.logging.progress_bar and main,
+            echo=main,
             flops_per_token=self.flops_per_token,
             peak_flops_per_s=peak_flops(
                 torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
@@ -214,10 +232,9 @@ class Trainer:
         loader = self.builder.loader(self.data.eval, train=False)
         total, tokens = 0.0, 0
         limit = self.cfg.training.max_eval_batches
-        for i, batch in enumerate(loader):
-            if limit is not None and i >= limit:
-                break
-            loss_sum, n = self.engine.eval_loss([batch])
+        batches = [b for i, b in enumerate(loader) if limit is None or i < limit]
+        for batch, counted in _rank_share(batches, self.builder.placement):
+            loss_sum, n = self.engine.eval_loss([batch], counted=counted)  # summed over ranks
             total, tokens = total + loss_sum, tokens + n
         loss = total / max(tokens, 1)
         metrics.log_eval(self.step, loss, tokens)
@@ -230,6 +247,18 @@ class Trainer:
             "rng": rng_state(),
             "total_steps": self.total_steps,
         }
+        world = self.builder.placement.world_size
+        if world > 1:
+            return save_sharded_checkpoint(
+                self.output_dir,
+                self.step,
+                self.store,
+                state,
+                world_size=world,
+                keep_last=self.cfg.checkpoint.keep_last,
+                run_id=self.run_id,
+                write_extra=lambda d: save_config(self.cfg, d / "config.yaml"),
+            )
         return save_checkpoint(
             self.output_dir,
             self.step,
@@ -242,6 +271,14 @@ class Trainer:
 
     def export(self) -> Path:
         self.engine.wait_updates()
+        if self.builder.placement.world_size > 1:
+            return export_sharded(
+                self.store,
+                self.output_dir / "hf_model",
+                device=self.device,
+                dtype=self.cfg.checkpoint.export_dtype,
+                tokenizer=self.tokenizer,
+            )
         return export_hf(
             self.store,
             self.output_dir / "hf_model",
@@ -251,6 +288,23 @@ class Trainer:
 
     def close(self) -> None:
         self.engine.close()
+        close_process_group()
+
+
+def _saved_world_size(path: Path) -> int:
+    try:
+        return int(json.loads((path / "trainer_state.json").read_text()).get("world_size", 1))
+    except (OSError, ValueError):
+        return 1  # not a checkpoint: load_checkpoint says so
+
+
+def _rank_share(batches: list[Batch], placement: Placement) -> list[tuple[Batch, bool]]:
+    """This rank's eval batches (every world-th), each with whether it counts: every rank runs
+    as many forwards (they hold collectives), one without a batch of its own repeats one."""
+    world, rank = placement.world_size, placement.rank
+    mine = [(b, True) for b in batches[rank::world]]
+    rounds = -(-len(batches) // world)
+    return mine + [(batches[0], False)] * (rounds - len(mine))
 
 
 def _report_plan(plan: ResourcePlan, gpu: bool) -> None:

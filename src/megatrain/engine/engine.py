@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.batch import Batch
+from megatrain.engine.collectives import Collectives
 from megatrain.engine.head import ChunkedLoss
 from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.rng import restored_rng, rng_state, uses_randomness
@@ -41,6 +42,7 @@ from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
+from megatrain.store.shard import layout_numel
 
 
 @dataclass
@@ -78,6 +80,8 @@ class StreamingEngine:
         loss_chunk_tokens: int | None = None,
         threaded_optimizer: bool = True,
         compile_layers: bool = False,
+        world_size: int = 1,
+        rank: int = 0,
     ) -> None:
         self.structure = structure
         self.store = store
@@ -86,6 +90,7 @@ class StreamingEngine:
         assert max_grad_norm is None or max_grad_norm > 0, "clipping off is None, not 0"
         self.max_grad_norm = max_grad_norm
         self.transfers = Transfers(self.device)
+        self.comm = Collectives(self.transfers, world_size=world_size, rank=rank)
         _move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
         self.slots = LayerSlots(
@@ -96,12 +101,13 @@ class StreamingEngine:
             num_slots=num_slots,
             transfers=self.transfers,
             compile_layers=compile_layers,
+            load=self.comm.load,
         )
         self.embedder = Embedder(
             device_copy(structure.embed, self.device), store.embed, self.transfers, self.dtype
         )
         self._build_head(loss_chunk_tokens)
-        numel = max(b.numel for b in store.layers)
+        numel = max(layout_numel(b) for b in store.layers)
         self._acc = [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._stage = (
             [torch.empty(numel, dtype=torch.bfloat16, device=self.device) for _ in range(2)]
@@ -123,17 +129,26 @@ class StreamingEngine:
         st, store = self.structure, self.store
         self.norm = device_copy(st.final_norm, self.device)
         self.lm_head = device_copy(st.lm_head, self.device)
-        self.head_buf = torch.empty(store.head.numel, dtype=self.dtype, device=self.device)
+        head_numel, embed_numel = layout_numel(store.head), layout_numel(store.embed)
+        self.head_buf = torch.empty(head_numel, dtype=self.dtype, device=self.device)
         self.head_params = bind_module(
             {"norm": self.norm, "lm_head": self.lm_head}, store.head, self.head_buf
         )
-        self.head_acc = torch.zeros(store.head.numel, dtype=torch.float32, device=self.device)
-        self.embed_acc = torch.zeros(store.embed.numel, dtype=torch.float32, device=self.device)
+        self.head_acc = torch.zeros(head_numel, dtype=torch.float32, device=self.device)
+        self.embed_acc = torch.zeros(embed_numel, dtype=torch.float32, device=self.device)
+        self.embed_grad_VD = store.embed.view(self.embed_acc, store.embed.entries[0])
         self.head_grad_views = [store.head.view(self.head_acc, e) for e in store.head.entries]
         if st.tied:  # the lm_head is the embedding table: it goes to the GPU whole for the loss
-            self.table_buf = torch.empty(store.embed.numel, dtype=self.dtype, device=self.device)
+            self.table_buf = torch.empty(embed_numel, dtype=self.dtype, device=self.device)
             self.head_params += bind_module({"embed": self.lm_head}, store.embed, self.table_buf)
-            self.head_grad_views.append(self.embed_acc.view(store.embed.entries[0].shape))
+            self.head_grad_views.append(self.embed_grad_VD)
+        # Sharded: no host holds the whole embedding table; it is gathered on the device.
+        self.embed_buf = (
+            torch.empty(embed_numel, dtype=self.dtype, device=self.device)
+            if self.comm.sharded
+            else None
+        )
+        self._embed_free: Event = DONE
         self.loss_fn = ChunkedLoss(st, self.norm, self.lm_head, loss_chunk_tokens)
         self._head_ready: Event = DONE
         self._head_free: Event = DONE
@@ -144,7 +159,8 @@ class StreamingEngine:
     def train_step(self, batches: list[Batch], *, lr: float) -> StepResult:
         t0 = time.perf_counter()
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
-        target_tokens = sum(b.num_target_tokens for b in batches)
+        # The loss divides by the supervised tokens of the whole step, on every rank.
+        target_tokens = self.comm.sum_int(sum(b.num_target_tokens for b in batches))
         if target_tokens == 0:
             raise ValueError("this step has no supervised tokens (all labels are -100)")
         mbs = self._forward(batches, True, timeline, timer)
@@ -153,7 +169,8 @@ class StreamingEngine:
         t2 = time.perf_counter()
         sumsq = self._backward(mbs, timer, lr)
         t3 = time.perf_counter()
-        grad_norm = float(torch.stack(sumsq).sum().sqrt())  # sync point: end of backward
+        # sync point: end of backward; the sum over shards is the whole gradient's
+        grad_norm = float(self.comm.sum(torch.stack(sumsq).sum()).sqrt())
         coef = 1.0
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
@@ -162,7 +179,7 @@ class StreamingEngine:
                     block, self._landed[block.name], order=order, lr=lr, grad_scale=coef
                 )
         self.slots.invalidate()
-        loss_ce = float(ce)  # sync point (already synced above)
+        loss_ce = float(self.comm.sum(ce))  # sync point (already synced above)
         aux_loss = None if aux is None else float(aux)
         timeline.forward_s, timeline.loss_s, timeline.backward_s = t1 - t0, t2 - t1, t3 - t2
         timeline.step_s = time.perf_counter() - t0
@@ -174,18 +191,23 @@ class StreamingEngine:
             aux_loss=aux_loss,
             grad_norm=grad_norm,
             clip_coef=coef,
-            tokens=sum(b.num_tokens for b in batches),
+            tokens=self.comm.sum_int(sum(b.num_tokens for b in batches)),
             target_tokens=target_tokens,
             timeline=timeline,
         )
 
     @torch.no_grad()
-    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
-        """(sum of cross-entropy over supervised tokens, their count); weights unchanged."""
+    def eval_loss(self, batches: list[Batch], *, counted: bool = True) -> tuple[float, int]:
+        """(sum of cross-entropy over supervised tokens, their count) over all ranks; weights
+        unchanged. `counted` False: a rank with no batch left runs one for the collectives'
+        sake, and adds nothing."""
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
         mbs = self._forward(batches, False, timeline, timer)
         ce, _ = self._loss(mbs, 1.0, False, timer, lr=0.0)
-        return float(ce), sum(b.num_target_tokens for b in batches)
+        tokens = sum(b.num_target_tokens for b in batches)
+        if not counted:
+            ce, tokens = torch.zeros_like(ce), 0
+        return float(self.comm.sum(ce)), self.comm.sum_int(tokens)
 
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""
@@ -201,9 +223,15 @@ class StreamingEngine:
         self, batches: list[Batch], training: bool, timeline: Timeline, timer: ComputeTimer
     ) -> list[MicroBatch]:
         timeline.wait_optimizer_s += self.worker.wait(self.store.embed)
+        if self.embed_buf is not None:
+            self.transfers.wait(self.comm.load(self.store.embed, self.embed_buf, self._embed_free))
+            self.embedder.device_table = self.store.embed.view(
+                self.embed_buf, self.store.embed.entries[0]
+            )
         mbs = [
             self.embedder.start(b, self.capture, training, self.aux is not None) for b in batches
         ]
+        self._embed_free = self.transfers.compute_event()
         layers = self.store.layers
         for j in range(min(self.slots.num_slots, len(layers))):
             self._load_layer(j, timeline)
@@ -233,14 +261,12 @@ class StreamingEngine:
 
     def _load_head(self, timeline: Timeline) -> None:
         timeline.wait_optimizer_s += self.worker.wait(self.store.head)
-        self._head_ready = self.transfers.h2d(
-            self.head_buf, self.store.head.source, after=self._head_free
-        )
+        self._head_ready = self.comm.load(self.store.head, self.head_buf, after=self._head_free)
         if self.structure.tied:
             timeline.wait_optimizer_s += self.worker.wait(self.store.embed)
             self.transfers.wait(self._head_ready)
-            self._head_ready = self.transfers.h2d(
-                self.table_buf, self.store.embed.source, after=self._head_free
+            self._head_ready = self.comm.load(
+                self.store.embed, self.table_buf, after=self._head_free
             )
 
     def _run_layer(
@@ -296,7 +322,9 @@ class StreamingEngine:
         for mb in mbs:
             mb.router_total = RouterStats.sum(mb.router_stats)
             values.append(self.aux.value(mb.router_total))
-        return self.aux.coef * torch.stack(values).mean()
+        # the mean over every micro-batch of the step, on all ranks (each has as many)
+        total = self.comm.sum(torch.stack(values).sum())
+        return self.aux.coef * total / (len(values) * self.comm.world_size)
 
     # ---------------------------------------------------------------- backward
 
@@ -310,7 +338,7 @@ class StreamingEngine:
             block = layers[i]
             k = i % 2
             self.transfers.wait(self._acc_busy[k])  # this accumulator's last copy-out is done
-            acc = self._acc[k][: block.numel]
+            acc = self._acc[k][: layout_numel(block)]
             timer.start(functools.partial(self.slots.acquire, i))
             acc.zero_()
             views = [block.view(acc, e) for e in block.entries]
@@ -323,7 +351,7 @@ class StreamingEngine:
                 self.slots.load(i - num_slots)
         timer.start()
         for mb in mbs:
-            self.embedder.backward(mb, self.embed_acc.view(self.store.embed.entries[0].shape))
+            self.embedder.backward(mb, self.embed_grad_VD)
         timer.stop()
         self._sumsq.append(self._ship(self.store.embed, self.embed_acc, lr))
         return self._sumsq
@@ -341,7 +369,7 @@ class StreamingEngine:
             tap = self.taps[i] if self.taps else None
             if tap is not None and tap.has_router:
                 assert self.aux is not None and mb.router_total is not None
-                scale = self.aux.coef / num_micro
+                scale = self.aux.coef / (num_micro * self.comm.world_size)
                 for lg in tap.take():
                     outputs.append(
                         self.aux.surrogate(lg, mb.router_weights, mb.router_total) * scale
@@ -356,7 +384,9 @@ class StreamingEngine:
     def _ship(
         self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None
     ) -> torch.Tensor:
-        """Copy a block's gradient to the host; returns its squared norm (on the device)."""
+        """Copy (this rank's shard of) a block's gradient to the host; returns its squared
+        norm (on the device)."""
+        acc = self.comm.reduce(block, acc)
         if self._stage is not None:  # bf16 compute: the gradient travels (and lands) as bf16
             src = (
                 self._stage[k][: block.numel]

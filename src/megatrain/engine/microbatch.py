@@ -6,6 +6,9 @@ fed to a device copy of the HF embedding module through remapped ids. The module
 runs (so scaled embeddings such as Gemma's are exact), and its gradient w.r.t. the gathered rows
 is scattered back into the full-table accumulator at the end of the backward.
 
+Sharded runs (several ranks) have no host holding the whole table: the engine gathers it on
+the device (`device_table`) and the rows are selected there.
+
 Shapes: B = batch rows, S = sequence, D = hidden, U = distinct token ids of the micro-batch.
 """
 
@@ -62,19 +65,23 @@ class Embedder:
         self.transfers = transfers
         self.dtype = dtype
         self.shape = block.entries[0].shape
+        self.device_table: torch.Tensor | None = None  # [V, D] on the device, when sharded
 
     def start(
         self, batch: Batch, capture: LayerCallCapture, training: bool, with_router_weights: bool
     ) -> MicroBatch:
         device = self.transfers.device
         uniq, inverse = torch.unique(batch.input_ids, return_inverse=True)
-        table = self.block.source.view(self.shape)
-        rows_host = torch.empty(
-            (uniq.numel(), self.shape[1]), dtype=table.dtype, pin_memory=self.transfers.is_cuda
-        )
-        torch.index_select(table, 0, uniq, out=rows_host)
-        rows = torch.empty(rows_host.shape, dtype=self.dtype, device=device)
-        self.transfers.wait(self.transfers.h2d(rows, rows_host))
+        if self.device_table is not None:
+            rows = self.device_table.index_select(0, uniq.to(device)).to(self.dtype)
+        else:
+            table = self.block.source.view(self.shape)
+            rows_host = torch.empty(
+                (uniq.numel(), self.shape[1]), dtype=table.dtype, pin_memory=self.transfers.is_cuda
+            )
+            torch.index_select(table, 0, uniq, out=rows_host)
+            rows = torch.empty(rows_host.shape, dtype=self.dtype, device=device)
+            self.transfers.wait(self.transfers.h2d(rows, rows_host))
         rows.requires_grad_(training)
         dev = batch.to(device)
         self.module.weight = rows  # a plain attribute: the parameter was removed
