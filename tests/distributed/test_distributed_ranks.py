@@ -168,3 +168,15 @@ def test_resume_with_another_world_size_is_refused(
     )
     with pytest.raises(ValueError, match=r"written by 2 rank\(s\) and this run has 1"):
         Trainer(cfg)
+
+
+def test_a_setup_error_reaches_the_user_once(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("someone else's folder")  # a new run here is refused
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        "-m", "megatrain", "train", "--config", str(DEMO),
+        "--training.output_dir", str(tmp_path), *COMMON,
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert run.stderr.count("is not empty") == 1, run.stderr[-3000:]
