@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.batch import Batch
+from megatrain.engine.backward import BackwardPass
 from megatrain.engine.head import ChunkedLoss, TokenObjective
 from megatrain.engine.microbatch import Embedder, MicroBatch
-from megatrain.engine.rng import restored_rng, rng_state, uses_randomness
+from megatrain.engine.rng import rng_state, uses_randomness
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
 from megatrain.engine.tier import GpuTier
 from megatrain.engine.timeline import ComputeTimer, Timeline
@@ -61,7 +62,7 @@ class StepResult:
     timeline: Timeline
 
 
-class StreamingEngine:
+class StreamingEngine(BackwardPass):
     """Runs optimizer steps of a model whose weights live in a HostStore, streaming layers.
 
     Owns the device side: the weight slots, the head and embedding on the device, gradient
@@ -371,99 +372,6 @@ class StreamingEngine:
             mb.router_total = RouterStats.sum(mb.router_stats)
             values.append(self.aux.value(mb.router_total))
         return self.aux.coef * torch.stack(values).mean()
-
-    # ---------------------------------------------------------------- backward
-
-    def _backward(
-        self, mbs: list[MicroBatch], timer: ComputeTimer, lr: float
-    ) -> list[torch.Tensor]:
-        layers, num_slots, first = self.store.layers, self.slots.num_slots, self.slots.resident
-        for j in range(len(layers) - 1, len(layers) - 1 - num_slots, -1):
-            self.slots.load(j)  # no copy for layers still resident from the forward
-        for i in range(len(layers) - 1, -1, -1):
-            block, k, tier = layers[i], i % 2, i < first
-            if not tier:
-                self.transfers.wait(self._acc_busy[k])  # this accumulator's copy-out is done
-            timer.start(functools.partial(self.slots.acquire, i))
-            acc = self.tier.gradient(block) if tier else self._acc[k][: block.numel].zero_()
-            views = [block.view(acc, e) for e in block.entries]
-            for mb in mbs:
-                self._layer_backward(i, mb, views, len(mbs))
-            timer.stop()
-            self.slots.release(i)
-            self._sumsq.append(self._finish(block, acc, lr, k))
-            if i - num_slots >= first:
-                self.slots.load(i - num_slots)
-        timer.start()
-        for mb in mbs:
-            self.embedder.backward(mb, self.embed_acc.view(self.store.embed.entries[0].shape))
-        timer.stop()
-        self._sumsq.append(self._finish(self.store.embed, self.embed_acc, lr))
-        return self._sumsq
-
-    def _layer_backward(
-        self, i: int, mb: MicroBatch, views: list[torch.Tensor], num_micro: int
-    ) -> None:
-        params = self.slots.params[i]
-        x = mb.saved[i]
-        assert x is not None and mb.grad is not None
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad(), restored_rng(self.device, mb.rng[i] if mb.rng else None):
-            out = self._run_layer(i, self.slots.modules[i], mb, x, record=False)
-            outputs, grads = [out], [mb.grad]
-            tap = self.taps[i] if self.taps else None
-            if tap is not None and tap.has_router:
-                assert self.aux is not None and mb.router_total is not None
-                scale = self.aux.coef / num_micro
-                for lg in tap.take():
-                    outputs.append(
-                        self.aux.surrogate(lg, mb.router_weights, mb.router_total) * scale
-                    )
-                    grads.append(torch.ones((), device=self.device))
-        result = torch.autograd.grad(outputs, [x, *params], grads, allow_unused=True)
-        mb.grad, mb.saved[i] = result[0], None
-        pairs = [(v, g) for v, g in zip(views, result[1:], strict=True) if g is not None]
-        if pairs:
-            torch._foreach_add_([v for v, _ in pairs], [g for _, g in pairs])
-
-    def _finish(
-        self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None
-    ) -> torch.Tensor:
-        """The block's gradient is complete: its squared norm (on the device). Shipped to the
-        host worker, or for the GPU tier kept, and without clipping applied here at once."""
-        if block not in self.tier:
-            return self._ship(block, acc, lr, k)
-        sumsq = torch.linalg.vector_norm(acc).square()
-        if self.max_grad_norm is None:
-            self._update_tier(block, lr, 1.0)
-        return sumsq
-
-    def _update_tier(self, block: ParamBlock, lr: float, coef: float) -> None:
-        self.tier.update(block, lr=lr, grad_scale=coef, on_gradient=self.worker.on_landed)
-
-    def _ship(
-        self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None
-    ) -> torch.Tensor:
-        """Copy a block's gradient to the host; returns its squared norm (on the device)."""
-        if self._stage is not None:  # bf16 compute: the gradient travels (and lands) as bf16
-            src = (
-                self._stage[k][: block.numel]
-                if k is not None
-                else torch.empty(block.numel, dtype=torch.bfloat16, device=self.device)
-            )
-            src.copy_(acc)
-        else:
-            src = acc
-        sumsq = torch.linalg.vector_norm(src, dtype=torch.float32).square()
-        landed = self.transfers.d2h(block.grad_landing, src, after=self.transfers.compute_event())
-        if k is not None:
-            self._acc_busy[k] = landed
-        else:
-            self._head_busy.append(landed)
-        self._landed[block.name] = landed
-        if self.max_grad_norm is None:
-            self.worker.submit(block, landed, order=self._order[block.name], lr=lr, grad_scale=1.0)
-        return sumsq
 
 
 def _shifted(values_BS: torch.Tensor) -> torch.Tensor:

@@ -12,12 +12,10 @@ from megatrain.resources.estimate import (
     Estimate,
     GpuMemory,
     HostMemory,
-    check_fits,
     estimate,
-    gpu_problem,
-    host_problem,
     model_spec,
 )
+from megatrain.resources.fit import check_fits, gpu_problem, host_problem
 from megatrain.resources.hardware import Hardware, detect, probe
 from megatrain.resources.report import format_estimate
 from megatrain.resources.spec import ModelSpec, build_spec

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from megatrain.resources.estimate import Estimate, estimate, gpu_problem, model_spec
+from megatrain.resources.estimate import Estimate, estimate, model_spec
+from megatrain.resources.fit import gpu_problem
 from megatrain.resources.hardware import GIB, Hardware, gib
 from megatrain.resources.spec import ModelSpec
 

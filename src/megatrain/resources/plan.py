@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain.resources.batch_size import pick_micro_batch
-from megatrain.resources.estimate import Estimate, estimate, gpu_problem, host_problem
+from megatrain.resources.estimate import Estimate, estimate
+from megatrain.resources.fit import gpu_problem, host_problem
 from megatrain.resources.hardware import GIB, Hardware, gib
 from megatrain.resources.spec import ModelSpec
 
