@@ -92,7 +92,7 @@ def _trained_store(cfg: TrainConfig, steps: int) -> tuple[Any, Any]:
 def test_checkpoint_from_device_blocks_loads_anywhere(tmp_path: Path) -> None:
     store, engine = _trained_store(_cfg(2, dtype="bf16"), steps=2)
     try:
-        path = save_checkpoint(tmp_path, 2, store, {}, keep_last=1)
+        path = save_checkpoint(tmp_path, 2, store, {}, keep_last=1, run_id="tier-test")
         # export binds the device blocks' bf16 weights (copied to the host)
         with store.bound(torch.bfloat16) as model:
             for block in store.layers[:2]:
