@@ -32,10 +32,12 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatrain.checkpoint import export_hf
 from megatrain.config import TrainConfig
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.sample import Sample
@@ -288,6 +290,16 @@ class RunBuilder:
         if isinstance(blocks, int):
             return min(blocks, num_layers + 2)
         return self.plan().gpu_state_blocks
+
+    def export(self, store: HostStore) -> Path:
+        """The store's weights as a Hugging Face folder, output_dir/hf_model (with all updates
+        applied: the caller waits for them)."""
+        return export_hf(
+            store,
+            Path(self.cfg.training.output_dir) / "hf_model",
+            dtype=self.cfg.checkpoint.export_dtype,
+            tokenizer=self.tokenizer(),
+        )
 
     def reference(self, store: HostStore) -> ReferenceWeights:
         """The store's current weights, frozen in host memory (GRPO's KL reference)."""

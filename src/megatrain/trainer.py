@@ -24,7 +24,6 @@ import torch
 from megatrain.batch import Batch
 from megatrain.builder import RunBuilder
 from megatrain.checkpoint import (
-    export_hf,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -220,13 +219,8 @@ class Trainer:
         )
 
     def export(self) -> Path:
-        self.engine.wait_updates()
-        return export_hf(
-            self.store,
-            self.output_dir / "hf_model",
-            dtype=self.cfg.checkpoint.export_dtype,
-            tokenizer=self.tokenizer,
-        )
+        self.engine.wait_updates()  # every update applied: the master is the trained model
+        return self.builder.export(self.store)
 
     def close(self) -> None:
         self.engine.close()

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from megatrain.builder import RunBuilder
-from megatrain.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatrain.config import TrainConfig, save_config
 from megatrain.data import demo_assets_dir
 from megatrain.data.pipeline import pad_token_id_of
@@ -327,13 +327,8 @@ class GRPOTrainer:
             self.reference.save(folder)
 
     def export(self) -> Path:
-        self.engine.wait_updates()
-        return export_hf(
-            self.store,
-            self.output_dir / "hf_model",
-            dtype=self.cfg.checkpoint.export_dtype,
-            tokenizer=self.tokenizer,
-        )
+        self.engine.wait_updates()  # every update applied: the master is the trained model
+        return self.builder.export(self.store)
 
     def close(self) -> None:
         self.engine.close()
