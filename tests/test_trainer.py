@@ -14,6 +14,7 @@ from megatrain import checkpoint as ckpt_mod
 from megatrain.checkpoint import latest_checkpoint, list_checkpoints
 from megatrain.config import load_config
 from megatrain.trainer import Trainer
+from run_helpers import crash_during_step
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
 
@@ -91,19 +92,7 @@ def test_resume_gives_identical_losses(tmp_path: Path, compute_dtype: str) -> No
     straight = _train(tmp_path / "a", *common)
     # the same run, killed during step 4 (after the step-3 checkpoint), then resumed
     crashed = _run(tmp_path / "b", *common)
-    real_step, seen = crashed.engine.train_step, []
-
-    def dies_at_step_4(*args: object, **kwargs: object) -> object:
-        if len(seen) == 3:
-            raise KeyboardInterrupt
-        result = real_step(*args, **kwargs)  # type: ignore[arg-type]
-        seen.append(result.loss)
-        return result
-
-    crashed.engine.train_step = dies_at_step_4  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        crashed.train()
-    crashed.close()
+    seen = crash_during_step(crashed, 4)
     resumed = _train(tmp_path / "b", *common, "--checkpoint.resume_from", "auto")
     assert len(straight) == 6 and len(seen) == 3 and len(resumed) == 3
     assert seen + resumed == straight

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from pathlib import Path
 
 from megatrain.checkpoint import check_export_target, latest_checkpoint
+from megatrain.config import TrainConfig, save_config
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "hf_model")
 """What a run writes at the top of its output_dir (moved aside by overwrite_output_dir)."""
@@ -69,6 +71,21 @@ def prepare_output_dir(
             "or set checkpoint.export_hf: false",
         )
     return moved
+
+
+def open_output_dir(cfg: TrainConfig) -> str:
+    """Make `training.output_dir` this run's (prepare_output_dir's rules), write its
+    config.yaml, and return a new run id (a resumed run takes its checkpoint's instead)."""
+    out = Path(cfg.training.output_dir)
+    prepare_output_dir(
+        out,
+        resume_from=cfg.checkpoint.resume_from,
+        overwrite=cfg.training.overwrite_output_dir,
+        export_hf=cfg.checkpoint.export_hf,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    return uuid.uuid4().hex[:12]
 
 
 def interrupted_message(output_dir: str | Path, step: int) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from megatrain.checkpoint import (
 from megatrain.config import TrainConfig, save_config
 from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger
-from megatrain.output_dir import TrainingInterrupted, interrupted_message, prepare_output_dir
+from megatrain.output_dir import TrainingInterrupted, interrupted_message, open_output_dir
 from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
 from megatrain.resources.plan import ResourcePlan
 
@@ -61,15 +60,7 @@ class Trainer:
         self.builder = b = builder or RunBuilder(cfg)
         self.device = b.device
         self.output_dir = Path(cfg.training.output_dir)
-        prepare_output_dir(
-            self.output_dir,
-            resume_from=cfg.checkpoint.resume_from,
-            overwrite=cfg.training.overwrite_output_dir,
-            export_hf=cfg.checkpoint.export_hf,
-        )
-        self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (_resume)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.output_dir / "config.yaml")
+        self.run_id = open_output_dir(cfg)  # a resumed run takes its checkpoint's (_resume)
         torch.manual_seed(cfg.training.seed)
         self.tokenizer = b.tokenizer()
         self.data = b.data()

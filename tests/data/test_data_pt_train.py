@@ -11,6 +11,7 @@ from data_fixtures.pt_corpus import write_lf_corpus
 from megatrain.config import load_config
 from megatrain.data.pretrain_loader import PretrainLoader
 from megatrain.trainer import Trainer
+from run_helpers import crash_during_step
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
@@ -60,19 +61,7 @@ def test_pt_resume_mid_epoch_gives_identical_losses(tmp_path: Path, neat: str) -
         straight_trainer.close()
     # the same run, killed during step 4 (after the step-3 checkpoint), then resumed
     crashed = _trainer(tmp_path / "b", data, "--data.neat_packing", neat)
-    real_step, first = crashed.engine.train_step, []
-
-    def dies_at_step_4(*args: object, **kwargs: object) -> object:
-        if len(first) == 3:
-            raise KeyboardInterrupt
-        result = real_step(*args, **kwargs)  # type: ignore[arg-type]
-        first.append(result.loss)
-        return result
-
-    crashed.engine.train_step = dies_at_step_4  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        crashed.train()
-    crashed.close()
+    first = crash_during_step(crashed, 4)
     resumed = _train(
         tmp_path / "b", data, "--data.neat_packing", neat, "--checkpoint.resume_from", "auto"
     )

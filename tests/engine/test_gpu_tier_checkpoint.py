@@ -18,6 +18,7 @@ from safetensors import safe_open
 from megatrain.checkpoint import latest_checkpoint
 from megatrain.config import load_config
 from megatrain.trainer import Trainer
+from run_helpers import crash_during_step
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 COMMON = (
@@ -73,19 +74,7 @@ def test_resume_across_tier_splits_is_exact(
     tmp_path: Path, straight: list[float], crash_tier: int, resume_tier: int
 ) -> None:
     crashed = _trainer(tmp_path, crash_tier)
-    real_step, seen = crashed.engine.train_step, []
-
-    def dies_at_step_4(*args: object, **kwargs: object) -> object:
-        if len(seen) == 3:
-            raise KeyboardInterrupt
-        result = real_step(*args, **kwargs)  # type: ignore[arg-type]
-        seen.append(result.loss)
-        return result
-
-    crashed.engine.train_step = dies_at_step_4  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        crashed.train()
-    crashed.close()
+    seen = crash_during_step(crashed, 4)
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt is not None and ckpt.name == "step-00000003"
     for i in range(4):  # every layer's file holds fp32 master, m, v, wherever it lived

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from megatrain.grpo.rewards import load_reward
 from megatrain.grpo.rollout import device_model, generate
 from megatrain.grpo.sequences import completion_mask, per_row, sequence_batches
 from megatrain.metrics import MetricsLogger
-from megatrain.output_dir import prepare_output_dir
+from megatrain.output_dir import open_output_dir
 from megatrain.trainer import report_plan, step_record
 
 
@@ -78,15 +77,7 @@ class GRPOTrainer:
                 "grpo.num_generations keeps micro-batches equal)"
             )
         self.output_dir = Path(cfg.training.output_dir)
-        prepare_output_dir(  # the same safety rules as train: never another run's files
-            self.output_dir,
-            resume_from=cfg.checkpoint.resume_from,
-            overwrite=cfg.training.overwrite_output_dir,
-            export_hf=cfg.checkpoint.export_hf,
-        )
-        self.run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (_resume)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.output_dir / "config.yaml")
+        self.run_id = open_output_dir(cfg)  # a resumed run takes its checkpoint's (_resume)
         torch.manual_seed(cfg.training.seed)
         self.tokenizer = b.tokenizer()
         d = cfg.data
