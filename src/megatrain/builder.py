@@ -42,7 +42,9 @@ from megatrain.config import TrainConfig
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.sample import Sample
 from megatrain.device import resolve_device
+from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.engine import StreamingEngine
+from megatrain.engine.tiling import TilePolicy
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.loading import load_config as load_hf_config
@@ -138,6 +140,9 @@ class RunBuilder:
             check_gpu=self.placement.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
             gpu_state_blocks=cfg.memory.gpu_state_blocks,
+            activation_offload=cfg.memory.activation_offload,
+            checkpoint_every=cfg.memory.checkpoint_every,
+            mlp_tiles=cfg.memory.mlp_tiles,
         )
 
     def plan(
@@ -270,7 +275,7 @@ class RunBuilder:
     def engine(
         self, structure: ModelStructure, store: HostStore, optimizer: CpuAdamW | None = None
     ) -> StreamingEngine:
-        cfg = self.cfg
+        cfg, mem = self.cfg, self.cfg.memory
         return StreamingEngine(
             structure,
             store,
@@ -281,7 +286,26 @@ class RunBuilder:
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
             compile_layers=cfg.training.compile_layers,
             gpu_state_blocks=self.gpu_state_blocks(len(store.layers)),
+            boundary_plan=self.boundary_plan(len(store.layers)),
+            mlp_tiles=TilePolicy(None if mem.mlp_tiles == "auto" else int(mem.mlp_tiles)),
         )
+
+    def boundary_plan(self, num_layers: int) -> BoundaryPlan:
+        """Where the layers' saved inputs wait: without "auto" in memory.activation_offload
+        and memory.checkpoint_every (or on the CPU), straight from them; else the plan's."""
+        mem = self.cfg.memory
+        every, offload = mem.checkpoint_every, mem.activation_offload
+        if not self.placement.is_cuda:  # "auto" on the CPU: the device is the host, keep all
+            every = 1 if every == "auto" else every
+            offload = "off" if offload == "auto" else offload
+        if every != "auto" and offload != "auto":
+            kept = -(-num_layers // int(every))
+            return BoundaryPlan.make(
+                num_layers, every=int(every), on_host=kept if offload == "on" else 0
+            )
+        plan = self.plan().boundaries
+        assert plan is not None
+        return plan
 
     def gpu_state_blocks(self, num_layers: int) -> int:
         """GPU-tier blocks (layers, then embedding, then head): the config's count (clamped to

@@ -232,9 +232,31 @@ class MemoryConfig:
     never streamed, counted in this order: the decoder layers from the first, then the
     embedding, then the head. An integer >= 0 (0: none; more than the model has: all), or
     "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free); none on the CPU."""
+    activation_offload: str = "auto"
+    """Each layer's saved input (boundary activation) to host memory during the forward, copied
+    back just ahead of its backward: "on" (all kept inputs), "off" (all stay on the GPU), or
+    "auto": those the GPU cannot hold beside the run go to the host (none on the CPU)."""
+    checkpoint_every: int | str = "auto"
+    """Keep the saved input of one layer in K (>= 1) and recompute the others in the backward
+    from the kept one before them (K - 1 extra layer forwards per K), or "auto": the smallest K
+    whose kept inputs fit the GPU and host (1 when all fit)."""
+    mlp_tiles: int | str = "auto"
+    """Sequence tiles each decoder layer's MLP runs over (its [tokens x intermediate] tensors
+    then exist one tile at a time): an integer >= 1 (1: not tiled) or "auto": tiles of at most
+    16384 tokens (not tiled below that)."""
 
     def validate(self) -> None:
         check_types("memory", self)
+        check_choice("memory.activation_offload", self.activation_offload, ("auto", "on", "off"))
+        for key in ("checkpoint_every", "mlp_tiles"):
+            value = getattr(self, key)
+            if (isinstance(value, str) and value != "auto") or (
+                isinstance(value, int) and value < 1
+            ):
+                raise ValueError(
+                    f"memory.{key}={value!r} must be an integer >= 1 or 'auto' "
+                    "(docs/configuration.md, memory section)"
+                )
         blocks = self.gpu_state_blocks
         if (isinstance(blocks, str) and blocks != "auto") or (
             isinstance(blocks, int) and blocks < 0

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatrain.engine.boundaries import Boundaries, SlotWindow
 from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.rng import restored_rng
 from megatrain.engine.timeline import ComputeTimer
@@ -34,6 +35,7 @@ class BackwardPass:
     embedder: Any
     max_grad_norm: float | None
     embed_acc: torch.Tensor
+    boundaries: Boundaries
     _acc: list[torch.Tensor]
     _acc_busy: list[Event]
     _stage: list[torch.Tensor] | None
@@ -50,29 +52,67 @@ class BackwardPass:
     def _backward(
         self, mbs: list[MicroBatch], timer: ComputeTimer, lr: float
     ) -> list[torch.Tensor]:
-        layers, num_slots, first = self.store.layers, self.slots.num_slots, self.slots.resident
-        for j in range(len(layers) - 1, len(layers) - 1 - num_slots, -1):
-            self.slots.load(j)  # no copy for layers still resident from the forward
-        for i in range(len(layers) - 1, -1, -1):
-            block, k, tier = layers[i], i % 2, i < first
-            if not tier:
-                self.transfers.wait(self._acc_busy[k])  # this accumulator's copy-out is done
-            timer.start(functools.partial(self.slots.acquire, i))
-            acc = self.tier.gradient(block) if tier else self._acc[k][: block.numel].zero_()
-            views = [block.view(acc, e) for e in block.entries]
-            for mb in mbs:
-                self._layer_backward(i, mb, views, len(mbs))
-            timer.stop()
+        plan = self.boundaries.plan
+        uses = plan.backward_uses()
+        window = SlotWindow(self.slots, [i for i, _ in uses])
+        window.pump(0)  # no copy for layers still resident from the forward
+        starts = plan.starts()  # segments begin there; the backward takes them last first
+        self._fetch_inputs(starts[-1], mbs, wait=False)
+        for t, (i, recompute) in enumerate(uses):
+            if starts and i == starts[-1]:  # a segment begins: its input, the next one's ahead
+                starts.pop()
+                self._fetch_inputs(i, mbs)
+                if starts:
+                    self._fetch_inputs(starts[-1], mbs, wait=False)
+            if recompute:
+                self._recompute(i, mbs, timer)
+            else:
+                self._backward_layer(i, mbs, timer, lr)
             self.slots.release(i)
-            self._sumsq.append(self._finish(block, acc, lr, k))
-            if i - num_slots >= first:
-                self.slots.load(i - num_slots)
+            window.pump(t + 1)
         timer.start()
         for mb in mbs:
             self.embedder.backward(mb, self.embed_acc.view(self.store.embed.entries[0].shape))
         timer.stop()
         self._sumsq.append(self._finish(self.store.embed, self.embed_acc, lr))
         return self._sumsq
+
+    def _fetch_inputs(self, i: int, mbs: list[MicroBatch], wait: bool = True) -> None:
+        """Layer i's kept inputs onto the device: started (prefetch), or ready (`wait`)."""
+        for k, mb in enumerate(mbs):
+            if mb.saved[i] is not None:
+                continue
+            if wait:
+                mb.saved[i] = self.boundaries.take(k, i)
+            else:
+                self.boundaries.prefetch(k, i)
+
+    def _recompute(self, i: int, mbs: list[MicroBatch], timer: ComputeTimer) -> None:
+        """Re-run layer i's forward to get layer i + 1's dropped input (segment recompute)."""
+        timer.start(functools.partial(self.slots.acquire, i))
+        module = self.slots.modules[i]
+        for mb in mbs:
+            x = mb.saved[i]
+            assert x is not None
+            with torch.no_grad(), restored_rng(self.device, mb.rng[i] if mb.rng else None):
+                mb.saved[i + 1] = self._run_layer(i, module, mb, x, record=False)
+            if self.taps:
+                self.taps[i].take()  # router logits of a recompute: not part of the loss
+        timer.stop()
+
+    def _backward_layer(
+        self, i: int, mbs: list[MicroBatch], timer: ComputeTimer, lr: float
+    ) -> None:
+        block, k, tier = self.store.layers[i], i % 2, i < self.slots.resident
+        if not tier:
+            self.transfers.wait(self._acc_busy[k])  # this accumulator's copy-out is done
+        timer.start(functools.partial(self.slots.acquire, i))
+        acc = self.tier.gradient(block) if tier else self._acc[k][: block.numel].zero_()
+        views = [block.view(acc, e) for e in block.entries]
+        for mb in mbs:
+            self._layer_backward(i, mb, views, len(mbs))
+        timer.stop()
+        self._sumsq.append(self._finish(block, acc, lr, k))
 
     def _layer_backward(
         self, i: int, mb: MicroBatch, views: list[torch.Tensor], num_micro: int

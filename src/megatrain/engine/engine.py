@@ -34,11 +34,13 @@ import torch
 
 from megatrain.batch import Batch
 from megatrain.engine.backward import BackwardPass
+from megatrain.engine.boundaries import Boundaries, BoundaryPlan
 from megatrain.engine.head import ChunkedLoss, TokenObjective
 from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.rng import rng_state, uses_randomness
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
 from megatrain.engine.tier import GpuTier
+from megatrain.engine.tiling import TilePolicy, tile_mlps
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.engine.updates import UpdateWorker
@@ -86,8 +88,12 @@ class StreamingEngine(BackwardPass):
         threaded_optimizer: bool = True,
         compile_layers: bool = False,
         gpu_state_blocks: int = 0,
+        boundary_plan: BoundaryPlan | None = None,
+        mlp_tiles: TilePolicy | None = None,
     ) -> None:
-        """`gpu_state_blocks`: blocks whose states live on the device (engine/tier.py)."""
+        """`gpu_state_blocks`: blocks whose states live on the device (engine/tier.py);
+        `boundary_plan`: where layer inputs wait for the backward (engine/boundaries.py; None:
+        all on the device); `mlp_tiles`: sequence tiles of the MLPs (engine/tiling.py)."""
         self.structure = structure
         self.store = store
         self.device = torch.device(device)
@@ -129,6 +135,12 @@ class StreamingEngine(BackwardPass):
             [RouterTap(m, self.aux) for m in self.slots.modules] if self.aux is not None else []
         )
         self.worker = UpdateWorker(optimizer, threaded=threaded_optimizer)
+        plan = boundary_plan or BoundaryPlan.on_device(len(store.layers))
+        assert plan.num_layers == len(store.layers), (plan.num_layers, len(store.layers))
+        self.boundaries = Boundaries(plan, self.device)
+        if mlp_tiles is not None:  # not where router logits are recorded (engine/tiling.py)
+            skip = {i for i, tap in enumerate(self.taps) if tap.has_router}
+            tile_mlps(self.slots.modules, mlp_tiles, skip)
         self._preserve_rng = uses_randomness(structure)
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
@@ -268,8 +280,8 @@ class StreamingEngine(BackwardPass):
         for i in range(len(layers)):
             timer.start(functools.partial(self.slots.acquire, i))
             module = self.slots.modules[i]
-            for mb in mbs:
-                mb.saved.append(mb.hidden if training else None)  # kept for the backward only
+            for k, mb in enumerate(mbs):  # inputs kept for the backward only
+                mb.saved.append(self.boundaries.save(k, i, mb.hidden) if training else None)
                 if self._preserve_rng:
                     mb.rng.append(rng_state(self.device))
                 with torch.no_grad():

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatrain.engine.head import LogitsFn
+from megatrain.engine.tiling import TilePolicy, tiled_mlps
 from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
 from megatrain.resources.spec import ModelSpec
 
@@ -146,9 +147,12 @@ class LayerProfile:
     ops: list[tuple[int, int]]  # per layer: aten ops of its forward, of recompute + backward
 
 
-def layer_profile(spec: ModelSpec, rows: int, seq: int, layout: str) -> LayerProfile:
-    """Measure (once per shape and layout) every layer group's recompute + backward on meta."""
-    key = ("layer", rows, seq, layout)
+def layer_profile(
+    spec: ModelSpec, rows: int, seq: int, layout: str, mlp_tiles: int = 1
+) -> LayerProfile:
+    """Measure (once per shape, layout and tiling) every layer group's recompute + backward
+    on meta; with `mlp_tiles` > 1 the MLPs run tiled as the engine runs them (engine/tiling.py)."""
+    key = ("layer", rows, seq, layout, mlp_tiles)
     if key not in spec.cache:
         captured, seq0, rows0 = _capture(spec, seq, layout)
         shapes = _Rescale(seq0, seq, rows0, rows)
@@ -160,7 +164,9 @@ def layer_profile(spec: ModelSpec, rows: int, seq: int, layout: str) -> LayerPro
         ]
         peak, ops = 0, [(0, 0)] * spec.num_layers
         for group in spec.structure.groups:
-            group_peak, group_ops = _layer_run(spec, calls, group.layer_indices[0], rows, seq)
+            group_peak, group_ops = _layer_run(
+                spec, calls, group.layer_indices[0], rows, seq, mlp_tiles
+            )
             peak = max(peak, group_peak)
             for i in group.layer_indices:
                 ops[i] = group_ops
@@ -191,10 +197,17 @@ def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int]:
 
 
 def _layer_run(
-    spec: ModelSpec, calls: list[LayerCall], index: int, rows: int, seq: int
+    spec: ModelSpec, calls: list[LayerCall], index: int, rows: int, seq: int, mlp_tiles: int
 ) -> tuple[int, tuple[int, int]]:
     """(peak bytes, (forward ops, recompute + backward ops)) of layer `index`."""
     layer = spec.structure.layers[index]
+    with tiled_mlps([layer], TilePolicy(mlp_tiles)):
+        return _measure(spec, calls[index], layer, rows, seq)
+
+
+def _measure(
+    spec: ModelSpec, call: LayerCall, layer: torch.nn.Module, rows: int, seq: int
+) -> tuple[int, tuple[int, int]]:
     params = list(layer.parameters())
     x = torch.empty(
         rows, seq, spec.hidden_size, dtype=spec.compute_dtype, device="meta", requires_grad=True
@@ -202,7 +215,7 @@ def _layer_run(
     grad_out = torch.empty_like(x)  # mb.grad: counted by the caller, not here
     tracker = _LiveBytes()
     with torch.enable_grad(), _GpuKernels(), tracker:
-        out = calls[index].run(layer, x)
+        out = call.run(layer, x)
         forward_ops = tracker.ops
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)
         del out, grads

@@ -9,7 +9,8 @@ Host (bytes per parameter P; the store of store/host.py, every block):
 - Pinned blocks of 32 MiB and more are huge-page mappings page-locked with cudaHostRegister
   (store/memory.py): their size rounded up to 2 MiB. Smaller ones come from torch's caching
   host allocator, which rounds up to a power of two. `pinned_reserved_bytes` counts that.
-- Plus the process baseline (python, torch, CUDA context) and the tokenized data.
+- Plus the process baseline (python, torch, CUDA context), the tokenized data and the layer
+  inputs offloaded during the step (resources/long_context.py; pinned on CUDA).
 - Blocks of the GPU tier (the first `gpu_state_blocks` of: layers, embedding, head) hold
   nothing on the host once the engine is built (they move to the GPU); while the model loads
   they are there.
@@ -25,7 +26,8 @@ T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph h
   the master is the weights), which replaces a tier head's or embedding's weights and gradient
   below; Ph x c head weights; V x D x c table (tied only);
   Ph x 4 + V x D x 4 head and embedding gradient accumulators;
-- per step: every layer's input for every micro-batch, L x T x D x c, and one more T x D x c
+- per step: every layer's input for every micro-batch, L x T x D x c (fewer with offload or
+  one kept every K layers: resources/long_context.py), and one more T x D x c
   (the last hidden state, then its gradient), the gathered embedding rows, the captured layer
   arguments (masks, rotary tables) of every micro-batch;
 - transient, the largest of: one layer's recompute + backward on one micro-batch (measured
@@ -42,9 +44,11 @@ import torch
 from transformers import PretrainedConfig
 
 from megatrain.dtypes import torch_dtype
+from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.head import default_chunk_tokens
 from megatrain.resources.activations import LayerProfile, layer_profile, loss_chunk
 from megatrain.resources.hardware import Hardware, detect
+from megatrain.resources.long_context import device_inputs, host_input_bytes
 from megatrain.resources.spec import ModelSpec, build_spec
 from megatrain.resources.timing import StepTime, step_time
 from megatrain.store.states import state_nbytes
@@ -59,6 +63,7 @@ class HostMemory:
     data_bytes: int
     total_bytes: int
     load_peak_bytes: int  # while the HF model's fp32 weights move into the store
+    offload_bytes: int = 0  # layer inputs offloaded during the step (in total_bytes)
 
     @property
     def store_bytes(self) -> int:
@@ -128,8 +133,13 @@ def estimate(
     pin_memory: bool = True,
     state_dtype: str = "fp32",
     gpu_state_blocks: int = 0,
+    boundary_plan: BoundaryPlan | None = None,
+    mlp_tiles: int = 1,
 ) -> Estimate:
     """Predict host RAM, GPU peak and step time of training `config` with these settings.
+
+    `boundary_plan`: where the layers' saved inputs wait (resources/long_context.py; None: all
+    on the GPU); `mlp_tiles`: sequence tiles of each layer's MLP (engine/tiling.py).
 
     `gpu_state_blocks`: blocks kept on the GPU with their optimizer states, counted layers
     first, then embedding, then head (engine/tier.py); more than the model has means all.
@@ -158,7 +168,10 @@ def estimate(
     chunk = min(
         loss_chunk_tokens or default_chunk_tokens(spec.vocab_size), micro_batch_size * seq_len
     )
-    profile = layer_profile(spec, micro_batch_size, seq_len, layout)
+    profile = layer_profile(spec, micro_batch_size, seq_len, layout, mlp_tiles)
+    plan = boundary_plan or BoundaryPlan.on_device(spec.num_layers)
+    input_bytes = micro_batch_size * seq_len * spec.hidden_size * spec.compute_dtype.itemsize
+    reserved = pinned_reserved if pin_memory else (lambda n: n)
     gpu = gpu_memory(
         spec,
         profile,
@@ -167,11 +180,13 @@ def estimate(
         num_slots=slots,
         chunk_tokens=chunk,
         gpu_state_blocks=tier,
+        device_inputs=device_inputs(plan),
     )
     host = host_memory(
         spec,
         hw,
         data_bytes=data_bytes,
+        offload_bytes=host_input_bytes(plan, input_bytes, grad_accum, reserved),
         pin_memory=pin_memory,
         state_dtype=state_dtype,
         gpu_state_blocks=tier,
@@ -187,6 +202,7 @@ def estimate(
         clipping=clipping,
         gpu_state_blocks=tier,
         layer_ops=profile.ops,
+        recomputed=[plan.places[i + 1] == "none" for i in range(spec.num_layers - 1)] + [False],
         loss_ops=chunks_per_mb * loss_chunk(spec, chunk)[1],
     )
     settings = dict(
@@ -201,6 +217,8 @@ def estimate(
         loss_chunk_tokens=chunk,
         state_dtype=state_dtype,
         gpu_state_blocks=tier,
+        activations=plan.describe(),
+        mlp_tiles=mlp_tiles,
     )
     return Estimate(
         model=spec.describe(),
@@ -227,6 +245,7 @@ def host_memory(
     pin_memory: bool = True,
     state_dtype: str = "fp32",
     gpu_state_blocks: int = 0,
+    offload_bytes: int = 0,
 ) -> HostMemory:
     layers = [la.params for la in spec.layers]
     every = [spec.embed_params, *layers, spec.head_params]
@@ -241,12 +260,12 @@ def host_memory(
         else:  # master and gradient pinned
             pageable, pinned_per_block = states, [4 * n for n in numels] * 2
         pinned = sum(pinned_per_block)
-        reserved = sum(_pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
+        reserved = sum(pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
         return pageable, pinned, reserved
 
     pageable, pinned, reserved = store(held)
     process = hw.process_baseline_bytes + data_bytes
-    total = pageable + reserved + process
+    total = pageable + reserved + process + offload_bytes
     loading = sum(store(every)[::2]) + process  # every block is built on the host first
     return HostMemory(
         pageable_bytes=pageable,
@@ -256,6 +275,7 @@ def host_memory(
         data_bytes=data_bytes,
         total_bytes=total,
         load_peak_bytes=loading + 4 * max(every),  # the block being moved exists twice
+        offload_bytes=offload_bytes,
     )
 
 
@@ -268,7 +288,10 @@ def gpu_memory(
     num_slots: int,
     chunk_tokens: int,
     gpu_state_blocks: int = 0,
+    device_inputs: int | None = None,
 ) -> GpuMemory:
+    """`device_inputs`: saved layer inputs per micro-batch on the device at the backward's peak
+    (resources/long_context.py; None: every layer's)."""
     c = torch.finfo(spec.compute_dtype).bits // 8
     bf16 = spec.compute_dtype == torch.bfloat16
     n = spec.num_layers
@@ -293,7 +316,10 @@ def gpu_memory(
         "captured masks + rotary": micro_batches * captured,
     }
     boundary = {
-        "boundary activations": spec.num_layers * tokens * d * c,
+        "boundary activations": (spec.num_layers if device_inputs is None else device_inputs)
+        * tokens
+        * d
+        * c,
         "last hidden / its gradient": tokens * d * c,
     }
     phases = {
@@ -316,7 +342,7 @@ def _pow2_ceil(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else n
 
 
-def _pinned_reserved(nbytes: int) -> int:
+def pinned_reserved(nbytes: int) -> int:
     """Host bytes a pinned block costs (megatrain.store.memory.host_zeros).
 
     Blocks of 32 MiB and more are huge-page mappings registered with cudaHostRegister: their

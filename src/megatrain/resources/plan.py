@@ -22,14 +22,19 @@ Later plans (activation offload for long rows, several ranks) extend `RunShape` 
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.engine.tiling import TilePolicy
 from megatrain.resources.batch_size import pick_micro_batch
-from megatrain.resources.estimate import Estimate, estimate
+from megatrain.resources.estimate import Estimate, estimate, pinned_reserved
 from megatrain.resources.fit import gpu_problem, host_problem
 from megatrain.resources.hardware import GIB, Hardware, gib
+from megatrain.resources.long_context import choose_boundaries
 from megatrain.resources.spec import ModelSpec
 
 LAYOUTS = ("padded", "packed", "full")
@@ -48,6 +53,14 @@ class RunShape:
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
     state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
     gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
+    activation_offload: str = "off"  # layer inputs to the host: "auto", "on" or "off"
+    checkpoint_every: int | str = 1  # one layer input kept every K layers, or "auto"
+    mlp_tiles: int | str = 1  # sequence tiles of the MLPs, or "auto" (engine/tiling.py)
+
+    @property
+    def tile_count(self) -> int:
+        tiles = None if self.mlp_tiles == "auto" else int(self.mlp_tiles)
+        return TilePolicy(tiles).count(self.seq_len)
 
     def estimate_kwargs(self) -> dict[str, Any]:
         assert self.layout in LAYOUTS, self.layout
@@ -73,6 +86,8 @@ class ResourcePlan:
     problems: tuple[str, ...]
     gpu_state_blocks: int = 0  # blocks (layers, embedding, head) whose states live on the GPU
     tier_reason: str | None = None  # why "auto" chose that many (None: it was given)
+    boundaries: BoundaryPlan | None = None  # where layer inputs wait (None: all on the GPU)
+    boundary_reason: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -119,7 +134,7 @@ def plan_resources(
         grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)
     assert isinstance(micro_batch_size, int)
 
-    def predict(tier: int) -> Estimate:
+    def predict(tier: int, boundaries: BoundaryPlan | None = None) -> Estimate:
         return estimate(
             spec,
             micro_batch_size=micro_batch_size,
@@ -127,8 +142,15 @@ def plan_resources(
             hardware=hardware,
             gpu_state_blocks=tier,
             state_dtype=shape.state_dtype,
+            boundary_plan=boundaries,
+            mlp_tiles=shape.tile_count,
             **shape.estimate_kwargs(),
         )
+
+    boundaries, boundary_reason = _pick_boundaries(
+        spec, shape, predict(0), hardware, gpu_margin_gib, host_margin_gib
+    )
+    predict = functools.partial(predict, boundaries=boundaries)
 
     tier_reason = None
     if shape.gpu_state_blocks == "auto" and shape.state_dtype != "fp32":
@@ -151,6 +173,44 @@ def plan_resources(
         problems=tuple(p for p in problems if p),
         gpu_state_blocks=tier,
         tier_reason=tier_reason,
+        boundaries=boundaries,
+        boundary_reason=boundary_reason,
+    )
+
+
+def _pick_boundaries(
+    spec: ModelSpec,
+    shape: RunShape,
+    on_device: Estimate,
+    hardware: Hardware,
+    gpu_margin_gib: float,
+    host_margin_gib: float,
+) -> tuple[BoundaryPlan, str]:
+    """Where the layer inputs wait: the room `on_device` (every input on the GPU) leaves
+    beside everything else, GPU first, host second (resources/long_context.py)."""
+    s = on_device.settings
+    input_bytes = s["micro_batch_size"] * shape.seq_len * spec.hidden_size
+    input_bytes *= spec.compute_dtype.itemsize
+    inputs = on_device.gpu.items.get("boundary activations", 0)
+    gpu_free = (
+        hardware.gpu_bytes - gpu_margin_gib * GIB - (on_device.gpu.peak_bytes - inputs)
+        if shape.check_gpu
+        else math.inf  # on the CPU the device is the host: inputs kept there cost the same
+    )
+    host_free = hardware.host_bytes - host_margin_gib * GIB - on_device.host.total_bytes
+    offload, every = shape.activation_offload, shape.checkpoint_every
+    if not shape.check_gpu:  # "auto" on the CPU: keep every input (as the builder does)
+        offload = "off" if offload == "auto" else offload
+        every = 1 if every == "auto" else every
+    return choose_boundaries(
+        spec.num_layers,
+        input_bytes=input_bytes,
+        micro_batches=s["grad_accum"],
+        gpu_free_bytes=gpu_free,
+        host_free_bytes=host_free,
+        offload=offload,
+        every=every,
+        reserved=pinned_reserved if shape.pin_memory else (lambda n: n),
     )
 
 

@@ -101,9 +101,11 @@ def step_time(
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
     gpu_state_blocks: int = 0,
+    recomputed: list[bool] | None = None,
 ) -> StepTime:
     """`layer_ops`: per layer (forward ops, recompute + backward ops) of one micro-batch;
-    `loss_ops`: ops of one micro-batch's loss (all its chunks)."""
+    `loss_ops`: ops of one micro-batch's loss (all its chunks); `recomputed[i]`: layer i's
+    forward runs once more in the backward (its output was not kept, engine/boundaries.py)."""
     costs, flops = _costs(
         spec,
         hw,
@@ -115,6 +117,7 @@ def step_time(
         layer_ops=layer_ops,
         loss_ops=loss_ops,
         tier=min(gpu_state_blocks, spec.num_layers + 2),
+        recomputed=recomputed or [False] * spec.num_layers,
     )
     step_s = _Replay(costs).run(_STEPS)
     compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
@@ -157,6 +160,7 @@ def _costs(
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
     tier: int,
+    recomputed: list[bool],
 ) -> tuple[_Costs, float]:
     tokens = rows * seq * micro_batches
     launch = hw.op_launch_s * micro_batches
@@ -166,8 +170,8 @@ def _costs(
         tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
     ]
     bwd = [
-        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
-        for la in spec.layers
+        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq)) + f * again
+        for la, f, again in zip(spec.layers, fwd, recomputed, strict=True)
     ]
     loss = 6.0 * spec.lm_head_params * tokens
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9

@@ -1,0 +1,154 @@
+"""A decoder layer's MLP run over sequence tiles, so its [tokens x intermediate] never exists whole.
+
+Hugging Face decoder layers call `self.mlp(hidden)`: a per-token function of [..., S, D]. The
+engine wraps that call (the module keeps its class, parameters and names; only its instance
+`forward` is replaced) with `TiledMLP`:
+- without autograd (the engine's forward, a segment recompute): the tiles run one after
+  another into one output;
+- with autograd (a layer's recompute + backward): a custom autograd function whose forward runs
+  the tiles without saving anything and whose backward re-runs each tile with autograd and
+  differentiates it at once (torch.utils.checkpoint per tile), summing the parameter gradients
+  over tiles in fp32. The MLP's parameters are the function's inputs, so the engine's
+  `torch.autograd.grad(out, [x, *params])` sees their gradients as usual.
+
+Exact: a per-token function of a tile equals the same function of the whole on those tokens;
+only the parameter gradients' summation order changes (tile by tile). Not tiled: MLPs holding a
+router whose logits the engine records for the MoE aux loss (the recorded logits must be
+differentiable), calls with more than the hidden states, and MLPs whose output is not one
+tensor of the input's shape (found on first use; that MLP then runs whole).
+
+Shapes: S = the tiled (second to last) dimension, D = hidden size, T = tokens of a tile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+_AUTO_TILE_TOKENS = 16384  # a tile's [T x intermediate] of an 8B model: 0.45 GiB in bf16
+
+
+class TilePolicy:
+    """How many tiles a sequence of `seq` positions is cut into: a fixed count, or auto."""
+
+    def __init__(self, tiles: int | None, tile_tokens: int = _AUTO_TILE_TOKENS) -> None:
+        assert tiles is None or tiles >= 1
+        self.tiles = tiles
+        self.tile_tokens = tile_tokens
+
+    def count(self, seq: int) -> int:
+        n = self.tiles if self.tiles is not None else math.ceil(seq / self.tile_tokens)
+        return max(1, min(n, seq))
+
+    def describe(self, seq: int) -> str:
+        n = self.count(seq)
+        if n == 1:
+            return "MLP not tiled"
+        return f"MLP over {n} sequence tiles of <= {math.ceil(seq / n)} tokens"
+
+
+class _TiledFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        run: Callable[[torch.Tensor], torch.Tensor],
+        tiles: int,
+        x: torch.Tensor,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.run, ctx.tiles = run, tiles
+        ctx.save_for_backward(x, *params)
+        with torch.no_grad():
+            return _run_tiles(run, x, tiles)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, *params = ctx.saved_tensors
+        grad_x = torch.empty_like(x)
+        grads = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        for span in _spans(x.shape[-2], ctx.tiles):
+            x_t = x[..., span, :].contiguous().detach().requires_grad_(True)
+            with torch.enable_grad():
+                out_t = ctx.run(x_t)
+            got = torch.autograd.grad(
+                out_t, [x_t, *params], grad_out[..., span, :].contiguous(), allow_unused=True
+            )
+            grad_x[..., span, :] = got[0]
+            for acc, g in zip(grads, got[1:], strict=True):
+                if g is not None:
+                    acc.add_(g)
+        out = [g.to(p.dtype) for g, p in zip(grads, params, strict=True)]
+        return (None, None, grad_x, *out)
+
+
+def _spans(seq: int, tiles: int) -> list[slice]:
+    size = math.ceil(seq / tiles)
+    return [slice(s, min(s + size, seq)) for s in range(0, seq, size)]
+
+
+def _run_tiles(
+    run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int
+) -> torch.Tensor:
+    out = torch.empty_like(x)
+    for span in _spans(x.shape[-2], tiles):
+        out[..., span, :] = run(x[..., span, :].contiguous())  # rows > 1: a copy
+    return out
+
+
+class TiledMLP:
+    """Replaces one MLP module's `forward`; the original runs per tile."""
+
+    def __init__(self, mlp: nn.Module, policy: TilePolicy) -> None:
+        self.mlp = mlp
+        self.policy = policy
+        self.inner = mlp.forward  # the bound original
+        self.tileable: bool | None = None  # unknown until the first tiled call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if x is None or x.dim() < 2 or self.tileable is False:
+            return self.inner(*args, **kwargs)
+        tiles = self.policy.count(x.shape[-2])
+        if tiles == 1:
+            return self.inner(x)
+        if self.tileable is None:
+            with torch.no_grad():
+                probe = self.inner(x[..., :1, :])
+            self.tileable = isinstance(probe, torch.Tensor) and probe.shape == x[..., :1, :].shape
+            if not self.tileable:
+                return self.inner(x)
+        if not torch.is_grad_enabled():
+            return _run_tiles(self.inner, x, tiles)
+        params = [p for p in self.mlp.parameters() if p.requires_grad]
+        out: torch.Tensor = _TiledFn.apply(self.inner, tiles, x, *params)
+        return out
+
+
+def tile_mlps(layers: list[nn.Module], policy: TilePolicy, skip: set[int] | None = None) -> int:
+    """Wrap the `mlp` submodule of every layer not in `skip`; returns how many were wrapped."""
+    wrapped = 0
+    for i, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        if (skip and i in skip) or not isinstance(mlp, nn.Module):
+            continue
+        mlp.forward = TiledMLP(mlp, policy)
+        wrapped += 1
+    return wrapped
+
+
+@contextlib.contextmanager
+def tiled_mlps(layers: list[nn.Module], policy: TilePolicy) -> Iterator[None]:
+    """`tile_mlps` for the duration of the block (the estimate's meta layers are shared)."""
+    tile_mlps(layers, policy)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            mlp = getattr(layer, "mlp", None)
+            if isinstance(mlp, nn.Module) and isinstance(mlp.__dict__.get("forward"), TiledMLP):
+                del mlp.__dict__["forward"]

@@ -1,0 +1,84 @@
+"""The long-row memory plan: where each layer's saved input waits, and the MLP's sequence tiles.
+
+The saved inputs (boundary activations, engine/boundaries.py) grow with the step's tokens:
+L x T x D x c bytes, 4 GiB per layer of an 8B model at 512k tokens. Given the GPU room the rest
+of the run leaves (weights slots, accumulators, one layer's transient) and the host room the
+store leaves, `choose_boundaries` picks, GPU first and host second:
+- offload "off": every kept input on the GPU; "on": every kept input on the host; "auto": as
+  many as fit on the GPU, the rest on the host;
+- one kept every K layers, K the smallest that fits (or the configured one).
+
+At the backward's peak the device holds the GPU-kept inputs, the current segment's K inputs
+(its start fetched back from the host when offloaded, K - 1 recomputed) and the next segment's
+start being prefetched: `device_inputs` counts them. The offloaded inputs are host buffers of
+one micro-batch's input each, pinned on CUDA (`host_input_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.resources.hardware import gib
+
+OFFLOAD_CHOICES = ("auto", "on", "off")
+
+
+def device_inputs(plan: BoundaryPlan) -> int:
+    """Saved inputs (per micro-batch) on the device at the backward's peak."""
+    host = plan.count("host")
+    if plan.every == 1 and not host:
+        return plan.num_layers
+    return plan.count("gpu") + plan.every - 1 + (2 if host else 0)
+
+
+def host_input_bytes(
+    plan: BoundaryPlan, input_bytes: int, micro_batches: int, reserved: Callable[[int], int]
+) -> int:
+    """Host bytes of the offloaded inputs (`reserved`: what one buffer of n bytes costs)."""
+    return plan.count("host") * micro_batches * reserved(input_bytes)
+
+
+def choose_boundaries(
+    num_layers: int,
+    *,
+    input_bytes: int,
+    micro_batches: int,
+    gpu_free_bytes: float,
+    host_free_bytes: float,
+    offload: str,
+    every: int | str,
+    reserved: Callable[[int], int] = lambda n: n,
+) -> tuple[BoundaryPlan, str]:
+    """The plan (and why) for inputs of `input_bytes` per micro-batch and layer, given the GPU
+    and host room left for them. When nothing fits, the plan of the largest K (the fit check
+    then reports the overflow)."""
+    if offload not in OFFLOAD_CHOICES:
+        raise ValueError(f"memory.activation_offload={offload!r} must be auto, on or off")
+    per_layer_gpu = input_bytes * micro_batches
+    per_layer_host = reserved(input_bytes) * micro_batches
+    candidates = [int(every)] if every != "auto" else list(range(1, num_layers + 1))
+    plan = BoundaryPlan.make(num_layers, every=candidates[-1])
+    for k in candidates:
+        kept = math.ceil(num_layers / k)
+        if offload == "off":
+            options = [0]
+        elif offload == "on":
+            options = [kept]
+        else:  # GPU first: the fewest on the host that still fit the GPU
+            options = list(range(kept + 1))
+        for on_host in options:
+            plan = BoundaryPlan.make(num_layers, every=k, on_host=on_host)
+            gpu = device_inputs(plan) * per_layer_gpu
+            host = plan.count("host") * per_layer_host
+            if gpu <= gpu_free_bytes and host <= host_free_bytes:
+                return plan, _reason(plan, per_layer_gpu, gpu_free_bytes, host_free_bytes)
+    return plan, "does not fit: " + _reason(plan, per_layer_gpu, gpu_free_bytes, host_free_bytes)
+
+
+def _reason(plan: BoundaryPlan, per_layer: int, gpu_free: float, host_free: float) -> str:
+    return (
+        f"{plan.describe()}; {gib(per_layer)} per layer input, room {gib(max(gpu_free, 0))} "
+        f"on the GPU and {gib(max(host_free, 0))} on the host"
+    )
