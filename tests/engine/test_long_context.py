@@ -65,7 +65,7 @@ def test_moe_with_router_aux_loss() -> None:
 
 def test_every_path_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The options above are not silently ignored: 3 of 5 inputs offloaded, 2 recomputed
-    layer forwards per step per micro-batch, every MLP call of the step tiled."""
+    layer forwards per step per micro-batch, every MLP and norm call of the step tiled."""
     overrides = {"num_hidden_layers": 5}
     cfg = verify_config(
         None, _mem("on", 2, 3), model_type="llama", tiny=True, config_overrides=overrides
@@ -87,8 +87,9 @@ def test_every_path_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         engine.train_step(batches, lr=1e-3)
     finally:
         engine.close()
-    # per micro-batch (2): forward 5 + recompute 2 + each layer's backward recompute 5
-    assert tiled == [3] * (2 * (5 + 2 + 5))
+    # per micro-batch (2) and per-token module (mlp, 2 norms): forward 5 + recompute 2 +
+    # each layer's backward recompute 5
+    assert tiled == [3] * (2 * 3 * (5 + 2 + 5))
     assert len(engine.boundaries._host) == 2 * 3
 
 

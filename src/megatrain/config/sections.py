@@ -241,7 +241,7 @@ class MemoryConfig:
     from the kept one before them (K - 1 extra layer forwards per K), or "auto": the smallest K
     whose kept inputs fit the GPU and host (1 when all fit)."""
     mlp_tiles: int | str = "auto"
-    """Sequence tiles each decoder layer's MLP runs over (its [tokens x intermediate] tensors
+    """Sequence tiles each decoder layer's MLP and norms run over ([tokens x intermediate] tensors
     then exist one tile at a time): an integer >= 1 (1: not tiled) or "auto": tiles of at most
     16384 tokens (not tiled below that)."""
 

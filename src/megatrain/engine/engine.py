@@ -38,9 +38,9 @@ from megatrain.engine.boundaries import Boundaries, BoundaryPlan
 from megatrain.engine.head import ChunkedLoss, TokenObjective
 from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.rng import rng_state, uses_randomness
-from megatrain.engine.slots import LayerSlots, bind_module, device_copy
+from megatrain.engine.slots import LayerSlots, bind_module, device_copy, move_body_buffers
 from megatrain.engine.tier import GpuTier
-from megatrain.engine.tiling import TilePolicy, tile_mlps
+from megatrain.engine.tiling import TilePolicy, tile_per_token
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.engine.updates import UpdateWorker
@@ -101,7 +101,7 @@ class StreamingEngine(BackwardPass):
         assert max_grad_norm is None or max_grad_norm > 0, "clipping off is None, not 0"
         self.max_grad_norm = max_grad_norm
         self.transfers = Transfers(self.device)
-        _move_body_buffers(structure, self.device)
+        move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
         self.tier = GpuTier.first_blocks(store, gpu_state_blocks, optimizer, self.device)
         self.slots = LayerSlots(
@@ -140,7 +140,7 @@ class StreamingEngine(BackwardPass):
         self.boundaries = Boundaries(plan, self.device)
         if mlp_tiles is not None:  # not where router logits are recorded (engine/tiling.py)
             skip = {i for i, tap in enumerate(self.taps) if tap.has_router}
-            tile_mlps(self.slots.modules, mlp_tiles, skip)
+            tile_per_token(self.slots.modules, mlp_tiles, skip)
         self._preserve_rng = uses_randomness(structure)
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
@@ -186,17 +186,17 @@ class StreamingEngine(BackwardPass):
     ) -> StepResult:
         """One optimizer step over `batches`: mean cross-entropy, or `objective`'s loss."""
         assert objective is None or len(objective.inputs) == len(batches)
-        t0 = time.perf_counter()
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
+        t0 = timer.mark()
         target_tokens = sum(b.num_target_tokens for b in batches)
         if target_tokens == 0:
             raise ValueError("this step has no supervised tokens (all labels are -100)")
         mbs = self._forward(batches, True, timeline, timer)
-        t1 = time.perf_counter()
+        t1 = timer.mark()
         value, nll, aux = self._loss(mbs, float(target_tokens), True, timer, lr, objective)
-        t2 = time.perf_counter()
+        t2 = timer.mark()
         sumsq = self._backward(mbs, timer, lr)
-        t3 = time.perf_counter()
+        t3 = timer.mark()
         grad_norm = float(torch.stack(sumsq).sum().sqrt())  # sync point: end of backward
         coef = 1.0
         if self.max_grad_norm is not None:
@@ -391,14 +391,3 @@ def _shifted(values_BS: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(values_BS)
     out[:, :-1] = values_BS[:, 1:]
     return out
-
-
-def _move_body_buffers(structure: ModelStructure, device: torch.device) -> None:
-    """Body-level buffers (rotary inv_freq, ...) where the captured body runs; layers excluded."""
-    in_layers = {id(m) for m in structure.layers.modules()}
-    for module in structure.body.modules():
-        if id(module) in in_layers:
-            continue
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.device != device and buf.device.type != "meta":
-                module._buffers[name] = buf.to(device)

@@ -143,7 +143,7 @@ class ChunkedLoss:
         hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
         rows, rows_dev, targets_dev = self._rows(targets_host_BS, device)
         side_dev = {
-            name: t.reshape(-1)[rows].to(device, non_blocking=True)
+            name: _to_device(t.reshape(-1)[rows], device)
             for name, t in (side_host_BS or {}).items()
         }
         loss = torch.zeros((), dtype=torch.float32, device=device)
@@ -195,7 +195,8 @@ class ChunkedLoss:
         """(target positions on the host, the same on the device, their targets on the device)."""
         flat = targets_host_BS.reshape(-1)
         rows = torch.nonzero(flat != IGNORE_INDEX).squeeze(1)
-        return rows, rows.to(device, non_blocking=True), flat[rows].to(device, non_blocking=True)
+        targets = flat[rows]
+        return rows, _to_device(rows, device), _to_device(targets, device)
 
     def _logits(self, h_CD: torch.Tensor, temperature: float) -> torch.Tensor:
         logits_CV = self.logits(self.norm(h_CD)).float()
@@ -217,3 +218,11 @@ class ChunkedLoss:
             return ce / denom, ce.detach()
         logp_C = -F.cross_entropy(logits_CV, targets_C, reduction="none")
         return fn(logp_C, side_C), -logp_C.detach().sum()
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An asynchronous copy: through pinned memory on CUDA (pageable memory would make the copy
+    wait for every kernel queued before it: the loss phase then absorbs the forward's)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

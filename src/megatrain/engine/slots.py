@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from megatrain.engine.transfers import Event, Transfers
+from megatrain.model.structure import ModelStructure
 from megatrain.store.blocks import ParamBlock
 
 
@@ -57,6 +58,17 @@ def device_copy(module: nn.Module, device: torch.device) -> nn.Module:
             if buf is not None and buf.device.type != "meta":
                 sub._buffers[name] = buf.to(device)
     return clone
+
+
+def move_body_buffers(structure: ModelStructure, device: torch.device) -> None:
+    """Body-level buffers (rotary inv_freq, ...) where the captured body runs; layers excluded."""
+    in_layers = {id(m) for m in structure.layers.modules()}
+    for module in structure.body.modules():
+        if id(module) in in_layers:
+            continue
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device and buf.device.type != "meta":
+                module._buffers[name] = buf.to(device)
 
 
 class LayerSlots:

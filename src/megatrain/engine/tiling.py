@@ -1,23 +1,25 @@
-"""A decoder layer's MLP run over sequence tiles, so its [tokens x intermediate] never exists whole.
+"""A decoder layer's per-token parts run over sequence tiles: [tokens x intermediate] (and the
+norms' fp32 copies) never exist whole.
 
-Hugging Face decoder layers call `self.mlp(hidden)`: a per-token function of [..., S, D]. The
-engine wraps that call (the module keeps its class, parameters and names; only its instance
-`forward` is replaced) with `TiledMLP`:
+Hugging Face decoder layers call `self.mlp(hidden)` and their norms (`self.input_layernorm(x)`,
+...) on [..., S, D]: per-token functions. The engine wraps those calls (each module keeps its
+class, parameters and names; only its instance `forward` is replaced) with `TiledModule`:
 - without autograd (the engine's forward, a segment recompute): the tiles run one after
   another into one output;
 - with autograd (a layer's recompute + backward): a custom autograd function whose forward runs
-  the tiles without saving anything and whose backward re-runs each tile with autograd and
-  differentiates it at once (torch.utils.checkpoint per tile), summing the parameter gradients
-  over tiles in fp32. The MLP's parameters are the function's inputs, so the engine's
-  `torch.autograd.grad(out, [x, *params])` sees their gradients as usual.
+  the tiles without saving anything but the input and whose backward re-runs each tile with
+  autograd and differentiates it at once (torch.utils.checkpoint per tile), summing the
+  parameter gradients over tiles in fp32. The module's parameters are the function's inputs,
+  so the engine's `torch.autograd.grad(out, [x, *params])` sees their gradients as usual.
 
 Exact: a per-token function of a tile equals the same function of the whole on those tokens;
-only the parameter gradients' summation order changes (tile by tile). Not tiled: MLPs holding a
-router whose logits the engine records for the MoE aux loss (the recorded logits must be
-differentiable), calls with more than the hidden states, and MLPs whose output is not one
-tensor of the input's shape (found on first use; that MLP then runs whole).
+only the parameter gradients' summation order changes (tile by tile). Not tiled: layers holding
+a router whose logits the engine records for the MoE aux loss (the recorded logits must be
+differentiable), calls with more than the hidden states, and modules whose output is not one
+tensor of the input's shape (found on first use; that module then runs whole). Attention is
+not tiled: it runs HF's kernel (sdpa: flash / cuDNN / memory-efficient, memory linear in S).
 
-Shapes: S = the tiled (second to last) dimension, D = hidden size, T = tokens of a tile.
+Shapes: S = the tiled (second to last) dimension, D = hidden size.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ class TilePolicy:
     def describe(self, seq: int) -> str:
         n = self.count(seq)
         if n == 1:
-            return "MLP not tiled"
-        return f"MLP over {n} sequence tiles of <= {math.ceil(seq / n)} tokens"
+            return "MLP and norms not tiled"
+        return f"MLP and norms over {n} sequence tiles of <= {math.ceil(seq / n)} tokens"
 
 
 class _TiledFn(torch.autograd.Function):
@@ -100,8 +102,8 @@ def _run_tiles(
     return out
 
 
-class TiledMLP:
-    """Replaces one MLP module's `forward`; the original runs per tile."""
+class TiledModule:
+    """Replaces one per-token module's `forward`; the original runs per tile."""
 
     def __init__(self, mlp: nn.Module, policy: TilePolicy) -> None:
         self.mlp = mlp
@@ -129,26 +131,34 @@ class TiledMLP:
         return out
 
 
-def tile_mlps(layers: list[nn.Module], policy: TilePolicy, skip: set[int] | None = None) -> int:
-    """Wrap the `mlp` submodule of every layer not in `skip`; returns how many were wrapped."""
+def per_token_modules(layer: nn.Module) -> list[nn.Module]:
+    """The layer's direct children that act per token on [..., S, D]: its `mlp` and its norms
+    (input_layernorm, post_attention_layernorm, Gemma's pre/post feedforward norms, ...)."""
+    return [
+        m for name, m in layer.named_children() if name == "mlp" or name.endswith("norm")
+    ]
+
+
+def tile_per_token(layers: list[nn.Module], policy: TilePolicy, skip: set[int] | None = None) -> int:
+    """Wrap the per-token children of every layer not in `skip`; returns how many."""
     wrapped = 0
     for i, layer in enumerate(layers):
-        mlp = getattr(layer, "mlp", None)
-        if (skip and i in skip) or not isinstance(mlp, nn.Module):
+        if skip and i in skip:
             continue
-        mlp.forward = TiledMLP(mlp, policy)
-        wrapped += 1
+        for module in per_token_modules(layer):
+            module.forward = TiledModule(module, policy)
+            wrapped += 1
     return wrapped
 
 
 @contextlib.contextmanager
-def tiled_mlps(layers: list[nn.Module], policy: TilePolicy) -> Iterator[None]:
-    """`tile_mlps` for the duration of the block (the estimate's meta layers are shared)."""
-    tile_mlps(layers, policy)
+def tiled_per_token(layers: list[nn.Module], policy: TilePolicy) -> Iterator[None]:
+    """`tile_per_token` for the duration of the block (the estimate's meta layers are shared)."""
+    tile_per_token(layers, policy)
     try:
         yield
     finally:
         for layer in layers:
-            mlp = getattr(layer, "mlp", None)
-            if isinstance(mlp, nn.Module) and isinstance(mlp.__dict__.get("forward"), TiledMLP):
-                del mlp.__dict__["forward"]
+            for module in per_token_modules(layer):
+                if isinstance(module.__dict__.get("forward"), TiledModule):
+                    del module.__dict__["forward"]

@@ -24,6 +24,11 @@ class Timeline:
     wait_weights_s: float = 0.0  # compute stream idle, waiting for a layer's weights (CUDA)
     wait_optimizer_s: float = 0.0  # host blocked on a block's CPU update before its copy
     optimizer_s: float = 0.0  # CPU time spent in AdamW updates that finished in this step
+    # GPU time of each phase (compute-stream events; host time on the CPU): the host phases
+    # above end when their work is issued, so queued GPU work shows up in the next one
+    forward_gpu_s: float = 0.0
+    loss_gpu_s: float = 0.0
+    backward_gpu_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 4) for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -55,6 +60,18 @@ class ComputeTimer:
         self._regions: list[list[torch.cuda.Event]] = []
         self._host_s = 0.0
         self._t0 = 0.0
+        self._marks: list[tuple[float, torch.cuda.Event | None]] = []
+
+    def mark(self) -> float:
+        """A phase boundary (train_step: start, after forward, loss, backward); returns the
+        host clock. On CUDA also an event on the compute stream (no sync)."""
+        event = None
+        if self.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        now = time.perf_counter()
+        self._marks.append((now, event))
+        return now
 
     def start(self, wait: Callable[[], object] | None = None) -> None:
         if not self.is_cuda:
@@ -80,6 +97,12 @@ class ComputeTimer:
 
     def read(self, timeline: Timeline) -> None:
         """Fill compute and weight-wait times; call after the step's final sync."""
+        phases = [
+            (b[0] - a[0]) if a[1] is None or b[1] is None else a[1].elapsed_time(b[1]) / 1e3
+            for a, b in zip(self._marks, self._marks[1:])
+        ]
+        if len(phases) == 3:
+            timeline.forward_gpu_s, timeline.loss_gpu_s, timeline.backward_gpu_s = phases
         if not self.is_cuda:
             timeline.compute_s = self._host_s
             return

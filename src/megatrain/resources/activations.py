@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatrain.engine.head import LogitsFn
-from megatrain.engine.tiling import TilePolicy, tiled_mlps
+from megatrain.engine.tiling import TilePolicy, tiled_per_token
 from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
 from megatrain.resources.spec import ModelSpec
 
@@ -201,7 +201,7 @@ def _layer_run(
 ) -> tuple[int, tuple[int, int]]:
     """(peak bytes, (forward ops, recompute + backward ops)) of layer `index`."""
     layer = spec.structure.layers[index]
-    with tiled_mlps([layer], TilePolicy(mlp_tiles)):
+    with tiled_per_token([layer], TilePolicy(mlp_tiles)):
         return _measure(spec, calls[index], layer, rows, seq)
 
 
