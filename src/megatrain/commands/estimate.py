@@ -18,6 +18,7 @@ does not (the reasons are printed), 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -28,6 +29,7 @@ from megatrain.config import TrainConfig
 from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.model.loading import parse_config_sets
 from megatrain.resources import detect, format_estimate, probe
+from megatrain.resources.long_context import longest_fitting
 from megatrain.resources.plan import LAYOUTS
 
 
@@ -77,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     hw.add_argument("--gpu-gib", type=float, help="GPU memory (default: this GPU or 80)")
     hw.add_argument("--host-gib", type=float, help="host RAM (default: this machine's)")
+    parser.add_argument(
+        "--longest",
+        action="store_true",
+        help="also search the longest row (multiple of 1024 tokens, one row per micro-batch) "
+        "that fits this GPU and host with the run's memory settings",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -93,9 +101,15 @@ def run(args: argparse.Namespace) -> int:
     plan = builder.plan(tokens_per_step=args.tokens_per_step, layout=layout)
     est, mem = plan.estimate, cfg.memory
     problem = "; ".join(plan.problems) if plan.problems else None
+    longest = _longest(cfg, hardware, builder.placement, layout) if args.longest else None
     if args.json:
         report = {**est.to_dict(), "fits": plan.fits, "problem": problem}
-        reasons = {"micro_batch_reason": plan.batch_reason, "gpu_tier_reason": plan.tier_reason}
+        reasons = {
+            "micro_batch_reason": plan.batch_reason,
+            "gpu_tier_reason": plan.tier_reason,
+            "activations_reason": plan.boundary_reason,
+            "longest_row": longest,
+        }
         print(json.dumps({**report, **reasons}))
         return 0 if plan.fits else 1
     print(format_estimate(est))
@@ -103,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"auto micro-batch: {plan.batch_reason}")
     if plan.tier_reason:
         print(f"auto {plan.tier_reason}")
+    print(f"layer inputs: {plan.boundary_reason}")
+    if args.longest:
+        print(f"longest row that fits: {longest if longest else 'none'} tokens")
     print(
         f"fits: {'yes' if plan.fits else 'no'} (margins: GPU {mem.gpu_margin_gib:g} GiB, "
         f"host {mem.host_margin_gib:g} GiB)"
@@ -138,6 +155,22 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     if args.tokens_per_step is not None:
         values["training.gradient_accumulation_steps"] = None  # follows from tokens per step
     return shorthand_config(args.config, args.overrides, values=values)
+
+
+def _longest(
+    cfg: TrainConfig, hardware: Any, placement: Placement, layout: str | None
+) -> int | None:
+    """The longest row (one per micro-batch) whose plan fits, up to 8M tokens."""
+
+    def fits(seq: int) -> bool:
+        run = dataclasses.replace(
+            cfg,
+            training=dataclasses.replace(cfg.training, seq_len=seq, micro_batch_size=1),
+            data=dataclasses.replace(cfg.data, cutoff_len=seq),
+        )
+        return RunBuilder(run, hardware=hardware, placement=placement).plan(layout=layout).fits
+
+    return longest_fitting(fits, 1024, 8 << 20, 1024)
 
 
 def _micro_batch(text: str | None) -> int | str | None:

@@ -134,12 +134,12 @@ class TiledModule:
 def per_token_modules(layer: nn.Module) -> list[nn.Module]:
     """The layer's direct children that act per token on [..., S, D]: its `mlp` and its norms
     (input_layernorm, post_attention_layernorm, Gemma's pre/post feedforward norms, ...)."""
-    return [
-        m for name, m in layer.named_children() if name == "mlp" or name.endswith("norm")
-    ]
+    return [m for name, m in layer.named_children() if name == "mlp" or name.endswith("norm")]
 
 
-def tile_per_token(layers: list[nn.Module], policy: TilePolicy, skip: set[int] | None = None) -> int:
+def tile_per_token(
+    layers: list[nn.Module], policy: TilePolicy, skip: set[int] | None = None
+) -> int:
     """Wrap the per-token children of every layer not in `skip`; returns how many."""
     wrapped = 0
     for i, layer in enumerate(layers):

@@ -99,7 +99,7 @@ class ComputeTimer:
         """Fill compute and weight-wait times; call after the step's final sync."""
         phases = [
             (b[0] - a[0]) if a[1] is None or b[1] is None else a[1].elapsed_time(b[1]) / 1e3
-            for a, b in zip(self._marks, self._marks[1:])
+            for a, b in zip(self._marks, self._marks[1:], strict=False)
         ]
         if len(phases) == 3:
             timeline.forward_gpu_s, timeline.loss_gpu_s, timeline.backward_gpu_s = phases

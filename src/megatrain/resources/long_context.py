@@ -82,3 +82,18 @@ def _reason(plan: BoundaryPlan, per_layer: int, gpu_free: float, host_free: floa
         f"{plan.describe()}; {gib(per_layer)} per layer input, room {gib(max(gpu_free, 0))} "
         f"on the GPU and {gib(max(host_free, 0))} on the host"
     )
+
+
+def longest_fitting(fits: Callable[[int], bool], low: int, high: int, step: int) -> int | None:
+    """The largest multiple of `step` in [low, high] for which `fits` holds (None: not even
+    `low`), assuming that what fits at a length fits at every shorter one."""
+    lo, hi = -(-low // step), high // step
+    if lo > hi or not fits(lo * step):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step

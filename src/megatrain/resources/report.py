@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatrain.engine.tiling import TilePolicy
 from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, EXPORT_BYTES_PER_PARAM
 from megatrain.resources.estimate import Estimate
 from megatrain.resources.hardware import GIB
@@ -27,6 +28,7 @@ def format_estimate(est: Estimate) -> str:
         f"{s['num_slots']} slots, {layout}, clipping {'on' if s['clipping'] else 'off'}",
         f"GPU tier  {s['gpu_state_blocks']} blocks (layers from the first, then embedding, head) "
         "keep their optimizer states on the GPU: no copies, AdamW there",
+        f"long rows  {s['activations']}; {TilePolicy(s['mlp_tiles']).describe(s['seq_len'])}",
         "",
         f"{'host RAM':<{_W + 2}}{'GiB':>10}",
         _row(
@@ -46,6 +48,7 @@ def format_estimate(est: Estimate) -> str:
             hw.source("process_baseline_bytes"),
         ),
         _row("tokenized data", _gib(h.data_bytes)),
+        _row("offloaded layer inputs", _gib(h.offload_bytes), "pinned, reused every step"),
         _row(
             "total",
             _gib(h.total_bytes),
