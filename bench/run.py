@@ -46,6 +46,19 @@ def _train(*flags: str) -> tuple[str, ...]:
     return (PY, "bench/train_shape.py", "--opt-threads", "14", *flags)
 
 
+_LLAMA_8B = (
+    "--preset",
+    "llama3.1-8b",
+    "--batch",
+    "1",
+    "--steps",
+    "1",
+    "--max-grad-norm",
+    "1.0",
+    "--memory.gpu_state_blocks",
+    "0",
+)
+
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
         "the card, driver, CPU count, memory, torch and transformers versions",
@@ -136,6 +149,23 @@ SCENARIOS: dict[str, Scenario] = {
     "train_shape": Scenario(
         "the engine on a preset shape (Qwen2.5-3B, 8k tokens/step): step time, timeline, memory",
         (_train("--preset", "qwen2.5-3b", "--batch", "4", "--micro", "1", "--steps", "5"),),
+    ),
+    "long_context": Scenario(
+        "issue 11: Llama-3.1-8B shape, one 128k-token row per step, clipping on, fp32 AdamW: the "
+        "engine before long-row support (offload and tiling off) and the new one (auto plan), "
+        "2 steps each on the same model; GPU time per phase, peak, host RSS, predictions",
+        (_train(*_LLAMA_8B, "--seq", "131072", "--old-too", "--sdpa", "cudnn"),),
+        timeout_s=590,
+    ),
+    "long_context_512k": Scenario(
+        "issue 11: the same shape with 4 of its 32 layers at 524,288 tokens (new path, auto "
+        "plan), and the cuDNN attention kernel alone at that length; extrapolate per layer",
+        (
+            _train(
+                *_LLAMA_8B, "--seq", "524288", "--layers", "4", "--sdpa", "cudnn", "--attn-bench"
+            ),
+        ),
+        timeout_s=590,
     ),
     "compare": Scenario(
         "MegaTrain vs GPU-resident, FSDP2 CPU offload and DeepSpeed ZeRO-3 offload, same job "
