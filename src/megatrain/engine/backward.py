@@ -57,13 +57,13 @@ class BackwardPass:
         window = SlotWindow(self.slots, [i for i, _ in uses])
         window.pump(0)  # no copy for layers still resident from the forward
         starts = plan.starts()  # segments begin there; the backward takes them last first
+        before = dict(zip(starts[1:], starts[:-1], strict=True))  # the segment visited next
         self._fetch_inputs(starts[-1], mbs, wait=False)
         for t, (i, recompute) in enumerate(uses):
-            if starts and i == starts[-1]:  # a segment begins: its input, the next one's ahead
-                starts.pop()
-                self._fetch_inputs(i, mbs)
-                if starts:
-                    self._fetch_inputs(starts[-1], mbs, wait=False)
+            if plan.places[i] != "none":
+                self._fetch_inputs(i, mbs)  # a segment begins, or it is on the device already
+                if not recompute and i in before:  # its last visit: the next input comes now,
+                    self._fetch_inputs(before[i], mbs, wait=False)  # as this one's peers left
             if recompute:
                 self._recompute(i, mbs, timer)
             else:

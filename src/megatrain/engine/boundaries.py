@@ -3,7 +3,8 @@
 A `BoundaryPlan` gives every decoder layer one place for its input:
 - "gpu": kept on the device, as the plain schedule does;
 - "host": copied to a host buffer (pinned on CUDA) on an offload stream of its own while the
-  next layer computes, and copied back, on a second stream, one segment ahead of its use;
+  next layer computes, and copied back, on a second stream, during the backward of the kept
+  layer above it (the backward's previous segment start);
 - "none": not kept. Layer i's input is recomputed in the backward from the nearest kept input
   j < i by running layers j .. i-1 forward again (with their forward RNG states).
 

@@ -8,10 +8,10 @@ store leaves, `choose_boundaries` picks, GPU first and host second:
   many as fit on the GPU, the rest on the host;
 - one kept every K layers, K the smallest that fits (or the configured one).
 
-At the backward's peak the device holds the GPU-kept inputs, the current segment's K inputs
-(its start fetched back from the host when offloaded, K - 1 recomputed) and the next segment's
-start being prefetched: `device_inputs` counts them. The offloaded inputs are host buffers of
-one micro-batch's input each, pinned on CUDA (`host_input_bytes`).
+At the backward's peak the device holds the GPU-kept inputs and the current segment's K inputs
+(its start fetched back from the host when offloaded, K - 1 recomputed), or an offloaded start
+and the next one being prefetched: `device_inputs` counts them. The offloaded inputs are host
+buffers of one micro-batch's input each, pinned on CUDA (`host_input_bytes`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,15 @@ OFFLOAD_CHOICES = ("auto", "on", "off")
 
 
 def device_inputs(plan: BoundaryPlan) -> int:
-    """Saved inputs (per micro-batch) on the device at the backward's peak."""
-    host = plan.count("host")
-    if plan.every == 1 and not host:
-        return plan.num_layers
-    return plan.count("gpu") + plan.every - 1 + (2 if host else 0)
+    """Saved inputs (per micro-batch) on the device at the backward's peak.
+
+    The GPU-kept inputs are the last segments' starts, consumed first: their peak is all of
+    them plus the K - 1 recomputed inputs of the last segment. An offloaded segment holds its
+    K inputs (its start fetched back), and during its start layer's backward that start plus
+    the next segment's start being prefetched: 2.
+    """
+    peak = plan.count("gpu") + plan.every - 1
+    return max(peak, plan.every, 2) if plan.count("host") else peak
 
 
 def host_input_bytes(
