@@ -30,6 +30,7 @@ import torch
 
 from megatrain.engine.slots import LayerSlots
 from megatrain.engine.transfers import DONE, Event, Transfers
+from megatrain.store.memory import host_zeros
 
 PLACES = ("gpu", "host", "none")
 
@@ -120,7 +121,9 @@ class Boundaries:
             key = (mb, layer)
             buf = self._host.get(key)
             if buf is None or buf.shape != x_BSD.shape or buf.dtype != x_BSD.dtype:
-                buf = torch.empty(x_BSD.shape, dtype=x_BSD.dtype, pin_memory=self.transfers.is_cuda)
+                # huge pages, page-locked on CUDA (what the estimate counts as pinned_reserved)
+                pin = self.transfers.is_cuda
+                buf = host_zeros(x_BSD.numel(), x_BSD.dtype, pin=pin).view(x_BSD.shape)
                 self._host[key] = buf
             self._fetched.pop(key, None)  # a copy back left over by an interrupted step
             # sync point (host): the last step's copy back out of this buffer, long done
