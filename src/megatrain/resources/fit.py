@@ -61,6 +61,15 @@ def gpu_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
         f"fewer tokens per step (now {s['tokens_per_step']}: the boundary activations "
         "grow with them)"
     ]
+    masks = items.get("captured masks + rotary", 0)
+    if masks > GIB and s["layout"] != "full":
+        advice.insert(
+            0,
+            f"full rows (the {s['layout']} rows' attention masks are [rows, 1, S, S] under sdpa: "
+            f"{gib(masks)}; packed long rows need a kernel that takes per-document positions "
+            "instead of a mask: model.attn_implementation flash_attention_2, with the flash-attn "
+            "package)",
+        )
     if s["micro_batch_size"] > 1:
         advice.append(
             f"a smaller micro_batch_size (now {s['micro_batch_size']}) with more "
