@@ -275,7 +275,7 @@ class RunBuilder:
     def engine(
         self, structure: ModelStructure, store: HostStore, optimizer: CpuAdamW | None = None
     ) -> StreamingEngine:
-        cfg, mem = self.cfg, self.cfg.memory
+        cfg = self.cfg
         return StreamingEngine(
             structure,
             store,
@@ -287,8 +287,15 @@ class RunBuilder:
             compile_layers=cfg.training.compile_layers,
             gpu_state_blocks=self.gpu_state_blocks(len(store.layers)),
             boundary_plan=self.boundary_plan(len(store.layers)),
-            mlp_tiles=TilePolicy(None if mem.mlp_tiles == "auto" else int(mem.mlp_tiles)),
+            mlp_tiles=self.tiles(),
         )
+
+    def tiles(self) -> TilePolicy | None:
+        """memory.mlp_tiles; "auto" with compiled layers: none (the tiles are not traced)."""
+        tiles = self.cfg.memory.mlp_tiles
+        if tiles == "auto":
+            return None if self.cfg.training.compile_layers else TilePolicy(None)
+        return TilePolicy(int(tiles))
 
     def boundary_plan(self, num_layers: int) -> BoundaryPlan:
         """Where the layers' saved inputs wait: without "auto" in memory.activation_offload

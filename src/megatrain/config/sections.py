@@ -243,7 +243,7 @@ class MemoryConfig:
     mlp_tiles: int | str = "auto"
     """Sequence tiles each decoder layer's MLP and norms run over ([tokens x intermediate] tensors
     then exist one tile at a time): an integer >= 1 (1: not tiled) or "auto": tiles of at most
-    16384 tokens (not tiled below that)."""
+    16384 tokens (not tiled below that; none with training.compile_layers)."""
 
     def validate(self) -> None:
         check_types("memory", self)

@@ -2,15 +2,17 @@
 
 Step schedule (docs/architecture.md, "One optimizer step"):
 1. Forward without autograd. Embedding rows gathered per micro-batch; then for each layer i:
-   wait for its weights, run it over every micro-batch, keep its input (boundary activation).
-   Layers stream into `num_slots` device slots, the next ones copied while this one computes.
+   wait for its weights, run it over every micro-batch, keep its input (boundary activation:
+   on the device, offloaded to the host or dropped, engine/boundaries.py). Layers stream
+   into `num_slots` device slots, the next ones copied while this one computes.
 2. Loss: final norm + lm_head + cross-entropy per token chunk, forward and backward fused
    (engine/head.py). The loss is the sum over supervised tokens of the whole step divided by
    their count (not a mean of per-micro-batch means), plus the MoE router aux loss when the HF
    model would add it (mean over micro-batches of HF's per-forward value). With a
    `TokenObjective` (GRPO) the first term is instead the sum of its per-token function of the
    targets' log-probs; `logprobs()` gives those log-probs without a step.
-3. Backward, last layer first: each layer re-runs forward with autograd from its saved input;
+3. Backward, last layer first (a dropped input is first recomputed from the kept one before
+   it): each layer re-runs forward with autograd from its saved input;
    `torch.autograd.grad` gives the input gradient and parameter gradients, accumulated in fp32
    over micro-batches, then copied to the host (bf16 in bf16 compute) on a second stream.
 4. AdamW per block on the host worker. Without clipping, each block's update starts as soon as
