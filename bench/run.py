@@ -55,6 +55,7 @@ _LLAMA_8B = (
     "1",
     "--max-grad-norm",
     "1.0",
+    "--expandable-segments",
     "--memory.gpu_state_blocks",
     "0",
 )

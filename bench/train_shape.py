@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from typing import Any
@@ -85,7 +86,15 @@ def main() -> None:
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a preset config key"
     )
+    ap.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GiB-sized activations of long "
+        "rows fragment the caching allocator less)",
+    )
     a, overrides = ap.parse_known_args()
+    if a.expandable_segments:  # read when CUDA is first used, which is below
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.preset == "llama3.1-8b":
         model_type, preset = "llama", dict(LLAMA_31_8B)
