@@ -143,6 +143,53 @@ SCENARIOS: dict[str, Scenario] = {
         ((PY, "bench/compare.py", "--preset", "qwen2.5-3b", "--tokens", "8192,32768"),),
         timeout_s=580,
     ),
+    "compiled_8b": Scenario(
+        "issue 13: Llama-3.1-8B shape, 64k tokens/step, clipping on, compiled layers: GPU idle "
+        "share, model TFLOPS, the plan's prediction beside",
+        (
+            _train(
+                "--preset",
+                "llama3.1-8b",
+                "--batch",
+                "32",
+                "--seq",
+                "2048",
+                "--micro",
+                "4",
+                "--steps",
+                "3",
+                "--max-grad-norm",
+                "1.0",
+                "--compile",
+                "--probe",
+            ),
+        ),
+        timeout_s=330,
+    ),
+    "capacity_int8": Scenario(
+        "issue 13: Qwen2.5-14B shape with int8 AdamW states on this host, 3 steps, clipping "
+        "on: host RSS against 8 B/param and the prediction",
+        (
+            _train(
+                "--preset",
+                "qwen2.5-14b",
+                "--batch",
+                "4",
+                "--seq",
+                "2048",
+                "--micro",
+                "1",
+                "--steps",
+                "3",
+                "--max-grad-norm",
+                "1.0",
+                "--probe",
+                "--optimizer.state_dtype",
+                "int8",
+            ),
+        ),
+        timeout_s=330,
+    ),
     "estimate_check": Scenario(
         "the estimate against measured runs of this machine (3B 8k/32k, 7B 16k)",
         (

@@ -16,11 +16,12 @@ import statistics
 import time
 
 import torch
-from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result, sync
+from common import host_peak_rss_gib, host_rss_gib, log, preset_values, result, sync
 
 from megatrain.batch import Batch
 from megatrain.builder import RunBuilder
 from megatrain.config.shorthand import model_values, shorthand_config
+from megatrain.resources import probe
 
 
 def main() -> None:
@@ -29,6 +30,7 @@ def main() -> None:
         "--optimizer.state_dtype int8 --memory.gpu_state_blocks auto"
     )
     ap.add_argument("--preset", default="qwen2.5-3b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (preset's: None)")
     ap.add_argument("--batch", type=int, default=4, help="rows per step")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro", type=int, default=1, help="micro-batches per step")
@@ -39,11 +41,17 @@ def main() -> None:
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--opt-threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure this machine's rates (megatrain estimate --probe) for the printed prediction",
+    )
     a, overrides = ap.parse_known_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    preset = dict(preset_config(a.preset).to_diff_dict())
-    preset = {k: v for k, v in preset.items() if k not in ("model_type", "transformers_version")}
-    values = model_values(model_type="qwen2", config_overrides=preset) | {
+    model_type, preset = preset_values(
+        a.preset, **({"num_hidden_layers": a.layers} if a.layers else {})
+    )
+    values = model_values(model_type=model_type, config_overrides=preset) | {
         "model.attn_implementation": "sdpa",
         "training.device": device,
         "training.micro_batch_size": a.batch // a.micro,
@@ -57,7 +65,11 @@ def main() -> None:
         "training.compile_layers": a.compile or None,
     }
     cfg = shorthand_config(None, overrides, values=values)
-    builder = RunBuilder(cfg)  # the same builder as `megatrain train`: store, optimizer, engine
+    hardware = probe() if a.probe else None
+    builder = RunBuilder(cfg, hardware=hardware)  # as `megatrain train`: plan, store, engine
+    plan = builder.plan()  # the run's own plan: its GPU tier, and the prediction printed below
+    pred = plan.estimate
+    log(f"plan: {plan.tier_reason or ''} predicted step {pred.time.step_s:.3f}s")
     t0 = time.perf_counter()
     structure = builder.model()
     t_init = time.perf_counter() - t0
@@ -79,13 +91,14 @@ def main() -> None:
         micro.append(Batch(ids, ids.clone(), None, None))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, losses, timelines = [], [], []
     for step in range(a.steps + 1):
         sync()
         t = time.perf_counter()
         res = engine.train_step(micro, lr=a.lr)
         times.append(time.perf_counter() - t)
         losses.append(res.loss)
+        timelines.append(res.timeline)
         log(
             f"step {step} loss {res.loss:.4f} norm {res.grad_norm:.3f} time {times[-1]:.3f}s "
             f"| {res.timeline.summary()}"
@@ -93,6 +106,7 @@ def main() -> None:
     engine.close()
     step_s = statistics.median(times[1:])
     tokens = a.batch * a.seq
+    idle = [1 - r.compute_s / r.step_s for r in timelines[1:] if r.step_s > 0]
     result(
         system="megatrain",
         preset=a.preset,
@@ -114,6 +128,14 @@ def main() -> None:
         else None,
         host_rss_gib=host_rss_gib(),
         host_peak_rss_gib=host_peak_rss_gib(),
+        gpu_idle_frac=round(statistics.median(idle), 3) if idle else None,
+        gpu_state_blocks=plan.gpu_state_blocks,
+        state_dtype=cfg.optimizer.state_dtype,
+        pred_step_s=round(pred.time.step_s, 3),
+        pred_gpu_gib=round(pred.gpu.peak_bytes / 2**30, 2),
+        pred_rss_gib=round(pred.host.total_bytes / 2**30, 2),
+        pred_bound=pred.time.bound,
+        hardware_measured=list(builder.hardware.measured),
         losses=[round(v, 4) for v in losses],
         timeline=res.timeline.as_dict(),
     )

@@ -138,6 +138,7 @@ class RunBuilder:
             check_gpu=self.placement.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
             gpu_state_blocks=cfg.memory.gpu_state_blocks,
+            compiled=cfg.training.compile_layers,
         )
 
     def plan(

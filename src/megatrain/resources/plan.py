@@ -48,6 +48,7 @@ class RunShape:
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
     state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
     gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
+    compiled: bool = False  # decoder layers torch.compile'd (training.compile_layers)
 
     def estimate_kwargs(self) -> dict[str, Any]:
         assert self.layout in LAYOUTS, self.layout
@@ -59,6 +60,7 @@ class RunShape:
             clipping=self.clipping,
             loss_chunk_tokens=self.loss_chunk_tokens,
             pin_memory=self.pin_memory,
+            compiled=self.compiled,
         )
 
 
