@@ -135,6 +135,8 @@ def main() -> None:
         pred_gpu_gib=round(pred.gpu.peak_bytes / 2**30, 2),
         pred_rss_gib=round(pred.host.total_bytes / 2**30, 2),
         pred_bound=pred.time.bound,
+        pred_optimizer_s=round(pred.time.optimizer_s, 3),
+        hw_optimizer_gparams_s=round(builder.hardware.optimizer_gparams_s, 2),
         hardware_measured=list(builder.hardware.measured),
         losses=[round(v, 4) for v in losses],
         timeline=res.timeline.as_dict(),

@@ -238,6 +238,7 @@ class RunBuilder:
             attn_implementation=m.attn_implementation,
             config_overrides=dict(m.config_overrides) or None,
             seed=self.cfg.training.seed,
+            init_device=self.device if self.placement.is_cuda else None,
         )
         return discover(model)
 

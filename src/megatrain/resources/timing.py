@@ -42,9 +42,11 @@ from megatrain.resources.hardware import Hardware
 from megatrain.resources.spec import LayerSpec, ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
-STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.57}
-"""CPU AdamW rate per state dtype relative to fp32: the C kernels with a busy main thread beside
-them, H100 host of docs/performance.md run 10 (3.85, 4.10 and 2.21 Gparams/s)."""
+STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.45}
+"""CPU AdamW rate per state dtype relative to fp32 (the probe measures fp32). bf16: the C
+kernels with a busy main thread beside them on the H100 host of docs/performance.md run 10
+(4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9 parameters, 0.41 inside a 14.8B-parameter run
+(run 13: 2.30 Gparams/s, fp32 blocks of an 8B run on the same host 5.6); 0.45 between them."""
 COMPILED_SPEEDUP = 1.2
 """Compiled layers against eager ones, GPU time of forward, recompute and backward (fitted:
 Llama-3.1-8B and Qwen2.5-14B shapes on an H100, eager-fitted predictions 1.17x and 1.25x the
