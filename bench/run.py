@@ -190,6 +190,32 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=330,
     ),
+    "capacity_int8_56b": Scenario(
+        "issue 13: the largest int8 model on a 512 GiB host with one GPU: a Qwen2.5-72B shape "
+        "cut to 62 of its 80 layers (56.9B), 3 steps, clipping on, host RSS against 8 B/param",
+        (
+            _train(
+                "--preset",
+                "qwen2.5-72b",
+                "--layers",
+                "62",
+                "--batch",
+                "4",
+                "--seq",
+                "2048",
+                "--steps",
+                "3",
+                "--max-grad-norm",
+                "1.0",
+                "--probe",
+                "--opt-threads",
+                str(max(1, (os.cpu_count() or 16) - 2)),
+                "--optimizer.state_dtype",
+                "int8",
+            ),
+        ),
+        timeout_s=560,
+    ),
     "estimate_check": Scenario(
         "the estimate against measured runs of this machine (3B 8k/32k, 7B 16k)",
         (
