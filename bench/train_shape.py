@@ -9,16 +9,17 @@
 The same batch every step, as in bench/peers.py, so the loss visibly falls. The run is built
 by megatrain's RunBuilder from a config (the preset as model.config_overrides), so config
 overrides after the options apply as in `megatrain train`. Prints a per-step line (loss, step
-time, timeline) and one RESULT line: median step time, tokens/s, model TFLOPS (6 x params x
-tokens/s, and with attention FLOPs), GPU time per phase (forward, loss, backward), GPU peak,
-host RSS, the layer-input plan and MLP tiles used, and the estimate's prediction of each.
+time, GPU time per phase, timeline) and one RESULT line: median step time, tokens/s, model
+TFLOPS (6 x params x tokens/s, and with attention FLOPs), GPU time per phase (forward, loss,
+backward), GPU peak, host RSS, the layer-input plan and tiles used, and the estimate's
+prediction beside them (pred_*).
 
-`--old-too` then trains the same model and store again with the engine as it was before
-long-row support (memory.activation_offload off, checkpoint_every 1, mlp_tiles 1) and prints
-its RESULT too (an out-of-memory there is reported, not fatal). `--layers N` keeps N decoder
-layers (per-layer numbers extrapolate: step time ~ N x per-layer + loss). `--sdpa` puts a
+`--old-too` first trains the same model and store with the engine as it was before long-row
+support (memory.activation_offload off, checkpoint_every 1, mlp_tiles 1) and prints its RESULT
+too (out of GPU memory there is reported, not fatal). `--layers N` keeps N decoder layers
+(per-layer numbers extrapolate: step ~ N x per-layer time + loss). `--sdpa` puts one
 scaled-dot-product-attention backend first; `--attn-bench` times that kernel alone at the
-run's shape (causal, forward + backward) and reports its TFLOPS.
+run's shape (causal, forward and backward) and reports its TFLOPS.
 """
 
 from __future__ import annotations
@@ -31,35 +32,16 @@ import time
 from typing import Any
 
 import torch
-from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result, sync
+from common import host_peak_rss_gib, host_rss_gib, log, preset_values, result, sync
 
 from megatrain.batch import Batch
 from megatrain.builder import RunBuilder
 from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.model.loading import parse_config_sets
-from megatrain.resources.plan import ResourcePlan
+from megatrain.resources import probe
 from megatrain.resources.timing import attention_flops_per_token
 
-LLAMA_31_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-5,
-    rope_scaling={
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    max_position_embeddings=131072,
-)
-OLD = {"memory.activation_offload": "off", "memory.checkpoint_every": 1, "memory.mlp_tiles": 1}
+OLD = {"activation_offload": "off", "checkpoint_every": 1, "mlp_tiles": 1}  # memory.*
 SDPA = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 
 
@@ -68,7 +50,8 @@ def main() -> None:
         epilog="Arguments after the options are config overrides for the run, e.g. "
         "--optimizer.state_dtype int8 --memory.gpu_state_blocks auto"
     )
-    ap.add_argument("--preset", default="qwen2.5-3b", help="bench/peers.py's, or llama3.1-8b")
+    ap.add_argument("--preset", default="qwen2.5-3b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (preset's: None)")
     ap.add_argument("--batch", type=int, default=4, help="rows per step")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro", type=int, default=1, help="micro-batches per step")
@@ -79,13 +62,15 @@ def main() -> None:
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--opt-threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
-    ap.add_argument("--layers", type=int, default=None, help="keep this many decoder layers")
+    ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure this machine's rates (megatrain estimate --probe) for the printed prediction",
+    )
     ap.add_argument("--old-too", action="store_true", help="also the pre-long-row engine")
     ap.add_argument("--sdpa", choices=["default", *SDPA], default="default")
     ap.add_argument("--attn-bench", action="store_true", help="time the attention kernel alone")
-    ap.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="a preset config key"
-    )
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="preset key")
     ap.add_argument(
         "--expandable-segments",
         action="store_true",
@@ -96,18 +81,8 @@ def main() -> None:
     if a.expandable_segments:  # read when CUDA is first used, which is below
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.preset == "llama3.1-8b":
-        model_type, preset = "llama", dict(LLAMA_31_8B)
-        preset["max_position_embeddings"] = max(131072, a.seq)
-    else:
-        model_type = "qwen2"
-        preset = dict(preset_config(a.preset).to_diff_dict())
-        preset = {
-            k: v for k, v in preset.items() if k not in ("model_type", "transformers_version")
-        }
-    if a.layers:
-        preset["num_hidden_layers"] = a.layers
-    preset |= parse_config_sets(a.set)
+    extra = ({"num_hidden_layers": a.layers} if a.layers else {}) | parse_config_sets(a.set)
+    model_type, preset = preset_values(a.preset, **extra)
     values = model_values(model_type=model_type, config_overrides=preset) | {
         "model.attn_implementation": "sdpa",
         "training.device": device,
@@ -124,7 +99,8 @@ def main() -> None:
     cfg = shorthand_config(None, overrides, values=values)
     if a.old_too and cfg.memory.gpu_state_blocks != 0:
         ap.error("--old-too trains one store twice: add --memory.gpu_state_blocks 0")
-    builder = RunBuilder(cfg)  # the same builder as `megatrain train`: store, optimizer, engine
+    hardware = probe() if a.probe else None
+    builder = RunBuilder(cfg, hardware=hardware)  # as `megatrain train`: plan, store, engine
     t0 = time.perf_counter()
     structure = builder.model()
     t_init = time.perf_counter() - t0
@@ -141,19 +117,17 @@ def main() -> None:
     for _ in range(a.micro):
         ids = torch.randint(0, vocab, (rows, a.seq), generator=gen)
         micro.append(Batch(ids, ids.clone(), None, None))
-    common = dict(preset=a.preset, batch=a.batch, seq=a.seq, micro=a.micro, layers=a.layers)
-    common |= dict(num_slots=a.num_slots, max_grad_norm=a.max_grad_norm, sdpa=a.sdpa)
+    tags = dict(system="megatrain", preset=a.preset, batch=a.batch, seq=a.seq, micro=a.micro)
+    tags |= dict(layers=a.layers, num_slots=a.num_slots, max_grad_norm=a.max_grad_norm)
+    tags |= dict(sdpa=a.sdpa, compiled=a.compile, overrides=" ".join(overrides))
     if a.old_too:
-        old = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **_keys(OLD)))
-        _run(RunBuilder(old), structure, store, micro, a, common | {"engine": "old"})
-    label = {"engine": "new", "overrides": " ".join(overrides)}
-    _run(builder, structure, store, micro, a, common | label)
+        old = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **OLD))
+        _run(
+            RunBuilder(old, hardware=hardware), structure, store, micro, a, tags | {"engine": "old"}
+        )
+    _run(builder, structure, store, micro, a, tags | {"engine": "new"})
     if a.attn_bench and device == "cuda":
-        result(**common, **_attention_bench(structure.causal_lm.config, a.seq, a.sdpa))
-
-
-def _keys(flat: dict[str, Any]) -> dict[str, Any]:
-    return {k.split(".", 1)[1]: v for k, v in flat.items()}
+        result(**tags, **_attention_bench(structure.causal_lm.config, a.seq, a.sdpa))
 
 
 def _run(
@@ -164,14 +138,18 @@ def _run(
     a: argparse.Namespace,
     tags: dict[str, Any],
 ) -> None:
-    device = builder.device.type
-    plan = builder.plan()
-    est = plan.estimate
-    log(f"[{tags['engine']}] plan: {plan.boundary_reason}; {est.settings['mlp_tiles']} tiles")
-    if device == "cuda":
+    plan = builder.plan()  # the run's own plan: tier, layer inputs, tiles; the prediction
+    pred = plan.estimate
+    log(
+        f"[{tags['engine']}] plan: {plan.tier_reason or ''}; layer inputs: "
+        f"{plan.boundary_reason}; {pred.settings['mlp_tiles']} tiles; predicted step "
+        f"{pred.time.step_s:.3f}s"
+    )
+    cuda = builder.device.type == "cuda"
+    if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    times, losses, phases = [], [], []
+    times, losses, timelines = [], [], []
     engine = None
     try:
         engine = builder.engine(structure, store)
@@ -183,11 +161,11 @@ def _run(
             times.append(time.perf_counter() - t)
             losses.append(res.loss)
             tl = res.timeline
-            phases.append((tl.forward_gpu_s, tl.loss_gpu_s, tl.backward_gpu_s))
+            timelines.append(tl)
             log(
                 f"step {step} loss {res.loss:.4f} norm {res.grad_norm:.3f} time {times[-1]:.3f}s "
-                f"| GPU forward {phases[-1][0]:.2f} loss {phases[-1][1]:.2f} backward "
-                f"{phases[-1][2]:.2f} | {tl.summary()}"
+                f"| GPU forward {tl.forward_gpu_s:.2f} loss {tl.loss_gpu_s:.2f} backward "
+                f"{tl.backward_gpu_s:.2f} | {tl.summary()}"
             )
     except torch.OutOfMemoryError as e:
         result(**tags, error=f"out of GPU memory: {str(e).splitlines()[0]}")
@@ -195,54 +173,42 @@ def _run(
     finally:
         if engine is not None:
             engine.close()
-    runs = _Runs(times, losses, phases, res.timeline.as_dict())
-    _report(builder, plan, store.numel, a, tags, runs)
-
-
-@dataclasses.dataclass
-class _Runs:
-    times: list[float]
-    losses: list[float]
-    phases: list[tuple[float, float, float]]  # GPU forward, loss, backward
-    timeline: dict[str, float]
-
-
-def _report(
-    builder: RunBuilder,
-    plan: ResourcePlan,
-    n: int,
-    a: argparse.Namespace,
-    tags: dict[str, Any],
-    runs: _Runs,
-) -> None:
-    est, times, phases = plan.estimate, runs.times, runs.phases
-    step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
-    tokens = a.batch * a.seq
-    spec = builder.spec
-    attn_fwd = sum(attention_flops_per_token(la, a.seq) for la in spec.layers) * tokens
-    cuda = builder.device.type == "cuda"
-    mid = phases[1:] or phases
+    timed = timelines[1:] or timelines
+    step_s = statistics.median(times[1:] or times)
+    tokens, n = a.batch * a.seq, store.numel
+    attn_fwd = sum(attention_flops_per_token(la, a.seq) for la in builder.spec.layers) * tokens
+    idle = [1 - r.compute_s / r.step_s for r in timed if r.step_s > 0]
+    opt = engine.worker.optimizer
     result(
         **tags,
         params_b=round(n / 1e9, 3),
+        optimizer=opt.impl,
+        opt_threads=opt.num_threads,
         step_s=round(step_s, 3),
         tokens_per_s=round(tokens / step_s, 1),
         model_tflops=round(6 * n * tokens / step_s / 1e12, 1),
         model_tflops_with_attention=round((6 * n * tokens + 3 * attn_fwd) / step_s / 1e12, 1),
-        gpu_forward_s=round(statistics.median(p[0] for p in mid), 3),
-        gpu_loss_s=round(statistics.median(p[1] for p in mid), 3),
-        gpu_backward_s=round(statistics.median(p[2] for p in mid), 3),
+        gpu_forward_s=round(statistics.median(t.forward_gpu_s for t in timed), 3),
+        gpu_loss_s=round(statistics.median(t.loss_gpu_s for t in timed), 3),
+        gpu_backward_s=round(statistics.median(t.backward_gpu_s for t in timed), 3),
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         host_rss_gib=host_rss_gib(),
         host_peak_rss_gib=host_peak_rss_gib(),
-        plan=plan.boundary_reason,
-        mlp_tiles=est.settings["mlp_tiles"],
-        predicted_step_s=round(est.time.step_s, 3),
-        predicted_loss_s=round(est.time.loss_s, 3),
-        predicted_gpu_peak_gib=round(est.gpu.peak_bytes / 2**30, 2),
-        predicted_host_gib=round(est.host.total_bytes / 2**30, 2),
-        losses=[round(v, 4) for v in runs.losses],
-        timeline=runs.timeline,
+        gpu_idle_frac=round(statistics.median(idle), 3) if idle else None,
+        gpu_state_blocks=plan.gpu_state_blocks,
+        state_dtype=builder.cfg.optimizer.state_dtype,
+        layer_inputs=plan.boundary_reason,
+        mlp_tiles=pred.settings["mlp_tiles"],
+        pred_step_s=round(pred.time.step_s, 3),
+        pred_loss_s=round(pred.time.loss_s, 3),
+        pred_gpu_gib=round(pred.gpu.peak_bytes / 2**30, 2),
+        pred_rss_gib=round(pred.host.total_bytes / 2**30, 2),
+        pred_bound=pred.time.bound,
+        pred_optimizer_s=round(pred.time.optimizer_s, 3),
+        hw_optimizer_gparams_s=round(builder.hardware.optimizer_gparams_s, 2),
+        hardware_measured=list(builder.hardware.measured),
+        losses=[round(v, 4) for v in losses],
+        timeline=timelines[-1].as_dict(),
     )
 
 

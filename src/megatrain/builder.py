@@ -140,6 +140,7 @@ class RunBuilder:
             check_gpu=self.placement.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
             gpu_state_blocks=cfg.memory.gpu_state_blocks,
+            compiled=cfg.training.compile_layers,
             activation_offload=cfg.memory.activation_offload,
             checkpoint_every=cfg.memory.checkpoint_every,
             mlp_tiles=cfg.memory.mlp_tiles,
@@ -242,6 +243,7 @@ class RunBuilder:
             attn_implementation=m.attn_implementation,
             config_overrides=dict(m.config_overrides) or None,
             seed=self.cfg.training.seed,
+            init_device=self.device if self.placement.is_cuda else None,
         )
         return discover(model)
 

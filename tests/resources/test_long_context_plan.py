@@ -9,9 +9,16 @@ offloaded input.
 
 from __future__ import annotations
 
+import argparse
+import json
+from typing import Any
+
 import pytest
 from transformers import LlamaConfig
 
+from megatrain.cli import split_overrides
+from megatrain.commands.estimate import add_arguments, run
+from megatrain.config.sections import MemoryConfig
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.resources import Hardware, estimate, model_spec
 from megatrain.resources.activations import layer_profile
@@ -121,7 +128,19 @@ def test_plan_for_512k_on_80_gib_and_256_gib() -> None:
     """The issue's target: offload chosen automatically, the fit check passes."""
     spec = model_spec(LlamaConfig(**LLAMA_8B))
     hw = Hardware(gpu_bytes=80 * GIB, host_bytes=256 * GIB)
-    shape = RunShape(524288, 2, "full", True, None, True, True, "fp32", 0, "auto", "auto", "auto")
+    shape = RunShape(
+        seq_len=524288,
+        num_slots=2,
+        layout="full",
+        clipping=True,
+        loss_chunk_tokens=None,
+        pin_memory=True,
+        check_gpu=True,
+        state_dtype="fp32",
+        activation_offload="auto",
+        checkpoint_every="auto",
+        mlp_tiles="auto",
+    )
     plan = plan_resources(spec, shape, hardware=hw, micro_batch_size=1)
     assert plan.fits, plan.problems
     assert plan.boundaries is not None and plan.boundaries.count("host") >= 28
@@ -138,3 +157,32 @@ def test_longest_fitting() -> None:
 def test_unknown_offload_value() -> None:
     with pytest.raises(ValueError, match="activation_offload"):
         _choose(1, 1, offload="yes")
+
+
+def _estimate_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    overrides, rest = split_overrides([*argv, "--json"])
+    args = parser.parse_args(rest)
+    args.overrides = overrides
+    run(args)
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_estimate_command_longest_row(capsys: pytest.CaptureFixture[str]) -> None:
+    """The longest row fits and 1,024 tokens more does not (GPU-bound: 2 GiB at the margin)."""
+    base = ["--model-type", "llama", "--tiny", "--gpu-gib", "4", "--host-gib", "64"]
+    found = _estimate_json([*base, "--seq-len", "1024", "--longest"], capsys)
+    longest = found["longest_row"]
+    assert longest is not None and longest % 1024 == 0 and longest >= 1024
+    at = _estimate_json([*base, "--seq-len", str(longest), "--micro-batch-size", "1"], capsys)
+    above = [*base, "--seq-len", str(longest + 1024), "--micro-batch-size", "1"]
+    assert at["fits"] and not _estimate_json(above, capsys)["fits"]
+    assert "layer inputs" in at["settings"]["activations"]
+
+
+@pytest.mark.parametrize("value", [0, "many"])
+def test_bad_checkpoint_every_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match=r"memory\.checkpoint_every"):
+        MemoryConfig(checkpoint_every=value).validate()  # type: ignore[arg-type]  # on purpose

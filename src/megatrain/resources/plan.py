@@ -53,12 +53,15 @@ class RunShape:
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
     state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
     gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
+    compiled: bool = False  # decoder layers torch.compile'd (training.compile_layers)
     activation_offload: str = "off"  # layer inputs to the host: "auto", "on" or "off"
     checkpoint_every: int | str = 1  # one layer input kept every K layers, or "auto"
     mlp_tiles: int | str = 1  # sequence tiles of the MLPs, or "auto" (engine/tiling.py)
 
     @property
     def tile_count(self) -> int:
+        if self.mlp_tiles == "auto" and self.compiled:  # as the builder: no tiles then
+            return 1
         tiles = None if self.mlp_tiles == "auto" else int(self.mlp_tiles)
         return TilePolicy(tiles).count(self.seq_len)
 
@@ -72,6 +75,7 @@ class RunShape:
             clipping=self.clipping,
             loss_chunk_tokens=self.loss_chunk_tokens,
             pin_memory=self.pin_memory,
+            compiled=self.compiled,
         )
 
 
