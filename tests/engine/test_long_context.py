@@ -6,6 +6,7 @@ model, an MoE family (tiled without an aux loss; with one its MLPs run whole) an
 with several slot counts. The judge (megatrain.verify) compares losses, gradients and weights
 to an fp32 PyTorch run with tolerances derived from fp32 rounding (verify/judge.py); a tiled
 MLP only reorders the parameter gradients' sum, a recompute repeats the same fp32 arithmetic.
+With dropout (which verify turns off) the recomputed layer outputs equal the forward's exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import torch
 from megatrain.builder import RunBuilder
 from megatrain.engine import tiling
 from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.engine.engine import StreamingEngine
+from megatrain.model.loading import load_causal_lm
+from megatrain.model.structure import discover
+from megatrain.optim.adamw import AdamWHyper, CpuAdamW
+from megatrain.store.host import HostStore
 from megatrain.verify import run_verify, verify_config, within
 from megatrain.verify.run import make_batches
 
@@ -106,3 +112,47 @@ def test_backward_visits() -> None:
         (0, False),
     ]
     assert BoundaryPlan.make(3).backward_uses() == [(2, False), (1, False), (0, False)]
+
+
+def test_segment_recompute_repeats_the_forward_dropout() -> None:
+    """With dropout (Seed-OSS: attention and residual), K = 3 and offloaded inputs, every layer
+    output recomputed in the backward (segment recompute and each layer's own) equals the
+    forward's exactly: the forward's RNG state is replayed; another mask would change it ~100%."""
+    dropout = {"attention_dropout": 0.25, "residual_dropout": 0.25, "num_hidden_layers": 4}
+    model = load_causal_lm(
+        None,
+        model_type="seed_oss",
+        tiny=True,
+        attn_implementation="eager",
+        config_overrides=dropout,
+    )
+    structure = discover(model)
+    store = HostStore(structure, compute_dtype=torch.float32, pin_memory=False)
+    engine = StreamingEngine(
+        structure,
+        store,
+        CpuAdamW(AdamWHyper()),
+        num_slots=2,
+        max_grad_norm=1.0,
+        boundary_plan=BoundaryPlan.make(4, every=3, on_host=2),
+    )
+    seen: dict[tuple[int, int], list[torch.Tensor]] = {}
+    run = engine._run_layer
+
+    def recording(i: int, module: Any, mb: Any, x: torch.Tensor, record: bool) -> torch.Tensor:
+        out = run(i, module, mb, x, record)
+        seen.setdefault((i, id(mb)), []).append(out.detach().clone())
+        return out
+
+    engine._run_layer = recording  # type: ignore[method-assign]
+    batches = make_batches(verify_config(model_type="llama", tiny=True), 1, 256, 0, 2, 2)[0]
+    try:
+        engine.train_step(batches, lr=1e-3)
+    finally:
+        engine.close()
+    # segments [0, 1, 2] and [3]: layers 0 and 1 run 3 times (forward, segment recompute, own
+    # backward), layers 2 and 3 twice, for each of the 2 micro-batches
+    assert sorted(len(v) for v in seen.values()) == [2, 2, 2, 2, 3, 3, 3, 3]
+    for (layer, _), outs in seen.items():
+        for again in outs[1:]:
+            assert torch.equal(outs[0], again), f"layer {layer}"

@@ -140,10 +140,12 @@ class StreamingEngine(BackwardPass):
         plan = boundary_plan or BoundaryPlan.on_device(len(store.layers))
         assert plan.num_layers == len(store.layers), (plan.num_layers, len(store.layers))
         self.boundaries = Boundaries(plan, self.device)
-        if mlp_tiles is not None:  # not where router logits are recorded (engine/tiling.py)
+        self._preserve_rng = uses_randomness(structure)
+        # not where router logits are recorded, nor with dropout (a tile's re-run would draw
+        # other masks): engine/tiling.py
+        if mlp_tiles is not None and not self._preserve_rng:
             skip = {i for i, tap in enumerate(self.taps) if tap.has_router}
             tile_per_token(self.slots.modules, mlp_tiles, skip)
-        self._preserve_rng = uses_randomness(structure)
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
         self._order = {b.name: i for i, b in enumerate(store.blocks)}  # forward position

@@ -15,7 +15,8 @@ class, parameters and names; only its instance `forward` is replaced) with `Tile
 Exact: a per-token function of a tile equals the same function of the whole on those tokens;
 only the parameter gradients' summation order changes (tile by tile). Not tiled: layers holding
 a router whose logits the engine records for the MoE aux loss (the recorded logits must be
-differentiable), calls with more than the hidden states, and modules whose output is not one
+differentiable), models with dropout (a tile's re-run in the backward would draw other masks),
+calls with more than the hidden states, and modules whose output is not one
 tensor of the input's shape (found on first use; that module then runs whole). Attention is
 not tiled: it runs HF's kernel (sdpa: flash / cuDNN / memory-efficient, memory linear in S).
 
