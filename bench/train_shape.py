@@ -15,8 +15,8 @@ backward), GPU peak, host RSS, the layer-input plan and tiles used, and the esti
 prediction beside them (pred_*).
 
 `--old-too` first trains the same model and store with the engine as it was before long-row
-support (memory.activation_offload off, checkpoint_every 1, mlp_tiles 1) and prints its RESULT
-too (out of GPU memory there is reported, not fatal). `--layers N` keeps N decoder layers
+support (memory.activation_offload off, checkpoint_every 1, mlp_tiles 1, torch's default sdpa
+backend order) and prints its RESULT too (out of GPU memory there is reported, not fatal). `--layers N` keeps N decoder layers
 (per-layer numbers extrapolate: step ~ N x per-layer time + loss). `--sdpa` puts one
 scaled-dot-product-attention backend first; `--attn-bench` times that kernel alone at the
 run's shape (causal, forward and backward) and reports its TFLOPS.
@@ -122,9 +122,8 @@ def main() -> None:
     tags |= dict(sdpa=a.sdpa, compiled=a.compile, overrides=" ".join(overrides))
     if a.old_too:
         old = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **OLD))
-        _run(
-            RunBuilder(old, hardware=hardware), structure, store, micro, a, tags | {"engine": "old"}
-        )
+        before = tags | {"engine": "old", "sdpa": "default"}  # the engine as it was, all of it
+        _run(RunBuilder(old, hardware=hardware), structure, store, micro, a, before)
     _run(builder, structure, store, micro, a, tags | {"engine": "new"})
     if a.attn_bench and device == "cuda":
         result(**tags, **_attention_bench(structure.causal_lm.config, a.seq, a.sdpa))
@@ -156,7 +155,7 @@ def _run(
         for step in range(a.steps + 1):
             sync()
             t = time.perf_counter()
-            with _sdpa(a.sdpa):
+            with _sdpa(tags["sdpa"]):
                 res = engine.train_step(micro, lr=a.lr)
             times.append(time.perf_counter() - t)
             losses.append(res.loss)
