@@ -16,8 +16,9 @@ prediction beside them (pred_*).
 
 `--old-too` first trains the same model and store with the engine as it was before long-row
 support (memory.activation_offload off, checkpoint_every 1, mlp_tiles 1, torch's default sdpa
-backend order) and prints its RESULT too (out of GPU memory there is reported, not fatal). `--layers N` keeps N decoder layers
-(per-layer numbers extrapolate: step ~ N x per-layer time + loss). `--sdpa` puts one
+backend order) and prints its RESULT too (out of GPU memory there is reported, not fatal).
+`--layers N` keeps N decoder layers (per-layer numbers extrapolate: step ~ N x per-layer time
++ loss). `--sdpa` puts one
 scaled-dot-product-attention backend first; `--attn-bench` times that kernel alone at the
 run's shape (causal, forward and backward) and reports its TFLOPS.
 """
