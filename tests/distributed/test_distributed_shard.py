@@ -1,9 +1,11 @@
 """The ZeRO-3 split of a store's blocks (store/shard.py), with a world that does not divide
-the blocks (3), and the per-rank data split (data/ranks.py): exact, no process group needed."""
+the blocks (3), in every state dtype, and the per-rank data split (data/ranks.py): exact, no
+process group needed."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from megatrain.batch import Batch
@@ -14,16 +16,27 @@ from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.store.host import HostStore
 from megatrain.store.shard import layout_numel, shard_block
+from megatrain.store.states import QUANT_BLOCK, num_quant_blocks, zero_code
 
 
-def test_shards_cover_each_block_once_with_zero_padding() -> None:
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_shards_cover_each_block_once_with_zero_padding(state_dtype: str) -> None:
     model = load_causal_lm(None, model_type="llama", tiny=True, seed=0)
-    store = HostStore(discover(model), compute_dtype=torch.bfloat16)
+    store = HostStore(discover(model), compute_dtype=torch.bfloat16, state_dtype=state_dtype)
     world = 3
     for block in store.blocks:
         shards = [shard_block(block, r, world, pin_memory=False) for r in range(world)]
         padded = layout_numel(shards[0])
-        assert padded % world == 0 and block.numel <= padded < block.numel + world
+        align = world * QUANT_BLOCK  # shards are whole int8 quantization blocks
+        assert padded % align == 0 and block.numel <= padded < block.numel + align
+        for s in shards:
+            assert s.state_dtype == state_dtype and s.exp_avg.numel() == s.numel
+            if state_dtype == "int8":
+                assert s.exp_avg_scale is not None
+                assert (
+                    s.exp_avg_scale.numel() == num_quant_blocks(s.numel) == s.numel // QUANT_BLOCK
+                )
+                assert bool((s.exp_avg == zero_code(signed=True)).all())
         whole = torch.cat([s.master for s in shards])
         assert torch.equal(whole[: block.numel], block.master)
         assert not whole[block.numel :].any()  # the padding is zero

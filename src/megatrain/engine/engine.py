@@ -43,6 +43,7 @@ from megatrain.batch import Batch
 from megatrain.engine.backward import BackwardPass
 from megatrain.engine.collectives import Collectives
 from megatrain.engine.head import ChunkedLoss, TokenObjective
+from megatrain.engine.loss import LossPass
 from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.rng import rng_state, uses_randomness
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
@@ -51,7 +52,7 @@ from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.engine.updates import UpdateWorker
 from megatrain.model.capture import LayerCallCapture
-from megatrain.model.router import RouterAux, RouterStats, RouterTap
+from megatrain.model.router import RouterAux, RouterTap
 from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
 from megatrain.store.blocks import ParamBlock
@@ -71,7 +72,7 @@ class StepResult:
     timeline: Timeline
 
 
-class StreamingEngine(BackwardPass):
+class StreamingEngine(BackwardPass, LossPass):
     """Runs optimizer steps of a model whose weights live in a HostStore, streaming layers.
 
     Owns the device side: the weight slots, the head and embedding on the device, gradient
@@ -347,72 +348,6 @@ class StreamingEngine(BackwardPass):
             assert self.aux is not None
             mb.router_stats += [self.aux.stats(lg, mb.router_weights) for lg in tap.take()]
         return out
-
-    # ---------------------------------------------------------------- loss
-
-    def _wait_head(self, timer: ComputeTimer) -> None:
-        for ev in self._head_busy:
-            self.transfers.wait(ev)  # previous step's gradient copies out of the accumulators
-        self._head_busy = []
-        timer.start(lambda: self.transfers.wait(self._head_ready))
-
-    def _loss(
-        self,
-        mbs: list[MicroBatch],
-        denom: float,
-        training: bool,
-        timer: ComputeTimer,
-        lr: float,
-        objective: TokenObjective | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(loss, sum of the targets' negative log-probs, router aux term or None)."""
-        self._wait_head(timer)
-        if training:
-            self.head_acc.zero_()
-            self.embed_acc.zero_()
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        nll = torch.zeros((), dtype=torch.float32, device=self.device)
-        for k, mb in enumerate(mbs):
-            side = None
-            if objective is not None:
-                side = {n: _shifted(t) for n, t in objective.inputs[k].items()}
-            loss, mb_nll, mb.grad = self.loss_fn.run(
-                mb.hidden,
-                mb.targets_BS,
-                denom,
-                self.head_params if training else None,
-                self.head_grad_views if training else None,
-                fn=None if objective is None else objective.fn,
-                side_host_BS=side,
-                temperature=1.0 if objective is None else objective.temperature,
-            )
-            total += loss
-            nll += mb_nll
-            mb.hidden = None  # type: ignore[assignment]
-        timer.stop()
-        self._head_free = self.transfers.compute_event()
-        aux = self._aux_value(mbs)
-        if training:
-            self._sumsq = [self._finish(self.store.head, self.head_acc, lr)]
-        return total, nll, aux
-
-    def _aux_value(self, mbs: list[MicroBatch]) -> torch.Tensor | None:
-        if self.aux is None:
-            return None
-        values = []
-        for mb in mbs:
-            mb.router_total = RouterStats.sum(mb.router_stats)
-            values.append(self.aux.value(mb.router_total))
-        # the mean over every micro-batch of the step, on all ranks (each has as many)
-        total = self.comm.sum(torch.stack(values).sum())
-        return self.aux.coef * total / (len(values) * self.comm.world_size)
-
-
-def _shifted(values_BS: torch.Tensor) -> torch.Tensor:
-    """Label-aligned per-token values moved to target alignment (position t predicts t + 1)."""
-    out = torch.zeros_like(values_BS)
-    out[:, :-1] = values_BS[:, 1:]
-    return out
 
 
 def _move_body_buffers(structure: ModelStructure, device: torch.device) -> None:
