@@ -57,6 +57,7 @@ from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.resources import Hardware, ModelSpec, detect, model_spec
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
+from megatrain.resources.ranks import Ranks
 from megatrain.store.host import HostStore
 from megatrain.store.reference import ReferenceWeights
 from megatrain.store.shard import shard_block
@@ -115,7 +116,7 @@ class RunBuilder:
         return self.cfg.memory.pin_memory and self.placement.is_cuda
 
     def shape(self, layout: str | None = None) -> RunShape:
-        cfg = self.cfg
+        cfg, p = self.cfg, self.placement
         return RunShape(
             seq_len=cfg.seq_len,
             num_slots=cfg.memory.num_slots,
@@ -126,6 +127,7 @@ class RunBuilder:
             check_gpu=self.placement.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
             gpu_state_blocks=self._tier_setting(),
+            ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
         )
 
     def _tier_setting(self) -> int | str:

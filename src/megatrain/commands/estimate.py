@@ -7,8 +7,10 @@
 The run is described by a config as for `train` (a YAML file, or the short flags below on the
 defaults); the builder's resource plan (megatrain.builder) is what `train` checks before
 loading, so the two agree. Only the model's config is read; the model is built on the meta
-device. The run is planned for a GPU unless training.device is cpu. The machine is this one
-(`--probe` measures its rates, a few seconds), with the H100 test host's numbers for what is
+device. The run is planned for a GPU unless training.device is cpu.
+`--nproc-per-node N --nnodes M` plans the torchrun job: GPU numbers per rank, host numbers per
+node, the step with its collectives (resources/ranks.py); batch flags are per rank.
+The machine is this one (`--probe` measures its rates, a few seconds), with the H100 test host's numbers for what is
 not measured; `--gpu-gib` / `--host-gib` set the memory sizes.
 
 Prints a table, or with `--json` one JSON object. Exit status 0 when the setup fits, 1 when it
@@ -29,6 +31,7 @@ from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.model.loading import parse_config_sets
 from megatrain.resources import detect, format_estimate, probe
 from megatrain.resources.plan import LAYOUTS
+from megatrain.resources.ranks import Ranks
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -69,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--max-grad-norm", type=float, help="optimizer.max_grad_norm; 0: no clipping")
     run_.add_argument("--gpu-margin-gib", type=float, help="memory.gpu_margin_gib")
     run_.add_argument("--host-margin-gib", type=float, help="memory.host_margin_gib")
+    ranks = parser.add_argument_group("ranks (torchrun; docs/multi_gpu.md)")
+    ranks.add_argument(
+        "--nproc-per-node", type=int, default=1, help="processes (GPUs) per node (default 1)"
+    )
+    ranks.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
     hw = parser.add_argument_group("hardware")
     hw.add_argument(
         "--probe",
@@ -88,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         else detect(gpu_gib=args.gpu_gib, host_gib=args.host_gib)
     )
     device = "cpu" if cfg.training.device == "cpu" else "cuda"
-    builder = RunBuilder(cfg, hardware=hardware, placement=Placement(torch.device(device)))
+    ranks = Ranks(args.nproc_per_node, args.nnodes)  # ValueError for a count < 1
+    placement = Placement(torch.device(device), 0, ranks.world, 0, ranks.nproc_per_node)
+    builder = RunBuilder(cfg, hardware=hardware, placement=placement)
     layout = "full" if args.layout == "full" else None
     plan = builder.plan(tokens_per_step=args.tokens_per_step, layout=layout)
     est, mem = plan.estimate, cfg.memory

@@ -16,7 +16,9 @@ number of blocks (layers from the first, then embedding, then head) whose predic
 still fits with `gpu_margin_gib` free; on the CPU "auto" is 0. A given count is clamped to the
 model's blocks, like `num_slots`.
 
-Later plans (activation offload for long rows, several ranks) extend `RunShape` and
+Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host,
+so the fit check refuses a node that cannot hold its ranks' shards, before loading; no GPU tier.
+Later plans (activation offload for long rows) extend `RunShape` and
 `ResourcePlan`, not their callers.
 """
 
@@ -30,6 +32,7 @@ from megatrain.resources.batch_size import pick_micro_batch
 from megatrain.resources.estimate import Estimate, estimate
 from megatrain.resources.fit import gpu_problem, host_problem
 from megatrain.resources.hardware import GIB, Hardware, gib
+from megatrain.resources.ranks import ONE_PROCESS, Ranks
 from megatrain.resources.spec import ModelSpec
 
 LAYOUTS = ("padded", "packed", "full")
@@ -48,6 +51,7 @@ class RunShape:
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
     state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
     gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
+    ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
 
     def estimate_kwargs(self) -> dict[str, Any]:
         assert self.layout in LAYOUTS, self.layout
@@ -127,6 +131,7 @@ def plan_resources(
             hardware=hardware,
             gpu_state_blocks=tier,
             state_dtype=shape.state_dtype,
+            ranks=shape.ranks,
             **shape.estimate_kwargs(),
         )
 
