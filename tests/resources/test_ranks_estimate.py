@@ -166,7 +166,7 @@ def test_estimate_command_takes_the_ranks(capsys: pytest.CaptureFixture[str]) ->
     assert (report["settings"]["nproc_per_node"], report["settings"]["nnodes"]) == (2, 3)
     assert report["settings"]["gpu_state_blocks"] == 0  # ranks stream every block
     assert report["time"]["collective_s"] > 0
-    with pytest.raises(ValueError, match="memory.gpu_state_blocks=3 with 2 ranks"):
+    with pytest.raises(ValueError, match=r"memory\.gpu_state_blocks=3 with 2 ranks"):
         _command([*base, "--nproc-per-node", "2", "--memory.gpu_state_blocks", "3"])
     with pytest.raises(ValueError, match="nnodes must be >= 1"):
         _command([*base, "--nnodes", "0"])
