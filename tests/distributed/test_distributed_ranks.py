@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megatrain.config import load_config
@@ -148,6 +149,10 @@ def test_resume_under_two_ranks_is_loss_exact(
     resumed = tmp_path / "resumed"
     ckpt = resumed / "checkpoints" / "step-00000002"
     shutil.copytree(two / "checkpoints" / "step-00000002", ckpt)  # as if killed after step 2
+    # ... while saving step 3: rank 1's part written, nothing committed
+    stale = resumed / "checkpoints" / ".step-00000003.tmp-ranks" / "blocks"
+    stale.mkdir(parents=True)
+    (stale / "layer.0.rank001-of-002.safetensors").write_bytes(b"partial")
     _torchrun(
         resumed, "--training.gradient_accumulation_steps", "2", "--checkpoint.resume_from", "auto"
     )
@@ -155,6 +160,26 @@ def test_resume_under_two_ranks_is_loss_exact(
     again = {r["step"]: r["loss"] for r in _records(resumed, "train")}
     assert sorted(again) == [3, 4]
     assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)]  # bit for bit
+    assert not stale.parent.exists()  # the next save cleared the uncommitted part
+    assert (resumed / "checkpoints" / "step-00000004" / "trainer_state.json").is_file()
+
+
+@pytest.mark.parametrize("state_dtype", ["int8"])
+def test_compressed_states_shard_and_resume_exactly(tmp_path: Path, state_dtype: str) -> None:
+    """Each rank keeps its shard of m and v in the state dtype; resuming from a sharded
+    checkpoint of them continues bit for bit."""
+    dtype = ["--optimizer.state_dtype", state_dtype, "--checkpoint.save_every", "1"]
+    steps = ["--training.max_steps", "2", "--training.gradient_accumulation_steps", "1"]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    _torchrun(first, *dtype, *steps, "--checkpoint.export_hf", "false")
+    step1 = first / "checkpoints" / "step-00000001"
+    with safe_open(str(step1 / "blocks" / "layer.0.rank001-of-002.safetensors"), "pt") as f:
+        assert f.metadata()["state_dtype"] == state_dtype
+        assert f.get_tensor("exp_avg").dtype == torch.uint8
+    shutil.copytree(step1, resumed / "checkpoints" / step1.name)
+    _torchrun(resumed, *dtype, *steps, "--checkpoint.resume_from", "auto")
+    again = {r["step"]: r["loss"] for r in _records(resumed, "train")}
+    assert again == {2: _records(first, "train")[1]["loss"]}  # bit for bit
 
 
 def test_resume_with_another_world_size_is_refused(
