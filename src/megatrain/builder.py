@@ -46,7 +46,7 @@ from megatrain.config import TrainConfig
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.ranks import RankLoader
 from megatrain.data.sample import Sample
-from megatrain.distributed import Placement, barrier, default_threads, placement_here
+from megatrain.distributed import Placement, any_rank, default_threads, node_turns, placement_here
 from megatrain.engine.engine import StreamingEngine
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.loading import load_causal_lm
@@ -56,6 +56,7 @@ from megatrain.model.tokenizer import load_tokenizer
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.resources import Hardware, ModelSpec, detect, model_spec
+from megatrain.resources.hardware import GIB
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
 from megatrain.resources.ranks import Ranks
 from megatrain.store.host import HostStore
@@ -283,20 +284,21 @@ class RunBuilder:
         )
 
     def model_and_store(self) -> tuple[ModelStructure, HostStore]:
-        """`model()` and `store()` of the run. Several ranks on a node take turns (a barrier
-        per turn), so the node holds one whole fp32 model at a time beside the built shards."""
+        """`model()` and `store()` of the run. Every rank loads one whole fp32 model and keeps
+        its shards: when the node cannot hold all its ranks' models at once (with the host
+        margin), its ranks take turns, each with all the node's cores (distributed.node_turns)."""
         p = self.placement
-        if p.world_size == 1:
+
+        def build() -> tuple[ModelStructure, HostStore]:
             structure = self.model()
             return structure, self.store(structure)
-        built: tuple[ModelStructure, HostStore] | None = None
-        for turn in range(p.local_world_size):
-            if turn == p.local_rank:
-                structure = self.model()
-                built = structure, self.store(structure)
-            barrier()
-        assert built is not None
-        return built
+
+        if p.world_size == 1:
+            return build()
+        whole_models = p.local_world_size * 4 * self.spec.total_params
+        at_once = self.plan().estimate.host.total_bytes + whole_models
+        room = self.hardware.host_bytes - self.cfg.memory.host_margin_gib * GIB
+        return node_turns(build, p, in_turns=any_rank(at_once > room))
 
     def optimizer(self) -> CpuAdamW:
         opt = self.cfg.optimizer

@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from megatrain.device import resolve_device
 
 DEFAULT_TIMEOUT_S = 600.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,38 @@ def _together(fn: Callable[[], None] | None) -> None:
         raise failed
     if int(flag.item()):  # sync point
         raise SystemExit(1)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank (every rank gets the same answer)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())  # sync point
+
+
+def node_turns(build: Callable[[], T], placement: Placement, *, in_turns: bool) -> T:
+    """`build()` on every rank: the ranks of each node one after another, each with all the
+    node's cores (`in_turns`), or all at once with a share each. A failure on any rank stops
+    every rank at the end of that turn (its error raised where it happened)."""
+    result: list[T] = []
+    cores, before = os.cpu_count() or 1, torch.get_num_threads()
+    local = placement.local_world_size
+
+    def run() -> None:
+        result.append(build())
+
+    try:
+        if not in_turns:
+            torch.set_num_threads(max(1, cores // local))
+            on_every_rank(run)
+        for turn in range(local if in_turns else 0):
+            torch.set_num_threads(cores)  # torchrun sets OMP_NUM_THREADS=1: init is CPU work
+            _together(run if turn == placement.local_rank else None)
+    finally:
+        torch.set_num_threads(before)
+    return result[0]
 
 
 def is_main() -> bool:
