@@ -7,6 +7,12 @@ by megatrain's RunBuilder from a config (the preset as model.config_overrides), 
 overrides after the options apply as in `megatrain train`. Prints a
 per-step line (loss, step time, timeline) and one RESULT line: median step time, tokens/s,
 model TFLOPS (6 x params x tokens/s), GPU peak, host RSS.
+
+Under torchrun (`python -m torch.distributed.run --nproc-per-node N bench/train_shape.py ...`)
+every rank trains on its own random rows (--batch rows per rank, so the job's step has
+N x batch rows), the store sharded as in `megatrain train`; rank 0 prints one RESULT with the
+job's tokens/s, tokens/s per GPU, the largest GPU peak of any rank, the node's host RSS (the
+ranks' sum: one node) and what the estimate predicted for this node and rank.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result, sync
 
 from megatrain.batch import Batch
@@ -58,20 +65,21 @@ def main() -> None:
     }
     cfg = shorthand_config(None, overrides, values=values)
     builder = RunBuilder(cfg)  # the same builder as `megatrain train`: store, optimizer, engine
+    p = builder.placement  # under torchrun: this rank's
+    builder.plan().require_fit()  # per node and rank, before anything large is allocated
     t0 = time.perf_counter()
-    structure = builder.model()
-    t_init = time.perf_counter() - t0
-    store = builder.store(structure)
-    t_store = time.perf_counter() - t0 - t_init
+    structure, store = builder.model_and_store()  # sharded over the ranks
+    t_load = time.perf_counter() - t0
     engine = builder.engine(structure, store)
     opt = engine.worker.optimizer
-    n_params = store.numel
+    n_params = builder.spec.total_params
     log(
-        f"{structure.describe()}; {n_params / 1e9:.3f}B params; init {t_init:.1f}s, store "
-        f"{t_store:.1f}s; optimizer {opt.impl}; host RSS {host_rss_gib()} GiB"
+        f"rank {p.rank}/{p.world_size}: {structure.describe()}; {n_params / 1e9:.3f}B params; "
+        f"init + store {t_load:.1f}s; optimizer {opt.impl} x {opt.num_threads}; host RSS "
+        f"{host_rss_gib()} GiB"
     )
     vocab = structure.causal_lm.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(p.rank)  # every rank its own rows
     rows = a.batch // a.micro
     micro = []
     for _ in range(a.micro):
@@ -92,7 +100,19 @@ def main() -> None:
         )
     engine.close()
     step_s = statistics.median(times[1:])
-    tokens = a.batch * a.seq
+    tokens = a.batch * a.seq * p.world_size
+    gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    host = [host_rss_gib(), host_peak_rss_gib()]
+    if p.world_size > 1:  # the largest GPU peak of any rank; host RSS summed over the node
+        peak_t = torch.tensor([gpu_peak], device=builder.device)
+        host_t = torch.tensor(host, dtype=torch.float64, device=builder.device)
+        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(host_t)
+        gpu_peak, host = float(peak_t), [round(float(v), 2) for v in host_t]
+        dist.destroy_process_group()
+        if p.rank != 0:
+            return
+    est = builder.plan().estimate
     result(
         system="megatrain",
         preset=a.preset,
@@ -106,14 +126,18 @@ def main() -> None:
         opt_threads=opt.num_threads,
         overrides=" ".join(overrides),
         compiled=a.compile,
+        gpus=p.world_size,
+        load_s=round(t_load, 1),
         step_s=round(step_s, 3),
         tokens_per_s=round(tokens / step_s, 1),
+        tokens_per_s_per_gpu=round(tokens / step_s / p.world_size, 1),
         model_tflops=round(6 * n_params * tokens / step_s / 1e12, 1),
-        gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        if device == "cuda"
-        else None,
-        host_rss_gib=host_rss_gib(),
-        host_peak_rss_gib=host_peak_rss_gib(),
+        gpu_peak_gib=round(gpu_peak, 2) if device == "cuda" else None,
+        host_rss_gib=host[0],  # the node's (every rank's) at the end
+        host_peak_rss_gib=host[1],
+        predicted_step_s=round(est.time.step_s, 3),
+        predicted_gpu_peak_gib=round(est.gpu.peak_bytes / 2**30, 2),
+        predicted_host_gib=round(est.host.total_bytes / 2**30, 2),  # per node
         losses=[round(v, 4) for v in losses],
         timeline=res.timeline.as_dict(),
     )
