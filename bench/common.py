@@ -14,17 +14,66 @@ from typing import Any
 import peers as _peers
 import torch
 
-# The peers' presets (bench/peers.py, a copy of the team's shared baseline script) are ours too.
-PRESETS: dict[str, dict[str, Any]] = _peers.PRESETS
+# The peers' presets (bench/peers.py, a copy of the team's shared baseline script) are ours too,
+# plus larger shapes the engine alone runs (a "model_type" other than qwen2 where it differs).
+_QWEN_LARGE = dict(num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
+PRESETS: dict[str, dict[str, Any]] = {
+    **_peers.PRESETS,
+    "llama3.1-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_position_embeddings=131072,
+    ),
+    "qwen2.5-14b": dict(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        **_QWEN_LARGE,
+    ),
+    "qwen2.5-32b": dict(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        **_QWEN_LARGE,
+    ),
+    "qwen2.5-72b": dict(
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        **_QWEN_LARGE,
+    ),
+}
 host_rss_gib = _peers.host_rss_gib
 
 
-def preset_config(name: str) -> Any:
-    from transformers import Qwen2Config
+def preset_values(name: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
+    """(model_type, config values) of a preset; `overrides` replace values (e.g. layers)."""
+    values = {"max_position_embeddings": 32768, **PRESETS[name], **overrides}
+    return values.pop("model_type", "qwen2"), values
 
-    return Qwen2Config(
-        **PRESETS[name], max_position_embeddings=32768, use_cache=False, attn_implementation="sdpa"
-    )
+
+def preset_config(name: str, **overrides: Any) -> Any:
+    from transformers import AutoConfig
+
+    model_type, values = preset_values(name, **overrides)
+    return AutoConfig.for_model(model_type, **values, use_cache=False, attn_implementation="sdpa")
 
 
 def host_peak_rss_gib() -> float:

@@ -33,16 +33,6 @@ PRESETS = {
         vocab_size=151936,
         tie_word_embeddings=True,
     ),
-    # Qwen2.5-32B shape (32.8B parameters)
-    "qwen2.5-32b": dict(
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
     # Qwen2.5-7B shape
     "qwen2.5-7b": dict(
         hidden_size=3584,

@@ -12,7 +12,7 @@ Under torchrun (`python -m torch.distributed.run --nproc-per-node N bench/train_
 every rank trains on its own random rows (--batch rows per rank, so the job's step has
 N x batch rows), the store sharded as in `megatrain train`; rank 0 prints one RESULT with the
 job's tokens/s, tokens/s per GPU, the largest GPU peak of any rank, the node's host RSS (the
-ranks' sum: one node) and what the estimate predicted for this node and rank.
+ranks' sum: one node) and what the estimate predicted for this node (pred_rss_gib) and rank.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result, sync
+from common import host_peak_rss_gib, host_rss_gib, log, preset_values, result, sync
 
 from megatrain.batch import Batch
 from megatrain.builder import RunBuilder
 from megatrain.config.shorthand import model_values, shorthand_config
+from megatrain.resources import probe
 
 
 def main() -> None:
@@ -36,6 +37,7 @@ def main() -> None:
         "--optimizer.state_dtype int8 --memory.gpu_state_blocks auto"
     )
     ap.add_argument("--preset", default="qwen2.5-3b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (preset's: None)")
     ap.add_argument("--batch", type=int, default=4, help="rows per step")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro", type=int, default=1, help="micro-batches per step")
@@ -46,11 +48,17 @@ def main() -> None:
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--opt-threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure this machine's rates (megatrain estimate --probe) for the printed prediction",
+    )
     a, overrides = ap.parse_known_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    preset = dict(preset_config(a.preset).to_diff_dict())
-    preset = {k: v for k, v in preset.items() if k not in ("model_type", "transformers_version")}
-    values = model_values(model_type="qwen2", config_overrides=preset) | {
+    model_type, preset = preset_values(
+        a.preset, **({"num_hidden_layers": a.layers} if a.layers else {})
+    )
+    values = model_values(model_type=model_type, config_overrides=preset) | {
         "model.attn_implementation": "sdpa",
         "training.device": device,
         "training.micro_batch_size": a.batch // a.micro,
@@ -64,9 +72,13 @@ def main() -> None:
         "training.compile_layers": a.compile or None,
     }
     cfg = shorthand_config(None, overrides, values=values)
-    builder = RunBuilder(cfg)  # the same builder as `megatrain train`: store, optimizer, engine
+    hardware = probe() if a.probe else None
+    builder = RunBuilder(cfg, hardware=hardware)  # as `megatrain train`: plan, store, engine
     p = builder.placement  # under torchrun: this rank's
-    builder.plan().require_fit()  # per node and rank, before anything large is allocated
+    plan = builder.plan()  # the run's own plan: its GPU tier, and the prediction printed below
+    plan.require_fit()  # per node and rank, before anything large is allocated
+    pred = plan.estimate
+    log(f"plan: {plan.tier_reason or ''} predicted step {pred.time.step_s:.3f}s")
     t0 = time.perf_counter()
     structure, store = builder.model_and_store()  # sharded over the ranks
     t_load = time.perf_counter() - t0
@@ -87,13 +99,14 @@ def main() -> None:
         micro.append(Batch(ids, ids.clone(), None, None))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, losses, timelines = [], [], []
     for step in range(a.steps + 1):
         sync()
         t = time.perf_counter()
         res = engine.train_step(micro, lr=a.lr)
         times.append(time.perf_counter() - t)
         losses.append(res.loss)
+        timelines.append(res.timeline)
         log(
             f"step {step} loss {res.loss:.4f} norm {res.grad_norm:.3f} time {times[-1]:.3f}s "
             f"| {res.timeline.summary()}"
@@ -112,7 +125,7 @@ def main() -> None:
         dist.destroy_process_group()
         if p.rank != 0:
             return
-    est = builder.plan().estimate
+    idle = [1 - r.compute_s / r.step_s for r in timelines[1:] if r.step_s > 0]
     result(
         system="megatrain",
         preset=a.preset,
@@ -135,9 +148,16 @@ def main() -> None:
         gpu_peak_gib=round(gpu_peak, 2) if device == "cuda" else None,
         host_rss_gib=host[0],  # the node's (every rank's) at the end
         host_peak_rss_gib=host[1],
-        predicted_step_s=round(est.time.step_s, 3),
-        predicted_gpu_peak_gib=round(est.gpu.peak_bytes / 2**30, 2),
-        predicted_host_gib=round(est.host.total_bytes / 2**30, 2),  # per node
+        gpu_idle_frac=round(statistics.median(idle), 3) if idle else None,
+        gpu_state_blocks=plan.gpu_state_blocks,
+        state_dtype=cfg.optimizer.state_dtype,
+        pred_step_s=round(pred.time.step_s, 3),
+        pred_gpu_gib=round(pred.gpu.peak_bytes / 2**30, 2),
+        pred_rss_gib=round(pred.host.total_bytes / 2**30, 2),
+        pred_bound=pred.time.bound,
+        pred_optimizer_s=round(pred.time.optimizer_s, 3),
+        hw_optimizer_gparams_s=round(builder.hardware.optimizer_gparams_s, 2),
+        hardware_measured=list(builder.hardware.measured),
         losses=[round(v, 4) for v in losses],
         timeline=res.timeline.as_dict(),
     )

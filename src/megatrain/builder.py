@@ -128,6 +128,7 @@ class RunBuilder:
             check_gpu=self.placement.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
             gpu_state_blocks=self._tier_setting(),
+            compiled=cfg.training.compile_layers,
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
         )
 
@@ -256,6 +257,7 @@ class RunBuilder:
             attn_implementation=m.attn_implementation,
             config_overrides=dict(m.config_overrides) or None,
             seed=self.cfg.training.seed,
+            init_device=self.device if self.placement.is_cuda else None,
         )
         return discover(model)
 

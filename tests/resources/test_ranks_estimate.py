@@ -141,7 +141,7 @@ def test_fit_check_refuses_per_node(qwen7b: ModelSpec) -> None:
     )
 
     def plan(spec: ModelSpec, ranks: Ranks) -> list[str]:
-        shape = RunShape(2048, 2, "full", True, None, False, True, "fp32", 0, ranks)
+        shape = RunShape(2048, 2, "full", True, None, False, True, "fp32", 0, ranks=ranks)
         return list(plan_resources(spec, shape, hardware=hw, micro_batch_size=1).problems)
 
     assert plan(qwen7b, Ranks(4, 1)) == []

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.initialization import no_init_weights
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from megatrain.model.random_init import init_on_device
 from megatrain.model.tiny import tiny_config
 
 _WEIGHT_FILES = (
@@ -107,11 +109,13 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     config_overrides: dict[str, Any] | None = None,
     seed: int = 0,
+    init_device: torch.device | None = None,
 ) -> PreTrainedModel:
     """An fp32 model on the CPU: pretrained weights, or random init from the config.
 
     Random init happens when `model_type` is given, when `random_init` is set, or when a local
-    directory holds a config but no weights.
+    directory holds a config but no weights. It runs HF's init scheme on `init_device` (a GPU:
+    seconds instead of minutes for a large model; model/random_init.py), or on the CPU (None).
     """
     config = load_config(
         source,
@@ -133,6 +137,11 @@ def load_causal_lm(
             if Path(resolved).is_dir():
                 raise
             raise hub_error("model.name_or_path", source, e, what="model weights") from e
+    elif init_device is not None and init_device.type != "cpu":
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        torch.manual_seed(seed)
+        init_on_device(model, init_device)
     else:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, **kwargs)

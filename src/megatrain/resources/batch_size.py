@@ -33,6 +33,7 @@ def pick_micro_batch(
     clipping: bool = True,
     loss_chunk_tokens: int | None = None,
     pin_memory: bool = True,
+    compiled: bool = False,
     max_micro_batch_size: int = 64,
 ) -> tuple[int, int, str]:
     """(micro_batch_size, grad_accum, reason). Raises ValueError, with the numbers and what to
@@ -72,6 +73,7 @@ def pick_micro_batch(
             hardware=hardware,
             loss_chunk_tokens=loss_chunk_tokens,
             pin_memory=pin_memory,
+            compiled=compiled,
         )
 
     smallest = predict(0)

@@ -131,6 +131,7 @@ def estimate(
     pin_memory: bool = True,
     state_dtype: str = "fp32",
     gpu_state_blocks: int = 0,
+    compiled: bool = False,
     ranks: Ranks = ONE_PROCESS,
 ) -> Estimate:
     """Predict host RAM, GPU peak and step time of training `config` with these settings.
@@ -144,6 +145,7 @@ def estimate(
     `clipping`: gradient-norm clipping on (the optimizer then starts after the backward).
     `compute_dtype` "bf16" or "fp32"; None: the spec's, or bf16 for a config.
     `state_dtype`: the AdamW states' layout, "fp32", "bf16" or "int8" (optimizer.state_dtype).
+    `compiled`: decoder layers run torch.compile'd (training.compile_layers).
     """
     for name, value in (
         ("seq_len", seq_len),
@@ -193,6 +195,8 @@ def estimate(
         num_slots=slots,
         clipping=clipping,
         gpu_state_blocks=tier,
+        state_dtype=state_dtype,
+        compiled=compiled,
         layer_ops=profile.ops,
         loss_ops=chunks_per_mb * loss_chunk(spec, chunk)[1],
         ranks=ranks,
@@ -209,6 +213,7 @@ def estimate(
         loss_chunk_tokens=chunk,
         state_dtype=state_dtype,
         gpu_state_blocks=tier,
+        compiled=compiled,
         nproc_per_node=ranks.nproc_per_node,
         nnodes=ranks.nnodes,
     )

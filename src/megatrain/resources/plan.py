@@ -51,6 +51,7 @@ class RunShape:
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
     state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
     gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
+    compiled: bool = False  # decoder layers torch.compile'd (training.compile_layers)
     ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
 
     def estimate_kwargs(self) -> dict[str, Any]:
@@ -63,6 +64,7 @@ class RunShape:
             clipping=self.clipping,
             loss_chunk_tokens=self.loss_chunk_tokens,
             pin_memory=self.pin_memory,
+            compiled=self.compiled,
         )
 
 

@@ -24,7 +24,8 @@ def format_estimate(est: Estimate) -> str:
         f"model  {est.model}",
         f"setup  {s['micro_batch_size']} x {s['seq_len']} tokens x {s['grad_accum']} "
         f"micro-batches = {s['tokens_per_step']} tokens/step; {s['compute_dtype']} compute, "
-        f"{s['num_slots']} slots, {layout}, clipping {'on' if s['clipping'] else 'off'}",
+        f"{s['num_slots']} slots, {layout}, clipping {'on' if s['clipping'] else 'off'}, "
+        f"AdamW states {s['state_dtype']}" + (", compiled layers" if s.get("compiled") else ""),
         _ranks_line(s),
         f"GPU tier  {s['gpu_state_blocks']} blocks (layers from the first, then embedding, head) "
         "keep their optimizer states on the GPU: no copies, AdamW there",

@@ -9,10 +9,14 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - copies: each layer goes to the GPU twice per step (forward, backward) except the
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
-- CPU AdamW: params / rate per block, one worker thread;
+- CPU AdamW: params / rate per block, one worker thread; the rate is the probed fp32 kernel's
+  times STATE_DTYPE_SPEED for compressed states;
 - GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
   copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
   after the block's backward, or with clipping after the norm sync of the step's end;
+- compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster
+  and issues COMPILED_OPS_FRACTION of the eager op count (inductor fuses the elementwise work
+  around the matmuls: norms, rotary, activation, residuals);
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
   + backward dispatch the op counts measured on meta (resources/activations.py). Small or
   MoE layers (many small kernels) become host-bound: the GPU waits for the launches.
@@ -45,6 +49,18 @@ from megatrain.resources.ranks import ONE_PROCESS, Ranks
 from megatrain.resources.spec import LayerSpec, ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
+STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.45}
+"""CPU AdamW rate per state dtype relative to fp32 (the probe measures fp32). bf16: the C
+kernels with a busy main thread beside them on the H100 host of docs/performance.md run 10
+(4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9 parameters, 0.41 inside a 14.8B-parameter run
+(run 13: 2.30 Gparams/s, fp32 blocks of an 8B run on the same host 5.6); 0.45 between them."""
+COMPILED_SPEEDUP = 1.2
+"""Compiled layers against eager ones, GPU time of forward, recompute and backward (fitted:
+Llama-3.1-8B and Qwen2.5-14B shapes on an H100, eager-fitted predictions 1.17x and 1.25x the
+measured compiled steps; checked again in docs/performance.md run 13)."""
+COMPILED_OPS_FRACTION = 0.3
+"""Host launches of a compiled layer against the eager op count (assumed: fused elementwise
+chains; the matmuls and attention stay separate kernels)."""
 GPU_ADAMW_GPARAMS_S = 60.0
 """Fused AdamW on the GPU (assumed, H100): ~34 bytes per parameter through HBM (read p, g, m,
 v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
@@ -109,6 +125,8 @@ def step_time(
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
     gpu_state_blocks: int = 0,
+    state_dtype: str = "fp32",
+    compiled: bool = False,
     ranks: Ranks = ONE_PROCESS,
 ) -> StepTime:
     """`layer_ops`: per layer (forward ops, recompute + backward ops) of one micro-batch;
@@ -124,6 +142,8 @@ def step_time(
         layer_ops=layer_ops,
         loss_ops=loss_ops,
         tier=min(gpu_state_blocks, spec.num_layers + 2),
+        state_dtype=state_dtype,
+        compiled=compiled,
         ranks=ranks,
     )
     step_s = _Replay(costs).run(_STEPS)
@@ -168,11 +188,15 @@ def _costs(
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
     tier: int,
+    state_dtype: str,
+    compiled: bool,
     ranks: Ranks,
 ) -> tuple[_Costs, float]:
     tokens = rows * seq * micro_batches
     launch = hw.op_launch_s * micro_batches
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
+    layer_rate = rate * (COMPILED_SPEEDUP if compiled else 1.0)
+    layer_launch = launch * (COMPILED_OPS_FRACTION if compiled else 1.0)
     elem = torch.finfo(spec.compute_dtype).bits // 8  # weights up and gradients down
     fwd = [
         tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
@@ -183,7 +207,8 @@ def _costs(
     ]
     loss = 6.0 * spec.lm_head_params * tokens
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
-    opt_rate, gpu_opt_rate = hw.optimizer_gparams_s * 1e9, GPU_ADAMW_GPARAMS_S * 1e9
+    opt_rate = hw.optimizer_gparams_s * 1e9 * STATE_DTYPE_SPEED[state_dtype]
+    gpu_opt_rate = GPU_ADAMW_GPARAMS_S * 1e9
     n, resident = spec.num_layers, min(tier, spec.num_layers)
     # per block in forward order (embedding, layers, head): parameters the host updates
     params = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
@@ -199,9 +224,10 @@ def _costs(
     gather_table = up(0) if ranks.world > 1 else 0.0  # the forward's rows come from it
     scatter = [ranks.collective_s(p * 4) for p in host]  # fp32 gradients, on the compute stream
     costs = _Costs(
-        fwd_s=[f / rate + (gather_table if i == 0 else 0.0) for i, f in enumerate(fwd)],
+        fwd_s=[f / layer_rate + (gather_table if i == 0 else 0.0) for i, f in enumerate(fwd)],
         bwd_s=[
-            b / rate + scatter[1 + i] + (scatter[0] if i == 0 else 0.0) for i, b in enumerate(bwd)
+            b / layer_rate + scatter[1 + i] + (scatter[0] if i == 0 else 0.0)
+            for i, b in enumerate(bwd)
         ],
         loss_s=loss / rate + scatter[-1],
         h2d_s=[up(i) for i in range(1, n + 1)],
@@ -211,8 +237,8 @@ def _costs(
         d2h_embed_s=shard[0] * elem / d2h,
         opt_s=[p / opt_rate for p in shard],
         tier_opt_s=[(p - h) / gpu_opt_rate for p, h in zip(params, host, strict=True)],
-        fwd_call_s=[f * launch for f, _ in layer_ops],
-        bwd_call_s=[b * launch for _, b in layer_ops],
+        fwd_call_s=[f * layer_launch for f, _ in layer_ops],
+        bwd_call_s=[b * layer_launch for _, b in layer_ops],
         loss_call_s=loss_ops * launch,
         num_slots=min(num_slots, spec.num_layers - resident),
         resident=resident,
