@@ -46,6 +46,10 @@ def _train(*flags: str) -> tuple[str, ...]:
     return (PY, "bench/train_shape.py", "--opt-threads", "14", *flags)
 
 
+def _grpo(*flags: str) -> tuple[str, ...]:
+    return (PY, "bench/grpo_shape.py", "--preset", "qwen2.5-7b", *flags)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
         "the card, driver, CPU count, memory, torch and transformers versions",
@@ -142,6 +146,16 @@ SCENARIOS: dict[str, Scenario] = {
         "(Qwen2.5-3B shape, 8k and 32k tokens/step; DeepSpeed needs its wheels carried)",
         ((PY, "bench/compare.py", "--preset", "qwen2.5-3b", "--tokens", "8192,32768"),),
         timeout_s=580,
+    ),
+    "grpo_7b": Scenario(
+        "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length): the "
+        "seed's 8 prompts x 2 responses and TRL's 8 generations per prompt, 512 + 1024 tokens; "
+        "generation vs training time, GPU peak, host RSS, the estimate beside",
+        (
+            _grpo("--generations", "2"),
+            _grpo("--generations", "8", "--micro", "8", "--steps", "2"),
+        ),
+        timeout_s=300,
     ),
     "estimate_check": Scenario(
         "the estimate against measured runs of this machine (3B 8k/32k, 7B 16k)",
