@@ -59,6 +59,11 @@ def _torchrun(*argv: str) -> tuple[str, ...]:
 _RANKS_JOB = ("--preset", "qwen2.5-7b", "--batch", "4", "--seq", "2048", "--steps", "3")
 _RANKS_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", "--max-grad-norm", "1.0")
 
+
+def _grpo(*flags: str) -> tuple[str, ...]:
+    return (PY, "bench/grpo_shape.py", "--preset", "qwen2.5-7b", *flags)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
         "the card, driver, CPU count, memory, torch and transformers versions",
@@ -228,6 +233,16 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         ),
         timeout_s=560,
+    ),
+    "grpo_7b": Scenario(
+        "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length): the "
+        "seed's 8 prompts x 2 responses and TRL's 8 generations per prompt, 512 + 1024 tokens; "
+        "generation vs training time, GPU peak, host RSS, the estimate beside",
+        (
+            _grpo("--generations", "2"),
+            _grpo("--generations", "8", "--micro", "8", "--steps", "2"),
+        ),
+        timeout_s=300,
     ),
     "estimate_check": Scenario(
         "the estimate against measured runs of this machine (3B 8k/32k, 7B 16k)",

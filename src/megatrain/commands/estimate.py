@@ -3,6 +3,7 @@
     megatrain estimate --config examples/qwen2_5_7b.yaml [--section.key VALUE ...]
     megatrain estimate --model Qwen/Qwen2.5-7B --seq-len 4096 --micro-batch-size 4 --grad-accum 8
     megatrain estimate --model-type qwen3 --tiny --seq-len 256 --tokens-per-step 4096 --json
+    megatrain estimate --config examples/grpo_demo.yaml --grpo   # + the rollout phase
 
 The run is described by a config as for `train` (a YAML file, or the short flags below on the
 defaults); the builder's resource plan (megatrain.builder) is what `train` checks before
@@ -28,6 +29,7 @@ import torch
 from megatrain.builder import Placement, RunBuilder
 from megatrain.config import TrainConfig
 from megatrain.config.shorthand import model_values, shorthand_config
+from megatrain.grpo.plan import format_rollout, grpo_plan, rollout_dict
 from megatrain.model.loading import parse_config_sets
 from megatrain.resources import detect, format_estimate, probe
 from megatrain.resources.plan import LAYOUTS
@@ -85,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     hw.add_argument("--gpu-gib", type=float, help="GPU memory (default: this GPU or 80)")
     hw.add_argument("--host-gib", type=float, help="host RAM (default: this machine's)")
+    parser.add_argument(
+        "--grpo",
+        action="store_true",
+        help="a megatrain grpo run: add its rollout phase (the config's grpo: section)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -100,26 +107,35 @@ def run(args: argparse.Namespace) -> int:
     placement = Placement(torch.device(device), 0, ranks.world, 0, ranks.nproc_per_node)
     builder = RunBuilder(cfg, hardware=hardware, placement=placement)
     layout = "full" if args.layout == "full" else None
-    plan = builder.plan(tokens_per_step=args.tokens_per_step, layout=layout)
+    grpo = grpo_plan(builder) if args.grpo else None
+    plan = (
+        grpo.training if grpo else builder.plan(tokens_per_step=args.tokens_per_step, layout=layout)
+    )
     est, mem = plan.estimate, cfg.memory
-    problem = "; ".join(plan.problems) if plan.problems else None
+    problems = grpo.problems if grpo else plan.problems
+    fits = not problems
+    problem = "; ".join(problems) if problems else None
     if args.json:
-        report = {**est.to_dict(), "fits": plan.fits, "problem": problem}
+        report = {**est.to_dict(), "fits": fits, "problem": problem}
+        if grpo:
+            report["grpo"] = rollout_dict(grpo)
         reasons = {"micro_batch_reason": plan.batch_reason, "gpu_tier_reason": plan.tier_reason}
         print(json.dumps({**report, **reasons}))
-        return 0 if plan.fits else 1
+        return 0 if fits else 1
     print(format_estimate(est))
+    if grpo:
+        print(format_rollout(grpo))
     if plan.batch_reason:
         print(f"auto micro-batch: {plan.batch_reason}")
     if plan.tier_reason:
         print(f"auto {plan.tier_reason}")
     print(
-        f"fits: {'yes' if plan.fits else 'no'} (margins: GPU {mem.gpu_margin_gib:g} GiB, "
+        f"fits: {'yes' if fits else 'no'} (margins: GPU {mem.gpu_margin_gib:g} GiB, "
         f"host {mem.host_margin_gib:g} GiB)"
     )
     if problem:
         print(problem)
-    return 0 if plan.fits else 1
+    return 0 if fits else 1
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
