@@ -8,6 +8,11 @@ Modes:
   deepspeed  DeepSpeed ZeRO-3 with offload_param + offload_optimizer to CPU, DeepSpeedCPUAdam
 
 Random-init weights from a config (no hub access). Prints 'RESULT {json}'.
+
+--mode deepspeed also runs as N ranks under torchrun (`python -m torch.distributed.run
+--nproc-per-node N bench/peers.py --mode deepspeed ...`): --batch rows per GPU, every rank its
+own rows; rank 0 prints the job's tokens/s, tokens/s per GPU, the largest GPU peak of any rank
+and the ranks' summed host RSS (one node).
 """
 
 import argparse
@@ -89,10 +94,18 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--clip", type=float, default=0.0, help="deepspeed gradient_clipping (0: off)")
     a = ap.parse_args()
     if a.accum != 1 and a.mode != "gpu":
         ap.error("--accum is implemented for --mode gpu only")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and a.mode != "deepspeed":
+        ap.error("several ranks (torchrun) are implemented for --mode deepspeed only")
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and dev == "cuda":
+        dev = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(dev)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     os.environ.setdefault("RANK", "0")
@@ -148,6 +161,7 @@ def main():
                 "contiguous_gradients": True,
             },
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+            "gradient_clipping": a.clip,
             "wall_clock_breakdown": False,
         }
         from transformers.integrations import HfDeepSpeedConfig
@@ -172,21 +186,33 @@ def main():
     if a.mode == "deepspeed":
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     vocab = PRESETS[a.preset]["vocab_size"]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(rank)  # every rank its own rows
     x = torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(dev)
     losses, times = [], []
     for i in range(a.steps + 1):
-        if dev == "cuda":
+        if dev != "cpu":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = step(x)
         losses.append(float(loss))
-        if dev == "cuda":
+        if dev != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         print(f"step {i} loss {losses[-1]:.4f} time {times[-1]:.3f}s", flush=True)
     t = sorted(times[1:])[len(times[1:]) // 2]
-    tokens = a.batch * a.seq * a.accum
+    tokens = a.batch * a.seq * a.accum * world
+    gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if dev != "cpu" else None
+    rss = host_rss_gib()
+    if world > 1:  # the largest GPU peak of any rank, host RSS summed over the ranks (one node)
+        import torch.distributed as dist
+
+        both = torch.tensor([gpu_peak or 0.0, rss or 0.0], dtype=torch.float64, device=dev)
+        peak_t, rss_t = both[:1].clone(), both[1:].clone()
+        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(rss_t)
+        gpu_peak, rss = float(peak_t), round(float(rss_t), 1)
+        if rank != 0:
+            return
     out(
         mode=a.mode,
         preset=a.preset,
@@ -194,11 +220,14 @@ def main():
         batch=a.batch,
         seq=a.seq,
         accum=a.accum,
+        clip=a.clip,
+        gpus=world,
         step_s=round(t, 3),
         tokens_per_s=round(tokens / t, 1),
+        tokens_per_s_per_gpu=round(tokens / t / world, 1),
         model_tflops=round(6 * n_params * tokens / t / 1e12, 1),
-        gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None,
-        host_rss_gib=host_rss_gib(),
+        gpu_peak_gib=None if gpu_peak is None else round(gpu_peak, 1),
+        host_rss_gib=rss,
         build_s=round(t_build, 1),
         losses=[round(v, 3) for v in losses],
     )

@@ -12,6 +12,9 @@ docs/performance.md (date, card, command, numbers); results of past runs live th
 
 The environment of the GPU machine is kept as it is (NCCL_NVLS_ENABLE=0 and friends stay set);
 this runner only adds PYTHONPATH (src/ and bench/), PYTHONUNBUFFERED and TRANSFORMERS_VERBOSITY.
+Multi-GPU scenarios launch with torchrun on $NGPU GPUs (the env var NGPU, else every GPU torch
+sees), OMP_NUM_THREADS set to each rank's share of the cores (torchrun would set 1, which
+starves DeepSpeed's CPU Adam and the model's random init).
 """
 
 from __future__ import annotations
@@ -59,6 +62,22 @@ _LLAMA_8B = (
     "--memory.gpu_state_blocks",
     "0",
 )
+
+
+def _torchrun(*argv: str) -> tuple[str, ...]:
+    """`argv` (a script and its flags) as $NGPU ranks on this node."""
+    torchrun = (PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "$NGPU")
+    return ("env", "OMP_NUM_THREADS=$THREADS", *torchrun, *argv)
+
+
+# Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step (4 rows of 2048 per rank)
+_RANKS_JOB = ("--preset", "qwen2.5-7b", "--batch", "4", "--seq", "2048", "--steps", "3")
+_RANKS_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", "--max-grad-norm", "1.0")
+
+
+def _grpo(*flags: str) -> tuple[str, ...]:
+    return (PY, "bench/grpo_shape.py", "--preset", "qwen2.5-7b", *flags)
+
 
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
@@ -247,6 +266,16 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=560,
     ),
+    "grpo_7b": Scenario(
+        "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length): the "
+        "seed's 8 prompts x 2 responses and TRL's 8 generations per prompt, 512 + 1024 tokens; "
+        "generation vs training time, GPU peak, host RSS, the estimate beside",
+        (
+            _grpo("--generations", "2"),
+            _grpo("--generations", "8", "--micro", "8", "--steps", "2"),
+        ),
+        timeout_s=300,
+    ),
     "estimate_check": Scenario(
         "the estimate against measured runs of this machine (3B 8k/32k, 7B 16k)",
         (
@@ -257,13 +286,55 @@ SCENARIOS: dict[str, Scenario] = {
             (PY, "bench/estimate_check.py", "$OUT/results.jsonl", "--hardware", "$OUT/hw.json"),
         ),
     ),
+    "ranks_compare": Scenario(
+        "ranks (issue 10): Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step: "
+        "one GPU (GPU tier auto, then 0 as the ranks), $NGPU GPUs with torchrun, DeepSpeed "
+        "ZeRO-3 offload on the same GPUs and rows (needs peers_install); tokens/s, per GPU, "
+        "GPU peak per rank, host RSS",
+        (
+            (PY, "bench/train_shape.py", *_RANKS_MEGATRAIN),
+            (PY, "bench/train_shape.py", *_RANKS_MEGATRAIN, "--memory.gpu_state_blocks", "0"),
+            _torchrun("bench/train_shape.py", *_RANKS_MEGATRAIN),
+            _torchrun("bench/peers.py", "--mode", "deepspeed", *_RANKS_JOB, "--clip", "1.0"),
+        ),
+        timeout_s=420,
+    ),
+    "ranks_capacity": Scenario(
+        "ranks (issue 10): Qwen2.5-32B shape on $NGPU GPUs (4 on a 512 GiB host), 4k tokens "
+        "per GPU, 3 steps: host RSS of the node against the estimate's prediction",
+        (
+            (
+                "env",
+                "MEGATRAIN_COLLECTIVE_TIMEOUT_S=1800",  # ranks load in turns: the last waits
+                *_torchrun(
+                    "bench/train_shape.py",
+                    *("--preset", "qwen2.5-32b", "--batch", "2", "--micro", "1"),
+                    *("--seq", "2048", "--steps", "2", "--max-grad-norm", "1.0"),
+                ),
+            ),
+        ),
+        timeout_s=590,
+    ),
 }
 
 
+def _gpus() -> int:
+    if os.environ.get("NGPU"):
+        return int(os.environ["NGPU"])
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
 def _expand(argv: list[str]) -> list[str]:
-    """$WHEELS: every wheel in .wheels/; $DEEPSPEED: the DeepSpeed source archive there."""
+    """$WHEELS: every wheel in .wheels/; $DEEPSPEED: the DeepSpeed source archive there;
+    $NGPU: the GPUs of a torchrun launch; $THREADS: each of their ranks' share of the cores."""
     wheels = ROOT / ".wheels"
     out: list[str] = []
+    if any("$NGPU" in a or "$THREADS" in a for a in argv):
+        ngpu = _gpus()
+        threads = max(1, (os.cpu_count() or 1) // ngpu)
+        argv = [a.replace("$NGPU", str(ngpu)).replace("$THREADS", str(threads)) for a in argv]
     for arg in argv:
         if arg == "$WHEELS":
             out += sorted(str(p) for p in wheels.glob("*.whl"))
@@ -308,10 +379,8 @@ def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) ->
                 for ln in text.splitlines()
                 if ln.startswith(("RESULT", "PASS", "FAIL", "|")) or "passed" in ln
             ]
-            summary.append(
-                f"[{name}] {argv[1] if len(argv) > 1 else argv[0]} -> {status} "
-                f"({time.time() - t0:.0f} s)"
-            )
+            scripts = [a for a in argv if a.endswith(".py")] or argv[1:2] or argv[:1]
+            summary.append(f"[{name}] {scripts[0]} -> {status} ({time.time() - t0:.0f} s)")
             summary += [f"    {ln[:200]}" for ln in interesting[-8:]]
     return summary
 

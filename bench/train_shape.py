@@ -21,6 +21,12 @@ backend order) and prints its RESULT too (out of GPU memory there is reported, n
 + loss). `--sdpa` puts one
 scaled-dot-product-attention backend first; `--attn-bench` times that kernel alone at the
 run's shape (causal, forward and backward) and reports its TFLOPS.
+
+Under torchrun (`python -m torch.distributed.run --nproc-per-node N bench/train_shape.py ...`)
+every rank trains on its own random rows (--batch rows per rank, so the job's step has
+N x batch rows), the store sharded as in `megatrain train`; rank 0 prints one RESULT with the
+job's tokens/s, tokens/s per GPU, the largest GPU peak of any rank, the node's host RSS (the
+ranks' sum: one node) and what the estimate predicted for this node (pred_rss_gib) and rank.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from common import host_peak_rss_gib, host_rss_gib, log, preset_values, result, sync
 
 from megatrain.batch import Batch
@@ -102,17 +109,18 @@ def main() -> None:
         ap.error("--old-too trains one store twice: add --memory.gpu_state_blocks 0")
     hardware = probe() if a.probe else None
     builder = RunBuilder(cfg, hardware=hardware)  # as `megatrain train`: plan, store, engine
+    p = builder.placement  # under torchrun: this rank's
+    builder.plan().require_fit()  # per node and rank, before anything large is allocated
     t0 = time.perf_counter()
-    structure = builder.model()
-    t_init = time.perf_counter() - t0
-    store = builder.store(structure)
-    t_store = time.perf_counter() - t0 - t_init
+    structure, store = builder.model_and_store()  # sharded over the ranks
+    t_load = time.perf_counter() - t0
     log(
-        f"{structure.describe()}; {store.numel / 1e9:.3f}B params; init {t_init:.1f}s, store "
-        f"{t_store:.1f}s; host RSS {host_rss_gib()} GiB"
+        f"rank {p.rank}/{p.world_size}: {structure.describe()}; "
+        f"{builder.spec.total_params / 1e9:.3f}B params; init + store {t_load:.1f}s; host RSS "
+        f"{host_rss_gib()} GiB"
     )
     vocab = structure.causal_lm.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(p.rank)  # every rank its own rows
     rows = a.batch // a.micro
     micro = []
     for _ in range(a.micro):
@@ -121,13 +129,16 @@ def main() -> None:
     tags = dict(system="megatrain", preset=a.preset, batch=a.batch, seq=a.seq, micro=a.micro)
     tags |= dict(layers=a.layers, num_slots=a.num_slots, max_grad_norm=a.max_grad_norm)
     tags |= dict(sdpa=a.sdpa, compiled=a.compile, overrides=" ".join(overrides))
+    tags |= dict(gpus=p.world_size, load_s=round(t_load, 1))
     if a.old_too:
         old = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **OLD))
         before = tags | {"engine": "old", "sdpa": "default"}  # the engine as it was, all of it
         _run(RunBuilder(old, hardware=hardware), structure, store, micro, a, before)
     _run(builder, structure, store, micro, a, tags | {"engine": "new"})
-    if a.attn_bench and device == "cuda":
+    if a.attn_bench and device == "cuda" and p.rank == 0:
         result(**tags, **_attention_bench(structure.causal_lm.config, a.seq, a.sdpa))
+    if p.world_size > 1:
+        dist.destroy_process_group()
 
 
 def _run(
@@ -175,8 +186,19 @@ def _run(
             engine.close()
     timed = timelines[1:] or timelines
     step_s = statistics.median(times[1:] or times)
-    tokens, n = a.batch * a.seq, store.numel
+    p, n = builder.placement, builder.spec.total_params
+    tokens = a.batch * a.seq * p.world_size
     attn_fwd = sum(attention_flops_per_token(la, a.seq) for la in builder.spec.layers) * tokens
+    gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    host = [host_rss_gib(), host_peak_rss_gib()]
+    if p.world_size > 1:  # the largest GPU peak of any rank; host RSS summed over the node
+        peak_t = torch.tensor([gpu_peak], device=builder.device)
+        host_t = torch.tensor(host, dtype=torch.float64, device=builder.device)
+        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(host_t)
+        gpu_peak, host = float(peak_t), [round(float(v), 2) for v in host_t]
+        if p.rank != 0:
+            return
     idle = [1 - r.compute_s / r.step_s for r in timed if r.step_s > 0]
     opt = engine.worker.optimizer
     result(
@@ -186,14 +208,15 @@ def _run(
         opt_threads=opt.num_threads,
         step_s=round(step_s, 3),
         tokens_per_s=round(tokens / step_s, 1),
+        tokens_per_s_per_gpu=round(tokens / step_s / p.world_size, 1),
         model_tflops=round(6 * n * tokens / step_s / 1e12, 1),
         model_tflops_with_attention=round((6 * n * tokens + 3 * attn_fwd) / step_s / 1e12, 1),
         gpu_forward_s=round(statistics.median(t.forward_gpu_s for t in timed), 3),
         gpu_loss_s=round(statistics.median(t.loss_gpu_s for t in timed), 3),
         gpu_backward_s=round(statistics.median(t.backward_gpu_s for t in timed), 3),
-        gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        host_rss_gib=host_rss_gib(),
-        host_peak_rss_gib=host_peak_rss_gib(),
+        gpu_peak_gib=round(gpu_peak, 2) if cuda else None,
+        host_rss_gib=host[0],  # the node's (every rank's) at the end
+        host_peak_rss_gib=host[1],
         gpu_idle_frac=round(statistics.median(idle), 3) if idle else None,
         gpu_state_blocks=plan.gpu_state_blocks,
         state_dtype=builder.cfg.optimizer.state_dtype,

@@ -20,8 +20,13 @@ Invariants:
   alone (meta device); `plan()` is cached, so the batch the run uses is the one that was checked.
 - Components receive plain keyword arguments, never the config (STYLE: only the recipe reads it).
 
-Where the next capabilities attach: `Placement` carries the rank and world size (a sharded store
-and per-rank data come with multi-GPU runs); the plan grows per-run memory choices (activation
+Ranks: under torchrun (RANK / WORLD_SIZE in the environment, megatrain/distributed.py) the
+placement is this rank's: cuda:LOCAL_RANK, the process group joined, the store built sharded
+(store/shard.py; the ranks of a node load the model one after another, so a node never holds
+more than one whole fp32 model), the training loader reading this rank's rows (data/ranks.py),
+no GPU tier, metrics from rank 0. A plain run is a world of one and builds what it did before.
+
+Where the next capabilities attach: the plan grows per-run memory choices (activation
 offload, optimizer-state tiers); further model roles (a frozen reference model, a generation
 path) are more methods here that reuse `model()` and `store()`; `reference()` is GRPO's frozen
 KL reference.
@@ -30,18 +35,18 @@ KL reference.
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatrain.checkpoint import export_hf
+from megatrain.checkpoint_shards import export_sharded
 from megatrain.config import TrainConfig
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
+from megatrain.data.ranks import RankLoader
 from megatrain.data.sample import Sample
-from megatrain.device import resolve_device
+from megatrain.distributed import Placement, any_rank, default_threads, node_turns, placement_here
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.engine import StreamingEngine
 from megatrain.engine.tiling import TilePolicy
@@ -53,22 +58,12 @@ from megatrain.model.tokenizer import load_tokenizer
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.resources import Hardware, ModelSpec, detect, model_spec
+from megatrain.resources.hardware import GIB
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
+from megatrain.resources.ranks import Ranks
 from megatrain.store.host import HostStore
 from megatrain.store.reference import ReferenceWeights
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where this process sits in the job: its device, and its rank among `world_size`."""
-
-    device: torch.device
-    rank: int = 0
-    world_size: int = 1
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
+from megatrain.store.shard import shard_block
 
 
 class RunBuilder:
@@ -89,12 +84,7 @@ class RunBuilder:
         """`placement` None: this process, alone, on `training.device` resolved here.
         `megatrain estimate` passes the placement it plans for (a GPU it may not have)."""
         self.cfg = cfg
-        self.placement = placement or Placement(torch.device(resolve_device(cfg.training.device)))
-        if self.placement.world_size != 1:
-            raise ValueError(
-                f"world size {self.placement.world_size}: this version trains with one "
-                "process; multi-GPU runs (torchrun) are not available yet"
-            )
+        self.placement = placement or placement_here(cfg.training.device)
         self._hardware = hardware
 
     @property
@@ -129,7 +119,7 @@ class RunBuilder:
         return self.cfg.memory.pin_memory and self.placement.is_cuda
 
     def shape(self, layout: str | None = None) -> RunShape:
-        cfg = self.cfg
+        cfg, p = self.cfg, self.placement
         return RunShape(
             seq_len=cfg.seq_len,
             num_slots=cfg.memory.num_slots,
@@ -139,12 +129,28 @@ class RunBuilder:
             pin_memory=self.pin_memory,
             check_gpu=self.placement.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
-            gpu_state_blocks=cfg.memory.gpu_state_blocks,
+            gpu_state_blocks=self._tier_setting(),
             compiled=cfg.training.compile_layers,
+            ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             activation_offload=cfg.memory.activation_offload,
             checkpoint_every=cfg.memory.checkpoint_every,
             mlp_tiles=cfg.memory.mlp_tiles,
         )
+
+    def _tier_setting(self) -> int | str:
+        """memory.gpu_state_blocks, checked against the ranks: several ranks stream every
+        block (the tier keeps whole blocks on one GPU; the store is sharded), so "auto" is 0."""
+        blocks, world = self.cfg.memory.gpu_state_blocks, self.placement.world_size
+        if world == 1:
+            return blocks
+        if blocks not in (0, "auto"):
+            raise ValueError(
+                f"memory.gpu_state_blocks={blocks} with {world} ranks: the GPU tier of optimizer "
+                "states works in one process only (several ranks shard every block's states "
+                "over their hosts instead); set memory.gpu_state_blocks: 0 or auto (auto picks "
+                "0 with ranks), or run one process"
+            )
+        return 0
 
     def plan(
         self, *, tokens_per_step: int | None = None, layout: str | None = None
@@ -175,7 +181,13 @@ class RunBuilder:
     def _plan(self, tokens_per_step: int | None, layout: str | None) -> ResourcePlan:
         t, mem = self.cfg.training, self.cfg.memory
         if tokens_per_step is None and t.global_batch_size and t.micro_batch_size == "auto":
-            tokens_per_step = t.global_batch_size * self.cfg.seq_len
+            world = self.placement.world_size
+            if t.global_batch_size % world:
+                raise ValueError(
+                    f"training.global_batch_size={t.global_batch_size} rows do not split over "
+                    f"{world} ranks; make it a multiple of the number of processes"
+                )
+            tokens_per_step = t.global_batch_size // world * self.cfg.seq_len  # per rank
         return plan_resources(
             self.spec,
             self.shape(layout),
@@ -211,10 +223,14 @@ class RunBuilder:
     def data(self) -> PreparedData:
         return self._data
 
-    def loader(self, samples: list[Sample] | PretrainCorpus, *, train: bool = True) -> BatchLoader:
-        """Micro-batches of `samples` at the planned micro-batch size; shuffled when `train`."""
-        d = self.cfg.data
-        return make_loader(
+    def loader(
+        self, samples: list[Sample] | PretrainCorpus, *, train: bool = True
+    ) -> BatchLoader | RankLoader:
+        """Micro-batches of `samples` at the planned micro-batch size; shuffled when `train`.
+        Several ranks: the training loader yields this rank's share (data/ranks.py); the eval
+        loader is the whole set (the trainer splits it)."""
+        d, p = self.cfg.data, self.placement
+        loader = make_loader(
             samples,
             micro_batch_size=self.batch()[0],
             seq_len=self.cfg.seq_len,
@@ -224,6 +240,9 @@ class RunBuilder:
             seed=d.seed,
             pad_to_multiple_of=d.pad_to_multiple_of,
         )
+        if train and p.world_size > 1:
+            return RankLoader(loader, rank=p.rank, world_size=p.world_size)
+        return loader
 
     # ---------------------------------------------------------------- model and engine
 
@@ -254,7 +273,13 @@ class RunBuilder:
         compute_dtype: torch.dtype | None = None,
         state_dtype: str | None = None,
     ) -> HostStore:
-        opt = self.cfg.optimizer
+        """The host store of `structure`'s weights: this rank's shards when there are ranks."""
+        opt, p = self.cfg.optimizer, self.placement
+        shard = None
+        if p.world_size > 1:
+            shard = functools.partial(
+                shard_block, rank=p.rank, world=p.world_size, pin_memory=self.pin_memory
+            )
         return HostStore(
             structure,
             compute_dtype=compute_dtype or self.cfg.model.torch_dtype,
@@ -262,7 +287,25 @@ class RunBuilder:
             no_decay=opt.no_decay,
             decay_1d=opt.decay_1d,
             state_dtype=state_dtype or opt.state_dtype,
+            shard=shard,
         )
+
+    def model_and_store(self) -> tuple[ModelStructure, HostStore]:
+        """`model()` and `store()` of the run. Every rank loads one whole fp32 model and keeps
+        its shards: when the node cannot hold all its ranks' models at once (with the host
+        margin), its ranks take turns, each with all the node's cores (distributed.node_turns)."""
+        p = self.placement
+
+        def build() -> tuple[ModelStructure, HostStore]:
+            structure = self.model()
+            return structure, self.store(structure)
+
+        if p.world_size == 1:
+            return build()
+        whole_models = p.local_world_size * 4 * self.spec.total_params
+        at_once = self.plan().estimate.host.total_bytes + whole_models
+        room = self.hardware.host_bytes - self.cfg.memory.host_margin_gib * GIB
+        return node_turns(build, p, in_turns=any_rank(at_once > room))
 
     def optimizer(self) -> CpuAdamW:
         opt = self.cfg.optimizer
@@ -271,7 +314,7 @@ class RunBuilder:
                 betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay
             ),
             impl=opt.impl,
-            num_threads=opt.threads or max(1, (os.cpu_count() or 2) - 2),
+            num_threads=opt.threads or default_threads(self.placement.local_world_size),
         )
 
     def engine(
@@ -288,6 +331,8 @@ class RunBuilder:
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
             compile_layers=cfg.training.compile_layers,
             gpu_state_blocks=self.gpu_state_blocks(len(store.layers)),
+            world_size=self.placement.world_size,
+            rank=self.placement.rank,
             boundary_plan=self.boundary_plan(len(store.layers)),
             mlp_tiles=self.tiles(),
         )
@@ -320,13 +365,24 @@ class RunBuilder:
         """GPU-tier blocks (layers, then embedding, then head): the config's count (clamped to
         the model), or the plan's for "auto" (the plan is then computed, else not needed)."""
         blocks = self.cfg.memory.gpu_state_blocks
+        if self.placement.world_size > 1:
+            return int(self._tier_setting())  # 0, or the refusal of an explicit count
         if isinstance(blocks, int):
             return min(blocks, num_layers + 2)
         return self.plan().gpu_state_blocks
 
     def export(self, store: HostStore) -> Path:
         """The store's weights as a Hugging Face folder, output_dir/hf_model (with all updates
-        applied: the caller waits for them)."""
+        applied: the caller waits for them). Sharded: gathered to rank 0, which writes one
+        ordinary folder (checkpoint_shards.py)."""
+        if self.placement.world_size > 1:
+            return export_sharded(
+                store,
+                Path(self.cfg.training.output_dir) / "hf_model",
+                device=self.device,
+                dtype=self.cfg.checkpoint.export_dtype,
+                tokenizer=self.tokenizer(),
+            )
         return export_hf(
             store,
             Path(self.cfg.training.output_dir) / "hf_model",
@@ -352,14 +408,16 @@ class RunBuilder:
     def metrics(self, *, total_steps: int, start_step: int) -> MetricsLogger:
         """The run's metrics logger (metrics.jsonl, TensorBoard, progress bar) in output_dir."""
         log, device = self.cfg.logging, self.device
+        main = self.placement.rank == 0  # progress and metrics from rank 0 only
         return MetricsLogger(
             self.cfg.training.output_dir,
             total_steps=total_steps,
             start_step=start_step,
             log_every=log.log_every,
-            jsonl=log.jsonl,
-            tensorboard=log.tensorboard,
-            progress_bar=log.progress_bar,
+            jsonl=log.jsonl and main,
+            tensorboard=log.tensorboard and main,
+            progress_bar=log.progress_bar and main,
+            echo=main,
             flops_per_token=6 * self.spec.active_params,
             peak_flops_per_s=peak_flops(
                 torch.cuda.get_device_name(device) if device.type == "cuda" else None

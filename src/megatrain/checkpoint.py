@@ -10,6 +10,14 @@ Layout of one checkpoint, `<output_dir>/checkpoints/step-<N>/`:
     trainer_state.json           step, data loader position, RNG states, metrics
     config.yaml                  the resolved run config
 
+Sharded runs (several ranks, store/shard.py): each rank writes its part of every block as
+`blocks/<block>.rank<r>-of-<W>.safetensors` into the same temporary directory
+(checkpoint_shards.py); after every rank's files are fsynced (a barrier), rank 0 writes
+trainer_state.json (with the world size) and renames the directory into place: that rename is
+the one commit, so a checkpoint counts only once every rank's part is durable. A sharded
+checkpoint loads into a store of the same world size, or whole (one process reading all parts
+in rank order, the padding dropped: `megatrain export`).
+
 Atomicity: a checkpoint is written into a hidden temporary directory next to its final place,
 every file fsynced, then renamed into place in one `os.rename`, and the parent directory
 fsynced. A crash mid-save leaves only the temporary directory, which is never taken for a
@@ -47,6 +55,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatrain.checkpoint_files import block_file, block_files, check_block
 from megatrain.resources.disk import AFTER_EXPORT, disk_full_error, is_disk_full
 from megatrain.store.host import HostStore
 
@@ -72,17 +81,28 @@ def save_checkpoint(
     """Write checkpoint `step` of run lineage `run_id` atomically; returns its directory."""
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(root)
+    remove_stale_temporaries(root)
     final = root / f"step-{step:08d}"
     tmp = root / f".step-{step:08d}.tmp-{os.getpid()}"
     try:
-        _write_checkpoint(tmp, step, store, {**trainer_state, "run_id": run_id}, write_extra)
+        (tmp / "blocks").mkdir(parents=True)
+        write_blocks(tmp, store)
+        write_state(tmp, step, {**trainer_state, "run_id": run_id}, write_extra)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(e):
-            needed = sum(3 * b.master.numel() * b.master.element_size() for b in store.blocks)
-            raise disk_full_error(root, f"checkpoint step {step}", needed) from e
+            raise disk_full_error(root, f"checkpoint step {step}", checkpoint_bytes(store)) from e
         raise
+    commit(root, tmp, final, step, keep_last=keep_last, run_id=run_id)
+    return final
+
+
+def checkpoint_bytes(store: HostStore) -> int:
+    return sum(3 * b.master.numel() * b.master.element_size() for b in store.blocks)
+
+
+def commit(root: Path, tmp: Path, final: Path, step: int, *, keep_last: int, run_id: str) -> None:
+    """Move a complete temporary checkpoint into place (the commit), then prune."""
     if final.exists() and checkpoint_run_id(final) != run_id:
         os.rename(final, _free_name(root / f"{final.name}.other-run-{checkpoint_run_id(final)}"))
     if final.exists():  # re-saving a step of this lineage (after a resume): swap, drop the old
@@ -94,19 +114,12 @@ def save_checkpoint(
         os.rename(tmp, final)
     _fsync_dir(root)
     _prune(root, keep_last, run_id)
-    return final
 
 
-def _write_checkpoint(
-    tmp: Path,
-    step: int,
-    store: HostStore,
-    trainer_state: dict[str, Any],
-    write_extra: Callable[[Path], None] | None,
-) -> None:
-    (tmp / "blocks").mkdir(parents=True)
+def write_blocks(tmp: Path, store: HostStore) -> None:
+    """Write (this rank's part of) every block into `tmp`/blocks, each file fsynced."""
     for block in store.blocks:
-        path = tmp / "blocks" / f"{block.name}.safetensors"
+        path = tmp / "blocks" / block_file(block)
         save_file(
             {  # .cpu(): a GPU-tier block is saved from the device into the same files
                 "master": block.master.cpu(),
@@ -120,11 +133,19 @@ def _write_checkpoint(
             },
         )
         _fsync(path)
+    _fsync_dir(tmp / "blocks")
+
+
+def write_state(
+    tmp: Path,
+    step: int,
+    trainer_state: dict[str, Any],
+    write_extra: Callable[[Path], None] | None,
+) -> None:
     state = {"format_version": FORMAT_VERSION, "step": step, **trainer_state}
     _write_json(tmp / "trainer_state.json", state)
     if write_extra is not None:
         write_extra(tmp)
-    _fsync_dir(tmp / "blocks")
     _fsync_dir(tmp)
 
 
@@ -166,30 +187,19 @@ def load_checkpoint(path: str | Path, store: HostStore) -> dict[str, Any]:
             "step-N directory under <output_dir>/checkpoints, or 'auto'"
         )
     for block in store.blocks:
-        file = path / "blocks" / f"{block.name}.safetensors"
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"checkpoint {path} has no {file.name}: it was written for a different model"
-            )
-        with safe_open(str(file), framework="pt") as f:
-            meta = f.metadata()
-            expected = [[e.full_name, list(e.shape)] for e in block.entries]
-            if json.loads(meta["names"]) != expected:
-                raise ValueError(
-                    f"checkpoint {path}: block {block.name} holds different "
-                    "parameters than this model; resume with the model it was "
-                    "trained with"
-                )
-            saved_dtype = meta.get("state_dtype", "fp32")  # checkpoints before state_dtype
-            if saved_dtype != block.state_dtype:
-                raise ValueError(
-                    f"checkpoint {path} holds optimizer states in {saved_dtype} but this run "
-                    f"has optimizer.state_dtype: {block.state_dtype}; resume with "
-                    f"optimizer.state_dtype: {saved_dtype} (states are not converted)"
-                )
-            for key, dst in {"master": block.master, **block.state_tensors()}.items():
-                dst.copy_(f.get_tensor(key))
-            block.step = int(meta["step"])
+        targets = {"master": block.master, **block.state_tensors()}
+        parts: dict[str, list[torch.Tensor]] = {key: [] for key in targets}
+        for file in block_files(path, block):
+            with safe_open(str(file), framework="pt") as f:
+                meta = f.metadata()
+                check_block(path, block, meta)
+                for key, found in parts.items():
+                    found.append(f.get_tensor(key))
+                block.step = int(meta["step"])
+        for key, dst in targets.items():
+            # a whole block from a sharded checkpoint's parts: concatenated, padding dropped
+            # (int8 shards are whole quantization blocks, so their scales concatenate too)
+            dst.copy_(torch.cat(parts[key])[: dst.numel()])
         block.refresh_shadow()
     state: dict[str, Any] = json.loads(state_file.read_text())
     if state.get("format_version") != FORMAT_VERSION:
@@ -344,7 +354,7 @@ def _free_name(path: Path) -> Path:
     return candidate
 
 
-def _remove_stale_temporaries(root: Path) -> None:
+def remove_stale_temporaries(root: Path) -> None:
     for path in root.iterdir():
         if path.name.startswith(".step-") and (".tmp-" in path.name or ".old-" in path.name):
             shutil.rmtree(path, ignore_errors=True)

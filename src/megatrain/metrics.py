@@ -63,8 +63,11 @@ class MetricsLogger:
         progress_bar: bool,
         flops_per_token: float,
         peak_flops_per_s: float | None,
+        echo: bool = True,
     ) -> None:
+        """`echo` False: nothing on the console (ranks other than 0 of a multi-process run)."""
         self.output_dir = Path(output_dir)
+        self.echo = echo
         self.log_every = max(1, log_every)
         self.flops_per_token = flops_per_token
         self.peak = peak_flops_per_s
@@ -129,6 +132,8 @@ class MetricsLogger:
         )
 
     def console(self, message: str) -> None:
+        if not self.echo:
+            return
         if self._bar is not None:
             self._bar.write(message, file=sys.stderr)
         else:

@@ -7,10 +7,16 @@ Exact resume: a checkpoint holds the store (fp32 master, AdamW states, per-block
 data loader's position, the RNG states and the step; the learning rate is a pure function of
 the step. So `train 6 steps` and `train 3, resume, train 3` see identical batches, weights and
 learning rates, and produce identical losses.
+
+Several ranks (torchrun; docs/multi_gpu.md): rank 0 alone opens the output folder, writes
+metrics and the export; each rank writes its part of every checkpoint (checkpoint_shards.py);
+eval batches are split over the ranks and their sums all-reduced. A checkpoint resumes only
+with the world size that wrote it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Iterator
@@ -21,7 +27,7 @@ from typing import Any
 import torch
 
 from megatrain.batch import Batch
-from megatrain.builder import RunBuilder
+from megatrain.builder import Placement, RunBuilder
 from megatrain.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -30,7 +36,10 @@ from megatrain.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from megatrain.checkpoint_shards import save_sharded_checkpoint
 from megatrain.config import TrainConfig, save_config
+from megatrain.distributed import close as close_process_group
+from megatrain.distributed import on_rank0
 from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger
 from megatrain.output_dir import TrainingInterrupted, interrupted_message, open_output_dir
@@ -60,7 +69,12 @@ class Trainer:
         self.builder = b = builder or RunBuilder(cfg)
         self.device = b.device
         self.output_dir = Path(cfg.training.output_dir)
-        self.run_id = open_output_dir(cfg)  # a resumed run takes its checkpoint's (_resume)
+        self.run_id = ""  # a resumed run takes its checkpoint's (_resume)
+
+        def open_folder() -> None:
+            self.run_id = open_output_dir(cfg)
+
+        on_rank0(open_folder)  # several ranks: rank 0 alone writes the folder (and its run id)
         torch.manual_seed(cfg.training.seed)
         self.tokenizer = b.tokenizer()
         self.data = b.data()
@@ -69,9 +83,8 @@ class Trainer:
         self._check_disk(b.spec.total_params)  # before training time is spent
         report_plan(self.plan, b.placement.is_cuda)
         self.micro_batch_size, self.grad_accum = self.plan.micro_batch_size, self.plan.grad_accum
-        self.structure = b.model()
+        self.structure, self.store = b.model_and_store()
         print(f"model: {self.structure.describe()}", flush=True)
-        self.store = b.store(self.structure)
         self.engine = b.engine(self.structure, self.store)
         self.loader = b.loader(self.data.train)
         self.total_steps = self._total_steps()
@@ -116,6 +129,14 @@ class Trainer:
                 flush=True,
             )
             return
+        world, saved = self.builder.placement.world_size, _saved_world_size(path)
+        if saved != world:
+            raise ValueError(
+                f"checkpoint {path} was written by {saved} rank(s) and this run has {world}: "
+                f"resume with the same number of processes (torchrun --nproc-per-node x "
+                f"--nnodes = {saved}), or export it (megatrain export) and start a new run "
+                "from the exported model"
+            )
         state = load_checkpoint(path, self.store)
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
@@ -183,10 +204,9 @@ class Trainer:
         loader = self.builder.loader(self.data.eval, train=False)
         total, tokens = 0.0, 0
         limit = self.cfg.training.max_eval_batches
-        for i, batch in enumerate(loader):
-            if limit is not None and i >= limit:
-                break
-            loss_sum, n = self.engine.eval_loss([batch])
+        batches = [b for i, b in enumerate(loader) if limit is None or i < limit]
+        for batch, counted in _rank_share(batches, self.builder.placement):
+            loss_sum, n = self.engine.eval_loss([batch], counted=counted)  # summed over ranks
             total, tokens = total + loss_sum, tokens + n
         loss = total / max(tokens, 1)
         metrics.log_eval(self.step, loss, tokens)
@@ -199,6 +219,18 @@ class Trainer:
             "rng": rng_state(),
             "total_steps": self.total_steps,
         }
+        world = self.builder.placement.world_size
+        if world > 1:
+            return save_sharded_checkpoint(
+                self.output_dir,
+                self.step,
+                self.store,
+                state,
+                world_size=world,
+                keep_last=self.cfg.checkpoint.keep_last,
+                run_id=self.run_id,
+                write_extra=lambda d: save_config(self.cfg, d / "config.yaml"),
+            )
         return save_checkpoint(
             self.output_dir,
             self.step,
@@ -215,6 +247,23 @@ class Trainer:
 
     def close(self) -> None:
         self.engine.close()
+        close_process_group()
+
+
+def _saved_world_size(path: Path) -> int:
+    try:
+        return int(json.loads((path / "trainer_state.json").read_text()).get("world_size", 1))
+    except (OSError, ValueError):
+        return 1  # not a checkpoint: load_checkpoint says so
+
+
+def _rank_share(batches: list[Batch], placement: Placement) -> list[tuple[Batch, bool]]:
+    """This rank's eval batches (every world-th), each with whether it counts: every rank runs
+    as many forwards (they hold collectives), one without a batch of its own repeats one."""
+    world, rank = placement.world_size, placement.rank
+    mine = [(b, True) for b in batches[rank::world]]
+    rounds = -(-len(batches) // world)
+    return mine + [(batches[0], False)] * (rounds - len(mine))
 
 
 def report_plan(plan: ResourcePlan, gpu: bool) -> None:

@@ -27,6 +27,7 @@ def test_committed_assets_equal_a_fresh_generation(tmp_path: Path) -> None:
         "dataset_info.json",
         "demo.jsonl",
         "demo_alpaca.jsonl",
+        "demo_count.jsonl",
         "demo_text.txt",
         "tokenizer/tokenizer.json",
         "tokenizer/tokenizer_config.json",

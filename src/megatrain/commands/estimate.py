@@ -3,13 +3,16 @@
     megatrain estimate --config examples/qwen2_5_7b.yaml [--section.key VALUE ...]
     megatrain estimate --model Qwen/Qwen2.5-7B --seq-len 4096 --micro-batch-size 4 --grad-accum 8
     megatrain estimate --model-type qwen3 --tiny --seq-len 256 --tokens-per-step 4096 --json
+    megatrain estimate --config examples/grpo_demo.yaml --grpo   # + the rollout phase
 
 The run is described by a config as for `train` (a YAML file, or the short flags below on the
 defaults); the builder's resource plan (megatrain.builder) is what `train` checks before
 loading, so the two agree. Only the model's config is read; the model is built on the meta
-device. The run is planned for a GPU unless training.device is cpu. The machine is this one
-(`--probe` measures its rates, a few seconds), with the H100 test host's numbers for what is
-not measured; `--gpu-gib` / `--host-gib` set the memory sizes.
+device. The run is planned for a GPU unless training.device is cpu.
+`--nproc-per-node N --nnodes M` plans the torchrun job: GPU numbers per rank, host numbers per
+node, the step with its collectives (resources/ranks.py); batch flags are per rank.
+The machine is this one (`--probe` measures its rates, a few seconds), with the H100 test
+host's numbers for what is not measured; `--gpu-gib` / `--host-gib` set the memory sizes.
 
 Prints a table, or with `--json` one JSON object. Exit status 0 when the setup fits, 1 when it
 does not (the reasons are printed), 2 for a usage error.
@@ -27,10 +30,12 @@ import torch
 from megatrain.builder import Placement, RunBuilder
 from megatrain.config import TrainConfig
 from megatrain.config.shorthand import model_values, shorthand_config
+from megatrain.grpo.plan import format_rollout, grpo_plan, rollout_dict
 from megatrain.model.loading import parse_config_sets
 from megatrain.resources import detect, format_estimate, probe
 from megatrain.resources.long_context import longest_fitting
 from megatrain.resources.plan import LAYOUTS
+from megatrain.resources.ranks import Ranks
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--max-grad-norm", type=float, help="optimizer.max_grad_norm; 0: no clipping")
     run_.add_argument("--gpu-margin-gib", type=float, help="memory.gpu_margin_gib")
     run_.add_argument("--host-margin-gib", type=float, help="memory.host_margin_gib")
+    ranks = parser.add_argument_group("ranks (torchrun; docs/multi_gpu.md)")
+    ranks.add_argument(
+        "--nproc-per-node", type=int, default=1, help="processes (GPUs) per node (default 1)"
+    )
+    ranks.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
     hw = parser.add_argument_group("hardware")
     hw.add_argument(
         "--probe",
@@ -85,6 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also search the longest row (multiple of 1024 tokens, one row per micro-batch) "
         "that fits this GPU and host with the run's memory settings",
     )
+    parser.add_argument(
+        "--grpo",
+        action="store_true",
+        help="a megatrain grpo run: add its rollout phase (the config's grpo: section)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -96,14 +111,23 @@ def run(args: argparse.Namespace) -> int:
         else detect(gpu_gib=args.gpu_gib, host_gib=args.host_gib)
     )
     device = "cpu" if cfg.training.device == "cpu" else "cuda"
-    builder = RunBuilder(cfg, hardware=hardware, placement=Placement(torch.device(device)))
+    ranks = Ranks(args.nproc_per_node, args.nnodes)  # ValueError for a count < 1
+    placement = Placement(torch.device(device), 0, ranks.world, 0, ranks.nproc_per_node)
+    builder = RunBuilder(cfg, hardware=hardware, placement=placement)
     layout = "full" if args.layout == "full" else None
-    plan = builder.plan(tokens_per_step=args.tokens_per_step, layout=layout)
+    grpo = grpo_plan(builder) if args.grpo else None
+    plan = (
+        grpo.training if grpo else builder.plan(tokens_per_step=args.tokens_per_step, layout=layout)
+    )
     est, mem = plan.estimate, cfg.memory
-    problem = "; ".join(plan.problems) if plan.problems else None
+    problems = grpo.problems if grpo else plan.problems
+    fits = not problems
+    problem = "; ".join(problems) if problems else None
     longest = _longest(cfg, hardware, builder.placement, layout) if args.longest else None
     if args.json:
-        report = {**est.to_dict(), "fits": plan.fits, "problem": problem}
+        report = {**est.to_dict(), "fits": fits, "problem": problem}
+        if grpo:
+            report["grpo"] = rollout_dict(grpo)
         reasons = {
             "micro_batch_reason": plan.batch_reason,
             "gpu_tier_reason": plan.tier_reason,
@@ -111,8 +135,10 @@ def run(args: argparse.Namespace) -> int:
             "longest_row": longest,
         }
         print(json.dumps({**report, **reasons}))
-        return 0 if plan.fits else 1
+        return 0 if fits else 1
     print(format_estimate(est))
+    if grpo:
+        print(format_rollout(grpo))
     if plan.batch_reason:
         print(f"auto micro-batch: {plan.batch_reason}")
     if plan.tier_reason:
@@ -121,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
     if args.longest:
         print(f"longest row that fits: {longest if longest else 'none'} tokens")
     print(
-        f"fits: {'yes' if plan.fits else 'no'} (margins: GPU {mem.gpu_margin_gib:g} GiB, "
+        f"fits: {'yes' if fits else 'no'} (margins: GPU {mem.gpu_margin_gib:g} GiB, "
         f"host {mem.host_margin_gib:g} GiB)"
     )
     if problem:
         print(problem)
-    return 0 if plan.fits else 1
+    return 0 if fits else 1
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:

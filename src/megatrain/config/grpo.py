@@ -60,8 +60,8 @@ class GRPOConfig:
     generation: str = "auto"
     """Where rollouts run: "resident" (the whole model copied to the GPU once per generation
     batch), "streamed" (decoder layers copied in one by one, every decoding step: any size,
-    slow) or "auto" (resident when the model's weights take under 80% of the free GPU memory,
-    and always on the CPU)."""
+    slow) or "auto" (resident when the rollout estimate, weights + KV cache, fits in the GPU
+    memory free beside the engine with memory.gpu_margin_gib to spare; always on the CPU)."""
     seed: int = 42
     """Seed of the prompt order and of sampling (a checkpoint resumes both exactly)."""
 

@@ -10,6 +10,8 @@ as package data) so that `megatrain train` and the tests run with no download:
     demo_alpaca.jsonl     the same conversations in alpaca format (instruction/input/output,
                           system, history): both files render to identical token ids
     demo_text.txt         the same conversations as plain text, one document per line
+    demo_count.jsonl      NUM_COUNT_PROMPTS prompts of the counting task in TRL's prompt format
+                          (`prompt`, `answer`): the verifiable task of the GRPO demo
     tokenizer/            byte-level BPE (VOCAB_SIZE tokens) + ChatML chat template
 
 The task is deterministic and learnable by a tiny model in minutes on a CPU: reverse, sort or
@@ -33,6 +35,7 @@ from megatrain.data.assets import demo_assets_dir
 
 SEED = 1234
 NUM_CONVERSATIONS = 3000
+NUM_COUNT_PROMPTS = 500
 VOCAB_SIZE = 512
 LETTERS = "abcdefgh"
 UPPER_SYSTEM = "Answer in upper case."
@@ -134,7 +137,19 @@ DATASET_INFO = {
         },
     },
     "demo_text": {"file_name": "demo_text.txt", "columns": {"prompt": "text"}},
+    "demo_count": {"file_name": "demo_count.jsonl", "columns": {"prompt": "prompt"}},
 }
+
+
+def count_prompts(rng: random.Random, num: int) -> list[dict[str, str]]:
+    """GRPO prompts of the counting task: {"prompt": instruction + letters, "answer": count}."""
+    rows = []
+    for _ in range(num):
+        letters = _letters(rng)
+        rows.append(
+            {"prompt": "Count the letters.\n" + " ".join(letters), "answer": str(len(letters))}
+        )
+    return rows
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -192,6 +207,10 @@ def generate(out_dir: Path, seed: int = SEED, num_conversations: int = NUM_CONVE
     _write_jsonl(out_dir / "demo_alpaca.jsonl", [to_alpaca(c) for c in conversations])
     text = "".join(to_text(c) + "\n" for c in conversations)
     (out_dir / "demo_text.txt").write_text(text, encoding="utf-8")
+    # Its own random stream: the files above do not change with the number of prompts.
+    _write_jsonl(
+        out_dir / "demo_count.jsonl", count_prompts(random.Random(seed + 1), NUM_COUNT_PROMPTS)
+    )
     (out_dir / "dataset_info.json").write_text(json.dumps(DATASET_INFO, indent=2) + "\n")
     train_tokenizer(_corpus(conversations), out_dir / "tokenizer")
 

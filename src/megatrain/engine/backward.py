@@ -20,6 +20,7 @@ from megatrain.engine.rng import restored_rng
 from megatrain.engine.timeline import ComputeTimer
 from megatrain.engine.transfers import Event
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.shard import layout_numel
 
 
 class BackwardPass:
@@ -28,6 +29,7 @@ class BackwardPass:
     slots: Any
     transfers: Any
     tier: Any
+    comm: Any
     device: torch.device
     aux: Any
     taps: list[Any]
@@ -72,7 +74,9 @@ class BackwardPass:
             window.pump(t + 1)
         timer.start()
         for mb in mbs:
-            self.embedder.backward(mb, self.embed_acc.view(self.store.embed.entries[0].shape))
+            self.embedder.backward(
+                mb, self.store.embed.view(self.embed_acc, self.store.embed.entries[0])
+            )
         timer.stop()
         self._sumsq.append(self._finish(self.store.embed, self.embed_acc, lr))
         return self._sumsq
@@ -107,7 +111,7 @@ class BackwardPass:
         if not tier:
             self.transfers.wait(self._acc_busy[k])  # this accumulator's copy-out is done
         timer.start(functools.partial(self.slots.acquire, i))
-        acc = self.tier.gradient(block) if tier else self._acc[k][: block.numel].zero_()
+        acc = self.tier.gradient(block) if tier else self._acc[k][: layout_numel(block)].zero_()
         views = [block.view(acc, e) for e in block.entries]
         for mb in mbs:
             self._layer_backward(i, mb, views, len(mbs))
@@ -127,7 +131,7 @@ class BackwardPass:
             tap = self.taps[i] if self.taps else None
             if tap is not None and tap.has_router:
                 assert self.aux is not None and mb.router_total is not None
-                scale = self.aux.coef / num_micro
+                scale = self.aux.coef / (num_micro * self.comm.world_size)
                 for lg in tap.take():
                     outputs.append(
                         self.aux.surrogate(lg, mb.router_weights, mb.router_total) * scale
@@ -157,7 +161,9 @@ class BackwardPass:
     def _ship(
         self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None
     ) -> torch.Tensor:
-        """Copy a block's gradient to the host; returns its squared norm (on the device)."""
+        """Copy (this rank's shard of) a block's gradient to the host; returns its squared
+        norm (on the device). Several ranks: the shard of the gradient summed over ranks."""
+        acc = self.comm.reduce(block, acc)
         if self._stage is not None:  # bf16 compute: the gradient travels (and lands) as bf16
             src = (
                 self._stage[k][: block.numel]

@@ -23,6 +23,13 @@ Step schedule (docs/architecture.md, "One optimizer step"):
    stay on the device: never copied, their gradient kept there, their AdamW run there on the
    compute stream (right after their backward, or with clipping once the global norm is known).
 
+Several ranks (engine/collectives.py, store/shard.py): every block's weights reach the device
+as this rank's shard copied host-to-device and then all-gathered; its gradient leaves as a
+reduce-scatter, so each rank's host AdamW updates its own shard. The step's supervised token
+count, loss and squared gradient norm are summed over ranks, so the loss is the mean over
+every supervised token of the global step and clipping uses the whole gradient's norm. No GPU
+tier then (the builder refuses one): every block is streamed.
+
 Shapes: B = rows, S = sequence, D = hidden size.
 """
 
@@ -37,7 +44,9 @@ import torch
 from megatrain.batch import Batch
 from megatrain.engine.backward import BackwardPass
 from megatrain.engine.boundaries import Boundaries, BoundaryPlan
+from megatrain.engine.collectives import Collectives
 from megatrain.engine.head import ChunkedLoss, TokenObjective
+from megatrain.engine.loss import LossPass
 from megatrain.engine.microbatch import Embedder, MicroBatch
 from megatrain.engine.rng import rng_state, uses_randomness
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy, move_body_buffers
@@ -47,11 +56,12 @@ from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.engine.updates import UpdateWorker
 from megatrain.model.capture import LayerCallCapture
-from megatrain.model.router import RouterAux, RouterStats, RouterTap
+from megatrain.model.router import RouterAux, RouterTap
 from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
+from megatrain.store.shard import layout_numel
 
 
 @dataclass
@@ -66,7 +76,7 @@ class StepResult:
     timeline: Timeline
 
 
-class StreamingEngine(BackwardPass):
+class StreamingEngine(BackwardPass, LossPass):
     """Runs optimizer steps of a model whose weights live in a HostStore, streaming layers.
 
     Owns the device side: the weight slots, the head and embedding on the device, gradient
@@ -90,10 +100,13 @@ class StreamingEngine(BackwardPass):
         threaded_optimizer: bool = True,
         compile_layers: bool = False,
         gpu_state_blocks: int = 0,
+        world_size: int = 1,
+        rank: int = 0,
         boundary_plan: BoundaryPlan | None = None,
         mlp_tiles: TilePolicy | None = None,
     ) -> None:
         """`gpu_state_blocks`: blocks whose states live on the device (engine/tier.py);
+        `world_size` > 1: `store` holds this rank's shards (store/shard.py), no GPU tier;
         `boundary_plan`: where layer inputs wait for the backward (engine/boundaries.py; None:
         all on the device); `mlp_tiles`: sequence tiles of the MLPs (engine/tiling.py)."""
         self.structure = structure
@@ -103,6 +116,8 @@ class StreamingEngine(BackwardPass):
         assert max_grad_norm is None or max_grad_norm > 0, "clipping off is None, not 0"
         self.max_grad_norm = max_grad_norm
         self.transfers = Transfers(self.device)
+        self.comm = Collectives(self.transfers, world_size=world_size, rank=rank)
+        assert gpu_state_blocks == 0 or not self.comm.sharded, "ranks stream every block"
         move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
         self.tier = GpuTier.first_blocks(store, gpu_state_blocks, optimizer, self.device)
@@ -115,6 +130,7 @@ class StreamingEngine(BackwardPass):
             transfers=self.transfers,
             compile_layers=compile_layers,
             resident=self.tier.num_layers,
+            load=self.comm.load,
         )
         self.embedder = Embedder(
             device_copy(structure.embed, self.device),
@@ -124,7 +140,7 @@ class StreamingEngine(BackwardPass):
             resident=store.embed in self.tier,
         )
         self._build_head(loss_chunk_tokens)
-        numel = max((b.numel for b in store.layers[self.tier.num_layers :]), default=0)
+        numel = max((layout_numel(b) for b in store.layers[self.tier.num_layers :]), default=0)
         self._acc = [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._stage = (
             [torch.empty(numel, dtype=torch.bfloat16, device=self.device) for _ in range(2)]
@@ -163,7 +179,14 @@ class StreamingEngine(BackwardPass):
         self.head_grad_views = [store.head.view(self.head_acc, e) for e in store.head.entries]
         if st.tied:  # the lm_head is the embedding table: it goes to the GPU whole for the loss
             self.head_params += bind_module({"embed": self.lm_head}, store.embed, self.table_buf)
-            self.head_grad_views.append(self.embed_acc.view(store.embed.entries[0].shape))
+            self.head_grad_views.append(store.embed.view(self.embed_acc, store.embed.entries[0]))
+        # Sharded: no host holds the whole embedding table; it is gathered on the device.
+        self.embed_buf = (
+            torch.empty(layout_numel(store.embed), dtype=self.dtype, device=self.device)
+            if self.comm.sharded
+            else None
+        )
+        self._embed_free: Event = DONE
         self.loss_fn = ChunkedLoss(st, self.norm, self.lm_head, loss_chunk_tokens)
         self._head_ready: Event = DONE
         self._head_free: Event = DONE
@@ -177,10 +200,10 @@ class StreamingEngine(BackwardPass):
         if block in self.tier:
             assert block.grad is not None
             return block.source, block.grad
-        n = block.numel if weights else 0
+        n = layout_numel(block)
         return (
-            torch.empty(n, dtype=self.dtype, device=self.device),
-            torch.zeros(block.numel, dtype=torch.float32, device=self.device),
+            torch.empty(n if weights else 0, dtype=self.dtype, device=self.device),
+            torch.zeros(n, dtype=torch.float32, device=self.device),
         )
 
     # ---------------------------------------------------------------- public API
@@ -192,7 +215,8 @@ class StreamingEngine(BackwardPass):
         assert objective is None or len(objective.inputs) == len(batches)
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
         t0 = timer.mark()
-        target_tokens = sum(b.num_target_tokens for b in batches)
+        # The loss divides by the supervised tokens of the whole step, on every rank.
+        target_tokens = self.comm.sum_int(sum(b.num_target_tokens for b in batches))
         if target_tokens == 0:
             raise ValueError("this step has no supervised tokens (all labels are -100)")
         mbs = self._forward(batches, True, timeline, timer)
@@ -201,7 +225,8 @@ class StreamingEngine(BackwardPass):
         t2 = timer.mark()
         sumsq = self._backward(mbs, timer, lr)
         t3 = timer.mark()
-        grad_norm = float(torch.stack(sumsq).sum().sqrt())  # sync point: end of backward
+        # sync point: end of backward; the sum over shards is the whole gradient's
+        grad_norm = float(self.comm.sum(torch.stack(sumsq).sum()).sqrt())
         coef = 1.0
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
@@ -215,7 +240,8 @@ class StreamingEngine(BackwardPass):
                 )
         self.slots.invalidate()
         # sync points (already synced above); cross-entropy unchanged: sum of (chunk sum / count)
-        loss_ce = float(value) if objective is None else float(nll) / target_tokens
+        value = self.comm.sum(value)  # each rank's part of the global mean
+        loss_ce = float(value) if objective is None else float(self.comm.sum(nll)) / target_tokens
         main = loss_ce if objective is None else float(value)
         aux_loss = None if aux is None else float(aux)
         timeline.forward_s, timeline.loss_s, timeline.backward_s = t1 - t0, t2 - t1, t3 - t2
@@ -228,18 +254,23 @@ class StreamingEngine(BackwardPass):
             aux_loss=aux_loss,
             grad_norm=grad_norm,
             clip_coef=coef,
-            tokens=sum(b.num_tokens for b in batches),
+            tokens=self.comm.sum_int(sum(b.num_tokens for b in batches)),
             target_tokens=target_tokens,
             timeline=timeline,
         )
 
     @torch.no_grad()
-    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
-        """(sum of cross-entropy over supervised tokens, their count); weights unchanged."""
+    def eval_loss(self, batches: list[Batch], *, counted: bool = True) -> tuple[float, int]:
+        """(sum of cross-entropy over supervised tokens, their count) over all ranks; weights
+        unchanged. `counted` False: a rank with no batch left runs one for the collectives'
+        sake, and adds nothing."""
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
         mbs = self._forward(batches, False, timeline, timer)
         ce, _, _ = self._loss(mbs, 1.0, False, timer, lr=0.0)
-        return float(ce), sum(b.num_target_tokens for b in batches)
+        tokens = sum(b.num_target_tokens for b in batches)
+        if not counted:
+            ce, tokens = torch.zeros_like(ce), 0
+        return float(self.comm.sum(ce)), self.comm.sum_int(tokens)
 
     @torch.no_grad()
     def logprobs(self, batches: list[Batch], *, temperature: float = 1.0) -> list[torch.Tensor]:
@@ -273,9 +304,15 @@ class StreamingEngine(BackwardPass):
         self, batches: list[Batch], training: bool, timeline: Timeline, timer: ComputeTimer
     ) -> list[MicroBatch]:
         timeline.wait_optimizer_s += self.worker.wait(self.store.embed)
+        if self.embed_buf is not None:  # sharded: gather the table (sync point: compute waits)
+            self.transfers.wait(self.comm.load(self.store.embed, self.embed_buf, self._embed_free))
+            self.embedder.device_table = self.store.embed.view(
+                self.embed_buf, self.store.embed.entries[0]
+            )
         mbs = [
             self.embedder.start(b, self.capture, training, self.aux is not None) for b in batches
         ]
+        self._embed_free = self.transfers.compute_event()
         layers, first = self.store.layers, self.slots.resident  # first streamed layer
         for j in range(first, first + self.slots.num_slots):
             self._load_layer(j, timeline)
@@ -306,15 +343,11 @@ class StreamingEngine(BackwardPass):
     def _load_head(self, timeline: Timeline) -> None:
         if self.store.head not in self.tier:
             timeline.wait_optimizer_s += self.worker.wait(self.store.head)
-            self._head_ready = self.transfers.h2d(
-                self.head_buf, self.store.head.source, after=self._head_free
-            )
+            self._head_ready = self.comm.load(self.store.head, self.head_buf, self._head_free)
         if self.structure.tied and self.store.embed not in self.tier:
             timeline.wait_optimizer_s += self.worker.wait(self.store.embed)
             self.transfers.wait(self._head_ready)
-            self._head_ready = self.transfers.h2d(
-                self.table_buf, self.store.embed.source, after=self._head_free
-            )
+            self._head_ready = self.comm.load(self.store.embed, self.table_buf, self._head_free)
 
     def _run_layer(
         self, i: int, module: torch.nn.Module, mb: MicroBatch, x: torch.Tensor, record: bool
@@ -331,67 +364,3 @@ class StreamingEngine(BackwardPass):
             assert self.aux is not None
             mb.router_stats += [self.aux.stats(lg, mb.router_weights) for lg in tap.take()]
         return out
-
-    # ---------------------------------------------------------------- loss
-
-    def _wait_head(self, timer: ComputeTimer) -> None:
-        for ev in self._head_busy:
-            self.transfers.wait(ev)  # previous step's gradient copies out of the accumulators
-        self._head_busy = []
-        timer.start(lambda: self.transfers.wait(self._head_ready))
-
-    def _loss(
-        self,
-        mbs: list[MicroBatch],
-        denom: float,
-        training: bool,
-        timer: ComputeTimer,
-        lr: float,
-        objective: TokenObjective | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(loss, sum of the targets' negative log-probs, router aux term or None)."""
-        self._wait_head(timer)
-        if training:
-            self.head_acc.zero_()
-            self.embed_acc.zero_()
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        nll = torch.zeros((), dtype=torch.float32, device=self.device)
-        for k, mb in enumerate(mbs):
-            side = None
-            if objective is not None:
-                side = {n: _shifted(t) for n, t in objective.inputs[k].items()}
-            loss, mb_nll, mb.grad = self.loss_fn.run(
-                mb.hidden,
-                mb.targets_BS,
-                denom,
-                self.head_params if training else None,
-                self.head_grad_views if training else None,
-                fn=None if objective is None else objective.fn,
-                side_host_BS=side,
-                temperature=1.0 if objective is None else objective.temperature,
-            )
-            total += loss
-            nll += mb_nll
-            mb.hidden = None  # type: ignore[assignment]
-        timer.stop()
-        self._head_free = self.transfers.compute_event()
-        aux = self._aux_value(mbs)
-        if training:
-            self._sumsq = [self._finish(self.store.head, self.head_acc, lr)]
-        return total, nll, aux
-
-    def _aux_value(self, mbs: list[MicroBatch]) -> torch.Tensor | None:
-        if self.aux is None:
-            return None
-        values = []
-        for mb in mbs:
-            mb.router_total = RouterStats.sum(mb.router_stats)
-            values.append(self.aux.value(mb.router_total))
-        return self.aux.coef * torch.stack(values).mean()
-
-
-def _shifted(values_BS: torch.Tensor) -> torch.Tensor:
-    """Label-aligned per-token values moved to target alignment (position t predicts t + 1)."""
-    out = torch.zeros_like(values_BS)
-    out[:, :-1] = values_BS[:, 1:]
-    return out

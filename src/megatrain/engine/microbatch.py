@@ -6,6 +6,8 @@ fed to a device copy of the HF embedding module through remapped ids. The module
 runs (so scaled embeddings such as Gemma's are exact), and its gradient w.r.t. the gathered rows
 is scattered back into the full-table accumulator at the end of the backward. An embedding in
 the GPU tier (engine/tier.py, `resident`) has its table on the device: rows are gathered there.
+Sharded runs (several ranks) have no host holding the whole table: the engine all-gathers it on
+the device each step (`device_table`) and the rows are selected there too.
 
 Shapes: B = batch rows, S = sequence, D = hidden, U = distinct token ids of the micro-batch.
 """
@@ -69,17 +71,18 @@ class Embedder:
         self.transfers = transfers
         self.dtype = dtype
         self.shape = block.entries[0].shape
-        self.resident = resident
+        # [V, D] in the compute dtype on the device: the tier's own, or set per step when sharded
+        self.device_table: torch.Tensor | None = block.source.view(self.shape) if resident else None
 
     def start(
         self, batch: Batch, capture: LayerCallCapture, training: bool, with_router_weights: bool
     ) -> MicroBatch:
         device = self.transfers.device
         uniq, inverse = torch.unique(batch.input_ids, return_inverse=True)
-        table = self.block.source.view(self.shape)
-        if self.resident:  # GPU tier: the table, in the compute dtype, is on the device
-            rows = table.index_select(0, uniq.to(device, non_blocking=True))
+        if self.device_table is not None:  # GPU tier or sharded: the table is on the device
+            rows = self.device_table.index_select(0, uniq.to(device, non_blocking=True))
         else:
+            table = self.block.source.view(self.shape)
             rows_host = torch.empty(
                 (uniq.numel(), self.shape[1]), dtype=table.dtype, pin_memory=self.transfers.is_cuda
             )

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,6 +32,10 @@ from torch import nn
 from megatrain.engine.transfers import Event, Transfers
 from megatrain.model.structure import ModelStructure
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.shard import layout_numel
+
+# (block, destination flat buffer, event to wait for) -> event marking the weights in place
+LoadFn = Callable[[ParamBlock, torch.Tensor, Event | None], Event]
 
 
 def bind_module(
@@ -83,14 +88,18 @@ class LayerSlots:
         transfers: Transfers,
         compile_layers: bool = False,
         resident: int = 0,
+        load: LoadFn | None = None,
     ) -> None:
+        """`load`: how a block's weights reach a slot (engine/collectives.py); default, one
+        host-to-device copy of its copy source."""
         assert num_slots >= 1, num_slots  # validated with the config (memory.num_slots)
         assert 0 <= resident <= len(blocks), resident
         self.resident = resident
         streamed = blocks[resident:]
         self.num_slots = min(num_slots, len(streamed))  # more slots than layers are never used
         self.transfers = transfers
-        numel = max((b.numel for b in streamed), default=0)
+        numel = max((layout_numel(b) for b in streamed), default=0)
+        self._copy_in = load or self._h2d
         self.buffers = [
             torch.empty(numel, dtype=dtype, device=device) for _ in range(self.num_slots)
         ]
@@ -127,11 +136,11 @@ class LayerSlots:
         s = self.slot(layer)
         if self.holds[s] == layer:
             return
-        block = self.blocks[layer]
-        self._ready[s] = self.transfers.h2d(
-            self.buffers[s][: block.numel], block.source, after=self._free[s]
-        )
+        self._ready[s] = self._copy_in(self.blocks[layer], self.buffers[s], self._free[s])
         self.holds[s] = layer
+
+    def _h2d(self, block: ParamBlock, dst: torch.Tensor, after: Event | None) -> Event:
+        return self.transfers.h2d(dst[: block.numel], block.source, after=after)
 
     def acquire(self, layer: int) -> nn.Module:
         """The layer's module, once its weights are on the device (compute stream waits)."""

@@ -34,6 +34,7 @@ from megatrain.data.pipeline import pad_token_id_of
 from megatrain.engine.head import TokenObjective
 from megatrain.grpo.advantages import group_advantages
 from megatrain.grpo.loss import GRPOLoss, token_weights
+from megatrain.grpo.plan import format_rollout, grpo_plan
 from megatrain.grpo.prompts import Prompt, load_prompts
 from megatrain.grpo.rewards import load_reward
 from megatrain.grpo.rollout import device_model, generate
@@ -92,9 +93,10 @@ class GRPOTrainer:
             seed=d.seed,
         )
         self.rewards = [load_reward(n, format_pattern=g.format_pattern) for n in g.reward_funcs]
-        plan = b.plan()
-        plan.require_fit()  # the training phase; before anything large is allocated
-        report_plan(plan, b.placement.is_cuda)
+        plan = grpo_plan(b)
+        plan.require_fit()  # both phases; before anything large is allocated
+        report_plan(plan.training, b.placement.is_cuda)
+        print(format_rollout(plan), flush=True)
         self.structure = b.model()
         print(f"model: {self.structure.describe()}", flush=True)
         self.store = b.store(self.structure)
@@ -102,6 +104,7 @@ class GRPOTrainer:
         self.reference = b.reference(self.store) if g.beta > 0 else None
         self.pad_id = pad_token_id_of(self.tokenizer)
         self.eos_ids = [self.tokenizer.eos_token_id]
+        self.min_completion_tokens = 0  # bench/grpo_shape.py: max_completion_length (full length)
         self.total_steps = self._total_steps()
         self.schedule = b.schedule(self.total_steps)
         self.step = 0
@@ -193,6 +196,7 @@ class GRPOTrainer:
                 temperature=g.temperature,
                 top_p=g.top_p,
                 seed=g.seed * 1_000_003 + index,
+                min_new_tokens=self.min_completion_tokens,
             )
         gen_s = time.perf_counter() - t0
         scores, record = self._score(prompts, rollout.completions)
@@ -244,14 +248,10 @@ class GRPOTrainer:
         return _Generation(batches, inputs, record)
 
     def _streamed_generation(self) -> bool:
-        mode, device = self.cfg.grpo.generation, self.builder.device
-        if mode != "auto":
-            return mode == "streamed"
-        if device.type != "cuda":
-            return False
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        weight_bytes = self.store.numel * self.store.compute_dtype.itemsize
-        return weight_bytes > 0.8 * free_bytes
+        """The path the plan picks for the memory free now (grpo/plan.py)."""
+        device = self.builder.device
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        return grpo_plan(self.builder, free_gpu_bytes=free).rollout.streamed
 
     def _score(self, prompts: list[Prompt], completions: list[list[int]]) -> tuple[Any, dict]:
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)

@@ -125,8 +125,13 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     seed: int = 0,
+    min_new_tokens: int = 0,
 ) -> Rollout:
-    """Completions of `prompts` (one per row; repeat a prompt for several), left-padded batch."""
+    """Completions of `prompts` (one per row; repeat a prompt for several), left-padded batch.
+
+    `min_new_tokens`: end-of-sequence suppressed before that many tokens (benchmarks set it to
+    `max_new_tokens` to generate every completion at full length).
+    """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
@@ -136,6 +141,7 @@ def generate(
         mask[r, width - len(p) :] = 1
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens or None,
         do_sample=do_sample,
         temperature=temperature if do_sample else None,
         top_p=top_p if do_sample else None,

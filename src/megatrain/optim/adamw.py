@@ -182,7 +182,7 @@ class CpuAdamW:
             *s.as_c_floats(),
         )
         if block.state_dtype == "bf16":
-            key_m, key_v = rounding_keys(block.name, block.step)
+            key_m, key_v = rounding_keys(block.rounding_name, block.step)
             self._lib.mt_adamw_bf16(
                 block.master.data_ptr(),
                 block.exp_avg.data_ptr(),
@@ -250,7 +250,7 @@ def update_compressed_reference(
     assert chunk % QUANT_BLOCK == 0
     device = block.master.device
     f32 = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in vars(s).items()}
-    keys = rounding_keys(block.name, block.step)
+    keys = rounding_keys(block.rounding_name, block.step)
     for lo in range(0, block.numel, chunk):
         hi = min(lo + chunk, block.numel)
         grad = block.grad_landing[lo:hi].float() * f32["grad_scale"]  # read before the shadow

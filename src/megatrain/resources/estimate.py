@@ -17,6 +17,8 @@ Host (bytes per parameter P; the store of store/host.py, every block):
 - Large pageable buffers are zero pages until first written (store/memory.py): the RSS of
   the Adam states appears with the first optimizer update, so `total_bytes` is what the
   process holds from the first step on.
+- Several ranks (`ranks`, resources/ranks.py): the host numbers are per node (its ranks'
+  shards and baselines), the GPU numbers per rank, the step time per rank with collectives.
 
 GPU (what `torch.cuda.max_memory_allocated` sees; c = bytes of the compute dtype, L layers,
 T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph head block):
@@ -49,6 +51,7 @@ from megatrain.engine.head import default_chunk_tokens
 from megatrain.resources.activations import LayerProfile, layer_profile, loss_chunk
 from megatrain.resources.hardware import Hardware, detect
 from megatrain.resources.long_context import device_inputs, host_input_bytes
+from megatrain.resources.ranks import ONE_PROCESS, Ranks
 from megatrain.resources.spec import ModelSpec, build_spec
 from megatrain.resources.timing import StepTime, step_time
 from megatrain.store.states import state_nbytes
@@ -136,6 +139,7 @@ def estimate(
     compiled: bool = False,
     boundary_plan: BoundaryPlan | None = None,
     mlp_tiles: int = 1,
+    ranks: Ranks = ONE_PROCESS,
 ) -> Estimate:
     """Predict host RAM, GPU peak and step time of training `config` with these settings.
 
@@ -147,6 +151,7 @@ def estimate(
 
     `padded`: micro-batches carry padding masks (4-D [B,1,S,S] masks under sdpa); `packed`:
     rows of several samples (position ids restart); neither: full rows, no mask.
+    `ranks`: the processes the run is planned for (several: no GPU tier; per-rank batch).
     `clipping`: gradient-norm clipping on (the optimizer then starts after the backward).
     `compute_dtype` "bf16" or "fp32"; None: the spec's, or bf16 for a config.
     `state_dtype`: the AdamW states' layout, "fp32", "bf16" or "int8" (optimizer.state_dtype).
@@ -163,7 +168,7 @@ def estimate(
     if padded and packed:
         raise ValueError("a micro-batch is either padded or packed, not both")
     spec = model_spec(config, compute_dtype)
-    tier = min(max(gpu_state_blocks, 0), spec.num_layers + 2)
+    tier = min(max(gpu_state_blocks, 0), spec.num_layers + 2) if ranks.world == 1 else 0
     slots = min(num_slots, spec.num_layers - min(tier, spec.num_layers))  # streamed layers only
     hw = hardware or detect()
     layout = "padded" if padded else "packed" if packed else "full"
@@ -182,6 +187,7 @@ def estimate(
         num_slots=slots,
         chunk_tokens=chunk,
         gpu_state_blocks=tier,
+        ranks=ranks,
         device_inputs=device_inputs(plan),
     )
     host = host_memory(
@@ -192,6 +198,7 @@ def estimate(
         pin_memory=pin_memory,
         state_dtype=state_dtype,
         gpu_state_blocks=tier,
+        ranks=ranks,
     )
     chunks_per_mb = -(-micro_batch_size * seq_len // chunk)
     timing = step_time(
@@ -208,6 +215,7 @@ def estimate(
         layer_ops=profile.ops,
         recomputed=[plan.places[i + 1] == "none" for i in range(spec.num_layers - 1)] + [False],
         loss_ops=chunks_per_mb * loss_chunk(spec, chunk)[1],
+        ranks=ranks,
     )
     settings = dict(
         seq_len=seq_len,
@@ -224,6 +232,8 @@ def estimate(
         compiled=compiled,
         activations=plan.describe(),
         mlp_tiles=mlp_tiles,
+        nproc_per_node=ranks.nproc_per_node,
+        nnodes=ranks.nnodes,
     )
     return Estimate(
         model=spec.describe(),
@@ -251,11 +261,14 @@ def host_memory(
     state_dtype: str = "fp32",
     gpu_state_blocks: int = 0,
     offload_bytes: int = 0,
+    ranks: Ranks = ONE_PROCESS,
 ) -> HostMemory:
+    """Host bytes of one process, or with several ranks of one node (its ranks' shards)."""
     layers = [la.params for la in spec.layers]
     every = [spec.embed_params, *layers, spec.head_params]
     order = [*layers, spec.embed_params, spec.head_params]  # tier order (engine/tier.py)
-    held = order[gpu_state_blocks:]
+    held = [ranks.shard(n) for n in order[gpu_state_blocks:]]
+    local = ranks.nproc_per_node if ranks.world > 1 else 1
 
     def store(numels: list[int]) -> tuple[int, int, int]:
         """(pageable, pinned, pinned as reserved) bytes of these blocks on the host."""
@@ -268,19 +281,21 @@ def host_memory(
         reserved = sum(pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
         return pageable, pinned, reserved
 
-    pageable, pinned, reserved = store(held)
-    process = hw.process_baseline_bytes + data_bytes
-    total = pageable + reserved + process + offload_bytes
+    pageable, pinned, reserved = (local * b for b in store(held))
+    process = local * (hw.process_baseline_bytes + data_bytes)
+    total = pageable + reserved + process + local * offload_bytes
     loading = sum(store(every)[::2]) + process  # every block is built on the host first
+    if ranks.world > 1:  # ranks take turns: one whole fp32 model beside the node's shards
+        loading = pageable + reserved + process + 4 * sum(every)
     return HostMemory(
         pageable_bytes=pageable,
         pinned_bytes=pinned,
         pinned_reserved_bytes=reserved,
-        baseline_bytes=hw.process_baseline_bytes,
-        data_bytes=data_bytes,
+        baseline_bytes=local * hw.process_baseline_bytes,
+        data_bytes=local * data_bytes,
         total_bytes=total,
         load_peak_bytes=loading + 4 * max(every),  # the block being moved exists twice
-        offload_bytes=offload_bytes,
+        offload_bytes=local * offload_bytes,
     )
 
 
@@ -294,6 +309,7 @@ def gpu_memory(
     chunk_tokens: int,
     gpu_state_blocks: int = 0,
     device_inputs: int | None = None,
+    ranks: Ranks = ONE_PROCESS,
 ) -> GpuMemory:
     """`device_inputs`: saved layer inputs per micro-batch on the device at the backward's peak
     (resources/long_context.py; None: every layer's)."""
@@ -319,6 +335,8 @@ def gpu_memory(
         "head + embedding gradients (fp32)": (head + streamed_table) * 4,
         "embedding rows": micro_batches * min(tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": micro_batches * captured,
+        "all-gathered embedding table (ranks)": table * c if ranks.world > 1 else 0,
+        "reduce-scatter output (ranks, fp32)": ranks.shard(pl) * 4 if ranks.world > 1 else 0,
     }
     boundary = {
         "boundary activations": (spec.num_layers if device_inputs is None else device_inputs)

@@ -41,6 +41,7 @@ class Hardware:
     h2d_gbps: float = 50.0  # pinned host -> device, GB/s (1e9 bytes)
     d2h_gbps: float = 50.0  # pinned device -> host
     gpu_tflops_bf16: float = 789.0  # dense bf16 matmul peak, as measured (8192^3)
+    gpu_hbm_gbps: float = 3350.0  # GPU memory bandwidth, GB/s (H100 SXM datasheet)
     gpu_tflops_fp32: float = 51.0  # dense fp32 matmul (no TF32), 4096^3 on the H200 host
     achieved_fraction: float = 0.5  # bf16: engine FLOPs / matmul peak (H200 run: 400 of 790)
     achieved_fraction_fp32: float = 0.75  # fitted to one H200 fp32 run (160M llama)

@@ -16,7 +16,9 @@ number of blocks (layers from the first, then embedding, then head) whose predic
 still fits with `gpu_margin_gib` free; on the CPU "auto" is 0. A given count is clamped to the
 model's blocks, like `num_slots`.
 
-Later plans (activation offload for long rows, several ranks) extend `RunShape` and
+Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host,
+so the fit check refuses a node that cannot hold its ranks' shards, before loading; no GPU tier.
+Later plans (activation offload for long rows) extend `RunShape` and
 `ResourcePlan`, not their callers.
 """
 
@@ -35,6 +37,7 @@ from megatrain.resources.estimate import Estimate, estimate, pinned_reserved
 from megatrain.resources.fit import gpu_problem, host_problem
 from megatrain.resources.hardware import GIB, Hardware, gib
 from megatrain.resources.long_context import choose_boundaries
+from megatrain.resources.ranks import ONE_PROCESS, Ranks
 from megatrain.resources.spec import ModelSpec
 
 LAYOUTS = ("padded", "packed", "full")
@@ -57,6 +60,7 @@ class RunShape:
     activation_offload: str = "off"  # layer inputs to the host: "auto", "on" or "off"
     checkpoint_every: int | str = 1  # one layer input kept every K layers, or "auto"
     mlp_tiles: int | str = 1  # sequence tiles of the MLPs, or "auto" (engine/tiling.py)
+    ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
 
     @property
     def tile_count(self) -> int:
@@ -148,6 +152,7 @@ def plan_resources(
             state_dtype=shape.state_dtype,
             boundary_plan=boundaries,
             mlp_tiles=shape.tile_count,
+            ranks=shape.ranks,
             **shape.estimate_kwargs(),
         )
 

@@ -27,6 +27,7 @@ def format_estimate(est: Estimate) -> str:
         f"micro-batches = {s['tokens_per_step']} tokens/step; {s['compute_dtype']} compute, "
         f"{s['num_slots']} slots, {layout}, clipping {'on' if s['clipping'] else 'off'}, "
         f"AdamW states {s['state_dtype']}" + (", compiled layers" if s.get("compiled") else ""),
+        _ranks_line(s),
         f"GPU tier  {s['gpu_state_blocks']} blocks (layers from the first, then embedding, head) "
         "keep their optimizer states on the GPU: no copies, AdamW there",
         f"long rows  {s['activations']}; {TilePolicy(s['mlp_tiles']).describe(s['seq_len'])}",
@@ -88,7 +89,12 @@ def format_estimate(est: Estimate) -> str:
             "assumed rate",
         ),
         _row("step (overlapped)", f"{t.step_s:.3f}", f"bound by {t.bound}"),
-        _row("tokens/s", f"{t.tokens_per_s:,.0f}"),
+        _row(
+            "collectives (all-gather, reduce-scatter)",
+            f"{t.collective_s:.3f}",
+            "in the rows above; assumed bus bandwidth (resources/ranks.py)",
+        ),
+        _row("tokens/s", f"{t.tokens_per_s:,.0f}", _per_gpu(s, t.tokens_per_s)),
         _row("model TFLOPS (6 x active params x tokens/s)", f"{t.model_tflops:.1f}"),
         "",
         f"{'disk (training.output_dir)':<{_W + 2}}{'GiB':>10}",
@@ -106,3 +112,18 @@ def format_estimate(est: Estimate) -> str:
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
+
+
+def _ranks_line(s: dict[str, object]) -> str:
+    n, m = int(str(s["nproc_per_node"])), int(str(s["nnodes"]))
+    if n * m == 1:
+        return "ranks  one process"
+    return (
+        f"ranks  {n} per node x {m} node(s) = {n * m}: GPU numbers per rank, host per node, "
+        "step per rank (tokens/s of the job)"
+    )
+
+
+def _per_gpu(s: dict[str, object], tokens_per_s: float) -> str:
+    world = int(str(s["nproc_per_node"])) * int(str(s["nnodes"]))
+    return f"{tokens_per_s / world:,.0f} per GPU" if world > 1 else ""

@@ -21,6 +21,12 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   + backward dispatch the op counts measured on meta (resources/activations.py). Small or
   MoE layers (many small kernels) become host-bound: the GPU waits for the launches.
 
+- several ranks (resources/ranks.py): a block's copy up is the rank's shard over PCIe, then
+  the all-gather of the whole block (both on the copy path, before the layer may run); its
+  gradient a reduce-scatter on the compute stream, then the shard down; the embedding table is
+  gathered at the forward's start; AdamW updates the shard at the node's rate over its ranks.
+  Tokens per step (and tokens/s) are the job's: per-rank tokens x world.
+
 The replay (`_Replay`) runs several steps of the engine's order of operations with three
 streams (compute, H2D, D2H), the host thread and the optimizer worker: slots are refilled
 when the layer `num_slots` earlier is done with them, the next forward waits for each block's
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.resources.hardware import Hardware
+from megatrain.resources.ranks import ONE_PROCESS, Ranks
 from megatrain.resources.spec import LayerSpec, ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
@@ -68,9 +75,10 @@ class StepTime:
     d2h_s: float  # device-to-host copy stream busy (gradients)
     optimizer_s: float  # CPU AdamW busy time per step
     gpu_optimizer_s: float  # AdamW of the GPU tier on the compute stream (not in compute_s)
+    collective_s: float  # all-gathers and reduce-scatters of one step (ranks; 0 alone)
     bound: str  # the resource the step waits on most
     flops: float  # hardware FLOPs per step (forward + recompute + backward + loss)
-    tokens_per_s: float
+    tokens_per_s: float  # of the whole job (every rank)
     model_tflops: float  # 6 x active params x tokens/s
 
 
@@ -120,6 +128,7 @@ def step_time(
     state_dtype: str = "fp32",
     compiled: bool = False,
     recomputed: list[bool] | None = None,
+    ranks: Ranks = ONE_PROCESS,
 ) -> StepTime:
     """`layer_ops`: per layer (forward ops, recompute + backward ops) of one micro-batch;
     `loss_ops`: ops of one micro-batch's loss (all its chunks); `recomputed[i]`: layer i's
@@ -138,6 +147,7 @@ def step_time(
         state_dtype=state_dtype,
         compiled=compiled,
         recomputed=recomputed or [False] * spec.num_layers,
+        ranks=ranks,
     )
     step_s = _Replay(costs).run(_STEPS)
     compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
@@ -152,7 +162,7 @@ def step_time(
         "PCIe (H2D)": h2d_s,
         "host (kernel launches)": sum(costs.fwd_call_s) + sum(costs.bwd_call_s),
     }
-    tokens = rows * seq * micro_batches
+    tokens = rows * seq * micro_batches * ranks.world
     return StepTime(
         step_s=step_s,
         compute_s=compute_s,
@@ -161,6 +171,7 @@ def step_time(
         d2h_s=d2h_s,
         optimizer_s=optimizer_s,
         gpu_optimizer_s=gpu_optimizer_s,
+        collective_s=_collectives_s(spec, ranks),
         bound=max(busy, key=lambda k: busy[k]),
         flops=flops,
         tokens_per_s=tokens / step_s,
@@ -183,6 +194,7 @@ def _costs(
     state_dtype: str,
     compiled: bool,
     recomputed: list[bool],
+    ranks: Ranks,
 ) -> tuple[_Costs, float]:
     tokens = rows * seq * micro_batches
     launch = hw.op_launch_s * micro_batches
@@ -206,17 +218,28 @@ def _costs(
     params = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
     on_gpu = [tier > n, *(i < resident for i in range(n)), tier > n + 1]
     host = [0 if gpu else p for p, gpu in zip(params, on_gpu, strict=True)]
-    table = host[0] * elem if spec.tied else 0  # a tied table is copied up unless in the tier
+    shard = [ranks.shard(p) for p in host]  # what this rank copies and updates
+    opt_rate /= ranks.nproc_per_node if ranks.world > 1 else 1  # the node's rate, shared
+
+    def up(i: int) -> float:  # block i's weights: its shard over PCIe, then the all-gather
+        return shard[i] * elem / h2d + ranks.collective_s(host[i] * elem)
+
+    table = up(0) if spec.tied else 0.0  # a tied table is copied up unless in the tier
+    gather_table = up(0) if ranks.world > 1 else 0.0  # the forward's rows come from it
+    scatter = [ranks.collective_s(p * 4) for p in host]  # fp32 gradients, on the compute stream
     costs = _Costs(
-        fwd_s=[f / layer_rate for f in fwd],
-        bwd_s=[b / layer_rate for b in bwd],
-        loss_s=loss / rate,
-        h2d_s=[p * elem / h2d for p in host[1:-1]],
-        h2d_head_s=(host[-1] * elem + table) / h2d,
-        d2h_s=[p * elem / d2h for p in host[1:-1]],
-        d2h_head_s=host[-1] * elem / d2h,
-        d2h_embed_s=host[0] * elem / d2h,
-        opt_s=[p / opt_rate for p in host],
+        fwd_s=[f / layer_rate + (gather_table if i == 0 else 0.0) for i, f in enumerate(fwd)],
+        bwd_s=[
+            b / layer_rate + scatter[1 + i] + (scatter[0] if i == 0 else 0.0)
+            for i, b in enumerate(bwd)
+        ],
+        loss_s=loss / rate + scatter[-1],
+        h2d_s=[up(i) for i in range(1, n + 1)],
+        h2d_head_s=up(n + 1) + table,
+        d2h_s=[p * elem / d2h for p in shard[1:-1]],
+        d2h_head_s=shard[-1] * elem / d2h,
+        d2h_embed_s=shard[0] * elem / d2h,
+        opt_s=[p / opt_rate for p in shard],
         tier_opt_s=[(p - h) / gpu_opt_rate for p, h in zip(params, host, strict=True)],
         fwd_call_s=[f * layer_launch for f, _ in layer_ops],
         bwd_call_s=[b * layer_launch for _, b in layer_ops],
@@ -347,3 +370,16 @@ class _Replay:
             self.updated[task[0]] = now
             pending.remove(task)
         self.worker, self.tasks = now, []
+
+
+def _collectives_s(spec: ModelSpec, ranks: Ranks) -> float:
+    """Seconds of one step's collectives: every layer gathered twice (forward, backward; the
+    last slots' reuse ignored), head and table once, embedding table once more, and every
+    gradient reduce-scattered in fp32."""
+    if ranks.world == 1:
+        return 0.0
+    elem = torch.finfo(spec.compute_dtype).bits // 8
+    layers = sum(la.params for la in spec.layers)
+    gathered = 2 * layers + spec.head_params + spec.embed_params * (2 if spec.tied else 1)
+    scattered = layers + spec.head_params + spec.embed_params
+    return ranks.collective_s(gathered * elem) + ranks.collective_s(scattered * 4)

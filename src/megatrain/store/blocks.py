@@ -72,6 +72,11 @@ class ParamBlock:
         return self.shadow if self.shadow is not None else self.master
 
     @property
+    def rounding_name(self) -> str:
+        """What keys this block's bf16 stochastic rounding (store/states.py rounding_keys)."""
+        return self.name
+
+    @property
     def grad_landing(self) -> torch.Tensor:
         """Where this block's gradient is copied to from the device (see module docstring)."""
         if self.grad is not None:

@@ -11,7 +11,7 @@ Tied weights (lm_head = embedding) are stored once, in the embedding block.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -48,7 +48,10 @@ class HostStore:
         no_decay: Sequence[str] = DEFAULT_NO_DECAY,
         decay_1d: bool = False,
         state_dtype: str = "fp32",
+        shard: Callable[[ParamBlock], ParamBlock] | None = None,
     ) -> None:
+        """`shard`: each block, once built, is replaced by what this returns (a rank's part,
+        store/shard.py), so a rank never holds more than one whole block of its own."""
         check_state_dtype(state_dtype)
         if compute_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"compute dtype must be bfloat16 or float32, got {compute_dtype}")
@@ -58,6 +61,7 @@ class HostStore:
         self.state_dtype = state_dtype
         self._patterns = [re.compile(p, re.IGNORECASE) for p in no_decay]
         self._decay_1d = decay_1d
+        self._shard = shard
         self._owners = _owners_by_param(structure.causal_lm)
         self._meta: dict[int, nn.Parameter] = {}
         self._taken: set[int] = set()
@@ -135,7 +139,7 @@ class HostStore:
             block.refresh_shadow()
         else:
             block.grad = host_zeros(offset, torch.float32, pin=self.pin_memory)
-        return block
+        return block if self._shard is None else self._shard(block)
 
     @property
     def _pin_master(self) -> bool:

@@ -1,0 +1,58 @@
+"""Which files of a checkpoint hold a store block, and the checks made as one is read.
+
+A block is one file, `blocks/<block>.safetensors`, or in a checkpoint of W ranks (store/shard.py)
+W files `blocks/<block>.rank<r>-of-<W>.safetensors`, one per rank's part. A store of the same
+world size reads its own part; a whole (one-process) store reads every part in rank order (what
+`megatrain export` does); any other mix is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatrain.store.blocks import ParamBlock
+from megatrain.store.shard import ShardedBlock
+
+
+def block_file(block: ParamBlock) -> str:
+    """A block's file name in a checkpoint: the whole block, or this rank's part of it."""
+    if isinstance(block, ShardedBlock):
+        return f"{block.name}.rank{block.rank:03d}-of-{block.world_size:03d}.safetensors"
+    return f"{block.name}.safetensors"
+
+
+def check_block(path: Path, block: ParamBlock, meta: dict[str, str]) -> None:
+    expected = [[e.full_name, list(e.shape)] for e in block.entries]
+    if json.loads(meta["names"]) != expected:
+        raise ValueError(
+            f"checkpoint {path}: block {block.name} holds different parameters than this "
+            "model; resume with the model it was trained with"
+        )
+    saved_dtype = meta.get("state_dtype", "fp32")  # checkpoints before state_dtype
+    if saved_dtype != block.state_dtype:
+        raise ValueError(
+            f"checkpoint {path} holds optimizer states in {saved_dtype} but this run "
+            f"has optimizer.state_dtype: {block.state_dtype}; resume with "
+            f"optimizer.state_dtype: {saved_dtype} (states are not converted)"
+        )
+
+
+def block_files(path: Path, block: ParamBlock) -> list[Path]:
+    """The files holding `block`: its own, or (a whole block from a sharded checkpoint) every
+    rank's part in rank order."""
+    file = path / "blocks" / block_file(block)
+    if file.is_file():
+        return [file]
+    parts = sorted((path / "blocks").glob(f"{block.name}.rank*-of-*.safetensors"))
+    if parts and not isinstance(block, ShardedBlock):
+        return parts
+    if parts or isinstance(block, ShardedBlock):
+        raise ValueError(
+            f"checkpoint {path} was written by a different number of ranks than this run "
+            f"has (no {file.name}); resume with the same torchrun --nproc-per-node x --nnodes, "
+            "or export it with megatrain export (one process reads every rank's part)"
+        )
+    raise FileNotFoundError(
+        f"checkpoint {path} has no {file.name}: it was written for a different model"
+    )

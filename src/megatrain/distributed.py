@@ -1,0 +1,211 @@
+"""The ranks of a multi-process run: read from torchrun's environment, one process group.
+
+`torchrun --nproc-per-node N -m megatrain train ...` starts N processes and sets RANK,
+WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (and the rendezvous MASTER_ADDR / MASTER_PORT) in
+each. A process without them, or with WORLD_SIZE 1, is a single-process run and nothing here
+touches torch.distributed. The process group is NCCL on CUDA, gloo on the CPU, with a timeout
+on every collective (MEGATRAIN_COLLECTIVE_TIMEOUT_S, default 600 s), so a rank that died
+stops the others instead of leaving them waiting forever.
+
+NCCL settings in the environment (NCCL_NVLS_ENABLE=0 and friends) are left as they are.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megatrain.device import resolve_device
+
+DEFAULT_TIMEOUT_S = 600.0
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits in the job: its device, and its rank among `world_size`."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0  # this rank's place among them
+    local_world_size: int = 1  # ranks on this node (they share its cores and host memory)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def rank_env() -> RankEnv | None:
+    """This process's place in a torchrun job, or None for a single-process run."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    try:
+        rank = int(os.environ["RANK"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    except KeyError as e:
+        raise ValueError(
+            f"WORLD_SIZE={world} is set but {e.args[0]} is not: start multi-process runs with "
+            "torchrun (torchrun --nproc-per-node N -m megatrain train --config F), which sets "
+            "RANK, LOCAL_RANK and WORLD_SIZE, or unset WORLD_SIZE for a single-process run"
+        ) from None
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return RankEnv(rank, world, local_rank, local_world)
+
+
+def timeout_s() -> float:
+    raw = os.environ.get("MEGATRAIN_COLLECTIVE_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(
+            f"MEGATRAIN_COLLECTIVE_TIMEOUT_S={raw!r}: give the collective timeout in seconds, "
+            "a number > 0 (default 600)"
+        )
+    return value
+
+
+def init_process_group(env: RankEnv, device: torch.device) -> None:
+    """Join the job's process group (once per process); non-zero ranks print nothing."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s()),
+        **kwargs,  # type: ignore[arg-type]
+    )
+    if env.rank != 0:
+        # Progress and messages come from rank 0; errors (stderr) from whichever rank has one.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def on_rank0(fn: Callable[[], None]) -> None:
+    """Run `fn` on rank 0 only (output folder checks, config writes), then let every rank go on.
+
+    If it fails on rank 0 its error is raised there and reaches the user once; the other ranks
+    learn of it from a flag and exit quietly, rather than waiting at the next collective.
+    """
+    if not dist.is_initialized():
+        fn()
+        return
+    _together(fn if dist.get_rank() == 0 else None)
+
+
+def on_every_rank(fn: Callable[[], None]) -> None:
+    """Run `fn` on every rank, then go on only if it succeeded everywhere (a barrier): a rank
+    whose `fn` failed raises its error, the others exit quietly."""
+    if not dist.is_initialized():
+        fn()
+        return
+    _together(fn)
+
+
+def _together(fn: Callable[[], None] | None) -> None:
+    failed: BaseException | None = None
+    if fn is not None:
+        try:
+            fn()
+        except BaseException as e:  # re-raised below, after the others know
+            failed = e
+    flag = torch.tensor([1 if failed is not None else 0], dtype=torch.int64, device=_device())
+    dist.all_reduce(flag)
+    if failed is not None:
+        raise failed
+    if int(flag.item()):  # sync point
+        raise SystemExit(1)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank (every rank gets the same answer)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())  # sync point
+
+
+def node_turns(build: Callable[[], T], placement: Placement, *, in_turns: bool) -> T:
+    """`build()` on every rank: the ranks of each node one after another, each with all the
+    node's cores (`in_turns`), or all at once with a share each. A failure on any rank stops
+    every rank at the end of that turn (its error raised where it happened)."""
+    result: list[T] = []
+    cores, before = os.cpu_count() or 1, torch.get_num_threads()
+    local = placement.local_world_size
+
+    def run() -> None:
+        result.append(build())
+
+    try:
+        if not in_turns:
+            torch.set_num_threads(max(1, cores // local))
+            on_every_rank(run)
+        for turn in range(local if in_turns else 0):
+            torch.set_num_threads(cores)  # torchrun sets OMP_NUM_THREADS=1: init is CPU work
+            _together(run if turn == placement.local_rank else None)
+    finally:
+        torch.set_num_threads(before)
+    return result[0]
+
+
+def is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def placement_here(device_setting: str) -> Placement:
+    """This process's placement: alone on `training.device`, or its rank under torchrun."""
+    device = torch.device(resolve_device(device_setting))
+    env = rank_env()
+    if env is None:
+        return Placement(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)  # one GPU per rank
+        torch.cuda.set_device(device)
+    init_process_group(env, device)
+    return Placement(device, env.rank, env.world_size, env.local_rank, env.local_world_size)
+
+
+def default_threads(local_world_size: int) -> int:
+    """Optimizer threads: the node's cores less two for the driving threads, or with several
+    ranks on the node, each rank's share less one."""
+    cores = os.cpu_count() or 2
+    if local_world_size == 1:
+        return max(1, cores - 2)
+    return max(1, cores // local_world_size - 1)

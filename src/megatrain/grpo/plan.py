@@ -1,0 +1,146 @@
+"""The resource plan of a GRPO run: its training phase and its rollout phase, before loading.
+
+Training phase: the builder's plan (what `train` checks) for one generation batch, N =
+prompts_per_step x num_generations sequences of `training.seq_len` tokens in micro-batches of
+`training.micro_batch_size` rows. Rollout phase: resources/rollout.py for N sequences of
+max_prompt_length + max_completion_length tokens, resident when that fits in the GPU memory left
+beside the engine's persistent buffers (weight slots, gradient accumulators, head, GPU tier),
+else streamed. `grpo.generation: resident | streamed` forces a path; on the CPU it is resident.
+
+Invariant: the recipe generates on the path this plan chooses (grpo/recipe.py asks it with the
+free memory the device reports), so `megatrain estimate --grpo` names the path the run takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megatrain.builder import RunBuilder
+from megatrain.resources.hardware import GIB, gib
+from megatrain.resources.plan import ResourcePlan
+from megatrain.resources.rollout import RolloutEstimate, rollout_estimate
+
+# What the engine keeps on the GPU between steps (resources/estimate.py's item names); the
+# per-step activations are freed before a rollout starts.
+PERSISTENT_ITEMS = (
+    "GPU tier (fp32 master, m, v, gradient, weights)",
+    "weight slots",
+    "gradient accumulators (fp32)",
+    "gradient staging (bf16)",
+    "head weights",
+    "tied lm_head table",
+    "head + embedding gradients (fp32)",
+)
+
+
+@dataclass(frozen=True)
+class GRPOPlan:
+    training: ResourcePlan
+    rollout: RolloutEstimate  # on the chosen path
+    reason: str  # why that path
+    problems: tuple[str, ...]  # training's and the rollout's; empty when both fit
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def step_s(self) -> float:
+        """One generation batch: rollout + one training step (num_iterations 1, beta 0)."""
+        return self.rollout.rollout_s + self.training.estimate.time.step_s
+
+    def require_fit(self) -> None:
+        if self.problems:
+            raise ValueError("this GRPO run does not fit: " + "; ".join(self.problems))
+
+
+def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPOPlan:
+    """Plan both phases; `free_gpu_bytes`: what the device reports free now (None: the GPU's
+    size less the engine's persistent buffers, as predicted)."""
+    cfg, g = builder.cfg, builder.cfg.grpo
+    sequences = g.prompts_per_step * g.num_generations
+    micro = cfg.training.micro_batch_size
+    if not isinstance(micro, int):
+        raise ValueError(
+            "training.micro_batch_size='auto' is not available for megatrain grpo yet; set "
+            "the rows per micro-batch (a divisor of grpo.prompts_per_step x "
+            "grpo.num_generations keeps micro-batches equal)"
+        )
+    rows = -(-sequences // micro) * micro
+    training = builder.plan(tokens_per_step=rows * cfg.seq_len)
+    completion = g.max_completion_length
+    prompt = g.max_prompt_length or max(cfg.seq_len - completion, 1)
+    hw, margin = builder.hardware, cfg.memory.gpu_margin_gib * GIB
+
+    def rollout(streamed: bool) -> RolloutEstimate:
+        return rollout_estimate(
+            builder.spec,
+            hw,
+            sequences=sequences,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            streamed=streamed,
+            num_slots=cfg.memory.num_slots,
+        )
+
+    resident = rollout(False)
+    on_gpu = builder.placement.is_cuda
+    if free_gpu_bytes is None:
+        items = training.estimate.gpu.items
+        free_gpu_bytes = hw.gpu_bytes - sum(items.get(k, 0) for k in PERSISTENT_ITEMS)
+    budget = free_gpu_bytes - margin
+    if g.generation != "auto":
+        streamed, reason = g.generation == "streamed", f"grpo.generation: {g.generation}"
+    elif not on_gpu:
+        streamed, reason = False, "on the CPU"
+    else:
+        streamed = resident.gpu_peak_bytes > budget
+        reason = (
+            f"the resident rollout needs {gib(resident.gpu_peak_bytes)} of "
+            f"{gib(max(budget, 0))} free beside the engine (margin "
+            f"{cfg.memory.gpu_margin_gib:g} GiB)"
+        )
+    chosen = rollout(True) if streamed else resident
+    problems = list(training.problems)
+    if on_gpu and chosen.gpu_peak_bytes > budget:
+        problems.append(
+            f"the rollout phase needs {gib(chosen.gpu_peak_bytes)} on the GPU "
+            f"(KV cache {gib(chosen.kv_cache_bytes)} for {sequences} sequences of "
+            f"{prompt} + {completion} tokens) but {gib(max(budget, 0))} are free beside "
+            "the engine: lower grpo.prompts_per_step, grpo.num_generations or "
+            "grpo.max_completion_length"
+            + ("" if streamed else ", or set grpo.generation: streamed")
+        )
+    return GRPOPlan(training, chosen, reason, tuple(problems))
+
+
+def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
+    """The rollout phase as JSON: the estimate's fields, its peak and the GRPO step."""
+    r = plan.rollout
+    return asdict(r) | {
+        "gpu_peak_bytes": r.gpu_peak_bytes,
+        "kv_cache_bytes": r.kv_cache_bytes,
+        "tokens_per_s": r.tokens_per_s,
+        "reason": plan.reason,
+        "step_s": plan.step_s,
+    }
+
+
+def format_rollout(plan: GRPOPlan) -> str:
+    """The rollout phase and the GRPO step, as lines under the training estimate's table."""
+    r = plan.rollout
+    path = "layers streamed per decoding step" if r.streamed else "whole model on the GPU"
+    lines = [
+        f"GRPO rollout phase ({path}: {plan.reason})",
+        f"  {r.sequences} sequences x ({r.prompt_tokens} prompt + {r.completion_tokens} "
+        "completion tokens)",
+        *(f"  {name:<44}{gib(n):>14}" for name, n in r.gpu_items.items()),
+        f"  {'rollout GPU peak (freed before training)':<44}{gib(r.gpu_peak_bytes):>14}",
+        f"  weight copy {r.weight_copy_s:.2f} s + prefill {r.prefill_s:.2f} s + "
+        f"{r.completion_tokens} decoding steps x {1e3 * r.decode_token_s:.1f} ms = "
+        f"{r.rollout_s:.1f} s ({r.tokens_per_s:,.0f} tokens/s)",
+        f"GRPO step: rollout {r.rollout_s:.1f} s + training "
+        f"{plan.training.estimate.time.step_s:.1f} s = {plan.step_s:.1f} s",
+    ]
+    return "\n".join(lines)

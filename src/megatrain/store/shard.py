@@ -1,0 +1,98 @@
+"""ZeRO-3 sharding of the host store: rank r of `world` keeps 1/world of every block.
+
+A block's flat layout (store/blocks.py) is padded with zeros to a multiple of `world` x
+QUANT_BLOCK; rank r owns the contiguous range [r * n, (r + 1) * n) of it, n = padded / world,
+and keeps only that range of the fp32 master, the AdamW states (in the store's `state_dtype`)
+and the bf16 shadow (or fp32 gradient landing). The padding stays zero forever: its gradient is
+zero (the device accumulator is zeroed over the padded length), and AdamW maps a zero weight
+with zero gradient and zero states to zero.
+
+Shards are whole int8 quantization blocks (n is a multiple of QUANT_BLOCK, store/states.py), so
+rank r's quantization blocks are exactly the whole block's blocks r x n / QUANT_BLOCK, ...: the
+sharded int8 update equals the one-process update, and a sharded checkpoint's parts concatenate
+into the whole block's codes and scales. bf16 stochastic rounding salts its keys with the shard
+offset (`ShardedBlock.rounding_name`), so ranks do not reuse each other's random bits.
+
+A `ShardedBlock` is a `ParamBlock` whose flat tensors are the shard: `numel` and
+`decay_numel` describe the shard (what the optimizer and checkpoints see), while its `entries`
+keep the offsets of the full layout (what the device binds its views to, after the all-gather).
+`layout_numel(block)` is the length of that full (padded) layout for any block, so a world of
+one is the same code path with one shard that is the whole block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.store.blocks import ParamBlock
+from megatrain.store.host import HostStore
+from megatrain.store.memory import host_zeros
+from megatrain.store.states import QUANT_BLOCK, allocate_states
+
+
+@dataclass
+class ShardedBlock(ParamBlock):
+    padded_numel: int = 0  # length of the full layout padded to a multiple of world x QUANT_BLOCK
+    shard_offset: int = 0  # where this rank's shard starts in that layout
+    full_numel: int = 0  # the block's parameters (padded_numel minus the padding)
+
+    @property
+    def rank(self) -> int:
+        return self.shard_offset // self.numel
+
+    @property
+    def world_size(self) -> int:
+        return self.padded_numel // self.numel
+
+    @property
+    def rounding_name(self) -> str:
+        return self.name if self.shard_offset == 0 else f"{self.name}@{self.shard_offset}"
+
+
+def layout_numel(block: ParamBlock) -> int:
+    """Length of the block's full flat layout on the device (padded when sharded)."""
+    return block.padded_numel if isinstance(block, ShardedBlock) else block.numel
+
+
+def shard_range(numel: int, rank: int, world: int) -> tuple[int, int, int]:
+    """(padded length, shard start, shard length) of a block of `numel` for `rank`."""
+    n = -(-numel // (world * QUANT_BLOCK)) * QUANT_BLOCK
+    return n * world, rank * n, n
+
+
+def shard_block(block: ParamBlock, rank: int, world: int, *, pin_memory: bool) -> ShardedBlock:
+    """Rank `rank`'s shard of a fresh `block` (zero optimizer states; new host tensors, so
+    `block` can be freed afterwards)."""
+    assert block.step == 0, "shard a store before its first update"
+    padded, start, n = shard_range(block.numel, rank, world)
+    lo, hi = min(start, block.numel), min(start + n, block.numel)
+    master = host_zeros(n, torch.float32, pin=pin_memory and block.shadow is None)
+    master[: hi - lo].copy_(block.master[lo:hi])  # fp32 compute: the master is the source
+    states = allocate_states(n, block.state_dtype)
+    sharded = ShardedBlock(
+        name=block.name,
+        entries=block.entries,
+        numel=n,
+        decay_numel=min(max(block.decay_numel - start, 0), n),
+        master=master,
+        exp_avg=states["exp_avg"],
+        exp_avg_sq=states["exp_avg_sq"],
+        state_dtype=block.state_dtype,
+        exp_avg_scale=states.get("exp_avg_scale"),
+        exp_avg_sq_scale=states.get("exp_avg_sq_scale"),
+        padded_numel=padded,
+        shard_offset=start,
+        full_numel=block.numel,
+    )
+    if block.shadow is not None:
+        sharded.shadow = host_zeros(n, torch.bfloat16, pin=pin_memory)
+        sharded.refresh_shadow()
+    else:
+        sharded.grad = host_zeros(n, torch.float32, pin=pin_memory)
+    return sharded
+
+
+def is_sharded(store: HostStore) -> bool:
+    return isinstance(store.embed, ShardedBlock)

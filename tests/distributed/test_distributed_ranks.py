@@ -1,0 +1,207 @@
+"""Two ranks on the CPU (gloo, torchrun) against one process with the same global batch.
+
+One 2-rank run of the demo (launched as users do: torchrun -m megatrain train) is compared
+with a 1-process run whose gradient accumulation is twice as long, so both take the same
+micro-batches in every step (data/ranks.py). Clipping is on (the gradient norm is ~3, clipped
+to 0.5) and every rank accumulates over 2 micro-batches.
+
+Parity tolerance (fp32). The runs differ only in the order of fp32 sums: the gradient and
+loss are summed over the step's A x W = 4 micro-batches in another order, and the two
+processes may use different thread counts in their matrix products (torchrun sets one
+thread), which reorders dot products of length K <= 384 (intermediate size). With unit
+roundoff u = 2^-24, one dot product errs by at most K u relative, the 4 layers plus the head by
+at most 5 K u (~1.1e-4): the loss tolerance. AdamW runs with eps = 1, where its update
+m / (sqrt(v) + eps) is 1-Lipschitz in the gradient (no sign-like amplification of a
+near-zero gradient), so a weight moves at most lr x 2 x |gradient error| per step; a clipped
+gradient element is at most 0.5 in size: over S steps the weights agree to
+S x lr x 2 x 0.5 x (5 K u + 4 u). A rank that skipped the reduction, read the wrong rows or
+divided by its own token count would be off by ~lr x |g| ~ 1e-3, far outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from megatrain.config import load_config
+from megatrain.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "demo.yaml"
+STEPS, LR, CLIP, K = 4, 0.05, 0.5, 384
+U = 2.0**-24
+LOSS_RTOL = 5 * K * U
+WEIGHT_ATOL = STEPS * LR * 2 * CLIP * (5 * K * U + 4 * U)
+COMMON = [
+    "--training.device", "cpu",
+    "--training.max_steps", str(STEPS),
+    "--training.micro_batch_size", "2",
+    "--optimizer.learning_rate", str(LR),
+    "--optimizer.max_grad_norm", str(CLIP),
+    "--optimizer.eps", "1.0",
+    "--checkpoint.save_every", "2",
+    "--checkpoint.keep_last", "2",
+    "--logging.progress_bar", "false",
+    "--logging.tensorboard", "false",
+    "--logging.log_every", "1",
+]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), MEGATRAIN_COLLECTIVE_TIMEOUT_S="120")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--standalone", "-m", "megatrain", "train", "--config", str(DEMO),
+        "--training.output_dir", str(out), *COMMON, *overrides,
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def _records(out: Path, kind: str) -> list[dict[str, float]]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[float]]:
+    """(2-rank output, 1-process output, 1-process losses)."""
+    two, one = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("one")
+    run = _torchrun(two, "--training.gradient_accumulation_steps", "2")
+    # progress and messages from rank 0 only
+    assert run.stderr.count(f"step {STEPS}/{STEPS}") == 1 and run.stdout.count("done:") == 1
+    cfg = load_config(
+        DEMO,
+        ["--training.output_dir", str(one), *COMMON, "--training.gradient_accumulation_steps", "4"],
+    )
+    trainer = Trainer(cfg)
+    try:
+        losses = trainer.train().losses
+    finally:
+        trainer.close()
+    return two, one, losses
+
+
+def test_two_ranks_match_one_process(runs: tuple[Path, Path, list[float]]) -> None:
+    two, one, losses = runs
+    train = _records(two, "train")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in train], dtype=torch.float64),
+        torch.tensor(losses, dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0.0,
+    )
+    assert all(r["clip_coef"] < 1.0 for r in train)  # clipping was active
+    (ev2,), (ev1,) = _records(two, "eval"), _records(one, "eval")
+    assert ev2["eval_tokens"] == ev1["eval_tokens"]  # every eval row once, across the ranks
+    torch.testing.assert_close(ev2["eval_loss"], ev1["eval_loss"], rtol=LOSS_RTOL, atol=0.0)
+    w2 = load_file(str(two / "hf_model" / "model.safetensors"))
+    w1 = load_file(str(one / "hf_model" / "model.safetensors"))
+    assert w2.keys() == w1.keys()
+    moved = 0.0
+    for name, ref in w1.items():
+        torch.testing.assert_close(w2[name], ref, rtol=0.0, atol=WEIGHT_ATOL)
+        moved = max(moved, float((ref - w2[name]).abs().max()))
+    assert moved < WEIGHT_ATOL
+
+
+def test_sharded_checkpoint_exports_the_run_weights(
+    runs: tuple[Path, Path, list[float]], tmp_path: Path
+) -> None:
+    two, _, _ = runs
+    ckpt = two / "checkpoints" / f"step-{STEPS:08d}"
+    assert sorted(p.name for p in (ckpt / "blocks").glob("layer.0.*")) == [
+        "layer.0.rank000-of-002.safetensors",
+        "layer.0.rank001-of-002.safetensors",
+    ]
+    out = tmp_path / "hf"
+    export = ["export", "--checkpoint", str(ckpt), "--out", str(out), "--dtype", "fp32"]
+    cmd = [sys.executable, "-m", "megatrain", *export]
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    exported = load_file(str(out / "model.safetensors"))
+    in_run = load_file(str(two / "hf_model" / "model.safetensors"))
+    assert exported.keys() == in_run.keys()
+    for name, ref in in_run.items():
+        assert torch.equal(exported[name], ref), name  # the same fp32 masters, reassembled
+
+
+def test_resume_under_two_ranks_is_loss_exact(
+    runs: tuple[Path, Path, list[float]], tmp_path: Path
+) -> None:
+    two, _, _ = runs
+    resumed = tmp_path / "resumed"
+    ckpt = resumed / "checkpoints" / "step-00000002"
+    shutil.copytree(two / "checkpoints" / "step-00000002", ckpt)  # as if killed after step 2
+    # ... while saving step 3: rank 1's part written, nothing committed
+    stale = resumed / "checkpoints" / ".step-00000003.tmp-ranks" / "blocks"
+    stale.mkdir(parents=True)
+    (stale / "layer.0.rank001-of-002.safetensors").write_bytes(b"partial")
+    _torchrun(
+        resumed, "--training.gradient_accumulation_steps", "2", "--checkpoint.resume_from", "auto"
+    )
+    first = {r["step"]: r["loss"] for r in _records(two, "train")}
+    again = {r["step"]: r["loss"] for r in _records(resumed, "train")}
+    assert sorted(again) == [3, 4]
+    assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)]  # bit for bit
+    assert not stale.parent.exists()  # the next save cleared the uncommitted part
+    assert (resumed / "checkpoints" / "step-00000004" / "trainer_state.json").is_file()
+
+
+@pytest.mark.parametrize("state_dtype", ["int8"])
+def test_compressed_states_shard_and_resume_exactly(tmp_path: Path, state_dtype: str) -> None:
+    """Each rank keeps its shard of m and v in the state dtype; resuming from a sharded
+    checkpoint of them continues bit for bit."""
+    dtype = ["--optimizer.state_dtype", state_dtype, "--checkpoint.save_every", "1"]
+    steps = ["--training.max_steps", "2", "--training.gradient_accumulation_steps", "1"]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    _torchrun(first, *dtype, *steps, "--checkpoint.export_hf", "false")
+    step1 = first / "checkpoints" / "step-00000001"
+    with safe_open(str(step1 / "blocks" / "layer.0.rank001-of-002.safetensors"), "pt") as f:
+        assert f.metadata()["state_dtype"] == state_dtype
+        assert f.get_tensor("exp_avg").dtype == torch.uint8
+    shutil.copytree(step1, resumed / "checkpoints" / step1.name)
+    _torchrun(resumed, *dtype, *steps, "--checkpoint.resume_from", "auto")
+    again = {r["step"]: r["loss"] for r in _records(resumed, "train")}
+    assert again == {2: _records(first, "train")[1]["loss"]}  # bit for bit
+
+
+def test_resume_with_another_world_size_is_refused(
+    runs: tuple[Path, Path, list[float]], tmp_path: Path
+) -> None:
+    two, _, _ = runs
+    out = tmp_path / "one"
+    shutil.copytree(two / "checkpoints" / "step-00000002", out / "checkpoints" / "step-00000002")
+    cfg = load_config(
+        DEMO, ["--training.output_dir", str(out), *COMMON, "--checkpoint.resume_from", "auto"]
+    )
+    with pytest.raises(ValueError, match=r"written by 2 rank\(s\) and this run has 1"):
+        Trainer(cfg)
+
+
+def test_a_setup_error_reaches_the_user_once(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("someone else's folder")  # a new run here is refused
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        "-m", "megatrain", "train", "--config", str(DEMO),
+        "--training.output_dir", str(tmp_path), *COMMON,
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert run.stderr.count("is not empty") == 1, run.stderr[-3000:]

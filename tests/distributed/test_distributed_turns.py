@@ -1,0 +1,73 @@
+"""distributed.node_turns: a node's ranks build one after another with all its cores, or all at
+once with a share each; a failure on one rank stops the others. Two gloo processes, spawned
+once (imports dominate): every case runs in them in turn, each logging to its own file."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatrain.distributed import Placement, any_rank, node_turns
+
+CASES = [(True, -1), (False, -1), (True, 0), (False, 0)]  # (in_turns, rank whose build fails)
+
+
+def _case(rank: int, log: Path, in_turns: bool, fail_rank: int) -> None:
+    placement = Placement(torch.device("cpu"), rank, 2, rank, 2)
+
+    def build() -> int:
+        with open(log, "a") as f:
+            f.write(f"start {rank} {torch.get_num_threads()}\n")
+        time.sleep(0.3)  # long enough for the other rank to start, were it not waiting
+        if rank == fail_rank:
+            raise ValueError(f"rank {rank} cannot build")
+        with open(log, "a") as f:
+            f.write(f"end {rank}\n")
+        return rank * 10
+
+    try:
+        assert node_turns(build, placement, in_turns=in_turns) == rank * 10
+    except ValueError as e:
+        with open(log, "a") as f:
+            f.write(f"error {rank} {e}\n")
+    except SystemExit:
+        with open(log, "a") as f:
+            f.write(f"stopped {rank}\n")
+
+
+def _worker(rank: int, folder: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        with open(Path(folder) / f"any{rank}.txt", "w") as f:
+            f.write(f"{any_rank(rank == 1)} {any_rank(False)}")
+        for i, (in_turns, fail_rank) in enumerate(CASES):
+            _case(rank, Path(folder) / f"case{i}.txt", in_turns, fail_rank)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_node_turns(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(str(tmp_path), port), nprocs=2)
+    cases = [(tmp_path / f"case{i}.txt").read_text().splitlines() for i in range(len(CASES))]
+    cores = os.cpu_count() or 1
+    share = max(1, cores // 2)
+    assert [(tmp_path / f"any{r}.txt").read_text() for r in range(2)] == ["True False"] * 2
+    # in turns: one rank at a time, each with every core
+    assert cases[0] == [f"start 0 {cores}", "end 0", f"start 1 {cores}", "end 1"]
+    # at once: both start before either ends, each with its share
+    assert sorted(cases[1][:2]) == [f"start 0 {share}", f"start 1 {share}"]
+    # a failure: raised on its rank, the other stops; in turns rank 1 never started
+    for lines, in_turns in ((cases[2], True), (cases[3], False)):
+        assert "error 0 rank 0 cannot build" in lines and "stopped 1" in lines
+        assert any(ln.startswith("start 1") for ln in lines) is not in_turns
