@@ -94,6 +94,8 @@ def main() -> None:
     values = model_values(model_type=model_type, config_overrides=preset) | {
         "model.attn_implementation": "sdpa",
         "training.device": device,
+        # the rows below are plain causal rows (no padding mask): the plan's "full" layout
+        "data.stage": "pt",
         "training.micro_batch_size": a.batch // a.micro,
         "training.gradient_accumulation_steps": a.micro,
         "training.seq_len": a.seq,
@@ -110,7 +112,10 @@ def main() -> None:
     hardware = probe() if a.probe else None
     builder = RunBuilder(cfg, hardware=hardware)  # as `megatrain train`: plan, store, engine
     p = builder.placement  # under torchrun: this rank's
-    builder.plan().require_fit()  # per node and rank, before anything large is allocated
+    if p.world_size > 1:
+        builder.plan().require_fit()  # per node and rank, before anything large is allocated
+    elif builder.plan().problems:  # one process: tried anyway, out of GPU memory is reported
+        log(f"plan does not fit: {'; '.join(builder.plan().problems)}")
     t0 = time.perf_counter()
     structure, store = builder.model_and_store()  # sharded over the ranks
     t_load = time.perf_counter() - t0

@@ -24,7 +24,6 @@ from megatrain.resources import Hardware, estimate, model_spec
 from megatrain.resources.activations import layer_profile
 from megatrain.resources.hardware import GIB
 from megatrain.resources.long_context import choose_boundaries, device_inputs, longest_fitting
-from megatrain.resources.plan import RunShape, plan_resources
 
 LLAMA_8B = dict(
     hidden_size=4096,
@@ -122,30 +121,6 @@ def test_estimate_counts_offloaded_inputs() -> None:
     assert offloaded.host.offload_bytes == 32 * INPUT  # 4 GiB buffers: 2 MiB multiples
     assert offloaded.host.total_bytes - on_gpu.host.total_bytes == 32 * INPUT
     assert offloaded.gpu.peak_bytes == on_gpu.gpu.peak_bytes - 30 * INPUT
-
-
-def test_plan_for_512k_on_80_gib_and_256_gib() -> None:
-    """The issue's target: offload chosen automatically, the fit check passes."""
-    spec = model_spec(LlamaConfig(**LLAMA_8B))
-    hw = Hardware(gpu_bytes=80 * GIB, host_bytes=256 * GIB)
-    shape = RunShape(
-        seq_len=524288,
-        num_slots=2,
-        layout="full",
-        clipping=True,
-        loss_chunk_tokens=None,
-        pin_memory=True,
-        check_gpu=True,
-        state_dtype="fp32",
-        activation_offload="auto",
-        checkpoint_every="auto",
-        mlp_tiles="auto",
-    )
-    plan = plan_resources(spec, shape, hardware=hw, micro_batch_size=1)
-    assert plan.fits, plan.problems
-    assert plan.boundaries is not None and plan.boundaries.count("host") >= 28
-    small = Hardware(gpu_bytes=80 * GIB, host_bytes=128 * GIB)
-    assert not plan_resources(spec, shape, hardware=small, micro_batch_size=1).fits
 
 
 def test_longest_fitting() -> None:

@@ -48,7 +48,12 @@ from transformers import PretrainedConfig
 from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.head import default_chunk_tokens
-from megatrain.resources.activations import LayerProfile, layer_profile, loss_chunk
+from megatrain.resources.activations import (
+    LayerProfile,
+    attention_workspace,
+    layer_profile,
+    loss_chunk,
+)
 from megatrain.resources.hardware import Hardware, detect
 from megatrain.resources.long_context import device_inputs, host_input_bytes
 from megatrain.resources.ranks import ONE_PROCESS, Ranks
@@ -346,7 +351,11 @@ def gpu_memory(
         "last hidden / its gradient": tokens * d * c,
     }
     phases = {
-        "layer backward": {**boundary, "one layer recompute + backward": layer_peak},
+        "layer backward": {
+            **boundary,
+            "one layer recompute + backward": layer_peak,
+            "attention backward workspace (fp32)": attention_workspace(spec, tokens_mb),
+        },
         "loss": {
             **boundary,
             "loss chunk + hidden gradient": loss_chunk(spec, chunk_tokens)[0] + tokens_mb * d * c,

@@ -56,14 +56,16 @@ def choose_boundaries(
     reserved: Callable[[int], int] = lambda n: n,
 ) -> tuple[BoundaryPlan, str]:
     """The plan (and why) for inputs of `input_bytes` per micro-batch and layer, given the GPU
-    and host room left for them. When nothing fits, the plan of the largest K (the fit check
-    then reports the overflow)."""
+    and host room left for them. When nothing fits: the plan that needs the least of the GPU
+    among those the host holds (most offloaded, smallest K), else the largest K; the fit
+    check then reports the overflow."""
     if offload not in OFFLOAD_CHOICES:
         raise ValueError(f"memory.activation_offload={offload!r} must be auto, on or off")
     per_layer_gpu = input_bytes * micro_batches
     per_layer_host = reserved(input_bytes) * micro_batches
     candidates = [int(every)] if every != "auto" else list(range(1, num_layers + 1))
     plan = BoundaryPlan.make(num_layers, every=candidates[-1])
+    fallback: tuple[int, BoundaryPlan] | None = None  # (device inputs, plan) the host holds
     for k in candidates:
         kept = math.ceil(num_layers / k)
         if offload == "off":
@@ -78,6 +80,9 @@ def choose_boundaries(
             host = plan.count("host") * per_layer_host
             if gpu <= gpu_free_bytes and host <= host_free_bytes:
                 return plan, _reason(plan, per_layer_gpu, gpu_free_bytes, host_free_bytes)
+            if host <= host_free_bytes and (fallback is None or gpu < fallback[0]):
+                fallback = (gpu, plan)
+    plan = plan if fallback is None else fallback[1]
     return plan, "does not fit: " + _reason(plan, per_layer_gpu, gpu_free_bytes, host_free_bytes)
 
 

@@ -1,0 +1,110 @@
+"""The long-row plan on an H100-like machine (80 GiB GPU, 128 or 256 GiB host) for the
+Llama-3.1-8B shape, one row per step, as the H100 run of 2026-11-26 saw it.
+
+At 128k tokens one layer input is 1 GiB: all 32 fit on the GPU beside the rest (~26 GiB), so
+none is offloaded or recomputed. A "padded" layout instead counts [S, S] attention masks
+(16 GiB at 128k), which left no GPU room: the bench's plain causal rows are the "full"
+layout. At 512k (4 GiB per input) the inputs fit the 256 GiB host, but the layer backward
+does not fit 80 GiB: the H100 run ran out of memory asking for 16.06 GiB with 65.85 GiB
+allocated, so the predicted peak must be at least their sum.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from megatrain.resources import Hardware, model_spec
+from megatrain.resources.activations import attention_workspace
+from megatrain.resources.hardware import GIB
+from megatrain.resources.long_context import choose_boundaries
+from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
+
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
+H100_TOTAL = int(79.18 * GIB)  # what torch.cuda reports for an H100 80GB HBM3
+
+
+def _plan(seq: int, host_gib: int, layout: str = "full") -> ResourcePlan:
+    shape = RunShape(
+        seq_len=seq,
+        num_slots=2,
+        layout=layout,
+        clipping=True,
+        loss_chunk_tokens=None,
+        pin_memory=True,
+        check_gpu=True,
+        state_dtype="fp32",
+        activation_offload="auto",
+        checkpoint_every="auto",
+        mlp_tiles="auto",
+    )
+    hw = Hardware(gpu_bytes=H100_TOTAL, host_bytes=host_gib * GIB)
+    return plan_resources(
+        model_spec(LlamaConfig(**LLAMA_8B)), shape, hardware=hw, micro_batch_size=1
+    )
+
+
+@pytest.mark.parametrize("host_gib", [128, 256])
+def test_128k_keeps_every_input_on_the_gpu(host_gib: int) -> None:
+    plan = _plan(131072, host_gib)
+    assert plan.fits, plan.problems
+    b = plan.boundaries
+    assert b is not None and (b.every, b.count("gpu"), b.count("none")) == (1, 32, 0)
+    assert plan.estimate.gpu.items["boundary activations"] == 32 * GIB  # 32 x 1 GiB inputs
+    assert plan.boundary_reason is not None and "does not fit" not in plan.boundary_reason
+
+
+def test_128k_padded_layout_counts_the_masks() -> None:
+    # padded rows carry [rows, 1, S, S] masks under sdpa (16 GiB at 128k) and the math kernel:
+    # no GPU room is left; the problem names full rows as the way out
+    plan = _plan(131072, 256, layout="padded")
+    assert not plan.fits
+    assert "Try full rows" in plan.problems[0]
+
+
+def test_512k_keeps_every_input_on_256_gib_but_not_on_the_gpu() -> None:
+    plan = _plan(524288, 256)
+    b = plan.boundaries
+    assert b is not None and b.every == 1 and b.count("none") == 0
+    assert b.count("host") >= 28  # 4 GiB inputs: the GPU holds at most a few beside the layer
+    est = plan.estimate
+    observed = int((65.85 + 16.06) * GIB)  # allocated + asked for at the H100 run's OOM
+    assert est.gpu.peak_bytes >= observed
+    assert est.gpu.peak_bytes <= 1.15 * observed
+    assert not plan.fits and "one layer recompute + backward" in plan.problems[0]
+
+
+def test_512k_on_128_gib_recomputes() -> None:
+    # 17.5 GiB of host room: 4 of the 4 GiB inputs; one kept every 4 layers
+    plan = _plan(524288, 128)
+    b = plan.boundaries
+    assert b is not None and b.every == 4 and b.count("none") == 24
+    assert plan.estimate.host.offload_bytes <= 17.5 * GIB
+
+
+def test_attention_workspace() -> None:
+    spec = model_spec(LlamaConfig(**LLAMA_8B))
+    # fp32 query-gradient accumulator (32 heads x 128) and one fp32 statistic per head
+    assert attention_workspace(spec, 524288) == 524288 * 32 * (128 + 1) * 4
+
+
+def test_nothing_fits_the_gpu_offloads_all_rather_than_recompute() -> None:
+    plan, reason = choose_boundaries(
+        32,
+        input_bytes=4 * GIB,
+        micro_batches=1,
+        gpu_free_bytes=0,
+        host_free_bytes=200 * GIB,
+        offload="auto",
+        every="auto",
+    )
+    assert reason.startswith("does not fit")
+    assert (plan.every, plan.count("host") + plan.count("gpu"), plan.count("none")) == (1, 32, 0)
