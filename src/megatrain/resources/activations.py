@@ -177,12 +177,12 @@ def layer_profile(
 
 def attention_workspace(spec: ModelSpec, tokens: int) -> int:
     """Bytes the fused attention backward (cuDNN / flash) allocates that the meta measurement
-    (`layer_profile`, which sees the kernel's bf16 gradients) does not: an fp32 accumulator of
-    the query gradient (heads x qk dim) and one fp32 softmax statistic per head, for one
-    micro-batch of `tokens`. Llama-3.1-8B at 512k tokens: 8.06 GiB. On the H100 that layer's
-    backward asked for one 16.06 GiB workspace (this accumulator and statistic plus the
-    expanded-head key and value gradients, which the meta run counts) with 65.85 GiB allocated,
-    7.5 GiB above the prediction without this term."""
+    (`layer_profile`, which sees only the kernel's bf16 gradients) misses, for one micro-batch
+    of `tokens`: sized as an fp32 accumulator of the query gradient (heads x qk dim) plus one
+    fp32 softmax statistic per head; Llama-3.1-8B at 512k tokens: 8.06 GiB. Calibrated on one
+    observation: on the H100 that layer's backward asked for a 16.06 GiB block (32,896 bytes a
+    token: 32 heads x (fp32 dQ + bf16 dK, dV at 32 heads + a statistic)) with 65.85 GiB
+    allocated, 7.5 GiB above the prediction without this term."""
     per_token = max((la.attn_heads * (la.attn_qk_dim + 1) for la in spec.layers), default=0)
     return tokens * per_token * 4
 
