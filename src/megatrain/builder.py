@@ -59,6 +59,7 @@ from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.resources import Hardware, ModelSpec, detect, model_spec
 from megatrain.resources.hardware import GIB
+from megatrain.resources.long_context import configured_boundaries
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
 from megatrain.resources.ranks import Ranks
 from megatrain.store.host import HostStore
@@ -334,30 +335,17 @@ class RunBuilder:
             world_size=self.placement.world_size,
             rank=self.placement.rank,
             boundary_plan=self.boundary_plan(len(store.layers)),
-            mlp_tiles=self.tiles(),
+            mlp_tiles=TilePolicy.from_setting(cfg.memory.mlp_tiles, cfg.training.compile_layers),
         )
-
-    def tiles(self) -> TilePolicy | None:
-        """memory.mlp_tiles; "auto" with compiled layers: none (the tiles are not traced)."""
-        tiles = self.cfg.memory.mlp_tiles
-        if tiles == "auto":
-            return None if self.cfg.training.compile_layers else TilePolicy(None)
-        return TilePolicy(int(tiles))
 
     def boundary_plan(self, num_layers: int) -> BoundaryPlan:
         """Where the layers' saved inputs wait: without "auto" in memory.activation_offload
         and memory.checkpoint_every (or on the CPU), straight from them; else the plan's."""
         mem = self.cfg.memory
-        every, offload = mem.checkpoint_every, mem.activation_offload
-        if not self.placement.is_cuda:  # "auto" on the CPU: the device is the host, keep all
-            every = 1 if every == "auto" else every
-            offload = "off" if offload == "auto" else offload
-        if every != "auto" and offload != "auto":
-            kept = -(-num_layers // int(every))
-            return BoundaryPlan.make(
-                num_layers, every=int(every), on_host=kept if offload == "on" else 0
-            )
-        plan = self.plan().boundaries
+        plan = configured_boundaries(
+            num_layers, mem.activation_offload, mem.checkpoint_every, self.placement.is_cuda
+        )
+        plan = plan or self.plan().boundaries
         assert plan is not None
         return plan
 

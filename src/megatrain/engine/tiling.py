@@ -44,6 +44,13 @@ class TilePolicy:
         self.tiles = tiles
         self.tile_tokens = tile_tokens
 
+    @classmethod
+    def from_setting(cls, tiles: int | str, compiled: bool) -> TilePolicy | None:
+        """memory.mlp_tiles; "auto" with compiled layers: none (the tiles are not traced)."""
+        if tiles == "auto":
+            return None if compiled else cls(None)
+        return cls(int(tiles))
+
     def count(self, seq: int) -> int:
         n = self.tiles if self.tiles is not None else math.ceil(seq / self.tile_tokens)
         return max(1, min(n, seq))

@@ -44,6 +44,21 @@ def host_input_bytes(
     return plan.count("host") * micro_batches * reserved(input_bytes)
 
 
+def configured_boundaries(
+    num_layers: int, offload: str, every: int | str, on_cuda: bool
+) -> BoundaryPlan | None:
+    """The plan straight from memory.activation_offload and memory.checkpoint_every when
+    neither is "auto" (on the CPU "auto" keeps every input: the device is the host); None:
+    the run's resource plan decides."""
+    if not on_cuda:
+        every = 1 if every == "auto" else every
+        offload = "off" if offload == "auto" else offload
+    if every == "auto" or offload == "auto":
+        return None
+    kept = -(-num_layers // int(every))
+    return BoundaryPlan.make(num_layers, every=int(every), on_host=kept if offload == "on" else 0)
+
+
 def choose_boundaries(
     num_layers: int,
     *,

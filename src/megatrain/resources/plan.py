@@ -64,10 +64,8 @@ class RunShape:
 
     @property
     def tile_count(self) -> int:
-        if self.mlp_tiles == "auto" and self.compiled:  # as the builder: no tiles then
-            return 1
-        tiles = None if self.mlp_tiles == "auto" else int(self.mlp_tiles)
-        return TilePolicy(tiles).count(self.seq_len)
+        policy = TilePolicy.from_setting(self.mlp_tiles, self.compiled)  # as the builder's
+        return 1 if policy is None else policy.count(self.seq_len)
 
     def estimate_kwargs(self) -> dict[str, Any]:
         assert self.layout in LAYOUTS, self.layout
