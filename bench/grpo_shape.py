@@ -71,7 +71,7 @@ def main() -> None:
         "training.seq_len": a.prompt_len + a.completion_len,
         "data.cutoff_len": a.prompt_len + a.completion_len,
         "training.max_steps": a.steps,
-        "memory.gpu_state_blocks": 0,  # the GPU memory goes to the resident rollout
+        "memory.gpu_state_blocks": "auto",  # chosen around the resident rollout (grpo/plan.py)
         "checkpoint.save_every": 0,
         "checkpoint.export_hf": False,
         "logging.progress_bar": False,

@@ -87,6 +87,7 @@ class RunBuilder:
         self.cfg = cfg
         self.placement = placement or placement_here(cfg.training.device)
         self._hardware = hardware
+        self._gpu_reserve_bytes = 0
 
     @property
     def device(self) -> torch.device:
@@ -198,7 +199,16 @@ class RunBuilder:
             tokens_per_step=tokens_per_step,
             gpu_margin_gib=mem.gpu_margin_gib,
             host_margin_gib=mem.host_margin_gib,
+            gpu_reserve_bytes=self._gpu_reserve_bytes,
         )
+
+    def reserve_gpu(self, nbytes: int) -> None:
+        """Leave `nbytes` of GPU memory beside the engine's persistent buffers for another
+        phase of the run (GRPO's rollout): the automatic GPU tier is chosen around it. Call
+        before the engine is built (it takes the tier from the plan)."""
+        if nbytes != self._gpu_reserve_bytes:
+            self._gpu_reserve_bytes = nbytes
+            self.__dict__.pop("_own_plan", None)  # planned again with the reservation
 
     # ---------------------------------------------------------------- data
 

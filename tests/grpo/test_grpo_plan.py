@@ -12,7 +12,7 @@ import torch
 from megatrain.builder import Placement, RunBuilder
 from megatrain.cli import main
 from megatrain.config import load_config
-from megatrain.grpo.plan import PERSISTENT_ITEMS, grpo_plan
+from megatrain.grpo.plan import grpo_plan
 from megatrain.resources import Hardware
 from megatrain.resources.activations import layer_profile
 from megatrain.resources.hardware import GIB
@@ -88,7 +88,7 @@ def test_plan_picks_resident_then_streamed_then_refuses() -> None:
     plan = grpo_plan(big)
     assert not plan.rollout.streamed and plan.fits
     assert plan.training.tokens_per_step == N * 64  # 12 rows of 64 tokens, 3 micro-batches
-    persistent = sum(plan.training.estimate.gpu.items.get(k, 0) for k in PERSISTENT_ITEMS)
+    persistent = plan.training.estimate.gpu.persistent_bytes
     resident = plan.rollout.gpu_peak_bytes
     streamed_peak = grpo_plan(big, free_gpu_bytes=0).rollout.gpu_peak_bytes
     assert streamed_peak < resident
@@ -120,3 +120,30 @@ def test_estimate_command_reports_the_rollout_phase(capsys: pytest.CaptureFixtur
     )
     assert main([*args, "--grpo", *MODEL[2:], *GRPO]) == 0
     assert "GRPO rollout phase (whole model on the GPU" in capsys.readouterr().out
+
+
+def test_auto_gpu_tier_leaves_the_resident_rollout_its_room() -> None:
+    """The automatic GPU tier is chosen around the room reserved for the rollout: the more is
+    reserved, the fewer blocks, and persistent buffers + the reservation always fit."""
+    hw = Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB)
+    auto = ("--memory.gpu_state_blocks", "auto")
+    whole = _builder(hw, *auto).plan()
+    assert whole.gpu_state_blocks == LAYERS + 2  # room for every block's states
+    budget = hw.gpu_bytes - 2 * GIB  # memory.gpu_margin_gib's default
+    tiers = []
+    for left in (0.0, 0.3, 0.6):  # of a full tier's persistent bytes, taken by the reserve
+        full = whole.estimate.gpu.persistent_bytes
+        reserve = budget - full + int(left * full)
+        b = _builder(hw, *auto)
+        b.reserve_gpu(reserve)
+        plan = b.plan()
+        assert plan.estimate.gpu.persistent_bytes + reserve <= budget
+        assert "left for the rollout" in (plan.tier_reason or "")
+        tiers.append(plan.gpu_state_blocks)
+    assert tiers[0] == LAYERS + 2 and tiers[-1] < LAYERS + 2
+    assert tiers == sorted(tiers, reverse=True)
+    # grpo_plan reserves the resident rollout when the tier is automatic
+    b = _builder(hw, *auto)
+    plan = grpo_plan(b)
+    assert not plan.rollout.streamed
+    assert b._gpu_reserve_bytes == plan.rollout.gpu_peak_bytes

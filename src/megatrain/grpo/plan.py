@@ -5,7 +5,9 @@ prompts_per_step x num_generations sequences of `training.seq_len` tokens in mic
 `training.micro_batch_size` rows. Rollout phase: resources/rollout.py for N sequences of
 max_prompt_length + max_completion_length tokens, resident when that fits in the GPU memory left
 beside the engine's persistent buffers (weight slots, gradient accumulators, head, GPU tier),
-else streamed. `grpo.generation: resident | streamed` forces a path; on the CPU it is resident.
+else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to leave the
+resident rollout its room (RunBuilder.reserve_gpu), so the tier never pushes generation onto
+the streamed path. `grpo.generation: resident | streamed` forces a path; on the CPU it is resident.
 
 Invariant: the recipe generates on the path this plan chooses (grpo/recipe.py asks it with the
 free memory the device reports), so `megatrain estimate --grpo` names the path the run takes.
@@ -20,18 +22,6 @@ from megatrain.builder import RunBuilder
 from megatrain.resources.hardware import GIB, gib
 from megatrain.resources.plan import ResourcePlan
 from megatrain.resources.rollout import RolloutEstimate, rollout_estimate
-
-# What the engine keeps on the GPU between steps (resources/estimate.py's item names); the
-# per-step activations are freed before a rollout starts.
-PERSISTENT_ITEMS = (
-    "GPU tier (fp32 master, m, v, gradient, weights)",
-    "weight slots",
-    "gradient accumulators (fp32)",
-    "gradient staging (bf16)",
-    "head weights",
-    "tied lm_head table",
-    "head + embedding gradients (fp32)",
-)
 
 
 @dataclass(frozen=True)
@@ -68,7 +58,6 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
             "grpo.num_generations keeps micro-batches equal)"
         )
     rows = -(-sequences // micro) * micro
-    training = builder.plan(tokens_per_step=rows * cfg.seq_len)
     completion = g.max_completion_length
     prompt = g.max_prompt_length or max(cfg.seq_len - completion, 1)
     hw, margin = builder.hardware, cfg.memory.gpu_margin_gib * GIB
@@ -86,9 +75,11 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
 
     resident = rollout(False)
     on_gpu = builder.placement.is_cuda
+    if on_gpu and g.generation != "streamed" and cfg.memory.gpu_state_blocks == "auto":
+        builder.reserve_gpu(resident.gpu_peak_bytes)  # the GPU tier leaves the rollout room
+    training = builder.plan(tokens_per_step=rows * cfg.seq_len)
     if free_gpu_bytes is None:
-        items = training.estimate.gpu.items
-        free_gpu_bytes = hw.gpu_bytes - sum(items.get(k, 0) for k in PERSISTENT_ITEMS)
+        free_gpu_bytes = hw.gpu_bytes - training.estimate.gpu.persistent_bytes
     budget = free_gpu_bytes - margin
     if g.generation != "auto":
         streamed, reason = g.generation == "streamed", f"grpo.generation: {g.generation}"

@@ -84,6 +84,23 @@ class GpuMemory:
     peak_bytes: int
     peak_phase: str  # "layer backward", "loss" or "embedding backward"
 
+    @property
+    def persistent_bytes(self) -> int:
+        """What the engine keeps on the GPU between steps (a step's activations are freed)."""
+        return sum(self.items.get(k, 0) for k in PERSISTENT_ITEMS)
+
+
+PERSISTENT_ITEMS = (
+    "GPU tier (fp32 master, m, v, gradient, weights)",
+    "weight slots",
+    "gradient accumulators (fp32)",
+    "gradient staging (bf16)",
+    "head weights",
+    "tied lm_head table",
+    "head + embedding gradients (fp32)",
+)
+"""The GPU items of `gpu_memory` that live across steps."""
+
 
 @dataclass(frozen=True)
 class Estimate:

@@ -119,8 +119,12 @@ def plan_resources(
     tokens_per_step: int | None = None,
     gpu_margin_gib: float = 2.0,
     host_margin_gib: float = 4.0,
+    gpu_reserve_bytes: int = 0,
 ) -> ResourcePlan:
     """Resolve the batch ("auto" or given) and predict the run.
+
+    `gpu_reserve_bytes`: GPU memory another phase of the run needs beside the engine's
+    persistent buffers (GRPO's resident rollout); the automatic GPU tier leaves it free.
 
     `tokens_per_step` (optional) fixes the step's tokens: with "auto" the accumulation follows
     the chosen micro-batch; with a given micro-batch it must divide the step's rows.
@@ -164,7 +168,12 @@ def plan_resources(
         tier, tier_reason = 0, f"GPU tier: none (state_dtype {shape.state_dtype}: fp32 only)"
     elif shape.gpu_state_blocks == "auto":
         tier, tier_reason = _pick_tier(
-            predict, spec.num_layers + 2, shape.check_gpu, hardware, gpu_margin_gib
+            predict,
+            spec.num_layers + 2,
+            shape.check_gpu,
+            hardware,
+            gpu_margin_gib,
+            gpu_reserve_bytes,
         )
     else:
         tier = min(int(shape.gpu_state_blocks), spec.num_layers + 2)
@@ -227,8 +236,10 @@ def _pick_tier(
     on_gpu: bool,
     hardware: Hardware,
     gpu_margin_gib: float,
+    reserve: int = 0,
 ) -> tuple[int, str]:
-    """The most blocks (tier order) whose GPU-tier states fit beside the run, and why.
+    """The most blocks (tier order) whose GPU-tier states fit beside the run, and beside
+    `reserve` bytes next to the persistent buffers, and why.
 
     The predicted peak grows with the count (each block adds 8-18 B/param and frees at most
     its share of a slot), so a binary search finds the largest that fits.
@@ -239,14 +250,16 @@ def _pick_tier(
     lo, hi = 0, num_blocks  # invariant: lo fits, or lo = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if predict(mid).gpu.peak_bytes <= budget:
+        gpu = predict(mid).gpu
+        if gpu.peak_bytes <= budget and gpu.persistent_bytes + reserve <= budget:
             lo = mid
         else:
             hi = mid - 1
     peak = predict(lo).gpu.peak_bytes
     return lo, (
         f"GPU tier: {lo} of {num_blocks} blocks, predicted GPU peak {gib(peak)} of "
-        f"{gib(hardware.gpu_bytes)} (margin {gpu_margin_gib:g} GiB)"
+        f"{gib(hardware.gpu_bytes)} (margin {gpu_margin_gib:g} GiB"
+        + (f", {gib(reserve)} left for the rollout)" if reserve else ")")
     )
 
 
