@@ -26,10 +26,8 @@ placement is this rank's: cuda:LOCAL_RANK, the process group joined, the store b
 more than one whole fp32 model), the training loader reading this rank's rows (data/ranks.py),
 no GPU tier, metrics from rank 0. A plain run is a world of one and builds what it did before.
 
-Where the next capabilities attach: the plan grows per-run memory choices (activation
-offload, optimizer-state tiers); further model roles (a frozen reference model, a generation
-path) are more methods here that reuse `model()` and `store()`; `reference()` is GRPO's frozen
-KL reference.
+Further model roles reuse `model()` and `store()`, as `reference()` (GRPO's frozen KL
+reference) does; per-run memory choices (GPU tier, layer-input offload, tiles) live in the plan.
 """
 
 from __future__ import annotations
@@ -46,7 +44,15 @@ from megatrain.config import TrainConfig
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.ranks import RankLoader
 from megatrain.data.sample import Sample
-from megatrain.distributed import Placement, any_rank, default_threads, node_turns, placement_here
+from megatrain.distributed import (
+    Placement,
+    any_rank,
+    default_threads,
+    node_turns,
+    placement_here,
+    rows_per_rank,
+    tier_setting,
+)
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.engine import StreamingEngine
 from megatrain.engine.tiling import TilePolicy
@@ -140,19 +146,7 @@ class RunBuilder:
         )
 
     def _tier_setting(self) -> int | str:
-        """memory.gpu_state_blocks, checked against the ranks: several ranks stream every
-        block (the tier keeps whole blocks on one GPU; the store is sharded), so "auto" is 0."""
-        blocks, world = self.cfg.memory.gpu_state_blocks, self.placement.world_size
-        if world == 1:
-            return blocks
-        if blocks not in (0, "auto"):
-            raise ValueError(
-                f"memory.gpu_state_blocks={blocks} with {world} ranks: the GPU tier of optimizer "
-                "states works in one process only (several ranks shard every block's states "
-                "over their hosts instead); set memory.gpu_state_blocks: 0 or auto (auto picks "
-                "0 with ranks), or run one process"
-            )
-        return 0
+        return tier_setting(self.cfg.memory.gpu_state_blocks, self.placement.world_size)
 
     def plan(
         self, *, tokens_per_step: int | None = None, layout: str | None = None
@@ -183,13 +177,8 @@ class RunBuilder:
     def _plan(self, tokens_per_step: int | None, layout: str | None) -> ResourcePlan:
         t, mem = self.cfg.training, self.cfg.memory
         if tokens_per_step is None and t.global_batch_size and t.micro_batch_size == "auto":
-            world = self.placement.world_size
-            if t.global_batch_size % world:
-                raise ValueError(
-                    f"training.global_batch_size={t.global_batch_size} rows do not split over "
-                    f"{world} ranks; make it a multiple of the number of processes"
-                )
-            tokens_per_step = t.global_batch_size // world * self.cfg.seq_len  # per rank
+            rows = rows_per_rank(t.global_batch_size, self.placement.world_size)
+            tokens_per_step = rows * self.cfg.seq_len
         return plan_resources(
             self.spec,
             self.shape(layout),

@@ -209,3 +209,28 @@ def default_threads(local_world_size: int) -> int:
     if local_world_size == 1:
         return max(1, cores - 2)
     return max(1, cores // local_world_size - 1)
+
+
+def tier_setting(blocks: int | str, world: int) -> int | str:
+    """memory.gpu_state_blocks checked against the ranks: several ranks stream every block (the
+    tier keeps whole blocks on one GPU; the store is sharded), so "auto" is 0 there."""
+    if world == 1:
+        return blocks
+    if blocks not in (0, "auto"):
+        raise ValueError(
+            f"memory.gpu_state_blocks={blocks} with {world} ranks: the GPU tier of optimizer "
+            "states works in one process only (several ranks shard every block's states "
+            "over their hosts instead); set memory.gpu_state_blocks: 0 or auto (auto picks "
+            "0 with ranks), or run one process"
+        )
+    return 0
+
+
+def rows_per_rank(global_batch_size: int, world: int) -> int:
+    """Each rank's share of training.global_batch_size rows."""
+    if global_batch_size % world:
+        raise ValueError(
+            f"training.global_batch_size={global_batch_size} rows do not split over {world} "
+            "ranks; make it a multiple of the number of processes"
+        )
+    return global_batch_size // world

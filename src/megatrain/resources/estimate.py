@@ -55,27 +55,11 @@ from megatrain.resources.activations import (
     loss_chunk,
 )
 from megatrain.resources.hardware import Hardware, detect
+from megatrain.resources.host_memory import HostMemory, host_memory, pinned_reserved
 from megatrain.resources.long_context import device_inputs, host_input_bytes
 from megatrain.resources.ranks import ONE_PROCESS, Ranks
 from megatrain.resources.spec import ModelSpec, build_spec
 from megatrain.resources.timing import StepTime, step_time
-from megatrain.store.states import state_nbytes
-
-
-@dataclass(frozen=True)
-class HostMemory:
-    pageable_bytes: int
-    pinned_bytes: int  # what the store asks for
-    pinned_reserved_bytes: int  # what is page-locked: 2 MiB or power-of-two rounding
-    baseline_bytes: int  # python + torch + CUDA context
-    data_bytes: int
-    total_bytes: int
-    load_peak_bytes: int  # while the HF model's fp32 weights move into the store
-    offload_bytes: int = 0  # layer inputs offloaded during the step (in total_bytes)
-
-    @property
-    def store_bytes(self) -> int:
-        return self.pageable_bytes + self.pinned_bytes
 
 
 @dataclass(frozen=True)
@@ -271,56 +255,6 @@ def estimate(
     )
 
 
-HOST_REGISTER_MIN_BYTES = 32 << 20
-
-
-def host_memory(
-    spec: ModelSpec,
-    hw: Hardware,
-    *,
-    data_bytes: int = 0,
-    pin_memory: bool = True,
-    state_dtype: str = "fp32",
-    gpu_state_blocks: int = 0,
-    offload_bytes: int = 0,
-    ranks: Ranks = ONE_PROCESS,
-) -> HostMemory:
-    """Host bytes of one process, or with several ranks of one node (its ranks' shards)."""
-    layers = [la.params for la in spec.layers]
-    every = [spec.embed_params, *layers, spec.head_params]
-    order = [*layers, spec.embed_params, spec.head_params]  # tier order (engine/tier.py)
-    held = [ranks.shard(n) for n in order[gpu_state_blocks:]]
-    local = ranks.nproc_per_node if ranks.world > 1 else 1
-
-    def store(numels: list[int]) -> tuple[int, int, int]:
-        """(pageable, pinned, pinned as reserved) bytes of these blocks on the host."""
-        states = sum(state_nbytes(n, state_dtype) for n in numels)
-        if spec.compute_dtype == torch.bfloat16:
-            pageable, pinned_per_block = 4 * sum(numels) + states, [2 * n for n in numels]
-        else:  # master and gradient pinned
-            pageable, pinned_per_block = states, [4 * n for n in numels] * 2
-        pinned = sum(pinned_per_block)
-        reserved = sum(pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
-        return pageable, pinned, reserved
-
-    pageable, pinned, reserved = (local * b for b in store(held))
-    process = local * (hw.process_baseline_bytes + data_bytes)
-    total = pageable + reserved + process + local * offload_bytes
-    loading = sum(store(every)[::2]) + process  # every block is built on the host first
-    if ranks.world > 1:  # ranks take turns: one whole fp32 model beside the node's shards
-        loading = pageable + reserved + process + 4 * sum(every)
-    return HostMemory(
-        pageable_bytes=pageable,
-        pinned_bytes=pinned,
-        pinned_reserved_bytes=reserved,
-        baseline_bytes=local * hw.process_baseline_bytes,
-        data_bytes=local * data_bytes,
-        total_bytes=total,
-        load_peak_bytes=loading + 4 * max(every),  # the block being moved exists twice
-        offload_bytes=local * offload_bytes,
-    )
-
-
 def gpu_memory(
     spec: ModelSpec,
     profile: LayerProfile,
@@ -385,22 +319,6 @@ def gpu_memory(
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     items = {k: v for k, v in {**base, **phases[phase]}.items() if v}
     return GpuMemory(items=items, peak_bytes=sum(items.values()), peak_phase=phase)
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else n
-
-
-def pinned_reserved(nbytes: int) -> int:
-    """Host bytes a pinned block costs (megatrain.store.memory.host_zeros).
-
-    Blocks of 32 MiB and more are huge-page mappings registered with cudaHostRegister: their
-    size rounded up to 2 MiB. Smaller ones come from torch's caching host allocator, which
-    rounds up to a power of two.
-    """
-    if nbytes >= HOST_REGISTER_MIN_BYTES:
-        return -(-nbytes // (2 << 20)) * (2 << 20)
-    return _pow2_ceil(nbytes)
 
 
 def _notes(hw: Hardware) -> list[str]:

@@ -33,9 +33,10 @@ from typing import Any
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.tiling import TilePolicy
 from megatrain.resources.batch_size import pick_micro_batch
-from megatrain.resources.estimate import Estimate, estimate, pinned_reserved
+from megatrain.resources.estimate import Estimate, estimate
 from megatrain.resources.fit import gpu_problem, host_problem
 from megatrain.resources.hardware import GIB, Hardware, gib
+from megatrain.resources.host_memory import pinned_reserved
 from megatrain.resources.long_context import choose_boundaries
 from megatrain.resources.ranks import ONE_PROCESS, Ranks
 from megatrain.resources.spec import ModelSpec
