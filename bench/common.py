@@ -85,11 +85,12 @@ def host_peak_rss_gib() -> float:
 
 
 def result(**kv: Any) -> None:
-    """One machine-readable line per measurement (also appended to $OUT/results.jsonl)."""
+    """One machine-readable line per measurement, also appended to $OUT/results.jsonl when run
+    alone (under bench/run.py the runner collects the printed lines)."""
     line = json.dumps(kv)
     print("RESULT " + line, flush=True)
     out = os.environ.get("OUT")
-    if out:
+    if out and not os.environ.get("BENCH_COLLECTS"):
         with open(os.path.join(out, "results.jsonl"), "a") as f:
             f.write(line + "\n")
 

@@ -11,7 +11,8 @@ into $OUT/results.jsonl, and a short summary is printed last. Record what you ru
 docs/performance.md (date, card, command, numbers); results of past runs live there, not here.
 
 The environment of the GPU machine is kept as it is (NCCL_NVLS_ENABLE=0 and friends stay set);
-this runner only adds PYTHONPATH (src/ and bench/), PYTHONUNBUFFERED and TRANSFORMERS_VERBOSITY.
+this runner only adds PYTHONPATH (src/ and bench/), PYTHONUNBUFFERED, TRANSFORMERS_VERBOSITY and
+BENCH_COLLECTS (the scripts then leave results.jsonl to the runner: one line per result).
 Multi-GPU scenarios launch with torchrun on $NGPU GPUs (the env var NGPU, else every GPU torch
 sees), OMP_NUM_THREADS set to each rank's share of the cores (torchrun would set 1, which
 starves DeepSpeed's CPU Adam and the model's random init).
@@ -411,6 +412,7 @@ def main() -> int:
     if nvcc and "CUDA_HOME" not in env:  # DeepSpeed's op builder looks for it
         env["CUDA_HOME"] = str(Path(nvcc).resolve().parents[1])
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["BENCH_COLLECTS"] = "1"
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     summary = []
     for name in args.scenarios:
