@@ -71,9 +71,10 @@ def _torchrun(*argv: str) -> tuple[str, ...]:
     return ("env", "OMP_NUM_THREADS=$THREADS", *torchrun, *argv)
 
 
-# Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step (4 rows of 2048 per rank)
+# Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step (4 rows of 2048 per rank);
+# --probe: the printed prediction uses this host's measured rates
 _RANKS_JOB = ("--preset", "qwen2.5-7b", "--batch", "4", "--seq", "2048", "--steps", "3")
-_RANKS_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", "--max-grad-norm", "1.0")
+_RANKS_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", "--max-grad-norm", "1.0", "--probe")
 
 
 def _grpo(*flags: str) -> tuple[str, ...]:
