@@ -20,14 +20,10 @@ Invariants:
   alone (meta device); `plan()` is cached, so the batch the run uses is the one that was checked.
 - Components receive plain keyword arguments, never the config (STYLE: only the recipe reads it).
 
-Ranks: under torchrun (RANK / WORLD_SIZE in the environment, megatrain/distributed.py) the
-placement is this rank's: cuda:LOCAL_RANK, the process group joined, the store built sharded
-(store/shard.py; the ranks of a node load the model one after another, so a node never holds
-more than one whole fp32 model), the training loader reading this rank's rows (data/ranks.py),
-no GPU tier, metrics from rank 0. A plain run is a world of one and builds what it did before.
-
-Further model roles reuse `model()` and `store()`, as `reference()` (GRPO's frozen KL
-reference) does; per-run memory choices (GPU tier, layer-input offload, tiles) live in the plan.
+Ranks: under torchrun (megatrain/distributed.py) the placement is this rank's (cuda:LOCAL_RANK,
+the process group joined), the store is built sharded (store/shard.py), the training loader
+reads this rank's rows (data/ranks.py), no GPU tier, metrics from rank 0. A plain run is a
+world of one. Further model roles reuse `model()` and `store()`, as `reference()` does.
 """
 
 from __future__ import annotations
@@ -135,18 +131,15 @@ class RunBuilder:
             clipping=cfg.optimizer.clip_norm is not None,
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
             pin_memory=self.pin_memory,
-            check_gpu=self.placement.is_cuda,
+            check_gpu=p.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
-            gpu_state_blocks=self._tier_setting(),
+            gpu_state_blocks=tier_setting(cfg.memory.gpu_state_blocks, p.world_size),
             compiled=cfg.training.compile_layers,
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             activation_offload=cfg.memory.activation_offload,
             checkpoint_every=cfg.memory.checkpoint_every,
             mlp_tiles=cfg.memory.mlp_tiles,
         )
-
-    def _tier_setting(self) -> int | str:
-        return tier_setting(self.cfg.memory.gpu_state_blocks, self.placement.world_size)
 
     def plan(
         self, *, tokens_per_step: int | None = None, layout: str | None = None
@@ -350,10 +343,9 @@ class RunBuilder:
 
     def gpu_state_blocks(self, num_layers: int) -> int:
         """GPU-tier blocks (layers, then embedding, then head): the config's count (clamped to
-        the model), or the plan's for "auto" (the plan is then computed, else not needed)."""
-        blocks = self.cfg.memory.gpu_state_blocks
-        if self.placement.world_size > 1:
-            return int(self._tier_setting())  # 0, or the refusal of an explicit count
+        the model), or the plan's for "auto" (the plan is then computed, else not needed).
+        Several ranks: 0, or the refusal of an explicit count (distributed.tier_setting)."""
+        blocks = tier_setting(self.cfg.memory.gpu_state_blocks, self.placement.world_size)
         if isinstance(blocks, int):
             return min(blocks, num_layers + 2)
         return self.plan().gpu_state_blocks
@@ -362,20 +354,15 @@ class RunBuilder:
         """The store's weights as a Hugging Face folder, output_dir/hf_model (with all updates
         applied: the caller waits for them). Sharded: gathered to rank 0, which writes one
         ordinary folder (checkpoint_shards.py)."""
+        out, dtype = (
+            Path(self.cfg.training.output_dir) / "hf_model",
+            self.cfg.checkpoint.export_dtype,
+        )
         if self.placement.world_size > 1:
             return export_sharded(
-                store,
-                Path(self.cfg.training.output_dir) / "hf_model",
-                device=self.device,
-                dtype=self.cfg.checkpoint.export_dtype,
-                tokenizer=self.tokenizer(),
+                store, out, device=self.device, dtype=dtype, tokenizer=self.tokenizer()
             )
-        return export_hf(
-            store,
-            Path(self.cfg.training.output_dir) / "hf_model",
-            dtype=self.cfg.checkpoint.export_dtype,
-            tokenizer=self.tokenizer(),
-        )
+        return export_hf(store, out, dtype=dtype, tokenizer=self.tokenizer())
 
     def reference(self, store: HostStore) -> ReferenceWeights:
         """The store's current weights, frozen in host memory (GRPO's KL reference)."""
