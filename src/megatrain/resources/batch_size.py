@@ -10,6 +10,8 @@ grows with the micro-batch size, so a binary search over the candidates finds th
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PretrainedConfig
 
 from megatrain.resources.estimate import Estimate, estimate, model_spec
@@ -27,17 +29,12 @@ def pick_micro_batch(
     hardware: Hardware,
     gpu_margin_gib: float = 2.0,
     compute_dtype: str | None = None,
-    num_slots: int = 2,
-    padded: bool = True,
-    packed: bool = False,
-    clipping: bool = True,
-    loss_chunk_tokens: int | None = None,
-    pin_memory: bool = True,
-    compiled: bool = False,
     max_micro_batch_size: int = 64,
+    **estimate_kwargs: Any,
 ) -> tuple[int, int, str]:
     """(micro_batch_size, grad_accum, reason). Raises ValueError, with the numbers and what to
-    change, when not even the smallest candidate fits."""
+    change, when not even the smallest candidate fits. `estimate_kwargs` (num_slots, padded,
+    packed, clipping, ranks, mlp_tiles, ...) go to every candidate's `estimate` unchanged."""
     if (tokens_per_step is None) == (grad_accum is None):
         raise ValueError("give exactly one of tokens_per_step and grad_accum")
     spec = model_spec(config, compute_dtype)
@@ -66,14 +63,8 @@ def pick_micro_batch(
             seq_len=seq_len,
             micro_batch_size=b,
             grad_accum=ga,
-            num_slots=num_slots,
-            padded=padded,
-            packed=packed,
-            clipping=clipping,
             hardware=hardware,
-            loss_chunk_tokens=loss_chunk_tokens,
-            pin_memory=pin_memory,
-            compiled=compiled,
+            **estimate_kwargs,
         )
 
     smallest = predict(0)

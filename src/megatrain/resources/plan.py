@@ -137,9 +137,15 @@ def plan_resources(
             if tokens_per_step is not None
             else {"grad_accum": grad_accum}
         )
-        kwargs = shape.estimate_kwargs()
         micro_batch_size, grad_accum, reason = pick_micro_batch(
-            spec, hardware=hardware, gpu_margin_gib=gpu_margin_gib, **target, **kwargs
+            spec,
+            hardware=hardware,
+            gpu_margin_gib=gpu_margin_gib,
+            state_dtype=shape.state_dtype,
+            mlp_tiles=shape.tile_count,
+            ranks=shape.ranks,
+            **target,
+            **shape.estimate_kwargs(),
         )
     elif tokens_per_step is not None:
         grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)
