@@ -177,6 +177,19 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resume_path(resume_from: str | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint `checkpoint.resume_from` names: None (no resume), "auto" (the latest in
+    output_dir; None with a message when there is none) or a path."""
+    if resume_from is None:
+        return None
+    if resume_from != "auto":
+        return Path(resume_from)
+    path = latest_checkpoint(output_dir)
+    if path is None:
+        print(f"resume: no checkpoint under {output_dir}/checkpoints, starting fresh", flush=True)
+    return path
+
+
 def load_checkpoint(path: str | Path, store: HostStore) -> dict[str, Any]:
     """Fill `store` (master, AdamW states, step counters) from a checkpoint; returns its state."""
     path = Path(path)

@@ -29,9 +29,9 @@ import torch
 from megatrain.batch import Batch
 from megatrain.builder import Placement, RunBuilder
 from megatrain.checkpoint import (
-    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    resume_path,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -119,15 +119,8 @@ class Trainer:
         return max(1, math.ceil(t.num_epochs * per_epoch))
 
     def _resume(self) -> None:
-        where = self.cfg.checkpoint.resume_from
-        if where is None:
-            return
-        path = latest_checkpoint(self.output_dir) if where == "auto" else Path(where)
+        path = resume_path(self.cfg.checkpoint.resume_from, self.output_dir)
         if path is None:
-            print(
-                f"resume: no checkpoint under {self.output_dir}/checkpoints, starting fresh",
-                flush=True,
-            )
             return
         world, saved = self.builder.placement.world_size, _saved_world_size(path)
         if saved != world:

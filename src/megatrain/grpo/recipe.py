@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from megatrain.builder import RunBuilder
-from megatrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatrain.checkpoint import load_checkpoint, resume_path, save_checkpoint
 from megatrain.config import TrainConfig, save_config
 from megatrain.data import demo_assets_dir
 from megatrain.data.pipeline import pad_token_id_of
@@ -124,12 +124,8 @@ class GRPOTrainer:
         return max(1, batches) * g.num_iterations
 
     def _resume(self) -> None:
-        where = self.cfg.checkpoint.resume_from
-        if where is None:
-            return
-        path = latest_checkpoint(self.output_dir) if where == "auto" else Path(where)
+        path = resume_path(self.cfg.checkpoint.resume_from, self.output_dir)
         if path is None:
-            print(f"resume: no checkpoint under {self.output_dir}/checkpoints", flush=True)
             return
         state = load_checkpoint(path, self.store)
         if self.reference is not None:  # the reference is the run's initial weights
