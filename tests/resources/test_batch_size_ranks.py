@@ -9,16 +9,9 @@ from megatrain.resources import Hardware, estimate, model_spec
 from megatrain.resources.batch_size import pick_micro_batch
 from megatrain.resources.hardware import GIB
 from megatrain.resources.ranks import Ranks
+from shapes import QWEN25_7B
 
-QWEN_7B = Qwen2Config(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-)
+QWEN_7B = Qwen2Config(**QWEN25_7B)
 
 
 def test_auto_micro_batch_counts_the_ranks_gpu_buffers() -> None:

@@ -22,16 +22,8 @@ from megatrain.resources.hardware import GIB
 from megatrain.resources.plan import RunShape, plan_resources
 from megatrain.resources.spec import ModelSpec
 from megatrain.resources.timing import GPU_ADAMW_GPARAMS_S
+from shapes import QWEN25_3B as QWEN3B
 
-QWEN3B = dict(  # Qwen2.5-3B shape: 36 equal layers
-    hidden_size=2048,
-    intermediate_size=11008,
-    num_hidden_layers=36,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
 H100 = Hardware()
 TIER_ITEM = "GPU tier (fp32 master, m, v, gradient, weights)"
 

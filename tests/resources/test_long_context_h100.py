@@ -19,16 +19,8 @@ from megatrain.resources.activations import attention_workspace
 from megatrain.resources.hardware import GIB
 from megatrain.resources.long_context import choose_boundaries
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
+from shapes import LLAMA31_8B as LLAMA_8B
 
-LLAMA_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-)
 H100_TOTAL = int(79.18 * GIB)  # what torch.cuda reports for an H100 80GB HBM3
 
 

@@ -24,16 +24,8 @@ from megatrain.resources import Hardware, estimate, model_spec
 from megatrain.resources.activations import layer_profile
 from megatrain.resources.hardware import GIB
 from megatrain.resources.long_context import choose_boundaries, device_inputs, longest_fitting
+from shapes import LLAMA31_8B as LLAMA_8B
 
-LLAMA_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-)
 INPUT = 4 * GIB  # one 8B layer input at 524,288 tokens, bf16
 
 

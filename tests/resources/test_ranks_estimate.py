@@ -22,16 +22,8 @@ from megatrain.resources.plan import RunShape, plan_resources
 from megatrain.resources.ranks import NVLINK_GBPS, Ranks
 from megatrain.resources.spec import ModelSpec
 from megatrain.store.states import QUANT_BLOCK
+from shapes import QWEN25_7B as QWEN7B
 
-QWEN7B = dict(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-)
 HW = Hardware(host_bytes=512 * GIB)
 
 

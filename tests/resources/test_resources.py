@@ -26,22 +26,14 @@ from megatrain.resources import (
 from megatrain.resources.activations import layer_profile, loss_chunk
 from megatrain.resources.hardware import GIB, gib
 from megatrain.resources.timing import attention_flops_per_token
+from shapes import QWEN25_3B as QWEN3B
 
 # tiny llama (model/tiny.py): V=256, D=64, FF=128, L=3, 4 heads, 2 kv heads, head_dim 16
 V, D, FF, L = 256, 64, 128, 3
 LAYER = 64 * 64 + 2 * (32 * 64) + 64 * 64 + 3 * D * FF + 2 * D  # q, k+v, o, MLP, two norms
 EMBED = V * D
 
-# Qwen2.5-3B shape, measured on an H200 on 2026-11-26 (brief of the estimator)
-QWEN3B = dict(
-    hidden_size=2048,
-    intermediate_size=11008,
-    num_hidden_layers=36,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
+# the H200 run the Qwen2.5-3B shape (QWEN3B) was measured on, 2026-11-26 (brief of the estimator)
 H200_RUN = Hardware(
     gpu_name="NVIDIA H200",
     gpu_bytes=139 * GIB,
