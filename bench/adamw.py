@@ -78,6 +78,9 @@ class Busy:
         self.thread.join()
 
 
+DROPPED_FLAG = [""]  # the compiler flag this run's C kernel was built without (--drop-flag)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=float, default=1e9)
@@ -95,7 +98,18 @@ def main() -> None:
         default="fp32",
         help="optimizer.state_dtype layouts to time (fp32,bf16,int8); compressed: C kernel only",
     )
+    ap.add_argument(
+        "--drop-flag",
+        default="",
+        help="build the C kernel without this compiler flag (an A/B of one flag, e.g. "
+        "-fno-math-errno; the kernel cache key includes the flags, so both builds coexist)",
+    )
     a = ap.parse_args()
+    if a.drop_flag:
+        from megatrain import native
+
+        native._FLAGS.remove(a.drop_flag)
+        DROPPED_FLAG[0] = a.drop_flag
     total, block = int(a.params), int(a.block)
     src, dst = torch.empty(total // 2), torch.empty(total // 2)
     copy_s = timed(lambda: dst.copy_(src), a.reps)
@@ -136,6 +150,7 @@ def run_all(
                     state_dtype=state_dtype,
                     threads=threads,
                     busy_main_thread=busy,
+                    dropped_flag=DROPPED_FLAG[0] if impl == "c" else "",
                     huge_pages=huge,
                     params=total,
                     seconds=round(s, 3),

@@ -161,6 +161,33 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         ),
     ),
+    "adamw_errno_ab": Scenario(
+        "issue 13: the fp32 C kernel built with and without -fno-math-errno, same host, same call",
+        tuple(
+            (PY, "bench/adamw.py", "--params", "1e9", "--threads", "14", "--huge", "yes", *flag)
+            for flag in ((), ("--drop-flag=-fno-math-errno",))
+        ),
+    ),
+    "compare_tier": Scenario(
+        "issue 13: Qwen2.5-3B shape, 8k tokens/step, clipping off and on: GPU-resident, DeepSpeed "
+        "ZeRO-3 offload (needs peers_install) and MegaTrain with its default GPU tier",
+        (
+            (
+                PY,
+                "bench/compare.py",
+                *("--preset", "qwen2.5-3b", "--tokens", "8192", "--steps", "4"),
+                "--systems",
+                "gpu,deepspeed,megatrain,megatrain:optimizer.max_grad_norm=1.0",
+            ),
+        ),
+        timeout_s=420,
+    ),
+    "quality": Scenario(
+        "issue 13: the same ~1.04B fine-tuning run (300 steps, demo-style data scaled up) with "
+        "fp32, bf16 and int8 AdamW states, one after the other: loss curves side by side",
+        ((PY, "bench/quality.py", "--out", "$OUT/quality", "--steps", "300"),),
+        timeout_s=590,
+    ),
     "layer_speed": Scenario(
         "one Qwen2.5-7B decoder layer: forward, recompute and backward times, eager and compiled",
         (
