@@ -102,6 +102,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="the demo's tiny model (a CPU check)")
     a = ap.parse_args()
     data = a.data
+    a.out.mkdir(parents=True, exist_ok=True)
     write_data(data, a.conversations, a.seed)
     curves: dict[str, dict[int, float]] = {}
     for dtype in a.dtypes.split(","):
