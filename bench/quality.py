@@ -70,7 +70,7 @@ def overrides(out: Path, data: Path, steps: int, state_dtype: str, smoke: bool) 
         *("--optimizer.learning_rate", "3e-4", "--optimizer.state_dtype", state_dtype),
         *("--optimizer.max_grad_norm", "1.0", "--memory.gpu_state_blocks", "0"),
         *("--logging.progress_bar", "false", "--logging.tensorboard", "false"),
-        *("--logging.log_every", "25", "--checkpoint.export_hf", "false"),
+        *("--logging.log_every", "25", "--checkpoint.export_dtype", "bf16"),
         *("--checkpoint.save_final", "false"),
     ]
 
