@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -38,28 +36,29 @@ def test_visit_order_and_values_equal_hf_initialize_weights(model_type: str) -> 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "qwen3_5_text", "gemma3_text"])
-def test_cuda_init_follows_the_scheme_and_returns_to_the_cpu(model_type: str) -> None:
-    """Different random numbers than the CPU, same scheme: constants equal, random tensors with
-    the configured std: the two sample stds differ by less than 6 standard errors of their
-    difference (sqrt(2) x std / sqrt(2(n-1)) for normal samples); computed buffers (rotary
-    frequencies) equal to a few ulp of fp32 (each device's own pow and division)."""
-    cpu = load_causal_lm(None, model_type=model_type, tiny=True, seed=5)
-    gpu = load_causal_lm(
-        None, model_type=model_type, tiny=True, seed=5, init_device=torch.device("cuda")
-    )
-    for name, w in cpu.named_buffers():
-        g = dict(gpu.named_buffers())[name]
-        assert g.device.type == "cpu", name
-        torch.testing.assert_close(g, w, rtol=4 * torch.finfo(w.dtype).eps, atol=0)
-    want, got = dict(cpu.named_parameters()), dict(gpu.named_parameters())
+def test_cuda_init_equals_hf_init_on_cuda(model_type: str) -> None:
+    """On the GPU the module-by-module visit draws the same numbers as HF's `init_weights` run on
+    a model held on the GPU (the same calls in the same order on the CUDA generator), and leaves
+    the model on the CPU. (A comparison of sample statistics against the CPU init cannot be
+    exact: some tensors are tiny and not normal, e.g. linear attention's 4-element A_log.)"""
+    cuda = torch.device("cuda")
+    hf, ours = _allocated(model_type).to(cuda), _allocated(model_type)
+    torch.manual_seed(5)
+    hf.init_weights()
+    torch.manual_seed(5)
+    init_on_device(ours, cuda)
+    want = {**hf.state_dict(), **dict(hf.named_buffers())}
+    got = {**ours.state_dict(), **dict(ours.named_buffers())}
     assert want.keys() == got.keys()
-    for name, w in want.items():
-        g = got[name]
-        assert g.device.type == "cpu" and g.dtype == w.dtype and g.shape == w.shape, name
-        if w.numel() < 2 or w.std() == 0:  # constants: norm ones, zero biases
-            assert torch.equal(w, g), name
-            continue
-        bound = 6 * math.sqrt(2) * w.std().item() / math.sqrt(2 * (w.numel() - 1))
-        assert abs(g.std().item() - w.std().item()) <= bound, name
-    if cpu.config.tie_word_embeddings:
-        assert gpu.get_output_embeddings().weight is gpu.get_input_embeddings().weight
+    for name, tensor in want.items():
+        assert got[name].device.type == "cpu", name
+        assert torch.equal(tensor.cpu(), got[name]), name
+
+
+@pytest.mark.gpu
+def test_load_with_cuda_init_returns_the_model_on_the_cpu() -> None:
+    model = load_causal_lm(
+        None, model_type="llama", tiny=True, seed=5, init_device=torch.device("cuda")
+    )
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert {b.device.type for b in model.buffers()} == {"cpu"}

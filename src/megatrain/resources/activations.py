@@ -23,8 +23,10 @@ What the GPU runs differently from meta tensors, and is substituted here:
   efficient with one); on meta it would fall back to the math path, which materializes the
   [B, H, S, S] scores. It is routed to the flash / efficient aten ops, which keep O(tokens),
   except where CUDA itself runs the math path (`_fused_attention`).
-- grouped_mm (MoE experts) has a bf16-only meta kernel; fp32 goes through transformers' loop
-  fallback, whose meta kernel has the same memory.
+- grouped_mm (MoE experts) has a bf16-only meta kernel; fp32 runs transformers' loop fallback
+  on the GPU, whose backward reads the expert offsets on the host in some transformers releases
+  (5.17), impossible on meta: `_MetaGroupedMM` stands in with the fallback's memory (the output;
+  for backward, the saved input and weight and gradients like both).
 """
 
 from __future__ import annotations
@@ -90,8 +92,23 @@ class _GpuKernels(TorchFunctionMode):
             return _fused_attention(*args, **kwargs)
         grouped = (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
         if func in grouped and args[0].dtype != torch.bfloat16:
-            return torch.ops.transformers.grouped_mm_fallback(args[0], args[1], kwargs["offs"])
+            return _MetaGroupedMM.apply(args[0], args[1])
         return func(*args, **kwargs)
+
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """transformers' fp32 grouped-matmul fallback, as memory: out [tokens, N] from input
+    [tokens, K] and weight [experts, K, N]; backward keeps both and returns gradients like them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x.new_empty(x.shape[0], weight.shape[2])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _fused_attention(
