@@ -109,7 +109,11 @@ def main() -> None:
     cfg = shorthand_config(None, overrides, values=values)
     if a.old_too and cfg.memory.gpu_state_blocks != 0:
         ap.error("--old-too trains one store twice: add --memory.gpu_state_blocks 0")
-    hardware = probe() if a.probe else None
+    hardware = (
+        probe(optimizer_threads=cfg.optimizer.threads, state_dtype=cfg.optimizer.state_dtype)
+        if a.probe
+        else None
+    )
     builder = RunBuilder(cfg, hardware=hardware)  # as `megatrain train`: plan, store, engine
     p = builder.placement  # under torchrun: this rank's
     if p.world_size > 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from transformers import Qwen2Config
 
@@ -42,6 +44,23 @@ def test_state_dtype_scales_the_cpu_optimizer_time(spec: object, dtype: str) -> 
     other = estimate(spec, state_dtype=dtype, **kwargs).time
     assert other.optimizer_s == pytest.approx(fp32.optimizer_s / STATE_DTYPE_SPEED[dtype])
     assert estimate(spec, state_dtype=dtype, **kwargs).settings["state_dtype"] == dtype
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_a_rate_probed_with_the_runs_kernel_is_taken_as_it_is(spec: object, dtype: str) -> None:
+    kwargs = dict(seq_len=2048, micro_batch_size=1, padded=False, state_dtype=dtype)
+    probed = dataclasses.replace(H100, optimizer_state_dtype=dtype)
+    fp32 = estimate(spec, **kwargs, hardware=H100).time  # the fp32 rate times the ratio
+    own = estimate(spec, **kwargs, hardware=probed).time  # the same number, this kernel's rate
+    assert own.optimizer_s == pytest.approx(fp32.optimizer_s * STATE_DTYPE_SPEED[dtype])
+
+
+def test_probe_times_the_state_dtypes_own_kernel() -> None:
+    from megatrain.resources.hardware import probe
+
+    hw = probe(optimizer_params=25_000_000, optimizer_threads=1, state_dtype="int8")
+    assert hw.optimizer_state_dtype == "int8" and "optimizer_gparams_s" in hw.measured
+    assert hw.optimizer_gparams_s > 0
 
 
 def test_the_run_shape_carries_compile_layers_into_the_plan() -> None:

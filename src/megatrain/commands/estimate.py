@@ -106,7 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     hardware = (
-        probe(gpu_gib=args.gpu_gib, host_gib=args.host_gib)
+        probe(
+            optimizer_threads=cfg.optimizer.threads,
+            state_dtype=cfg.optimizer.state_dtype,
+            gpu_gib=args.gpu_gib,
+            host_gib=args.host_gib,
+        )
         if args.probe
         else detect(gpu_gib=args.gpu_gib, host_gib=args.host_gib)
     )

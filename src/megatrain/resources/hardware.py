@@ -46,6 +46,7 @@ class Hardware:
     achieved_fraction: float = 0.5  # bf16: engine FLOPs / matmul peak (H200 run: 400 of 790)
     achieved_fraction_fp32: float = 0.75  # fitted to one H200 fp32 run (160M llama)
     optimizer_gparams_s: float = 2.26  # C AdamW kernel, busy main thread beside it
+    optimizer_state_dtype: str = "fp32"  # the state dtype whose kernel that rate is of
     process_baseline_bytes: int = int(1.7 * GIB)  # RSS of the process besides the store
     op_launch_s: float = 1.5e-5  # host time per aten op of HF layer code (fitted: H200 MoE run)
     measured: tuple[str, ...] = field(default=())
@@ -98,11 +99,15 @@ def probe(
     *,
     optimizer_params: int = 200_000_000,
     optimizer_threads: int | None = None,
+    state_dtype: str = "fp32",
     gpu_gib: float | None = None,
     host_gib: float | None = None,
 ) -> Hardware:
     """`detect()` plus measured rates: the engine's CPU AdamW over ~`optimizer_params` params
-    in 25M blocks with a busy Python thread beside it; on CUDA also pinned 1 GiB copies each
+    in 25M blocks with a busy Python thread beside it, with the run's `state_dtype` (the
+    compressed kernels are compute-bound where fp32 is bandwidth-bound, so their ratio to fp32
+    depends on the host: int8 0.45x fp32 on a 16-vCPU H100 host, 1.2x on a 64-vCPU one); on
+    CUDA also pinned 1 GiB copies each
     way, an 8192^3 bf16 and a 4096^3 fp32 matmul. The process baseline stays the calibrated
     default: right after CUDA start-up a process holds 0.7 GiB (H200 host), a training process
     1.7 GiB beside its store (kernels and modules loaded on first use)."""
@@ -111,10 +116,15 @@ def probe(
     if torch.cuda.is_available():
         values.update(_probe_gpu())
     values["optimizer_gparams_s"] = _probe_optimizer(
-        optimizer_params, optimizer_threads, hw.host_bytes
+        optimizer_params, optimizer_threads, hw.host_bytes, state_dtype
     )
     measured = tuple(sorted({*hw.measured, *values}))
-    hw = dataclasses.replace(hw, **values, measured=measured)  # type: ignore[arg-type]
+    hw = dataclasses.replace(
+        hw,
+        **values,  # type: ignore[arg-type]
+        optimizer_state_dtype=state_dtype,
+        measured=measured,
+    )
     return hw.with_overrides(gpu_gib=gpu_gib, host_gib=host_gib)
 
 
@@ -152,10 +162,12 @@ def _copy_gbps() -> dict[str, float | int]:
     return {"h2d_gbps": h2d, "d2h_gbps": d2h}
 
 
-def _probe_optimizer(params: int, threads: int | None, host_bytes: int) -> float:
-    """Gparams/s of the engine's CpuAdamW on bf16-shadow blocks, a busy thread beside it."""
+def _probe_optimizer(params: int, threads: int | None, host_bytes: int, state_dtype: str) -> float:
+    """Gparams/s of the engine's CpuAdamW on bf16-shadow blocks with `state_dtype` states, a
+    busy thread beside it."""
     from megatrain.optim.adamw import AdamWHyper, CpuAdamW
     from megatrain.store.blocks import ParamBlock
+    from megatrain.store.states import allocate_states
 
     block_numel = 25_000_000
     params = max(block_numel, min(params, host_bytes // 20 // 16))  # <= 5% of RAM
@@ -169,8 +181,8 @@ def _probe_optimizer(params: int, threads: int | None, host_bytes: int) -> float
                 numel=n,
                 decay_numel=n,
                 master=torch.full((n,), 0.02),
-                exp_avg=torch.zeros(n),
-                exp_avg_sq=torch.zeros(n),
+                **allocate_states(n, state_dtype),
+                state_dtype=state_dtype,
                 shadow=torch.full((n,), 1e-3, dtype=torch.bfloat16),
             )
         )

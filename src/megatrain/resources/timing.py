@@ -50,10 +50,13 @@ from megatrain.resources.spec import LayerSpec, ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
 STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.45}
-"""CPU AdamW rate per state dtype relative to fp32 (the probe measures fp32). bf16: the C
-kernels with a busy main thread beside them on the H100 host of docs/performance.md run 10
-(4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9 parameters, 0.41 inside a 14.8B-parameter run
-(run 13: 2.30 Gparams/s, fp32 blocks of an 8B run on the same host 5.6); 0.45 between them."""
+"""CPU AdamW rate per state dtype relative to fp32, used only where the hardware's rate is of
+another kernel (the default, or a probe of fp32): `probe(state_dtype=...)` measures the run's own
+kernel, and then the ratio is 1. bf16: the C kernels with a busy main thread beside them on the
+H100 host of docs/performance.md run 10 (4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9
+parameters, 0.41 inside a 14.8B-parameter run (run 13); 0.45 between them. The ratio depends on
+the host (fp32 is bandwidth-bound, int8 compute-bound): on the 64-vCPU host of run 19 int8 ran
+6.5 Gparams/s inside a 56.9B run where fp32 probed 5.41."""
 COMPILED_SPEEDUP = 1.2
 """Compiled layers against eager ones, GPU time of forward, recompute and backward (fitted:
 Llama-3.1-8B and Qwen2.5-14B shapes on an H100, eager-fitted predictions 1.17x and 1.25x the
@@ -211,7 +214,8 @@ def _costs(
     ]
     loss = 6.0 * spec.lm_head_params * tokens
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
-    opt_rate = hw.optimizer_gparams_s * 1e9 * STATE_DTYPE_SPEED[state_dtype]
+    probed = STATE_DTYPE_SPEED[hw.optimizer_state_dtype]  # 1 when the rate is this kernel's
+    opt_rate = hw.optimizer_gparams_s * 1e9 * STATE_DTYPE_SPEED[state_dtype] / probed
     gpu_opt_rate = GPU_ADAMW_GPARAMS_S * 1e9
     n, resident = spec.num_layers, min(tier, spec.num_layers)
     # per block in forward order (embedding, layers, head): parameters the host updates
