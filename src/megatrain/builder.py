@@ -296,8 +296,8 @@ class RunBuilder:
 
         if p.world_size == 1:
             return build()
-        whole_models = p.local_world_size * 4 * self.spec.total_params
-        at_once = self.plan().estimate.host.total_bytes + whole_models
+        others = (p.local_world_size - 1) * 4 * self.spec.total_params  # their whole models
+        at_once = self.plan().estimate.host.load_peak_bytes + others
         room = self.hardware.host_bytes - self.cfg.memory.host_margin_gib * GIB
         return node_turns(build, p, in_turns=any_rank(at_once > room))
 
