@@ -72,9 +72,14 @@ def _torchrun(*argv: str) -> tuple[str, ...]:
 
 
 # Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step (4 rows of 2048 per rank);
-# --probe: the printed prediction uses this host's measured rates
+# --probe: the printed prediction uses this host's measured rates; the GPU tier "auto" in one
+# process and in the ranks (each rank plans its GPU; the tier's states sharded over them)
 _RANKS_JOB = ("--preset", "qwen2.5-7b", "--batch", "4", "--seq", "2048", "--steps", "3")
-_RANKS_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", "--max-grad-norm", "1.0", "--probe")
+_RANKS_TIER = ("--max-grad-norm", "1.0", "--probe", "--memory.gpu_state_blocks", "auto")
+_RANKS_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", *_RANKS_TIER)
+# the weak-scaling job: 32k tokens per GPU per step (16 rows of 2048 per rank, 4 micro-batches)
+_WEAK_MEGATRAIN = ("--preset", "qwen2.5-7b", "--batch", "16", "--micro", "4", "--seq", "2048")
+_WEAK_MEGATRAIN += ("--steps", "3", *_RANKS_TIER)
 
 
 def _grpo(*flags: str) -> tuple[str, ...]:
@@ -317,16 +322,25 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "ranks_compare": Scenario(
         "ranks (issue 10): Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step: "
-        "one GPU (GPU tier auto, then 0 as the ranks), $NGPU GPUs with torchrun, DeepSpeed "
-        "ZeRO-3 offload on the same GPUs and rows (needs peers_install); tokens/s, per GPU, "
-        "GPU peak per rank, host RSS",
+        "one GPU and $NGPU GPUs with torchrun, both with the GPU tier auto (sharded over the "
+        "ranks), DeepSpeed ZeRO-3 offload on the same GPUs and rows (needs peers_install); "
+        "tokens/s, per GPU (the bar: $NGPU ranks above one GPU), GPU peak per rank, host RSS",
         (
             (PY, "bench/train_shape.py", *_RANKS_MEGATRAIN),
-            (PY, "bench/train_shape.py", *_RANKS_MEGATRAIN, "--memory.gpu_state_blocks", "0"),
             _torchrun("bench/train_shape.py", *_RANKS_MEGATRAIN),
             _torchrun("bench/peers.py", "--mode", "deepspeed", *_RANKS_JOB, "--clip", "1.0"),
         ),
         timeout_s=420,
+    ),
+    "ranks_weak32k": Scenario(
+        "ranks (issue 10), weak scaling: as ranks_compare at 32k tokens per GPU per step (16 rows "
+        "of 2048, 4 micro-batches of 4), no DeepSpeed: one GPU and $NGPU GPUs, GPU tier auto; "
+        "the bar: tokens/s per GPU on $NGPU GPUs >= 0.9x one GPU",
+        (
+            (PY, "bench/train_shape.py", *_WEAK_MEGATRAIN),
+            _torchrun("bench/train_shape.py", *_WEAK_MEGATRAIN),
+        ),
+        timeout_s=480,
     ),
     "ranks_capacity": Scenario(
         "ranks (issue 10): Qwen2.5-32B shape on $NGPU GPUs (4 on a 512 GiB host), 4k tokens "

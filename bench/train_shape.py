@@ -227,7 +227,7 @@ def _run(
         host_rss_gib=host[0],  # the node's (every rank's) at the end
         host_peak_rss_gib=host[1],
         gpu_idle_frac=round(statistics.median(idle), 3) if idle else None,
-        gpu_state_blocks=plan.gpu_state_blocks,
+        gpu_state_blocks=len(engine.tier),  # under ranks: the count every rank agreed on
         state_dtype=builder.cfg.optimizer.state_dtype,
         layer_inputs=plan.boundary_reason,
         mlp_tiles=pred.settings["mlp_tiles"],

@@ -22,7 +22,8 @@ Invariants:
 
 Ranks: under torchrun (megatrain/distributed.py) the placement is this rank's (cuda:LOCAL_RANK,
 the process group joined), the store is built sharded (store/shard.py), the training loader
-reads this rank's rows (data/ranks.py), no GPU tier, metrics from rank 0. A plain run is a
+reads this rank's rows (data/ranks.py), a GPU tier is sharded over the ranks' GPUs (one count
+on every rank: the least any rank planned), metrics from rank 0. A plain run is a
 world of one. Further model roles reuse `model()` and `store()`, as `reference()` does.
 """
 
@@ -44,10 +45,10 @@ from megatrain.distributed import (
     Placement,
     any_rank,
     default_threads,
+    least_on_ranks,
     node_turns,
     placement_here,
     rows_per_rank,
-    tier_setting,
 )
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.engine import StreamingEngine
@@ -133,7 +134,7 @@ class RunBuilder:
             pin_memory=self.pin_memory,
             check_gpu=p.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
-            gpu_state_blocks=tier_setting(cfg.memory.gpu_state_blocks, p.world_size),
+            gpu_state_blocks=cfg.memory.gpu_state_blocks,
             compiled=cfg.training.compile_layers,
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             activation_offload=cfg.memory.activation_offload,
@@ -295,8 +296,8 @@ class RunBuilder:
 
         if p.world_size == 1:
             return build()
-        whole_models = p.local_world_size * 4 * self.spec.total_params
-        at_once = self.plan().estimate.host.total_bytes + whole_models
+        others = (p.local_world_size - 1) * 4 * self.spec.total_params  # their whole models
+        at_once = self.plan().estimate.host.load_peak_bytes + others
         room = self.hardware.host_bytes - self.cfg.memory.host_margin_gib * GIB
         return node_turns(build, p, in_turns=any_rank(at_once > room))
 
@@ -344,11 +345,11 @@ class RunBuilder:
     def gpu_state_blocks(self, num_layers: int) -> int:
         """GPU-tier blocks (layers, then embedding, then head): the config's count (clamped to
         the model), or the plan's for "auto" (the plan is then computed, else not needed).
-        Several ranks: 0, or the refusal of an explicit count (distributed.tier_setting)."""
-        blocks = tier_setting(self.cfg.memory.gpu_state_blocks, self.placement.world_size)
-        if isinstance(blocks, int):
-            return min(blocks, num_layers + 2)
-        return self.plan().gpu_state_blocks
+        Several ranks: the least count of any rank (each plans its own GPU; the collectives
+        of a sharded tier need one count)."""
+        blocks = self.cfg.memory.gpu_state_blocks
+        count = min(blocks, num_layers + 2) if isinstance(blocks, int) else None
+        return least_on_ranks(self.plan().gpu_state_blocks if count is None else count)
 
     def export(self, store: HostStore) -> Path:
         """The store's weights as a Hugging Face folder, output_dir/hf_model (with all updates

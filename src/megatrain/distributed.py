@@ -211,19 +211,14 @@ def default_threads(local_world_size: int) -> int:
     return max(1, cores // local_world_size - 1)
 
 
-def tier_setting(blocks: int | str, world: int) -> int | str:
-    """memory.gpu_state_blocks checked against the ranks: several ranks stream every block (the
-    tier keeps whole blocks on one GPU; the store is sharded), so "auto" is 0 there."""
-    if world == 1:
-        return blocks
-    if blocks not in (0, "auto"):
-        raise ValueError(
-            f"memory.gpu_state_blocks={blocks} with {world} ranks: the GPU tier of optimizer "
-            "states works in one process only (several ranks shard every block's states "
-            "over their hosts instead); set memory.gpu_state_blocks: 0 or auto (auto picks "
-            "0 with ranks), or run one process"
-        )
-    return 0
+def least_on_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (every rank gets it): a count the ranks must agree
+    on, such as the GPU tier's blocks, each planned from its own GPU."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())  # sync point
 
 
 def rows_per_rank(global_batch_size: int, world: int) -> int:

@@ -131,6 +131,7 @@ class Trainer:
                 "from the exported model"
             )
         state = load_checkpoint(path, self.store)
+        self.engine.weights_loaded()  # a sharded GPU tier gathers the loaded shards
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])

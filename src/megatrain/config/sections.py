@@ -231,7 +231,9 @@ class MemoryConfig:
     """Blocks whose fp32 master, AdamW states and gradient stay on the GPU and are updated there,
     never streamed, counted in this order: the decoder layers from the first, then the
     embedding, then the head. An integer >= 0 (0: none; more than the model has: all), or
-    "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free); none on the CPU."""
+    "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free); none on the CPU.
+    Under torchrun each rank keeps its 1/N shard of those states on its GPU and the blocks'
+    weights whole; "auto" plans one rank's GPU (every rank takes the least count planned)."""
     activation_offload: str = "auto"
     """Each layer's saved input (boundary activation) to host memory during the forward, copied
     back just ahead of its backward: "on" (all kept inputs), "off" (all stay on the GPU), or

@@ -107,11 +107,12 @@ class BackwardPass:
     def _backward_layer(
         self, i: int, mbs: list[MicroBatch], timer: ComputeTimer, lr: float
     ) -> None:
-        block, k, tier = self.store.layers[i], i % 2, i < self.slots.resident
-        if not tier:
+        block, k = self.store.layers[i], i % 2
+        own = self.tier.owns_gradient(block)  # a one-process GPU-tier layer's own buffer
+        if not own:
             self.transfers.wait(self._acc_busy[k])  # this accumulator's copy-out is done
         timer.start(functools.partial(self.slots.acquire, i))
-        acc = self.tier.gradient(block) if tier else self._acc[k][: layout_numel(block)].zero_()
+        acc = self.tier.gradient(block) if own else self._acc[k][: layout_numel(block)].zero_()
         views = [block.view(acc, e) for e in block.entries]
         for mb in mbs:
             self._layer_backward(i, mb, views, len(mbs))
@@ -147,10 +148,11 @@ class BackwardPass:
         self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None
     ) -> torch.Tensor:
         """The block's gradient is complete: its squared norm (on the device). Shipped to the
-        host worker, or for the GPU tier kept, and without clipping applied here at once."""
+        host worker, or for the GPU tier kept (several ranks: reduce-scattered into its
+        shard's gradient), and without clipping applied here at once."""
         if block not in self.tier:
             return self._ship(block, acc, lr, k)
-        sumsq = torch.linalg.vector_norm(acc).square()
+        sumsq = torch.linalg.vector_norm(self.tier.gradient_of(block, acc)).square()
         if self.max_grad_norm is None:
             self._update_tier(block, lr, 1.0)
         return sumsq

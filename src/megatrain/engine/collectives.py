@@ -8,7 +8,9 @@ block host -> device into its part of the destination buffer, then an all-gather
 (`all_gather_into_tensor`, in place) assembles the full flat layout on every rank. Backward: a
 reduce-scatter (`reduce_scatter_tensor`) of the padded fp32 accumulator leaves each rank its
 shard of the gradient summed over ranks, which then goes device -> host into that rank's
-optimizer. Scalars (token counts, loss sums, squared gradient norms) are all-reduced.
+optimizer (or, for a GPU-tier block, into its shard's gradient on the device; its updated
+shard is then all-gathered in place into its resident weights, `gather`). Scalars (token
+counts, loss sums, squared gradient norms) are all-reduced.
 
 Ordering: every rank issues the same collectives in the same order (the engine's schedule is
 the same on every rank), which NCCL and gloo require. On CUDA the all-gather runs on its own
@@ -66,12 +68,23 @@ class Collectives:
             event.record(self._stream)
         return event
 
-    def reduce(self, block: ParamBlock, acc: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the gradient summed over ranks, from its full accumulator."""
+    def gather(self, block: ShardedBlock, full: torch.Tensor) -> None:
+        """Every rank's part of `full` (the block's whole device weights; this rank's part is
+        its shard) onto every rank, in place, on the current stream (the GPU tier's refresh)."""
+        part = full[block.shard_offset : block.shard_offset + block.numel]
+        all_gather(full[: block.padded_numel], part)
+
+    def reduce(
+        self, block: ParamBlock, acc: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This rank's shard of the gradient summed over ranks, from its full accumulator
+        (into `out` when given: the GPU tier's own shard gradient)."""
         full = acc[: layout_numel(block)]
         if not isinstance(block, ShardedBlock):
             return full
-        shard = torch.empty(block.numel, dtype=full.dtype, device=full.device)
+        shard = (
+            torch.empty(block.numel, dtype=full.dtype, device=full.device) if out is None else out
+        )
         _reduce_scatter(shard, full)
         return shard
 

@@ -27,8 +27,9 @@ Several ranks (engine/collectives.py, store/shard.py): every block's weights rea
 as this rank's shard copied host-to-device and then all-gathered; its gradient leaves as a
 reduce-scatter, so each rank's host AdamW updates its own shard. The step's supervised token
 count, loss and squared gradient norm are summed over ranks, so the loss is the mean over
-every supervised token of the global step and clipping uses the whole gradient's norm. No GPU
-tier then (the builder refuses one): every block is streamed.
+every supervised token of the global step and clipping uses the whole gradient's norm. A GPU
+tier is sharded too (engine/tier.py): each rank keeps its shard's states on its GPU, every rank
+the whole block's weights; the tier's gradient is reduce-scattered, its update all-gathered.
 
 Shapes: B = rows, S = sequence, D = hidden size.
 """
@@ -106,7 +107,7 @@ class StreamingEngine(BackwardPass, LossPass):
         mlp_tiles: TilePolicy | None = None,
     ) -> None:
         """`gpu_state_blocks`: blocks whose states live on the device (engine/tier.py);
-        `world_size` > 1: `store` holds this rank's shards (store/shard.py), no GPU tier;
+        `world_size` > 1: `store` holds this rank's shards (store/shard.py), a tier's too;
         `boundary_plan`: where layer inputs wait for the backward (engine/boundaries.py; None:
         all on the device); `mlp_tiles`: sequence tiles of the MLPs (engine/tiling.py)."""
         self.structure = structure
@@ -117,10 +118,9 @@ class StreamingEngine(BackwardPass, LossPass):
         self.max_grad_norm = max_grad_norm
         self.transfers = Transfers(self.device)
         self.comm = Collectives(self.transfers, world_size=world_size, rank=rank)
-        assert gpu_state_blocks == 0 or not self.comm.sharded, "ranks stream every block"
         move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
-        self.tier = GpuTier.first_blocks(store, gpu_state_blocks, optimizer, self.device)
+        self.tier = GpuTier.first_blocks(store, gpu_state_blocks, optimizer, self.comm)
         self.slots = LayerSlots(
             structure.layers,
             store.layers,
@@ -130,6 +130,7 @@ class StreamingEngine(BackwardPass, LossPass):
             transfers=self.transfers,
             compile_layers=compile_layers,
             resident=self.tier.num_layers,
+            resident_weights=self.tier.weights,
             load=self.comm.load,
         )
         self.embedder = Embedder(
@@ -137,10 +138,12 @@ class StreamingEngine(BackwardPass, LossPass):
             store.embed,
             self.transfers,
             self.dtype,
-            resident=store.embed in self.tier,
+            table=self.tier.weights(store.embed) if store.embed in self.tier else None,
         )
         self._build_head(loss_chunk_tokens)
-        numel = max((layout_numel(b) for b in store.layers[self.tier.num_layers :]), default=0)
+        # layers whose gradient accumulates in the shared accumulators (a sharded tier's too)
+        shared = [b for b in store.layers if not self.tier.owns_gradient(b)]
+        numel = max((layout_numel(b) for b in shared), default=0)
         self._acc = [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._stage = (
             [torch.empty(numel, dtype=torch.bfloat16, device=self.device) for _ in range(2)]
@@ -180,10 +183,11 @@ class StreamingEngine(BackwardPass, LossPass):
         if st.tied:  # the lm_head is the embedding table: it goes to the GPU whole for the loss
             self.head_params += bind_module({"embed": self.lm_head}, store.embed, self.table_buf)
             self.head_grad_views.append(store.embed.view(self.embed_acc, store.embed.entries[0]))
-        # Sharded: no host holds the whole embedding table; it is gathered on the device.
+        # Sharded: no host holds the whole embedding table; it is gathered on the device
+        # (unless it is resident: the GPU tier's).
         self.embed_buf = (
             torch.empty(layout_numel(store.embed), dtype=self.dtype, device=self.device)
-            if self.comm.sharded
+            if self.comm.sharded and store.embed not in self.tier
             else None
         )
         self._embed_free: Event = DONE
@@ -196,13 +200,16 @@ class StreamingEngine(BackwardPass, LossPass):
         self, block: ParamBlock, weights: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(compute-dtype weights, fp32 gradient) of a head or embedding block on the device:
-        the block's own for the GPU tier, else new buffers (weights empty if not `weights`)."""
-        if block in self.tier:
-            assert block.grad is not None
-            return block.source, block.grad
+        the GPU tier's (its gradient too unless sharded), else new buffers (weights empty if
+        not `weights`)."""
         n = layout_numel(block)
+        if self.tier.owns_gradient(block):
+            assert block.grad is not None
+            return self.tier.weights(block), block.grad
         return (
-            torch.empty(n if weights else 0, dtype=self.dtype, device=self.device),
+            self.tier.weights(block)
+            if block in self.tier
+            else torch.empty(n if weights else 0, dtype=self.dtype, device=self.device),
             torch.zeros(n, dtype=torch.float32, device=self.device),
         )
 
@@ -289,6 +296,12 @@ class StreamingEngine(BackwardPass, LossPass):
         timer.stop()
         self._head_free = self.transfers.compute_event()
         return out
+
+    def weights_loaded(self) -> None:
+        """The store's weights were replaced (a checkpoint loaded): what the device keeps of
+        them is stale; a sharded GPU tier gathers the loaded shards again."""
+        self.slots.invalidate()
+        self.tier.refresh()
 
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""

@@ -5,7 +5,7 @@ the host from the embedding block's copy source (bf16 shadow, or fp32 master), c
 fed to a device copy of the HF embedding module through remapped ids. The module's own forward
 runs (so scaled embeddings such as Gemma's are exact), and its gradient w.r.t. the gathered rows
 is scattered back into the full-table accumulator at the end of the backward. An embedding in
-the GPU tier (engine/tier.py, `resident`) has its table on the device: rows are gathered there.
+the GPU tier (engine/tier.py, `table`) has its table on the device: rows are gathered there.
 Sharded runs (several ranks) have no host holding the whole table: the engine all-gathers it on
 the device each step (`device_table`) and the rows are selected there too.
 
@@ -57,8 +57,9 @@ class Embedder:
         transfers: Transfers,
         dtype: torch.dtype,
         *,
-        resident: bool = False,
+        table: torch.Tensor | None = None,
     ) -> None:
+        """`table`: the whole flat table in the compute dtype on the device (the GPU tier's)."""
         if [e.name for e in block.entries] != ["weight"] or len(block.entries[0].shape) != 2:
             raise ValueError(
                 f"input embedding {type(embed).__name__} must have exactly one 2-D weight; "
@@ -72,7 +73,7 @@ class Embedder:
         self.dtype = dtype
         self.shape = block.entries[0].shape
         # [V, D] in the compute dtype on the device: the tier's own, or set per step when sharded
-        self.device_table: torch.Tensor | None = block.source.view(self.shape) if resident else None
+        self.device_table = None if table is None else table[: self.shape.numel()].view(self.shape)
 
     def start(
         self, batch: Batch, capture: LayerCallCapture, training: bool, with_router_weights: bool

@@ -6,7 +6,7 @@ device whose parameters are views into that slot's buffer. Loading layer i is on
 buffer; its module is ready at once, with no per-step binding.
 
 The first `resident` layers are the GPU tier (engine/tier.py): their modules are bound to the
-block's own device weights (`block.source`, on the device for the whole run), they take no slot,
+block's device weights (`resident_weights`, on the device for the whole run), they take no slot,
 and loading them is a no-op. Streamed layer i lives in slot (i - resident) % num_slots.
 
 One module per layer rather than one per structural group: HF layers carry per-layer attributes
@@ -88,10 +88,12 @@ class LayerSlots:
         transfers: Transfers,
         compile_layers: bool = False,
         resident: int = 0,
+        resident_weights: Callable[[ParamBlock], torch.Tensor] | None = None,
         load: LoadFn | None = None,
     ) -> None:
-        """`load`: how a block's weights reach a slot (engine/collectives.py); default, one
-        host-to-device copy of its copy source."""
+        """`resident_weights`: a resident layer's whole device weights (engine/tier.py; default
+        its copy source); `load`: how a block's weights reach a slot
+        (engine/collectives.py; default, one host-to-device copy of its copy source)."""
         assert num_slots >= 1, num_slots  # validated with the config (memory.num_slots)
         assert 0 <= resident <= len(blocks), resident
         self.resident = resident
@@ -107,7 +109,10 @@ class LayerSlots:
         self.params: list[list[nn.Parameter]] = []
         for i, (layer, block) in enumerate(zip(layers, blocks, strict=True)):
             module = device_copy(layer, device)
-            flat = block.source if i < resident else self.buffers[self.slot(i)]
+            if i < resident:
+                flat = block.source if resident_weights is None else resident_weights(block)
+            else:
+                flat = self.buffers[self.slot(i)]
             self.params.append(bind_module({"layer": module}, block, flat))
             if compile_layers:
                 module.compile()  # in place: the bound parameters stay the module's own

@@ -9,6 +9,14 @@ streamed; its gradient accumulates straight into its own buffer (no device-to-ho
 update is the same AdamW (`CpuAdamW.update(on_device=True)`: torch's fused kernel, on the
 device) with the same decay range and clipping coefficient.
 
+Several ranks (store/shard.py): a tier block is this rank's shard, so its fp32 master, m, v and
+gradient are 1/world of the block, on this rank's GPU; the whole block's compute-dtype weights
+are resident on every GPU (`weights`), and the shard's weights (bf16 shadow, or fp32 master)
+are a view of this rank's part of them. Backward: the block's gradient, accumulated in the
+engine's shared fp32 accumulator, is reduce-scattered into the shard's gradient (`gradient_of`);
+the update runs on the shard, in place in the resident weights, and an in-place all-gather
+(`Collectives.gather`) brings every rank's updated part to every GPU, on the compute stream.
+
 Why this order: the layers in forward order are the ones the next forward would wait for first
 on the host path. With clipping, host updates start after the whole backward, in forward order,
 so the forward stalls on layer 0's update at once; without clipping, gradients land last layer
@@ -19,9 +27,12 @@ first too, at the forward's start) and the head come after all layers: each is o
 then nothing is left for the CPU and the step runs at GPU speed. A tier embedding gathers its
 rows on the device (engine/microbatch.py); a tier head or tied table is bound, not copied.
 
-Invariants: a tier block never goes through the host update worker; its update is queued on
-the compute stream, so the next use of its weights is ordered after it without an event; the
-checkpoint files of a tier block are those of a host block (checkpoint.py copies them over).
+Invariants: a tier block never goes through the host update worker; its update (and, with
+ranks, its all-gather) is queued on the compute stream, so the next use of its weights is
+ordered after it without an event; every rank has the same tier (the builder agrees on one
+count) and updates its blocks in the same order, so the collectives match; the checkpoint
+files of a tier block are those of a host block (checkpoint.py copies them over); after a
+checkpoint load into a sharded tier, `refresh()` gathers the loaded shards again.
 """
 
 from __future__ import annotations
@@ -30,9 +41,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megatrain.engine.collectives import Collectives
 from megatrain.optim.adamw import CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
+from megatrain.store.shard import ShardedBlock
 
 
 class GpuTier:
@@ -40,32 +53,66 @@ class GpuTier:
 
     @classmethod
     def first_blocks(
-        cls, store: HostStore, count: int, optimizer: CpuAdamW, device: torch.device
+        cls, store: HostStore, count: int, optimizer: CpuAdamW, comm: Collectives
     ) -> GpuTier:
         """The first `count` blocks of the tier order (layers, embedding, head)."""
         assert 0 <= count <= len(store.layers) + 2, count  # the plan clamps it
-        return cls([*store.layers, store.embed, store.head][:count], optimizer, device)
+        return cls([*store.layers, store.embed, store.head][:count], optimizer, comm)
 
     def __init__(
-        self, blocks: Sequence[ParamBlock], optimizer: CpuAdamW, device: torch.device
+        self, blocks: Sequence[ParamBlock], optimizer: CpuAdamW, comm: Collectives
     ) -> None:
         self.blocks = list(blocks)
         self.optimizer = optimizer
+        self.comm = comm
+        self._weights: dict[str, torch.Tensor] = {}
         for block in self.blocks:
-            block.to_device(device)
-        self._names = {b.name for b in self.blocks}
+            block.to_device(comm.transfers.device)
+            self._weights[block.name] = self._resident(block)
         self.num_layers = sum(b.name.startswith("layer.") for b in self.blocks)
+
+    def _resident(self, block: ParamBlock) -> torch.Tensor:
+        """The whole block's compute-dtype weights on the device; for a shard, its own weights
+        become a view of its part of them, filled from every rank by an all-gather."""
+        if not isinstance(block, ShardedBlock):
+            return block.source
+        full = torch.zeros(block.padded_numel, dtype=block.source.dtype, device=block.master.device)
+        part = full[block.shard_offset : block.shard_offset + block.numel]
+        part.copy_(block.source)
+        if block.shadow is not None:
+            block.shadow = part
+        else:  # fp32 compute: the master is the weights
+            block.master = part
+        self.comm.gather(block, full)
+        return full
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def __contains__(self, block: ParamBlock) -> bool:
-        return block.name in self._names
+        return block.name in self._weights
+
+    def weights(self, block: ParamBlock) -> torch.Tensor:
+        """The block's whole flat weights in the compute dtype, on the device for the run."""
+        return self._weights[block.name]
+
+    def owns_gradient(self, block: ParamBlock) -> bool:
+        """Whether the block's gradient accumulates in its own device buffer (one process);
+        a shard's accumulates in the engine's shared accumulator, then is reduce-scattered."""
+        return block in self and not isinstance(block, ShardedBlock)
 
     def gradient(self, block: ParamBlock) -> torch.Tensor:
         """The block's fp32 device gradient buffer, zeroed for a new step's accumulation."""
-        assert block.grad is not None and block in self
+        assert block.grad is not None and self.owns_gradient(block)
         return block.grad.zero_()
+
+    def gradient_of(self, block: ParamBlock, acc: torch.Tensor) -> torch.Tensor:
+        """The gradient the block's update reads, from its complete accumulator `acc`: `acc`
+        itself, or (sharded) this rank's shard of it summed over ranks, in `block.grad`."""
+        if not isinstance(block, ShardedBlock):
+            return acc
+        assert block.grad is not None
+        return self.comm.reduce(block, acc, out=block.grad)
 
     def update(
         self,
@@ -75,10 +122,19 @@ class GpuTier:
         grad_scale: float,
         on_gradient: Callable[[ParamBlock], None] | None = None,
     ) -> None:
-        """AdamW on the device, queued on the current (compute) stream; rewrites the weights.
+        """AdamW on the device, queued on the current (compute) stream; rewrites the weights
+        (sharded: this rank's part, then the all-gather of every part).
 
         `on_gradient`: called first, with the final gradient in place (verify's snapshot).
         """
         if on_gradient is not None:
             on_gradient(block)
         self.optimizer.update(block, lr=lr, grad_scale=grad_scale, on_device=True)
+        if isinstance(block, ShardedBlock):
+            self.comm.gather(block, self._weights[block.name])
+
+    def refresh(self) -> None:
+        """Gather every sharded block's weights again (its shard was loaded from a checkpoint)."""
+        for block in self.blocks:
+            if isinstance(block, ShardedBlock):
+                self.comm.gather(block, self._weights[block.name])

@@ -128,6 +128,7 @@ class GRPOTrainer:
         if path is None:
             return
         state = load_checkpoint(path, self.store)
+        self.engine.weights_loaded()  # a sharded GPU tier gathers the loaded shards
         if self.reference is not None:  # the reference is the run's initial weights
             self.reference.load(path)
         self.step = int(state["step"])

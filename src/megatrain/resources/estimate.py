@@ -28,6 +28,10 @@ T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph h
   the master is the weights), which replaces a tier head's or embedding's weights and gradient
   below; Ph x c head weights; V x D x c table (tied only);
   Ph x 4 + V x D x 4 head and embedding gradient accumulators;
+  several ranks: a tier block's fp32 master, m, v and gradient are the rank's shard (16 or 12
+  bytes per shard parameter), its compute-dtype weights whole (c per parameter); its gradient
+  accumulates in the shared accumulators (Pl then over every layer) or, for the head and
+  embedding, in their own (whole) accumulators, and is reduce-scattered into the shard;
 - per step: every layer's input for every micro-batch, L x T x D x c (fewer with offload or
   one kept every K layers: resources/long_context.py), and one more T x D x c
   (the last hidden state, then its gradient), the gathered embedding rows, the captured layer
@@ -157,7 +161,8 @@ def estimate(
 
     `padded`: micro-batches carry padding masks (4-D [B,1,S,S] masks under sdpa); `packed`:
     rows of several samples (position ids restart); neither: full rows, no mask.
-    `ranks`: the processes the run is planned for (several: no GPU tier; per-rank batch).
+    `ranks`: the processes the run is planned for (several: per-rank batch, per-rank GPU with
+    the GPU tier's states sharded, per-node host).
     `clipping`: gradient-norm clipping on (the optimizer then starts after the backward).
     `compute_dtype` "bf16" or "fp32"; None: the spec's, or bf16 for a config.
     `state_dtype`: the AdamW states' layout, "fp32", "bf16" or "int8" (optimizer.state_dtype).
@@ -174,7 +179,7 @@ def estimate(
     if padded and packed:
         raise ValueError("a micro-batch is either padded or packed, not both")
     spec = model_spec(config, compute_dtype)
-    tier = min(max(gpu_state_blocks, 0), spec.num_layers + 2) if ranks.world == 1 else 0
+    tier = min(max(gpu_state_blocks, 0), spec.num_layers + 2)
     slots = min(num_slots, spec.num_layers - min(tier, spec.num_layers))  # streamed layers only
     hw = hardware or detect()
     layout = "padded" if padded else "packed" if packed else "full"
@@ -277,21 +282,26 @@ def gpu_memory(
     pl, d, table = max(streamed, default=0), spec.hidden_size, spec.embed_params
     head = 0 if head_tier else spec.head_params  # streamed head / embedding: their buffers
     streamed_table = 0 if embed_tier else table
-    tier_params = sum(la.params for la in spec.layers[:gpu_state_blocks])
-    tier_params += table * embed_tier + spec.head_params * head_tier
+    tier_blocks = [la.params for la in spec.layers[:gpu_state_blocks]]
+    tier_blocks += [table] * embed_tier + [spec.head_params] * head_tier
+    # fp32 master (unless it is the weights), m, v, gradient: the rank's shard of each block
+    tier_states = sum(ranks.shard(p) for p in tier_blocks) * (16 if bf16 else 12)
+    sharded = ranks.world > 1  # a tier's gradients accumulate in the shared buffers
+    acc_pl = max((la.params for la in spec.layers), default=0) if sharded else pl
+    acc_head, acc_table = (spec.head_params, table) if sharded else (head, streamed_table)
     tokens = tokens_mb * micro_batches
     layer_peak, captured = profile.peak_bytes, profile.captured_bytes
     base = {
-        "GPU tier (fp32 master, m, v, gradient, weights)": tier_params * (18 if bf16 else 16),
+        "GPU tier (fp32 master, m, v, gradient, weights)": sum(tier_blocks) * c + tier_states,
         "weight slots": num_slots * pl * c,
-        "gradient accumulators (fp32)": 2 * pl * 4,
-        "gradient staging (bf16)": 2 * pl * 2 if bf16 else 0,
+        "gradient accumulators (fp32)": 2 * acc_pl * 4,
+        "gradient staging (bf16)": 2 * acc_pl * 2 if bf16 else 0,
         "head weights": head * c,
         "tied lm_head table": streamed_table * c if spec.tied else 0,
-        "head + embedding gradients (fp32)": (head + streamed_table) * 4,
+        "head + embedding gradients (fp32)": (acc_head + acc_table) * 4,
         "embedding rows": micro_batches * min(tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": micro_batches * captured,
-        "all-gathered embedding table (ranks)": table * c if ranks.world > 1 else 0,
+        "all-gathered embedding table (ranks)": streamed_table * c if sharded else 0,
         "reduce-scatter output (ranks, fp32)": ranks.shard(pl) * 4 if ranks.world > 1 else 0,
     }
     boundary = {

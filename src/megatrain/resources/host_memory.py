@@ -66,7 +66,8 @@ def host_memory(
     total = pageable + reserved + process + local * offload_bytes
     loading = sum(store(every)[::2]) + process  # every block is built on the host first
     if ranks.world > 1:  # ranks take turns: one whole fp32 model beside the node's shards
-        loading = pageable + reserved + process + 4 * sum(every)
+        shards = store([ranks.shard(n) for n in every])  # the GPU tier's too, until it moves
+        loading = local * (shards[0] + shards[2]) + process + 4 * sum(every)
     return HostMemory(
         pageable_bytes=pageable,
         pinned_bytes=pinned,

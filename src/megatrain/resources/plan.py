@@ -17,7 +17,9 @@ still fits with `gpu_margin_gib` free; on the CPU "auto" is 0. A given count is 
 model's blocks, like `num_slots`.
 
 Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host,
-so the fit check refuses a node that cannot hold its ranks' shards, before loading; no GPU tier.
+so the fit check refuses a node that cannot hold its ranks' shards, before loading; the GPU
+tier is picked against one rank's GPU (its blocks' states sharded over the ranks, their
+weights whole on every GPU: resources/estimate.py).
 Later plans (activation offload for long rows) extend `RunShape` and
 `ResourcePlan`, not their callers.
 """

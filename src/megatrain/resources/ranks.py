@@ -7,7 +7,8 @@
   blocks), so a node holds nproc_per_node shards plus nproc_per_node process baselines; while
   loading, the node's ranks take turns, so one whole fp32 model (4 B/param) exists at a time;
 - GPU, per rank: as one process, plus the all-gathered embedding table (every rank gathers it
-  for its rows) and the reduce-scatter's fp32 output shard;
+  for its rows) and the reduce-scatter's fp32 output shard; a GPU-tier block's fp32 states
+  are the rank's shard, its weights whole (resources/estimate.py);
 - step time, per rank: each block's weights are the rank's shard over PCIe, then an all-gather
   of the whole block; each gradient a reduce-scatter (on the compute stream), then the shard
   over PCIe; the CPU AdamW updates the shard at the node's rate shared by its ranks

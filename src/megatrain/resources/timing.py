@@ -25,6 +25,9 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   the all-gather of the whole block (both on the copy path, before the layer may run); its
   gradient a reduce-scatter on the compute stream, then the shard down; the embedding table is
   gathered at the forward's start; AdamW updates the shard at the node's rate over its ranks.
+  A GPU-tier block is never copied nor gathered for a layer's use: its gradient is still
+  reduce-scattered, its GPU AdamW updates the shard, and an all-gather of its new weights
+  follows on the compute stream.
   Tokens per step (and tokens/s) are the job's: per-rank tokens x world.
 
 The replay (`_Replay`) runs several steps of the engine's order of operations with three
@@ -174,7 +177,7 @@ def step_time(
         d2h_s=d2h_s,
         optimizer_s=optimizer_s,
         gpu_optimizer_s=gpu_optimizer_s,
-        collective_s=_collectives_s(spec, ranks),
+        collective_s=_collectives_s(spec, ranks, costs),
         bound=max(busy, key=lambda k: busy[k]),
         flops=flops,
         tokens_per_s=tokens / step_s,
@@ -223,6 +226,7 @@ def _costs(
     on_gpu = [tier > n, *(i < resident for i in range(n)), tier > n + 1]
     host = [0 if gpu else p for p, gpu in zip(params, on_gpu, strict=True)]
     shard = [ranks.shard(p) for p in host]  # what this rank copies and updates
+    tier_params = [p - h for p, h in zip(params, host, strict=True)]
     opt_rate /= ranks.nproc_per_node if ranks.world > 1 else 1  # the node's rate, shared
 
     def up(i: int) -> float:  # block i's weights: its shard over PCIe, then the all-gather
@@ -230,7 +234,7 @@ def _costs(
 
     table = up(0) if spec.tied else 0.0  # a tied table is copied up unless in the tier
     gather_table = up(0) if ranks.world > 1 else 0.0  # the forward's rows come from it
-    scatter = [ranks.collective_s(p * 4) for p in host]  # fp32 gradients, on the compute stream
+    scatter = [ranks.collective_s(p * 4) for p in params]  # fp32 gradients, on the compute stream
     costs = _Costs(
         fwd_s=[f / layer_rate + (gather_table if i == 0 else 0.0) for i, f in enumerate(fwd)],
         bwd_s=[
@@ -244,7 +248,10 @@ def _costs(
         d2h_head_s=shard[-1] * elem / d2h,
         d2h_embed_s=shard[0] * elem / d2h,
         opt_s=[p / opt_rate for p in shard],
-        tier_opt_s=[(p - h) / gpu_opt_rate for p, h in zip(params, host, strict=True)],
+        tier_opt_s=[  # the shard's AdamW, then the all-gather of the block's new weights
+            ranks.shard(p) / gpu_opt_rate + ranks.collective_s(p * elem) if p else 0.0
+            for p in tier_params
+        ],
         fwd_call_s=[f * layer_launch for f, _ in layer_ops],
         bwd_call_s=[b * layer_launch for _, b in layer_ops],
         loss_call_s=loss_ops * launch,
@@ -376,14 +383,16 @@ class _Replay:
         self.worker, self.tasks = now, []
 
 
-def _collectives_s(spec: ModelSpec, ranks: Ranks) -> float:
-    """Seconds of one step's collectives: every layer gathered twice (forward, backward; the
-    last slots' reuse ignored), head and table once, embedding table once more, and every
-    gradient reduce-scattered in fp32."""
+def _collectives_s(spec: ModelSpec, ranks: Ranks, c: _Costs) -> float:
+    """Seconds of one step's collectives: every streamed layer gathered twice (forward,
+    backward; the last slots' reuse ignored), a GPU-tier block once (after its update), the
+    head and table once, a streamed embedding table once more, and every gradient
+    reduce-scattered in fp32."""
     if ranks.world == 1:
         return 0.0
     elem = torch.finfo(spec.compute_dtype).bits // 8
-    layers = sum(la.params for la in spec.layers)
-    gathered = 2 * layers + spec.head_params + spec.embed_params * (2 if spec.tied else 1)
-    scattered = layers + spec.head_params + spec.embed_params
+    layers = [la.params for la in spec.layers]
+    gathered = 2 * sum(layers[c.resident :]) + sum(layers[: c.resident]) + spec.head_params
+    gathered += spec.embed_params * (1 if c.tier_embed or not spec.tied else 2)
+    scattered = sum(layers) + spec.head_params + spec.embed_params
     return ranks.collective_s(gathered * elem) + ranks.collective_s(scattered * 4)
