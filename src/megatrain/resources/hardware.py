@@ -174,6 +174,7 @@ def _probe_optimizer(params: int, threads: int | None, host_bytes: int, state_dt
     blocks = []
     for i in range(max(1, params // block_numel)):
         n = min(block_numel, params)
+        states = allocate_states(n, state_dtype)
         blocks.append(
             ParamBlock(
                 name=f"probe.{i}",
@@ -181,8 +182,11 @@ def _probe_optimizer(params: int, threads: int | None, host_bytes: int, state_dt
                 numel=n,
                 decay_numel=n,
                 master=torch.full((n,), 0.02),
-                **allocate_states(n, state_dtype),
+                exp_avg=states["exp_avg"],
+                exp_avg_sq=states["exp_avg_sq"],
                 state_dtype=state_dtype,
+                exp_avg_scale=states.get("exp_avg_scale"),
+                exp_avg_sq_scale=states.get("exp_avg_sq_scale"),
                 shadow=torch.full((n,), 1e-3, dtype=torch.bfloat16),
             )
         )

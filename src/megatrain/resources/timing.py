@@ -9,8 +9,8 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - copies: each layer goes to the GPU twice per step (forward, backward) except the
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
-- CPU AdamW: params / rate per block, one worker thread; the rate is the probed fp32 kernel's
-  times STATE_DTYPE_SPEED for compressed states;
+- CPU AdamW: params / rate per block, one worker thread; the rate is the probed kernel's (the
+  run's state dtype when probed so), else scaled by STATE_DTYPE_SPEED;
 - GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
   copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
   after the block's backward, or with clipping after the norm sync of the step's end;
