@@ -62,6 +62,12 @@ class GRPOConfig:
     batch), "streamed" (decoder layers copied in one by one, every decoding step: any size,
     slow) or "auto" (resident when the rollout estimate, weights + KV cache, fits in the GPU
     memory free beside the engine with memory.gpu_margin_gib to spare; always on the CPU)."""
+    compile_decode: str | bool = "auto"
+    """Resident rollouts on the static path: a static KV cache of max_prompt_length +
+    max_completion_length tokens and each decoding step replayed as one CUDA graph (captured
+    once per generation batch, nothing compiled). "auto": on CUDA for dense full-attention
+    models with sdpa or eager attention, transformers' generate otherwise; true: the static
+    path wherever it applies (on the CPU without graphs); false: always generate."""
     seed: int = 42
     """Seed of the prompt order and of sampling (a checkpoint resumes both exactly)."""
 
@@ -82,6 +88,8 @@ class GRPOConfig:
             check_choice("grpo.scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check_int("grpo.num_iterations", self.num_iterations, minimum=1)
         check_choice("grpo.generation", self.generation, GENERATION)
+        if isinstance(self.compile_decode, str):
+            check_choice("grpo.compile_decode", self.compile_decode, ("auto", True, False))
         check_int("grpo.seed", self.seed, minimum=0)
         if not self.reward_funcs:
             raise ValueError(

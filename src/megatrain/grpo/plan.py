@@ -8,6 +8,8 @@ beside the engine's persistent buffers (weight slots, gradient accumulators, hea
 else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to leave the
 resident rollout its room (RunBuilder.reserve_gpu), so the tier never pushes generation onto
 the streamed path. `grpo.generation: resident | streamed` forces a path; on the CPU it is resident.
+A resident rollout decodes on the static path (grpo/decode.py: static KV cache, CUDA graphs)
+when `grpo.compile_decode` asks for it and the model allows it (`decode_compiled`).
 
 Invariant: the recipe generates on the path this plan chooses (grpo/recipe.py asks it with the
 free memory the device reports), so `megatrain estimate --grpo` names the path the run takes.
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megatrain.builder import RunBuilder
+from megatrain.grpo.decode import static_decode_problem
 from megatrain.resources.hardware import GIB, gib
 from megatrain.resources.plan import ResourcePlan
 from megatrain.resources.rollout import RolloutEstimate, rollout_estimate
@@ -29,6 +32,7 @@ class GRPOPlan:
     training: ResourcePlan
     rollout: RolloutEstimate  # on the chosen path
     reason: str  # why that path
+    decode_reason: str  # why the resident rollout decodes compiled or through generate
     problems: tuple[str, ...]  # training's and the rollout's; empty when both fit
 
     @property
@@ -62,6 +66,8 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
     prompt = g.max_prompt_length or max(cfg.seq_len - completion, 1)
     hw, margin = builder.hardware, cfg.memory.gpu_margin_gib * GIB
 
+    compiled, decode_reason = decode_compiled(builder)
+
     def rollout(streamed: bool) -> RolloutEstimate:
         return rollout_estimate(
             builder.spec,
@@ -71,6 +77,7 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
             completion_tokens=completion,
             streamed=streamed,
             num_slots=cfg.memory.num_slots,
+            compiled=compiled and not streamed and builder.placement.is_cuda,
         )
 
     resident = rollout(False)
@@ -103,7 +110,30 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
             "grpo.max_completion_length"
             + ("" if streamed else ", or set grpo.generation: streamed")
         )
-    return GRPOPlan(training, chosen, reason, tuple(problems))
+    return GRPOPlan(training, chosen, reason, decode_reason, tuple(problems))
+
+
+def decode_compiled(builder: RunBuilder) -> tuple[bool, str]:
+    """Whether resident rollouts decode on the static path (grpo/decode.py), and why.
+
+    "auto": on CUDA when the model allows it; true: wherever the model allows it (the CPU
+    runs the same steps without graphs), else an error; false: never.
+    """
+    setting, on_gpu = builder.cfg.grpo.compile_decode, builder.placement.is_cuda
+    if setting is False:
+        return False, "grpo.compile_decode: false"
+    if setting == "auto" and not on_gpu:
+        return False, "grpo.compile_decode: auto, on the CPU"
+    problem = static_decode_problem(builder.spec.config, builder.cfg.model.attn_implementation)
+    if problem is None:
+        graphs = "CUDA graphs" if on_gpu else "no graphs on the CPU"
+        return True, f"static KV cache, {graphs} (grpo.compile_decode: {setting})"
+    if setting is True:
+        raise ValueError(
+            f"grpo.compile_decode: true, but this model cannot decode on the static path: "
+            f"{problem}; set grpo.compile_decode: auto (transformers' generate for this model)"
+        )
+    return False, f"transformers' generate: {problem}"
 
 
 def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
@@ -114,6 +144,7 @@ def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
         "kv_cache_bytes": r.kv_cache_bytes,
         "tokens_per_s": r.tokens_per_s,
         "reason": plan.reason,
+        "decode": plan.decode_reason,
         "step_s": plan.step_s,
     }
 
@@ -122,14 +153,16 @@ def format_rollout(plan: GRPOPlan) -> str:
     """The rollout phase and the GRPO step, as lines under the training estimate's table."""
     r = plan.rollout
     path = "layers streamed per decoding step" if r.streamed else "whole model on the GPU"
+    decode = "" if r.streamed else f"\n  decoding: {plan.decode_reason}"
     lines = [
-        f"GRPO rollout phase ({path}: {plan.reason})",
+        f"GRPO rollout phase ({path}: {plan.reason}){decode}",
         f"  {r.sequences} sequences x ({r.prompt_tokens} prompt + {r.completion_tokens} "
         "completion tokens)",
         *(f"  {name:<44}{gib(n):>14}" for name, n in r.gpu_items.items()),
         f"  {'rollout GPU peak (freed before training)':<44}{gib(r.gpu_peak_bytes):>14}",
         f"  weight copy {r.weight_copy_s:.2f} s + prefill {r.prefill_s:.2f} s + "
-        f"{r.completion_tokens} decoding steps x {1e3 * r.decode_token_s:.1f} ms = "
+        + (f"graph capture {r.capture_s:.2f} s + " if r.compiled else "")
+        + f"{r.completion_tokens} decoding steps x {1e3 * r.decode_token_s:.1f} ms = "
         f"{r.rollout_s:.1f} s ({r.tokens_per_s:,.0f} tokens/s)",
         f"GRPO step: rollout {r.rollout_s:.1f} s + training "
         f"{plan.training.estimate.time.step_s:.1f} s = {plan.step_s:.1f} s",

@@ -18,7 +18,11 @@ Time (seconds, one generation batch):
 - decoding, per token: the weights read once (resident: P x c / HBM bandwidth; streamed: the
   layers over the host link, sum(Pl) x c / h2d), or 2 x Pa x N / FLOP rate if more, plus
   reading the KV cache at its mean length (Lp + Lc / 2), plus issuing the forward's aten ops
-  and the sampler's (`op_launch_s` each: eager decoding at small N is host-bound).
+  and the sampler's (`op_launch_s` each: eager decoding at small N is host-bound);
+- compiled decoding (grpo/decode.py, resident on CUDA): each step is one CUDA graph replay, so
+  no op is issued from the host; the ops' kernels still run one after another on the GPU,
+  `GRAPHED_OP_S` each, and attention reads the whole static cache (Lp + Lc) every step. The
+  graph is captured per generation batch after one eager warm-up step: two eager steps more.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from megatrain.resources.hardware import Hardware
 from megatrain.resources.spec import ModelSpec
 
 SAMPLER_OPS = 40  # aten ops of one generate() step outside the model: logits warpers, sampling
+# GPU time of one aten op's kernel inside a replayed CUDA graph at decode size (one token per
+# sequence), beside the weight and KV reads: a placeholder of a few microseconds, TO BE FITTED
+# from the H100 run of bench/grpo_shape.py (its time/decode_step_ms, compiled path).
+GRAPHED_OP_S = 2.0e-6
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,9 @@ class RolloutEstimate:
     weight_copy_s: float
     prefill_s: float
     decode_token_s: float  # one decoding step, all N sequences
-    rollout_s: float  # weight copy + prefill + Lc decoding steps
+    rollout_s: float  # weight copy + prefill + capture + Lc decoding steps
+    compiled: bool = False  # decoding steps replayed as a CUDA graph (grpo/decode.py)
+    capture_s: float = 0.0  # compiled: the eager warm-up step and the capture, per batch
 
     @property
     def gpu_peak_bytes(self) -> int:
@@ -81,6 +91,7 @@ def rollout_estimate(
     completion_tokens: int,
     streamed: bool = False,
     num_slots: int = 2,
+    compiled: bool = False,
 ) -> RolloutEstimate:
     """Predict the rollout phase of one generation batch (see the module docstring)."""
     c = spec.compute_dtype.itemsize
@@ -105,8 +116,14 @@ def rollout_estimate(
     if streamed:
         read_s += layer_bytes / (hw.h2d_gbps * 1e9)  # every layer over the host link
     ops = sum(f for f, _ in layer_profile(spec, 1, 16, "padded").ops) + SAMPLER_OPS
+    assert not (compiled and streamed), "compiled decoding is resident only"
+    weights_s = max(read_s, 2.0 * spec.active_params * n / rate)
     kv_read_s = n * kv_bytes_per_token(spec, lp + lc // 2) / hbm
-    decode = max(read_s, 2.0 * spec.active_params * n / rate) + kv_read_s + ops * hw.op_launch_s
+    eager = weights_s + kv_read_s + ops * hw.op_launch_s
+    decode, capture_s = eager, 0.0
+    if compiled:
+        decode = weights_s + n * kv_bytes_per_token(spec, lp + lc) / hbm + ops * GRAPHED_OP_S
+        capture_s = 2 * eager
     copy_s = 0.0 if streamed else weights / (hw.h2d_gbps * 1e9)
     prefill_s = 2.0 * spec.active_params * n * lp / rate
     return RolloutEstimate(
@@ -118,5 +135,7 @@ def rollout_estimate(
         weight_copy_s=copy_s,
         prefill_s=prefill_s,
         decode_token_s=decode,
-        rollout_s=copy_s + prefill_s + lc * decode,
+        rollout_s=copy_s + prefill_s + capture_s + lc * decode,
+        compiled=compiled,
+        capture_s=capture_s,
     )

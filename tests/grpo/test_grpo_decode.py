@@ -1,0 +1,121 @@
+"""The static-cache decoding path (grpo/decode.py) on the CPU, where each step runs eagerly: greedy
+tokens equal transformers' `generate` (batched, as rollout.generate runs it, and each prompt
+alone) for llama (sdpa) and qwen3 (eager attention, tied head); completions stop at the first
+EOS; EOS is suppressed before min_new_tokens; sampling is reproducible from its seed and draws
+from exactly the distribution transformers' temperature and top-p warpers leave."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from megatrain.builder import RunBuilder
+from megatrain.grpo.decode import STOP_CHECK_STEPS, pick_tokens, static_generate
+from megatrain.grpo.rollout import device_model, generate
+from megatrain.verify import verify_config
+
+NEW = STOP_CHECK_STEPS + 8  # past one stop check
+
+
+def _setup(model_type: str, attn: str, tied: bool) -> tuple[RunBuilder, object, object, object]:
+    cfg = verify_config(
+        None,
+        ["--model.attn_implementation", attn],
+        model_type=model_type,
+        tiny=True,
+        config_overrides={"tie_word_embeddings": tied},
+    )
+    builder = RunBuilder(cfg)
+    reference = builder.model().causal_lm.eval()  # same seed: the same initial weights
+    structure = builder.model()
+    return builder, reference, structure, builder.store(structure)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 9, 3, 7)]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "attn", "tied"), [("llama", "sdpa", False), ("qwen3", "eager", True)]
+)
+def test_static_greedy_equals_transformers_generate(model_type: str, attn: str, tied: bool) -> None:
+    builder, reference, structure, store = _setup(model_type, attn, tied)
+    assert reference.config._attn_implementation == attn
+    prompts = _prompts(reference.config.vocab_size)
+    kw = {"max_new_tokens": NEW, "pad_token_id": 0, "do_sample": False}
+    with device_model(structure, store, builder.device) as model:
+        free = generate(model, prompts, eos_token_ids=[1], **kw).completions  # 1: never drawn
+        eos = [free[0][4]]  # a token row 0 draws: rows that draw it stop there
+        eager = generate(model, prompts, eos_token_ids=eos, **kw)
+        static = static_generate(model, prompts, eos_token_ids=eos, cache_len=40, **kw)
+    assert all(len(c) == NEW for c in free)
+    assert static.completions == eager.completions and static.clipped == eager.clipped
+    assert static.completions[0] == free[0][: free[0].index(eos[0]) + 1]  # stopped at its EOS
+    for prompt, completion in zip(prompts, static.completions, strict=True):
+        ids = torch.tensor([prompt])  # one prompt alone: no padding at all in the reference
+        out = reference.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+        assert completion == out[0, len(prompt) :].tolist()[: len(completion)]
+
+
+def test_sampling_is_seeded_and_min_new_tokens_holds_eos_back() -> None:
+    builder, reference, structure, store = _setup("llama", "sdpa", False)
+    prompts = _prompts(reference.config.vocab_size)
+    kw = {"max_new_tokens": NEW, "pad_token_id": 0, "do_sample": True, "temperature": 1.5}
+    with device_model(structure, store, builder.device) as model:
+
+        def sample(seed: int, eos: int, **extra: int) -> list[list[int]]:
+            return static_generate(
+                model, prompts, eos_token_ids=[eos], seed=seed, top_p=0.9, **kw, **extra
+            ).completions
+
+        first = sample(1, 1)
+        assert first == sample(1, 1) != sample(2, 1)
+        eos = first[0][2]  # row 0 draws it third: from the same seed it stops there
+        assert sample(1, eos)[0] == first[0][:3]
+        held = sample(1, eos, min_new_tokens=6)
+        assert all(eos not in c[:5] for c in held)  # the 6th token may be EOS, none before
+        full = sample(1, eos, min_new_tokens=NEW)  # the bench's forced full length
+        assert all(len(c) == NEW and eos not in c for c in full)
+
+
+def test_pick_tokens_samples_transformers_warped_distribution() -> None:
+    """Rows of the same logits: each token's share of draws is its probability after
+    transformers' temperature and top-p warpers, within 5 binomial standard deviations."""
+    gen = torch.Generator().manual_seed(0)
+    logits_V = torch.randn(12, generator=gen, dtype=torch.float64) * 2
+    temperature, top_p = 0.7, 0.8
+    tempered = TemperatureLogitsWarper(temperature)(None, logits_V[None])
+    warped = TopPLogitsWarper(top_p)(None, tempered)
+    probs = warped.softmax(-1)[0]
+    assert 1 < int((probs > 0).sum()) < 12  # top-p removes some tokens, keeps several
+    draws = 40_000
+    torch.manual_seed(0)
+    picked = pick_tokens(
+        logits_V.float().expand(draws, -1),
+        eos_bias_V=torch.zeros(12),
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+    )
+    share = torch.bincount(picked, minlength=12).double() / draws
+    for p, s in zip(probs.tolist(), share.tolist(), strict=True):
+        assert abs(s - p) <= 5 * math.sqrt(p * (1 - p) / draws)  # p = 0: never drawn
+    greedy = pick_tokens(
+        logits_V.float()[None],
+        eos_bias_V=torch.zeros(12).index_fill(0, logits_V.argmax()[None], -math.inf),
+        do_sample=False,
+        temperature=1.0,
+        top_p=1.0,
+    )
+    assert greedy.item() == logits_V.topk(2).indices[1].item()  # the EOS bias removes the top
