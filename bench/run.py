@@ -278,6 +278,20 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=300,
     ),
+    "grpo_decode": Scenario(
+        "GRPO rollouts on the Qwen2.5-7B shape, 8 prompts x 2 responses, 512 prompt tokens: the "
+        "static-cache CUDA-graph decoding at 1024 completion tokens (ms per decoding step, "
+        "prefill + capture, the step's split) against transformers' eager generate at 128 "
+        "(grpo.compile_decode false: the baseline decode rate)",
+        (
+            _grpo("--generations", "2", "--steps", "3"),
+            _grpo(
+                *("--generations", "2", "--steps", "2", "--completion-len", "128"),
+                *("--grpo.compile_decode", "false"),
+            ),
+        ),
+        timeout_s=400,
+    ),
     "estimate_check": Scenario(
         "the estimate against measured runs of this machine (3B 8k/32k, 7B 16k)",
         (
