@@ -2,18 +2,21 @@
 tokens equal transformers' `generate` (batched, as rollout.generate runs it, and each prompt
 alone) for llama (sdpa) and qwen3 (eager attention, tied head); completions stop at the first
 EOS; EOS is suppressed before min_new_tokens; sampling is reproducible from its seed and draws
-from exactly the distribution transformers' temperature and top-p warpers leave."""
+from exactly the distribution transformers' temperature and top-p warpers leave; the step a
+CUDA graph captures issues no op that needs the host."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from megatrain.builder import RunBuilder
-from megatrain.grpo.decode import STOP_CHECK_STEPS, pick_tokens, static_generate
+from megatrain.grpo.decode import STOP_CHECK_STEPS, _Decoder, pick_tokens, static_generate
 from megatrain.grpo.rollout import device_model, generate
 from megatrain.verify import verify_config
 
@@ -119,3 +122,47 @@ def test_pick_tokens_samples_transformers_warped_distribution() -> None:
         top_p=1.0,
     )
     assert greedy.item() == logits_V.topk(2).indices[1].item()  # the EOS bias removes the top
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the ops a CUDA graph cannot hold: reading a device value on the host, shapes that
+    depend on data, tensors made from host data (a host-to-device copy mid-step)."""
+
+    FORBIDDEN = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "lift_fresh", "equal")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.seen = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen += 1
+        name = str(func)
+        bool_index = name.startswith("aten.index.") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
+        if bool_index or any(f in name for f in self.FORBIDDEN):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_decoding_step_reads_nothing_on_the_host(model_type: str) -> None:
+    """What the CUDA graph captures (one _Decoder.step, sampling with top-p, EOS held back)
+    issues no op that syncs with the host or needs host data: checked op by op on the CPU."""
+    builder, reference, structure, store = _setup(model_type, "sdpa", False)
+    with device_model(structure, store, builder.device) as model, torch.no_grad():
+        dec = _Decoder(
+            model,
+            _prompts(reference.config.vocab_size),
+            cache_len=16,
+            max_new_tokens=4,
+            pad_token_id=0,
+            eos_token_ids=[1, 2],
+            sampling={"do_sample": True, "temperature": 0.9, "top_p": 0.8},
+        )
+        dec.suppress_eos(True)
+        dec.prefill()
+        with _HostReads() as mode:
+            dec.step()
+    assert mode.seen > 50 and mode.ops == []

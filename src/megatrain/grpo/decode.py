@@ -93,7 +93,7 @@ def pick_tokens(
     if top_p < 1.0:
         ascending, order = torch.sort(scores, descending=False)
         drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
-        drop[:, -1] = False
+        drop[:, -1].fill_(False)  # a scalar fill: no tensor made from host data mid-graph
         scores = scores.masked_fill(drop.scatter(1, order, drop), -float("inf"))
     probs = scores.softmax(-1)
     race = torch.empty_like(probs).exponential_(1)  # argmax(p / E): one multinomial draw
