@@ -31,6 +31,7 @@ from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result
 from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.grpo.plan import grpo_plan
 from megatrain.grpo.recipe import GRPOTrainer
+from megatrain.resources.rollout import GRAPHED_OP_S, RolloutEstimate
 
 
 def random_reward(completions: list[Any], **_: Any) -> list[float]:
@@ -53,6 +54,15 @@ def _step_line(step: int, r: dict) -> str:
         f"{r['time/generation_s'] + r['time/logprob_s'] + r['time/train_s']:.1f} s, "
         f"completion length {r['completion_length']:.0f}"
     )
+
+
+def _graphed_op_fit(ro: RolloutEstimate, decode_ms: list[float]) -> float | None:
+    """resources/rollout.py's GRAPHED_OP_S that would predict the measured decoding step: the
+    step less the estimate's weight and KV reads, over its ops (compiled path only)."""
+    if not (ro.compiled and decode_ms):
+        return None
+    reads_s = ro.decode_token_s - ro.decode_ops * GRAPHED_OP_S
+    return (statistics.median(decode_ms) / 1e3 - reads_s) / ro.decode_ops
 
 
 def _prompts(folder: Path, count: int) -> Path:
@@ -151,6 +161,7 @@ def main() -> None:
         compiled_decode=ro.compiled,
         decode_step_ms=round(statistics.median(decode_ms), 2) if decode_ms else None,
         est_decode_step_ms=round(1e3 * ro.decode_token_s, 2),
+        graphed_op_s_fit=_graphed_op_fit(ro, decode_ms),
         completion_length=steps[-1]["completion_length"],
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if device == "cuda"

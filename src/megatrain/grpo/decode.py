@@ -288,7 +288,8 @@ def _warm_up_and_capture(dec: _Decoder) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, stream=side):
+        # thread_local: the optimizer's worker thread (idle after wait_updates) cannot spoil it
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
             dec.step()
     except RuntimeError as e:
         raise RuntimeError(

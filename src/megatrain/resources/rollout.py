@@ -52,6 +52,7 @@ class RolloutEstimate:
     decode_token_s: float  # one decoding step, all N sequences
     rollout_s: float  # weight copy + prefill + capture + Lc decoding steps
     compiled: bool = False  # decoding steps replayed as a CUDA graph (grpo/decode.py)
+    decode_ops: int = 0  # aten ops of one decoding step (the model's and the sampler's)
     capture_s: float = 0.0  # compiled: the eager warm-up step and the capture, per batch
 
     @property
@@ -138,4 +139,5 @@ def rollout_estimate(
         rollout_s=copy_s + prefill_s + capture_s + lc * decode,
         compiled=compiled,
         capture_s=capture_s,
+        decode_ops=ops,
     )
