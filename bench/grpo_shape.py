@@ -10,8 +10,10 @@ Prints one line per step as soon as the step ends (flushed: a run cut short stil
 split): generation (on the static path also prefill + capture and ms per decoding step) and
 training; then one RESULT line: median step time after the first, split into generation and
 training, decode tokens/s, GPU peak, host RSS, and the estimate beside each (grpo/plan.py: the
-rollout phase and the training phase). `--grpo.compile_decode false` measures transformers'
-eager generate instead of the static-cache, CUDA-graph decoding (grpo/decode.py).
+rollout phase and the training phase). The product default decodes with a static KV cache,
+a torch.compile'd forward and one CUDA graph per token (grpo/decode.py); `--grpo.compile_decode
+graphs` keeps the eager kernels in the graph, `--grpo.compile_decode false` measures
+transformers' eager generate.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result
 from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.grpo.plan import grpo_plan
 from megatrain.grpo.recipe import GRPOTrainer
-from megatrain.resources.rollout import GRAPHED_OP_S, RolloutEstimate
+from megatrain.resources.rollout import DECODE_OP_S, RolloutEstimate
 
 
 def random_reward(completions: list[Any], **_: Any) -> list[float]:
@@ -56,12 +58,12 @@ def _step_line(step: int, r: dict) -> str:
     )
 
 
-def _graphed_op_fit(ro: RolloutEstimate, decode_ms: list[float]) -> float | None:
-    """resources/rollout.py's GRAPHED_OP_S that would predict the measured decoding step: the
-    step less the estimate's weight and KV reads, over its ops (compiled path only)."""
-    if not (ro.compiled and decode_ms):
+def _op_s_fit(ro: RolloutEstimate, decode_ms: list[float]) -> float | None:
+    """resources/rollout.py's DECODE_OP_S[mode] that would predict the measured decoding step:
+    the step less the estimate's weight and KV reads, over its ops (static decoding only)."""
+    if ro.decode not in DECODE_OP_S or not decode_ms:
         return None
-    reads_s = ro.decode_token_s - ro.decode_ops * GRAPHED_OP_S
+    reads_s = ro.decode_token_s - ro.decode_ops * DECODE_OP_S[ro.decode]
     return (statistics.median(decode_ms) / 1e3 - reads_s) / ro.decode_ops
 
 
@@ -158,10 +160,10 @@ def main() -> None:
         generation_s=round(gen, 2),
         train_s=round(train, 2),
         decode_tokens_per_s=round(statistics.median(r["generation_tokens_per_s"] for r in steps)),
-        compiled_decode=ro.compiled,
+        decode=ro.decode,
         decode_step_ms=round(statistics.median(decode_ms), 2) if decode_ms else None,
         est_decode_step_ms=round(1e3 * ro.decode_token_s, 2),
-        graphed_op_s_fit=_graphed_op_fit(ro, decode_ms),
+        op_s_fit=_op_s_fit(ro, decode_ms),
         completion_length=steps[-1]["completion_length"],
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if device == "cuda"

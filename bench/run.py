@@ -279,16 +279,14 @@ SCENARIOS: dict[str, Scenario] = {
         timeout_s=300,
     ),
     "grpo_decode": Scenario(
-        "GRPO rollouts on the Qwen2.5-7B shape, 8 prompts x 2 responses, 512 prompt tokens: the "
-        "static-cache CUDA-graph decoding at 1024 completion tokens (ms per decoding step, "
-        "prefill + capture, the step's split) against transformers' eager generate at 128 "
-        "(grpo.compile_decode false: the baseline decode rate)",
+        "GRPO rollouts on the Qwen2.5-7B shape, 8 prompts x 2 responses, 512 + 1024 tokens, "
+        "static decoding (grpo/decode.py): the product default (torch.compile'd forward, one "
+        "CUDA graph per token; the compile in step 1) and grpo.compile_decode graphs (eager "
+        "kernels in the graph): ms per decoding step, prefill + capture, each step's split, "
+        "op_s_fit for resources/rollout.py's DECODE_OP_S",
         (
             _grpo("--generations", "2", "--steps", "3"),
-            _grpo(
-                *("--generations", "2", "--steps", "2", "--completion-len", "128"),
-                *("--grpo.compile_decode", "false"),
-            ),
+            _grpo("--generations", "2", "--steps", "2", "--grpo.compile_decode", "graphs"),
         ),
         timeout_s=400,
     ),

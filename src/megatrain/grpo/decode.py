@@ -1,4 +1,4 @@
-"""Compiled decoding for the resident rollout: a static KV cache and each token one CUDA graph.
+"""Static decoding for the resident rollout: a static KV cache and each token one CUDA graph.
 
 Eager `generate` issues every aten op of a decoding step from Python: for a 7B model and 16
 sequences some 1,500 kernel launches, about 42 ms per token on an H100 while reading the
@@ -23,12 +23,19 @@ Sync points: one per STOP_CHECK_STEPS tokens (have all sequences finished?) and 
 completions to the host at the end; none per token. Forced full length (`min_new_tokens =
 max_new_tokens`, the bench) never stops early.
 
-Warm-up and capture are paid per generation batch, and nothing is compiled: the rollout's
-weights are materialised at new addresses each batch (device_model frees them for the
-training phase) and a CUDA graph bakes addresses in, so the step is recaptured each batch:
-one eager warm-up step on a side stream plus the capture, about two eager steps (~0.1 s for a
-7B model). torch.compile would instead recompile or re-record for the new weight addresses,
-for minutes per 7B compile.
+The forward of a step is the model's eager code ("graphs") or that code compiled with
+torch.compile (`compile_forward`: inductor fuses the norms, rotary and activations into fewer
+kernels; no CUDA graphs of its own). What is paid when:
+
+- the compile, once per run (per process): `compiled_forward` is one compiled function that
+  takes the model as an argument, and its guards do not depend on the model object or its
+  weights' addresses, so the next generation batch's fresh device copy reuses the compiled
+  code (tests/grpo/test_grpo_decode_compile.py counts the graphs). It is paid in the first
+  batch's warm-up step, where inductor also tunes its kernels;
+- the warm-up and the capture, per generation batch: the rollout's weights come back at new
+  addresses each batch (device_model frees them for the training phase) and a CUDA graph bakes
+  addresses in, so each batch runs its second token eagerly on a side stream, then captures
+  the step (about two steps' time; no compile).
 
 Supported: dense models whose every layer has full softmax attention, `sdpa` or `eager`
 (`static_decode_problem` says why not; the recipe then uses `generate`).
@@ -36,7 +43,9 @@ Supported: dense models whose every layer has full softmax attention, `sdpa` or 
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,6 +79,30 @@ def static_decode_problem(
     if any(type(layer) is not StaticLayer for layer in cache.layers):
         return "sliding-window or linear-attention layers (static decoding masks full attention)"
     return None
+
+
+def _forward(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: StaticCache,
+) -> torch.Tensor:
+    """One decoding forward: the logits of each sequence's newest token."""
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=True,
+    ).logits
+
+
+@functools.cache
+def compiled_forward() -> Callable[..., torch.Tensor]:
+    """The process's one torch.compile of `_forward`: its compiled code serves every model
+    object of the same shapes (static shapes: a new shape compiles once more)."""
+    return torch.compile(_forward, dynamic=False)
 
 
 def pick_tokens(
@@ -117,8 +150,10 @@ class _Decoder:
         pad_token_id: int,
         eos_token_ids: list[int],
         sampling: dict[str, Any],
+        compile_forward: bool = False,
     ) -> None:
         self.model, self.sampling, self.pad = model, sampling, pad_token_id
+        self.forward = compiled_forward() if compile_forward else _forward
         device = next(model.parameters()).device
         ids, valid = left_pad(prompts, pad_token_id)
         self.width = width = ids.shape[1]
@@ -189,13 +224,7 @@ class _Decoder:
     def step(self) -> None:
         """One decoding step; touches only this object's buffers and the cache (capturable)."""
         self.mask_N11L.index_fill_(3, self.slot, self.attend)
-        logits = self.model(
-            input_ids=self.tokens,
-            attention_mask=self.mask_N11L,
-            position_ids=self.positions,
-            cache=self.cache,
-            use_cache=True,
-        ).logits
+        logits = self.forward(self.model, self.tokens, self.mask_N11L, self.positions, self.cache)
         self._advance(logits[:, -1])
         self.slot += 1
         self.positions += 1
@@ -226,11 +255,13 @@ def static_generate(
     min_new_tokens: int = 0,
     cache_len: int | None = None,
     cuda_graph: bool | None = None,
+    compile_forward: bool = False,
 ) -> Rollout:
     """`rollout.generate`'s completions from the static-cache path (module docstring).
 
     `cache_len`: tokens per sequence in the KV cache (None: the longest prompt +
-    max_new_tokens); `cuda_graph`: replay the step as a CUDA graph (None: on CUDA).
+    max_new_tokens); `cuda_graph`: replay the step as a CUDA graph (None: on CUDA);
+    `compile_forward`: the step's forward through `compiled_forward` (torch.compile).
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -242,6 +273,7 @@ def static_generate(
         pad_token_id=pad_token_id,
         eos_token_ids=eos_token_ids,
         sampling={"do_sample": do_sample, "temperature": temperature, "top_p": top_p},
+        compile_forward=compile_forward,
     )
     graphed = device.type == "cuda" if cuda_graph is None else cuda_graph
     graphed = graphed and max_new_tokens - 1 >= MIN_GRAPH_STEPS

@@ -8,8 +8,9 @@ beside the engine's persistent buffers (weight slots, gradient accumulators, hea
 else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to leave the
 resident rollout its room (RunBuilder.reserve_gpu), so the tier never pushes generation onto
 the streamed path. `grpo.generation: resident | streamed` forces a path; on the CPU it is resident.
-A resident rollout decodes on the static path (grpo/decode.py: static KV cache, CUDA graphs)
-when `grpo.compile_decode` asks for it and the model allows it (`decode_compiled`).
+A resident rollout decodes on the static path (grpo/decode.py: static KV cache, CUDA graphs,
+the forward compiled or not) when `grpo.compile_decode` asks for it and the model allows it
+(`decode_mode`).
 
 Invariant: the recipe generates on the path this plan chooses (grpo/recipe.py asks it with the
 free memory the device reports), so `megatrain estimate --grpo` names the path the run takes.
@@ -32,7 +33,7 @@ class GRPOPlan:
     training: ResourcePlan
     rollout: RolloutEstimate  # on the chosen path
     reason: str  # why that path
-    decode_reason: str  # why the resident rollout decodes compiled or through generate
+    decode_reason: str  # why a resident rollout decodes the way it does (decode_mode)
     problems: tuple[str, ...]  # training's and the rollout's; empty when both fit
 
     @property
@@ -66,7 +67,7 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
     prompt = g.max_prompt_length or max(cfg.seq_len - completion, 1)
     hw, margin = builder.hardware, cfg.memory.gpu_margin_gib * GIB
 
-    compiled, decode_reason = decode_compiled(builder)
+    decode, decode_reason = decode_mode(builder)
 
     def rollout(streamed: bool) -> RolloutEstimate:
         return rollout_estimate(
@@ -77,7 +78,7 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
             completion_tokens=completion,
             streamed=streamed,
             num_slots=cfg.memory.num_slots,
-            compiled=compiled and not streamed and builder.placement.is_cuda,
+            decode="generate" if streamed or not builder.placement.is_cuda else decode,
         )
 
     resident = rollout(False)
@@ -113,27 +114,31 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
     return GRPOPlan(training, chosen, reason, decode_reason, tuple(problems))
 
 
-def decode_compiled(builder: RunBuilder) -> tuple[bool, str]:
-    """Whether resident rollouts decode on the static path (grpo/decode.py), and why.
+def decode_mode(builder: RunBuilder) -> tuple[str, str]:
+    """How resident rollouts decode (one of resources/rollout.py's DECODE_MODES), and why.
 
-    "auto": on CUDA when the model allows it; true: wherever the model allows it (the CPU
-    runs the same steps without graphs), else an error; false: never.
+    grpo.compile_decode "auto": "compiled" on CUDA when the model allows it, else "generate";
+    true / "graphs": "compiled" / "graphs" wherever the model allows it (the CPU runs the
+    same steps without CUDA graphs), else an error; false: "generate".
     """
     setting, on_gpu = builder.cfg.grpo.compile_decode, builder.placement.is_cuda
+    shown = str(setting).lower() if isinstance(setting, bool) else setting  # as YAML writes it
     if setting is False:
-        return False, "grpo.compile_decode: false"
+        return "generate", "transformers' generate (grpo.compile_decode: false)"
     if setting == "auto" and not on_gpu:
-        return False, "grpo.compile_decode: auto, on the CPU"
+        return "generate", "transformers' generate (grpo.compile_decode: auto, on the CPU)"
     problem = static_decode_problem(builder.spec.config, builder.cfg.model.attn_implementation)
     if problem is None:
-        graphs = "CUDA graphs" if on_gpu else "no graphs on the CPU"
-        return True, f"static KV cache, {graphs} (grpo.compile_decode: {setting})"
-    if setting is True:
+        mode = "graphs" if setting == "graphs" else "compiled"
+        kernels = "torch.compile'd forward" if mode == "compiled" else "eager kernels"
+        graphs = "one CUDA graph per token" if on_gpu else "no CUDA graphs on the CPU"
+        return mode, f"static KV cache, {kernels}, {graphs} (grpo.compile_decode: {shown})"
+    if setting != "auto":
         raise ValueError(
-            f"grpo.compile_decode: true, but this model cannot decode on the static path: "
+            f"grpo.compile_decode: {shown}, but this model cannot decode on the static path: "
             f"{problem}; set grpo.compile_decode: auto (transformers' generate for this model)"
         )
-    return False, f"transformers' generate: {problem}"
+    return "generate", f"transformers' generate: {problem}"
 
 
 def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
@@ -161,7 +166,7 @@ def format_rollout(plan: GRPOPlan) -> str:
         *(f"  {name:<44}{gib(n):>14}" for name, n in r.gpu_items.items()),
         f"  {'rollout GPU peak (freed before training)':<44}{gib(r.gpu_peak_bytes):>14}",
         f"  weight copy {r.weight_copy_s:.2f} s + prefill {r.prefill_s:.2f} s + "
-        + (f"graph capture {r.capture_s:.2f} s + " if r.compiled else "")
+        + (f"graph capture {r.capture_s:.2f} s + " if r.capture_s else "")
         + f"{r.completion_tokens} decoding steps x {1e3 * r.decode_token_s:.1f} ms = "
         f"{r.rollout_s:.1f} s ({r.tokens_per_s:,.0f} tokens/s)",
         f"GRPO step: rollout {r.rollout_s:.1f} s + training "

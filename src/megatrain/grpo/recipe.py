@@ -35,7 +35,7 @@ from megatrain.engine.head import TokenObjective
 from megatrain.grpo.advantages import group_advantages
 from megatrain.grpo.decode import static_generate
 from megatrain.grpo.loss import GRPOLoss, token_weights
-from megatrain.grpo.plan import decode_compiled, format_rollout, grpo_plan
+from megatrain.grpo.plan import decode_mode, format_rollout, grpo_plan
 from megatrain.grpo.prompts import Prompt, load_prompts
 from megatrain.grpo.rewards import load_reward
 from megatrain.grpo.rollout import device_model, generate
@@ -106,7 +106,7 @@ class GRPOTrainer:
         self.pad_id = pad_token_id_of(self.tokenizer)
         self.eos_ids = [self.tokenizer.eos_token_id]
         self.min_completion_tokens = 0  # bench/grpo_shape.py: max_completion_length (full length)
-        self.compile_decode = decode_compiled(b)[0]  # the static path, for resident rollouts
+        self.decode = decode_mode(b)[0]  # how resident rollouts decode (grpo/decode.py)
         self.total_steps = self._total_steps()
         self.schedule = b.schedule(self.total_steps)
         self.step = 0
@@ -185,9 +185,10 @@ class GRPOTrainer:
             num_slots=self.cfg.memory.num_slots,
         ) as model:
             static: dict[str, Any] = {}  # the static path's KV cache, sized as the plan sizes it
-            if self.compile_decode and not streamed:
+            if self.decode != "generate" and not streamed:
                 prompt = g.max_prompt_length or max(len(p.prompt_ids) for p in prompts)
                 static["cache_len"] = prompt + g.max_completion_length
+                static["compile_forward"] = self.decode == "compiled"
             rollout = (static_generate if static else generate)(
                 model,
                 [p.prompt_ids for p in prompts],
