@@ -16,7 +16,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from megatrain.builder import RunBuilder
-from megatrain.grpo.decode import STOP_CHECK_STEPS, _Decoder, pick_tokens, static_generate
+from megatrain.grpo.decode import (
+    STOP_CHECK_STEPS,
+    _attention,
+    _Decoder,
+    pick_tokens,
+    static_generate,
+)
 from megatrain.grpo.rollout import device_model, generate
 from megatrain.verify import verify_config
 
@@ -166,3 +172,24 @@ def test_decoding_step_reads_nothing_on_the_host(model_type: str) -> None:
         with _HostReads() as mode:
             dec.step()
     assert mode.seen > 50 and mode.ops == []
+
+
+def test_decode_attention_packs_groups_exactly() -> None:
+    """One query token, 3 key/value heads of 4 query heads each, a padding mask: the packed
+    attention equals softmax attention in float64 with every key/value head repeated."""
+    gen = torch.Generator().manual_seed(0)
+    n, kv_heads, groups, keys, width = 2, 3, 4, 16, 8
+    query = torch.randn(n, kv_heads * groups, 1, width, generator=gen)
+    key, value = (torch.randn(n, kv_heads, keys, width, generator=gen) for _ in range(2))
+    mask = torch.rand(n, 1, 1, keys, generator=gen) < 0.7
+    mask[..., 0] = True
+    module = torch.nn.Module()
+    module.num_key_value_groups = groups
+    out, _ = _attention(module, query, key, value, mask, scaling=width**-0.5)
+    k64, v64 = (t.double().repeat_interleave(groups, dim=1) for t in (key, value))
+    scores = (query.double() @ k64.transpose(-1, -2)) * width**-0.5
+    probs = scores.masked_fill(~mask, -math.inf).softmax(-1)
+    expected = (probs @ v64).transpose(1, 2)  # [n, 1, heads, width], as the layer reshapes it
+    # fp32: each output sums <= 16 products of |v| <= max|v|, rounding ~ keys x eps each
+    bound = 4 * keys * torch.finfo(torch.float32).eps * float(value.abs().max())
+    assert out.shape == expected.shape and float((out.double() - expected).abs().max()) < bound

@@ -9,8 +9,11 @@ token is one `replay()`:
 - the KV cache is transformers' `StaticCache`, `cache_len` tokens per sequence (the plan's
   max_prompt_length + max_completion_length), written in place at the cache's own device-side
   position counter;
-- the attention mask is ours, 4D (transformers passes a 4D mask through unchanged): prompt
-  keys that are padding stay masked, and each step unmasks its own slot, in place;
+- the attention mask is ours, 4D boolean (transformers passes a 4D mask through unchanged):
+  prompt keys that are padding stay masked, and each step unmasks its own slot, in place;
+- attention is SDPA through `_attention`, registered with transformers and set on the model's
+  config for the call: it runs one query token on the key/value heads, never repeating the
+  cache for grouped heads, compiled or not;
 - the prompts are prefilled eagerly in one forward (left padded, positions as `generate`
   computes them), and the first token is picked from its last position;
 - one step: unmask the slot, forward the newest token of every sequence, pick the next one
@@ -45,18 +48,23 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import StaticCache, StaticLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from megatrain.grpo.rollout import Rollout, left_pad, to_rollout
 
 STOP_CHECK_STEPS = 16  # tokens between the syncs that ask whether every sequence has finished
 MIN_GRAPH_STEPS = 4  # fewer decoding steps than this run eagerly (a capture would not pay)
-ATTENTION = ("sdpa", "eager")  # implementations that take our 4D mask as it is
+ATTENTION = ("sdpa", "eager")  # models loaded with these decode with DECODE_ATTENTION
+DECODE_ATTENTION = "megatrain_static_decode"  # `_attention`, registered with transformers
 
 
 def static_decode_problem(
@@ -79,6 +87,35 @@ def static_decode_problem(
     if any(type(layer) is not StaticLayer for layer in cache.layers):
         return "sliding-window or linear-attention layers (static decoding masks full attention)"
     return None
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The static path's attention (DECODE_ATTENTION): transformers' sdpa, except that one query
+    token with grouped key/value heads always runs on the key/value heads, the queries of a
+    group packed together. transformers packs them only outside torch.compile; compiled, it
+    repeats the whole cache for every group, every step (7x the KV reads for Qwen2.5-7B)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, **kwargs
+        )
+    n, heads, _, width = query.shape
+    packed = query.reshape(n, heads // groups, groups, width)
+    out = F.scaled_dot_product_attention(
+        packed, key, value, attn_mask=attention_mask, scale=scaling
+    )
+    return out.reshape(n, heads, 1, width).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, _attention)
 
 
 def _forward(
@@ -167,15 +204,9 @@ class _Decoder:
         self.ids, self.valid = ids.to(device), valid.to(device).bool()
         self.cache_len = cache_len
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
-        dtype = next(model.parameters()).dtype
-        self.eager = model.config._attn_implementation == "eager"
-        self.mask_dtype = dtype if self.eager else torch.bool
         key_valid = torch.zeros(n, cache_len, dtype=torch.bool, device=device)
         key_valid[:, :width] = self.valid
-        self.mask_N11L = self._as_mask(key_valid[:, None, None, :])
-        self.attend = torch.ones((), dtype=self.mask_dtype, device=device)
-        if self.eager:
-            self.attend = torch.zeros((), dtype=dtype, device=device)  # additive: 0 attends
+        self.mask_N11L = key_valid[:, None, None, :].clone()  # True attends (SDPA's boolean mask)
         vocab = model.config.get_text_config(decoder=True).vocab_size
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
         self.eos_bias_V = torch.zeros(vocab, dtype=torch.float32, device=device)
@@ -185,15 +216,6 @@ class _Decoder:
         self.col = torch.zeros(1, dtype=torch.long, device=device)
         self.out = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         self.finished = torch.zeros(n, dtype=torch.bool, device=device)
-
-    def _as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A boolean mask (True attends) in the format the attention implementation adds."""
-        if not self.eager:
-            return allowed.clone()
-        low = torch.finfo(self.mask_dtype).min
-        return torch.zeros(allowed.shape, dtype=self.mask_dtype, device=allowed.device).masked_fill(
-            ~allowed, low
-        )
 
     def suppress_eos(self, on: bool) -> None:
         self.eos_bias_V.zero_()
@@ -213,7 +235,7 @@ class _Decoder:
         positions = (self.valid.long().cumsum(-1) - 1).masked_fill(~self.valid, 1)
         logits = self.model(
             input_ids=self.ids,
-            attention_mask=self._as_mask(full),
+            attention_mask=full,
             position_ids=positions,
             cache=self.cache,
             use_cache=True,
@@ -223,7 +245,7 @@ class _Decoder:
 
     def step(self) -> None:
         """One decoding step; touches only this object's buffers and the cache (capturable)."""
-        self.mask_N11L.index_fill_(3, self.slot, self.attend)
+        self.mask_N11L.index_fill_(3, self.slot, True)
         logits = self.forward(self.model, self.tokens, self.mask_N11L, self.positions, self.cache)
         self._advance(logits[:, -1])
         self.slot += 1
@@ -278,7 +300,7 @@ def static_generate(
     graphed = device.type == "cuda" if cuda_graph is None else cuda_graph
     graphed = graphed and max_new_tokens - 1 >= MIN_GRAPH_STEPS
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with _decode_attention(model), torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
         t0 = time.perf_counter()
         dec.suppress_eos(min_new_tokens > 0)
@@ -308,6 +330,17 @@ def static_generate(
     rollout.prefill_s, rollout.decode_s = t1 - t0, time.perf_counter() - t1
     rollout.decode_steps = steps
     return rollout
+
+
+@contextmanager
+def _decode_attention(model: Any) -> Iterator[None]:
+    """The model attends with DECODE_ATTENTION inside (its config is the whole model's)."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
 
 
 def _warm_up_and_capture(dec: _Decoder) -> torch.cuda.CUDAGraph:
