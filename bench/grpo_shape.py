@@ -6,9 +6,14 @@ The run is `megatrain grpo`'s own (GRPOTrainer, built by RunBuilder) on syntheti
 exactly --prompt-len tokens (the demo tokenizer; the model's vocabulary is the preset's), every
 completion generated to --completion-len tokens (end-of-sequence suppressed), a random reward so
 the advantages are not zero. Config overrides after the options apply as in `megatrain grpo`.
-Prints one line per step and one RESULT line: median step time after the first, split into
-generation and training, decode tokens/s, GPU peak, host RSS, and the estimate beside each
-(grpo/plan.py: the rollout phase and the training phase).
+Prints one line per step as soon as the step ends (flushed: a run cut short still shows its
+split): generation (on the static path also prefill + capture and ms per decoding step) and
+training; then one RESULT line: median step time after the first, split into generation and
+training, decode tokens/s, GPU peak, host RSS, and the estimate beside each (grpo/plan.py: the
+rollout phase and the training phase). The product default decodes with a static KV cache,
+a torch.compile'd forward and one CUDA graph per token (grpo/decode.py); `--grpo.compile_decode
+graphs` keeps the eager kernels in the graph, `--grpo.compile_decode false` measures
+transformers' eager generate.
 """
 
 from __future__ import annotations
@@ -28,11 +33,38 @@ from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result
 from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.grpo.plan import grpo_plan
 from megatrain.grpo.recipe import GRPOTrainer
+from megatrain.resources.rollout import DECODE_OP_S, RolloutEstimate
 
 
 def random_reward(completions: list[Any], **_: Any) -> list[float]:
     """A reward that keeps the advantages non-zero (the cost of a step does not depend on it)."""
     return [random.random() for _ in completions]
+
+
+def _step_line(step: int, r: dict) -> str:
+    """One step's time split (metrics.jsonl's record of it)."""
+    static = (
+        f"; prefill + capture {r['time/prefill_capture_s']:.2f} s, "
+        f"{r['time/decode_step_ms']:.2f} ms per decoding step"
+        if "time/decode_step_ms" in r
+        else ""
+    )
+    return (
+        f"step {step}: generation {r['time/generation_s']:.1f} s "
+        f"({r['generation_tokens_per_s']:,.0f} tokens/s{static}), training "
+        f"{r['time/train_s']:.1f} s, log-probs {r['time/logprob_s']:.1f} s, step "
+        f"{r['time/generation_s'] + r['time/logprob_s'] + r['time/train_s']:.1f} s, "
+        f"completion length {r['completion_length']:.0f}"
+    )
+
+
+def _op_s_fit(ro: RolloutEstimate, decode_ms: list[float]) -> float | None:
+    """resources/rollout.py's DECODE_OP_S[mode] that would predict the measured decoding step:
+    the step less the estimate's weight and KV reads, over its ops (static decoding only)."""
+    if ro.decode not in DECODE_OP_S or not decode_ms:
+        return None
+    reads_s = ro.decode_token_s - ro.decode_ops * DECODE_OP_S[ro.decode]
+    return (statistics.median(decode_ms) / 1e3 - reads_s) / ro.decode_ops
 
 
 def _prompts(folder: Path, count: int) -> Path:
@@ -90,8 +122,21 @@ def main() -> None:
     trainer.min_completion_tokens = a.completion_len  # every completion at full length
     plan = grpo_plan(trainer.builder)
     log(f"built in {time.perf_counter() - t0:.1f} s; host RSS {host_rss_gib()} GiB")
+    ro = plan.rollout
+    log(
+        f"decoding: {plan.decode_reason if not ro.streamed else 'streamed layers'}; predicted "
+        f"{1e3 * ro.decode_token_s:.1f} ms per decoding step, rollout {ro.rollout_s:.1f} s"
+    )
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    train_step = trainer._train_step
+
+    def train_and_report(*args: Any) -> dict:
+        record = train_step(*args)
+        log(_step_line(trainer.step, record))  # flushed: a run cut short keeps its finished steps
+        return record
+
+    trainer._train_step = train_and_report  # type: ignore[method-assign]
     try:
         trainer.train()
     finally:
@@ -100,13 +145,7 @@ def main() -> None:
     steps = rows[1:] or rows  # the first step compiles kernels and faults in the host states
     gen = statistics.median(r["time/generation_s"] for r in steps)
     train = statistics.median(r["time/train_s"] for r in steps)
-    for r in rows:
-        log(
-            f"step {r['step']}: generation {r['time/generation_s']:.1f} s "
-            f"({r['generation_tokens_per_s']:,.0f} tokens/s), training {r['time/train_s']:.1f} s, "
-            f"completion length {r['completion_length']:.0f}"
-        )
-    ro = plan.rollout
+    decode_ms = [r["time/decode_step_ms"] for r in steps if "time/decode_step_ms" in r]
     result(
         system="megatrain-grpo",
         preset=a.preset,
@@ -121,6 +160,10 @@ def main() -> None:
         generation_s=round(gen, 2),
         train_s=round(train, 2),
         decode_tokens_per_s=round(statistics.median(r["generation_tokens_per_s"] for r in steps)),
+        decode=ro.decode,
+        decode_step_ms=round(statistics.median(decode_ms), 2) if decode_ms else None,
+        est_decode_step_ms=round(1e3 * ro.decode_token_s, 2),
+        op_s_fit=_op_s_fit(ro, decode_ms),
         completion_length=steps[-1]["completion_length"],
         gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if device == "cuda"

@@ -310,6 +310,18 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=300,
     ),
+    "grpo_decode": Scenario(
+        "GRPO rollouts on the Qwen2.5-7B shape, 8 prompts x 2 responses, 512 + 1024 tokens, "
+        "static decoding (grpo/decode.py): the product default (torch.compile'd forward, one "
+        "CUDA graph per token; the compile in step 1) and grpo.compile_decode graphs (eager "
+        "kernels in the graph): ms per decoding step, prefill + capture, each step's split, "
+        "op_s_fit for resources/rollout.py's DECODE_OP_S",
+        (
+            _grpo("--generations", "2", "--steps", "3"),
+            _grpo("--generations", "2", "--steps", "2", "--grpo.compile_decode", "graphs"),
+        ),
+        timeout_s=400,
+    ),
     "estimate_check": Scenario(
         "the estimate against measured runs of this machine (3B 8k/32k, 7B 16k)",
         (

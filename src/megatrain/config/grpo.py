@@ -15,6 +15,7 @@ from megatrain.config.types import check_choice, check_int, check_number, check_
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 GENERATION = ("auto", "resident", "streamed")
+COMPILE_DECODE = ("auto", True, False, "graphs")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,14 @@ class GRPOConfig:
     batch), "streamed" (decoder layers copied in one by one, every decoding step: any size,
     slow) or "auto" (resident when the rollout estimate, weights + KV cache, fits in the GPU
     memory free beside the engine with memory.gpu_margin_gib to spare; always on the CPU)."""
+    compile_decode: str | bool = "auto"
+    """How resident rollouts decode. true: a static KV cache of max_prompt_length +
+    max_completion_length tokens, the model's forward compiled with torch.compile (once per
+    run) and each decoding step replayed as one CUDA graph (captured per generation batch);
+    "graphs": the same with the eager kernels (nothing compiled); false: transformers'
+    generate; "auto": true on CUDA for the models it takes (dense, full attention, sdpa or
+    eager), generate otherwise. On the CPU, true and "graphs" run the same steps without
+    graphs."""
     seed: int = 42
     """Seed of the prompt order and of sampling (a checkpoint resumes both exactly)."""
 
@@ -82,6 +91,8 @@ class GRPOConfig:
             check_choice("grpo.scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check_int("grpo.num_iterations", self.num_iterations, minimum=1)
         check_choice("grpo.generation", self.generation, GENERATION)
+        if isinstance(self.compile_decode, str):
+            check_choice("grpo.compile_decode", self.compile_decode, COMPILE_DECODE)
         check_int("grpo.seed", self.seed, minimum=0)
         if not self.reward_funcs:
             raise ValueError(

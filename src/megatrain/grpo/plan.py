@@ -8,6 +8,9 @@ beside the engine's persistent buffers (weight slots, gradient accumulators, hea
 else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to leave the
 resident rollout its room (RunBuilder.reserve_gpu), so the tier never pushes generation onto
 the streamed path. `grpo.generation: resident | streamed` forces a path; on the CPU it is resident.
+A resident rollout decodes on the static path (grpo/decode.py: static KV cache, CUDA graphs,
+the forward compiled or not) when `grpo.compile_decode` asks for it and the model allows it
+(`decode_mode`).
 
 Invariant: the recipe generates on the path this plan chooses (grpo/recipe.py asks it with the
 free memory the device reports), so `megatrain estimate --grpo` names the path the run takes.
@@ -19,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megatrain.builder import RunBuilder
+from megatrain.grpo.decode import static_decode_problem
 from megatrain.resources.hardware import GIB, gib
 from megatrain.resources.plan import ResourcePlan
 from megatrain.resources.rollout import RolloutEstimate, rollout_estimate
@@ -29,6 +33,7 @@ class GRPOPlan:
     training: ResourcePlan
     rollout: RolloutEstimate  # on the chosen path
     reason: str  # why that path
+    decode_reason: str  # why a resident rollout decodes the way it does (decode_mode)
     problems: tuple[str, ...]  # training's and the rollout's; empty when both fit
 
     @property
@@ -62,6 +67,8 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
     prompt = g.max_prompt_length or max(cfg.seq_len - completion, 1)
     hw, margin = builder.hardware, cfg.memory.gpu_margin_gib * GIB
 
+    decode, decode_reason = decode_mode(builder)
+
     def rollout(streamed: bool) -> RolloutEstimate:
         return rollout_estimate(
             builder.spec,
@@ -71,6 +78,7 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
             completion_tokens=completion,
             streamed=streamed,
             num_slots=cfg.memory.num_slots,
+            decode="generate" if streamed or not builder.placement.is_cuda else decode,
         )
 
     resident = rollout(False)
@@ -103,7 +111,34 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
             "grpo.max_completion_length"
             + ("" if streamed else ", or set grpo.generation: streamed")
         )
-    return GRPOPlan(training, chosen, reason, tuple(problems))
+    return GRPOPlan(training, chosen, reason, decode_reason, tuple(problems))
+
+
+def decode_mode(builder: RunBuilder) -> tuple[str, str]:
+    """How resident rollouts decode (one of resources/rollout.py's DECODE_MODES), and why.
+
+    grpo.compile_decode "auto": "compiled" on CUDA when the model allows it, else "generate";
+    true / "graphs": "compiled" / "graphs" wherever the model allows it (the CPU runs the
+    same steps without CUDA graphs), else an error; false: "generate".
+    """
+    setting, on_gpu = builder.cfg.grpo.compile_decode, builder.placement.is_cuda
+    shown = str(setting).lower() if isinstance(setting, bool) else setting  # as YAML writes it
+    if setting is False:
+        return "generate", "transformers' generate (grpo.compile_decode: false)"
+    if setting == "auto" and not on_gpu:
+        return "generate", "transformers' generate (grpo.compile_decode: auto, on the CPU)"
+    problem = static_decode_problem(builder.spec.config, builder.cfg.model.attn_implementation)
+    if problem is None:
+        mode = "graphs" if setting == "graphs" else "compiled"
+        kernels = "torch.compile'd forward" if mode == "compiled" else "eager kernels"
+        graphs = "one CUDA graph per token" if on_gpu else "no CUDA graphs on the CPU"
+        return mode, f"static KV cache, {kernels}, {graphs} (grpo.compile_decode: {shown})"
+    if setting != "auto":
+        raise ValueError(
+            f"grpo.compile_decode: {shown}, but this model cannot decode on the static path: "
+            f"{problem}; set grpo.compile_decode: auto (transformers' generate for this model)"
+        )
+    return "generate", f"transformers' generate: {problem}"
 
 
 def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
@@ -114,6 +149,7 @@ def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
         "kv_cache_bytes": r.kv_cache_bytes,
         "tokens_per_s": r.tokens_per_s,
         "reason": plan.reason,
+        "decode": plan.decode_reason,
         "step_s": plan.step_s,
     }
 
@@ -122,14 +158,16 @@ def format_rollout(plan: GRPOPlan) -> str:
     """The rollout phase and the GRPO step, as lines under the training estimate's table."""
     r = plan.rollout
     path = "layers streamed per decoding step" if r.streamed else "whole model on the GPU"
+    decode = "" if r.streamed else f"\n  decoding: {plan.decode_reason}"
     lines = [
-        f"GRPO rollout phase ({path}: {plan.reason})",
+        f"GRPO rollout phase ({path}: {plan.reason}){decode}",
         f"  {r.sequences} sequences x ({r.prompt_tokens} prompt + {r.completion_tokens} "
         "completion tokens)",
         *(f"  {name:<44}{gib(n):>14}" for name, n in r.gpu_items.items()),
         f"  {'rollout GPU peak (freed before training)':<44}{gib(r.gpu_peak_bytes):>14}",
         f"  weight copy {r.weight_copy_s:.2f} s + prefill {r.prefill_s:.2f} s + "
-        f"{r.completion_tokens} decoding steps x {1e3 * r.decode_token_s:.1f} ms = "
+        + (f"graph capture {r.capture_s:.2f} s + " if r.capture_s else "")
+        + f"{r.completion_tokens} decoding steps x {1e3 * r.decode_token_s:.1f} ms = "
         f"{r.rollout_s:.1f} s ({r.tokens_per_s:,.0f} tokens/s)",
         f"GRPO step: rollout {r.rollout_s:.1f} s + training "
         f"{plan.training.estimate.time.step_s:.1f} s = {plan.step_s:.1f} s",

@@ -33,8 +33,9 @@ from megatrain.data import demo_assets_dir
 from megatrain.data.pipeline import pad_token_id_of
 from megatrain.engine.head import TokenObjective
 from megatrain.grpo.advantages import group_advantages
+from megatrain.grpo.decode import static_generate
 from megatrain.grpo.loss import GRPOLoss, token_weights
-from megatrain.grpo.plan import format_rollout, grpo_plan
+from megatrain.grpo.plan import decode_mode, format_rollout, grpo_plan
 from megatrain.grpo.prompts import Prompt, load_prompts
 from megatrain.grpo.rewards import load_reward
 from megatrain.grpo.rollout import device_model, generate
@@ -105,6 +106,7 @@ class GRPOTrainer:
         self.pad_id = pad_token_id_of(self.tokenizer)
         self.eos_ids = [self.tokenizer.eos_token_id]
         self.min_completion_tokens = 0  # bench/grpo_shape.py: max_completion_length (full length)
+        self.decode = decode_mode(b)[0]  # how resident rollouts decode (grpo/decode.py)
         self.total_steps = self._total_steps()
         self.schedule = b.schedule(self.total_steps)
         self.step = 0
@@ -183,7 +185,12 @@ class GRPOTrainer:
             streamed=streamed,
             num_slots=self.cfg.memory.num_slots,
         ) as model:
-            rollout = generate(
+            static: dict[str, Any] = {}  # the static path's KV cache, sized as the plan sizes it
+            if self.decode != "generate" and not streamed:
+                prompt = g.max_prompt_length or max(len(p.prompt_ids) for p in prompts)
+                static["cache_len"] = prompt + g.max_completion_length
+                static["compile_forward"] = self.decode == "compiled"
+            rollout = (static_generate if static else generate)(
                 model,
                 [p.prompt_ids for p in prompts],
                 max_new_tokens=g.max_completion_length,
@@ -194,6 +201,7 @@ class GRPOTrainer:
                 top_p=g.top_p,
                 seed=g.seed * 1_000_003 + index,
                 min_new_tokens=self.min_completion_tokens,
+                **static,
             )
         gen_s = time.perf_counter() - t0
         scores, record = self._score(prompts, rollout.completions)
@@ -242,6 +250,9 @@ class GRPOTrainer:
             "time/logprob_s": round(time.perf_counter() - t1, 4),
             "generation_tokens_per_s": round(rollout.generated_tokens / max(gen_s, 1e-9), 1),
         }
+        if rollout.decode_steps:  # the static path times its phases (grpo/decode.py)
+            record["time/prefill_capture_s"] = round(rollout.prefill_s, 4)
+            record["time/decode_step_ms"] = round(1e3 * rollout.decode_s / rollout.decode_steps, 3)
         return _Generation(batches, inputs, record)
 
     def _streamed_generation(self) -> bool:

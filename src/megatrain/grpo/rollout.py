@@ -38,6 +38,9 @@ class Rollout:
     completions: list[list[int]]  # per prompt row, its completion tokens (EOS included)
     clipped: list[bool]  # no EOS within max_new_tokens
     generated_tokens: int  # tokens the model produced, padding after EOS excluded
+    prefill_s: float = 0.0  # static path (decode.py): prefill, warm-up step and graph capture
+    decode_s: float = 0.0  # static path: the decode_steps steps after those
+    decode_steps: int = 0
 
 
 @contextmanager
@@ -133,12 +136,8 @@ def generate(
     `max_new_tokens` to generate every completion at full length).
     """
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[r, width - len(p) :] = 1
+    ids, mask = left_pad(prompts, pad_token_id)
+    width = ids.shape[1]
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens or None,
@@ -157,9 +156,25 @@ def generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
         )
     new = out[:, width:].cpu()  # sync point: the completions to the host
+    return to_rollout(new.tolist(), eos_token_ids, max_new_tokens)
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one left-padded batch: token ids and the mask of real tokens [N, W]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p) :] = 1
+    return ids, mask
+
+
+def to_rollout(rows: list[list[int]], eos_token_ids: list[int], max_new_tokens: int) -> Rollout:
+    """Generated rows (anything after the first EOS is padding) as completions."""
     eos = set(eos_token_ids)
     completions, clipped = [], []
-    for row in new.tolist():
+    for row in rows:
         end = next((i + 1 for i, t in enumerate(row) if t in eos), None)
         completions.append(row[: end if end is not None else max_new_tokens])
         clipped.append(end is None)

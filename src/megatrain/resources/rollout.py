@@ -18,7 +18,13 @@ Time (seconds, one generation batch):
 - decoding, per token: the weights read once (resident: P x c / HBM bandwidth; streamed: the
   layers over the host link, sum(Pl) x c / h2d), or 2 x Pa x N / FLOP rate if more, plus
   reading the KV cache at its mean length (Lp + Lc / 2), plus issuing the forward's aten ops
-  and the sampler's (`op_launch_s` each: eager decoding at small N is host-bound).
+  and the sampler's (`op_launch_s` each: eager decoding at small N is host-bound);
+- static decoding (grpo/decode.py, resident on CUDA): each step is one CUDA graph replay, so
+  no op is issued from the host; the kernels still run one after another on the GPU, each
+  op `DECODE_OP_S[decode]` ("graphs": eager kernels, one or more per op; "compiled": inductor's
+  fused kernels, fewer than the ops), and attention reads the whole static cache (Lp + Lc)
+  every step. The graph is captured per generation batch after one warm-up step: two eager
+  steps more. The compile itself ("compiled") is paid once per run, in the first batch.
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ from megatrain.resources.hardware import Hardware
 from megatrain.resources.spec import ModelSpec
 
 SAMPLER_OPS = 40  # aten ops of one generate() step outside the model: logits warpers, sampling
+# GPU time per aten op of a decoding step replayed as a CUDA graph (one token per sequence),
+# beside the weight and KV reads, by decode mode: placeholders of a few microseconds (fused
+# kernels cover several ops), TO BE FITTED from H100 runs of bench/grpo_shape.py (its RESULT
+# line's op_s_fit, with grpo.compile_decode graphs and true).
+DECODE_OP_S = {"graphs": 2.0e-6, "compiled": 1.0e-6}
+DECODE_MODES = ("generate", *DECODE_OP_S)  # generate: transformers' eager generate
 
 
 @dataclass(frozen=True)
@@ -42,7 +54,10 @@ class RolloutEstimate:
     weight_copy_s: float
     prefill_s: float
     decode_token_s: float  # one decoding step, all N sequences
-    rollout_s: float  # weight copy + prefill + Lc decoding steps
+    rollout_s: float  # weight copy + prefill + capture + Lc decoding steps
+    decode: str = "generate"  # one of DECODE_MODES (grpo/decode.py)
+    decode_ops: int = 0  # aten ops of one decoding step (the model's and the sampler's)
+    capture_s: float = 0.0  # static decoding: the warm-up step and the capture, per batch
 
     @property
     def gpu_peak_bytes(self) -> int:
@@ -81,8 +96,10 @@ def rollout_estimate(
     completion_tokens: int,
     streamed: bool = False,
     num_slots: int = 2,
+    decode: str = "generate",
 ) -> RolloutEstimate:
-    """Predict the rollout phase of one generation batch (see the module docstring)."""
+    """Predict the rollout phase of one generation batch (see the module docstring);
+    `decode`: one of DECODE_MODES, on CUDA (the CPU runs static decoding without graphs)."""
     c = spec.compute_dtype.itemsize
     n, lp, lc = sequences, prompt_tokens, completion_tokens
     layer_bytes = sum(la.params for la in spec.layers) * c
@@ -105,8 +122,14 @@ def rollout_estimate(
     if streamed:
         read_s += layer_bytes / (hw.h2d_gbps * 1e9)  # every layer over the host link
     ops = sum(f for f, _ in layer_profile(spec, 1, 16, "padded").ops) + SAMPLER_OPS
+    assert decode in DECODE_MODES and not (streamed and decode != "generate"), decode
+    weights_s = max(read_s, 2.0 * spec.active_params * n / rate)
     kv_read_s = n * kv_bytes_per_token(spec, lp + lc // 2) / hbm
-    decode = max(read_s, 2.0 * spec.active_params * n / rate) + kv_read_s + ops * hw.op_launch_s
+    eager = weights_s + kv_read_s + ops * hw.op_launch_s
+    step_s, capture_s = eager, 0.0
+    if decode in DECODE_OP_S:
+        step_s = weights_s + n * kv_bytes_per_token(spec, lp + lc) / hbm + ops * DECODE_OP_S[decode]
+        capture_s = 2 * eager
     copy_s = 0.0 if streamed else weights / (hw.h2d_gbps * 1e9)
     prefill_s = 2.0 * spec.active_params * n * lp / rate
     return RolloutEstimate(
@@ -117,6 +140,9 @@ def rollout_estimate(
         gpu_items=items,
         weight_copy_s=copy_s,
         prefill_s=prefill_s,
-        decode_token_s=decode,
-        rollout_s=copy_s + prefill_s + lc * decode,
+        decode_token_s=step_s,
+        rollout_s=copy_s + prefill_s + capture_s + lc * step_s,
+        decode=decode,
+        capture_s=capture_s,
+        decode_ops=ops,
     )
