@@ -47,6 +47,7 @@ Supported: dense models whose every layer has full softmax attention, `sdpa` or 
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -118,19 +119,29 @@ def _attention(
 AttentionInterface.register(DECODE_ATTENTION, _attention)
 
 
+@functools.cache
+def _cache_keyword(forward: Any) -> str:
+    """The model forward's name for the KV cache: `cache` (transformers >= 5.2x) or
+    `past_key_values` (earlier 5.x); an unknown keyword would be swallowed by **kwargs and the
+    cache silently not used."""
+    params = inspect.signature(forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _forward(
     model: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     cache: StaticCache,
+    cache_keyword: str,
 ) -> torch.Tensor:
     """One decoding forward: the logits of each sequence's newest token."""
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        cache=cache,
+        **{cache_keyword: cache},
         use_cache=True,
     ).logits
 
@@ -204,6 +215,7 @@ class _Decoder:
         self.ids, self.valid = ids.to(device), valid.to(device).bool()
         self.cache_len = cache_len
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        self.cache_keyword = _cache_keyword(type(model).forward)
         key_valid = torch.zeros(n, cache_len, dtype=torch.bool, device=device)
         key_valid[:, :width] = self.valid
         self.mask_N11L = key_valid[:, None, None, :].clone()  # True attends (SDPA's boolean mask)
@@ -237,7 +249,7 @@ class _Decoder:
             input_ids=self.ids,
             attention_mask=full,
             position_ids=positions,
-            cache=self.cache,
+            **{self.cache_keyword: self.cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits
@@ -246,7 +258,9 @@ class _Decoder:
     def step(self) -> None:
         """One decoding step; touches only this object's buffers and the cache (capturable)."""
         self.mask_N11L.index_fill_(3, self.slot, True)
-        logits = self.forward(self.model, self.tokens, self.mask_N11L, self.positions, self.cache)
+        logits = self.forward(
+            self.model, self.tokens, self.mask_N11L, self.positions, self.cache, self.cache_keyword
+        )
         self._advance(logits[:, -1])
         self.slot += 1
         self.positions += 1
