@@ -18,7 +18,8 @@ a router whose logits the engine records for the MoE aux loss (the recorded logi
 differentiable), models with dropout (a tile's re-run in the backward would draw other masks),
 calls with more than the hidden states, and modules whose output is not one
 tensor of the input's shape (found on first use; that module then runs whole). Attention is
-not tiled: it runs HF's kernel (sdpa: flash / cuDNN / memory-efficient, memory linear in S).
+not tiled: it runs HF's kernel (sdpa: flash / cuDNN / memory-efficient, memory linear in S),
+over groups of heads at long rows (engine/attention_heads.py).
 
 Shapes: S = the tiled (second to last) dimension, D = hidden size.
 """
@@ -32,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from megatrain.engine.attention_heads import SplitHeadsLayer
 
 _AUTO_TILE_TOKENS = 16384  # a tile's [T x intermediate] of an 8B model: 0.45 GiB in bf16
 
@@ -146,11 +149,18 @@ def per_token_modules(layer: nn.Module) -> list[nn.Module]:
 
 
 def tile_per_token(
-    layers: list[nn.Module], policy: TilePolicy, skip: set[int] | None = None
+    layers: list[nn.Module],
+    policy: TilePolicy,
+    skip: set[int] | None = None,
+    split_heads: bool = True,
 ) -> int:
-    """Wrap the per-token children of every layer not in `skip`; returns how many."""
+    """Wrap the per-token children of every layer not in `skip`, and (`split_heads`) every
+    layer's attention in head groups (engine/attention_heads.py); returns how many
+    per-token children."""
     wrapped = 0
     for i, layer in enumerate(layers):
+        if split_heads:
+            layer.forward = SplitHeadsLayer(layer)
         if skip and i in skip:
             continue
         for module in per_token_modules(layer):
@@ -160,13 +170,16 @@ def tile_per_token(
 
 
 @contextlib.contextmanager
-def tiled_per_token(layers: list[nn.Module], policy: TilePolicy) -> Iterator[None]:
+def tiled_per_token(
+    layers: list[nn.Module], policy: TilePolicy, split_heads: bool = True
+) -> Iterator[None]:
     """`tile_per_token` for the duration of the block (the estimate's meta layers are shared)."""
-    tile_per_token(layers, policy)
+    tile_per_token(layers, policy, split_heads=split_heads)
     try:
         yield
     finally:
         for layer in layers:
+            layer.__dict__.pop("forward", None)
             for module in per_token_modules(layer):
                 if isinstance(module.__dict__.get("forward"), TiledModule):
                     del module.__dict__["forward"]
