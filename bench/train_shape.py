@@ -281,9 +281,13 @@ def _attention_bench(config: Any, seq: int, backend: str) -> dict[str, Any]:
     engine/attention_heads.py); time, TFLOPS and the backward's GPU peak of each."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     dim = config.hidden_size // heads
-    q = torch.randn(1, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, kv, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
+    # as HF's projections leave them: [1, S, heads, dim] memory seen as [1, heads, S, dim]
+    q, k, v = (
+        torch.randn(1, seq, n, dim, device="cuda", dtype=torch.bfloat16)
+        .transpose(1, 2)
+        .requires_grad_(True)
+        for n in (heads, kv, kv)
+    )
     fwd_flops = 4 * seq * seq * heads * dim / 2  # causal: half of Q K^T and P V
     report: dict[str, Any] = dict(
         attention_kernel=backend, attention_head_calls=head_calls(heads, kv, seq)
