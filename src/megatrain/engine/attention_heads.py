@@ -10,7 +10,8 @@ block. Each call is still a whole-sequence kernel (at long rows, millions of que
 no FLOPs are repeated and the kernel stays saturated.
 
 `SplitHeads` is a TorchFunctionMode the engine enters around a layer's call when the layer's
-per-token parts are tiled (engine/tiling.py: long rows). Under autograd it replaces each
+per-token parts are tiled (engine/tiling.py: long rows; not where the policy keeps the row
+whole). Under autograd it replaces each
 `scaled_dot_product_attention` call by `_HeadGroups`, whose forward keeps one small autograd
 graph per call (the kernel's own saved tensors: its inputs as views, its output and softmax
 statistics) and whose backward differentiates them one call at a time, writing the gradients
@@ -28,6 +29,7 @@ Shapes: B batch rows, H query heads, G key-value heads, S positions, E head dims
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -111,12 +113,19 @@ def _options(options: dict[str, Any], q_span: slice, heads: int) -> dict[str, An
 
 class SplitHeads(TorchFunctionMode):
     """Under autograd, every scaled-dot-product attention call of the block runs as
-    `head_calls` calls over groups of heads (module docstring)."""
+    `head_calls` calls over groups of heads (module docstring); with `tiles` (the layer's
+    TilePolicy.count) only where its sequence is tiled."""
+
+    def __init__(self, tiles: Callable[[int], int] | None = None) -> None:
+        super().__init__()
+        self.tiles = tiles
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
-            split = _split(*args, **kwargs)
+            query = args[0] if args else kwargs["query"]
+            tiled = self.tiles is None or self.tiles(query.shape[-2]) > 1
+            split = _split(*args, **kwargs) if tiled else None
             if split is not None:
                 return split
         return func(*args, **kwargs)
@@ -149,11 +158,12 @@ def _split(
 class SplitHeadsLayer:
     """Replaces a decoder layer's `forward`: under autograd it runs inside `SplitHeads`."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, tiles: Callable[[int], int]) -> None:
         self.inner = layer.forward  # the bound original
+        self.tiles = tiles
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
-        with SplitHeads():
+        with SplitHeads(self.tiles):
             return self.inner(*args, **kwargs)

@@ -179,7 +179,7 @@ def tile_per_token(
     wrapped = 0
     for i, layer in enumerate(layers):
         if split_heads:
-            layer.forward = SplitHeadsLayer(layer)
+            layer.forward = SplitHeadsLayer(layer, policy.count)
         if skip and i in skip:
             continue
         per_token = per_token_modules(layer)

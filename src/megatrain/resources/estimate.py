@@ -178,7 +178,8 @@ def estimate(
         loss_chunk_tokens or default_chunk_tokens(spec.vocab_size), micro_batch_size * seq_len
     )
     # the engine splits attention heads where it tiles: not for compiled layers (builder.py)
-    profile = layer_profile(spec, micro_batch_size, seq_len, layout, mlp_tiles, not compiled)
+    split = mlp_tiles > 1 and not compiled
+    profile = layer_profile(spec, micro_batch_size, seq_len, layout, mlp_tiles, split)
     plan = boundary_plan or BoundaryPlan.on_device(spec.num_layers)
     input_bytes = micro_batch_size * seq_len * spec.hidden_size * spec.compute_dtype.itemsize
     reserved = pinned_reserved if pin_memory else (lambda n: n)
