@@ -213,7 +213,9 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "long_context_512k": Scenario(
         "issue 11: the same shape with 4 of its 32 layers at 524,288 tokens (new path, auto "
-        "plan), and the cuDNN attention kernel alone at that length; extrapolate per layer",
+        "plan; `-- --layers N` for N), 1 step: GPU peak beside the plan's (pred_gpu_gib, "
+        "pred_gpu_items_gib); then the cuDNN attention kernel alone at that length, in one "
+        "call and in the engine's head groups: time, TFLOPS, backward memory",
         (
             _train(
                 *_LLAMA_8B, "--seq", "524288", "--layers", "4", "--sdpa", "cudnn", "--attn-bench"

@@ -20,7 +20,8 @@ backend order) and prints its RESULT too (out of GPU memory there is reported, n
 `--layers N` keeps N decoder layers (per-layer numbers extrapolate: step ~ N x per-layer time
 + loss). `--sdpa` puts one
 scaled-dot-product-attention backend first; `--attn-bench` times that kernel alone at the
-run's shape (causal, forward and backward) and reports its TFLOPS.
+run's shape (causal, forward and backward), in one call and in the engine's head groups, and
+reports its TFLOPS and the GPU memory each backward adds.
 
 Under torchrun (`python -m torch.distributed.run --nproc-per-node N bench/train_shape.py ...`)
 every rank trains on its own random rows (--batch rows per rank, so the job's step has
@@ -32,6 +33,7 @@ ranks' sum: one node) and what the estimate predicted for this node (pred_rss_gi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -45,6 +47,7 @@ from common import host_peak_rss_gib, host_rss_gib, log, preset_values, result, 
 from megatrain.batch import Batch
 from megatrain.builder import RunBuilder
 from megatrain.config.shorthand import model_values, shorthand_config
+from megatrain.engine.attention_heads import SplitHeads, head_calls
 from megatrain.model.loading import parse_config_sets
 from megatrain.resources import probe
 from megatrain.resources.timing import attention_flops_per_token
@@ -234,6 +237,8 @@ def _run(
         pred_step_s=round(pred.time.step_s, 3),
         pred_loss_s=round(pred.time.loss_s, 3),
         pred_gpu_gib=round(pred.gpu.peak_bytes / 2**30, 2),
+        pred_gpu_phase=pred.gpu.peak_phase,
+        pred_gpu_items_gib={k: round(v / 2**30, 2) for k, v in pred.gpu.items.items()},
         pred_rss_gib=round(pred.host.total_bytes / 2**30, 2),
         pred_bound=pred.time.bound,
         pred_optimizer_s=round(pred.time.optimizer_s, 3),
@@ -275,38 +280,55 @@ class _sdpa:
 
 
 def _attention_bench(config: Any, seq: int, backend: str) -> dict[str, Any]:
-    """One causal sdpa forward + backward at the model's heads and `seq` tokens, bf16."""
+    """One causal sdpa forward + backward at the model's heads and `seq` tokens, bf16: one
+    call over all heads ("whole") and the engine's long-row head groups ("split",
+    engine/attention_heads.py); time, TFLOPS and the backward's GPU peak of each."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     dim = config.hidden_size // heads
-    q = torch.randn(1, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, kv, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    times = {}
-    for phase in ("forward", "backward"):
-        best = float("inf")
-        for _ in range(2):
-            sync()
-            t = time.perf_counter()
-            with _sdpa(backend):
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, enable_gqa=kv != heads
-                )
-            if phase == "backward":
-                sync()
-                t = time.perf_counter()
-                out.backward(torch.ones_like(out))
-            sync()
-            best = min(best, time.perf_counter() - t)
-            del out
-        times[phase] = best
-    fwd_flops = 4 * seq * seq * heads * dim / 2  # causal: half of Q K^T and P V
-    return dict(
-        attention_kernel=backend,
-        attention_forward_s=round(times["forward"], 3),
-        attention_backward_s=round(times["backward"], 3),
-        attention_forward_tflops=round(fwd_flops / times["forward"] / 1e12, 1),
-        attention_backward_tflops=round(2.5 * fwd_flops / times["backward"] / 1e12, 1),
+    # as HF's projections leave them: [1, S, heads, dim] memory seen as [1, heads, S, dim]
+    q, k, v = (
+        torch.randn(1, seq, n, dim, device="cuda", dtype=torch.bfloat16)
+        .transpose(1, 2)
+        .requires_grad_(True)
+        for n in (heads, kv, kv)
     )
+    fwd_flops = 4 * seq * seq * heads * dim / 2  # causal: half of Q K^T and P V
+    report: dict[str, Any] = dict(
+        attention_kernel=backend, attention_head_calls=head_calls(heads, kv, seq)
+    )
+    for mode in ("whole", "split"):
+        times, peak = {}, 0.0
+        for phase in ("forward", "backward"):
+            best = float("inf")
+            for _ in range(2):
+                sync()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                t = time.perf_counter()
+                with _sdpa(backend), SplitHeads() if mode == "split" else contextlib.nullcontext():
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, enable_gqa=kv != heads
+                    )
+                if phase == "backward":
+                    sync()
+                    t = time.perf_counter()
+                    out.backward(torch.ones_like(out))
+                sync()  # sync point: the kernels' time
+                best = min(best, time.perf_counter() - t)
+                peak = max(peak, (torch.cuda.max_memory_allocated() - base) / 2**30)
+                del out
+                q.grad = k.grad = v.grad = None
+            times[phase] = best
+        report |= {
+            f"attention_{mode}_forward_s": round(times["forward"], 3),
+            f"attention_{mode}_backward_s": round(times["backward"], 3),
+            f"attention_{mode}_forward_tflops": round(fwd_flops / times["forward"] / 1e12, 1),
+            f"attention_{mode}_backward_tflops": round(
+                2.5 * fwd_flops / times["backward"] / 1e12, 1
+            ),
+            f"attention_{mode}_peak_gib": round(peak, 2),
+        }
+    return report
 
 
 if __name__ == "__main__":

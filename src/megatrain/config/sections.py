@@ -245,7 +245,9 @@ class MemoryConfig:
     mlp_tiles: int | str = "auto"
     """Sequence tiles each decoder layer's MLP and norms run over ([tokens x intermediate] tensors
     then exist one tile at a time): an integer >= 1 (1: not tiled) or "auto": tiles of at most
-    16384 tokens (not tiled below that; none with training.compile_layers)."""
+    16384 tokens (not tiled below that; none with training.compile_layers). With tiles, the
+    norms' outputs are not kept for the backward and attention's backward runs over groups of
+    heads once a call would cover more than 2^21 head x positions (docs/architecture.md)."""
 
     def validate(self) -> None:
         check_types("memory", self)

@@ -18,7 +18,10 @@ a router whose logits the engine records for the MoE aux loss (the recorded logi
 differentiable), models with dropout (a tile's re-run in the backward would draw other masks),
 calls with more than the hidden states, and modules whose output is not one
 tensor of the input's shape (found on first use; that module then runs whole). Attention is
-not tiled: it runs HF's kernel (sdpa: flash / cuDNN / memory-efficient, memory linear in S).
+not tiled: it runs HF's kernel (sdpa: flash / cuDNN / memory-efficient, memory linear in S),
+over groups of heads at long rows (engine/attention_heads.py). A tiled norm's output is not
+kept for its consumers' backward: the MLP and the attention's projections keep the norm's
+input and re-run it per tile (engine/norm_fusion.py).
 
 Shapes: S = the tiled (second to last) dimension, D = hidden size.
 """
@@ -32,6 +35,15 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from megatrain.engine.attention_heads import SplitHeadsLayer
+from megatrain.engine.norm_fusion import (
+    LinearConsumer,
+    accumulator_dtype,
+    attention_linears,
+    fused_call,
+    record,
+)
 
 _AUTO_TILE_TOKENS = 16384  # a tile's [T x intermediate] of an 8B model: 0.45 GiB in bf16
 
@@ -80,7 +92,7 @@ class _TiledFn(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x, *params = ctx.saved_tensors
         grad_x = torch.empty_like(x)
-        grads = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        grads = [torch.zeros_like(p, dtype=accumulator_dtype(p.dtype)) for p in params]
         for span in _spans(x.shape[-2], ctx.tiles):
             x_t = x[..., span, :].contiguous().detach().requires_grad_(True)
             with torch.enable_grad():
@@ -113,9 +125,10 @@ def _run_tiles(
 class TiledModule:
     """Replaces one per-token module's `forward`; the original runs per tile."""
 
-    def __init__(self, mlp: nn.Module, policy: TilePolicy) -> None:
+    def __init__(self, mlp: nn.Module, policy: TilePolicy, norm: bool = False) -> None:
         self.mlp = mlp
         self.policy = policy
+        self.norm = norm  # its output is recorded for its consumers (engine/norm_fusion.py)
         self.inner = mlp.forward  # the bound original
         self.tileable: bool | None = None  # unknown until the first tiled call
 
@@ -135,38 +148,61 @@ class TiledModule:
         if not torch.is_grad_enabled():
             return _run_tiles(self.inner, x, tiles)
         params = [p for p in self.mlp.parameters() if p.requires_grad]
+        fused = fused_call(self.inner, tiles, x, params)
+        if fused is not None:
+            return fused
         out: torch.Tensor = _TiledFn.apply(self.inner, tiles, x, *params)
+        if self.norm:
+            record(out, self.inner, params, x)
         return out
 
 
 def per_token_modules(layer: nn.Module) -> list[nn.Module]:
     """The layer's direct children that act per token on [..., S, D]: its `mlp` and its norms
     (input_layernorm, post_attention_layernorm, Gemma's pre/post feedforward norms, ...)."""
-    return [m for name, m in layer.named_children() if name == "mlp" or name.endswith("norm")]
+    return [m for name, m in layer.named_children() if name == "mlp" or _is_norm(name)]
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm")
 
 
 def tile_per_token(
-    layers: list[nn.Module], policy: TilePolicy, skip: set[int] | None = None
+    layers: list[nn.Module],
+    policy: TilePolicy,
+    skip: set[int] | None = None,
+    split_heads: bool = True,
 ) -> int:
-    """Wrap the per-token children of every layer not in `skip`; returns how many."""
+    """Wrap the per-token children of every layer not in `skip`, and (`split_heads`) every
+    layer's attention in head groups (engine/attention_heads.py); returns how many
+    per-token children."""
     wrapped = 0
     for i, layer in enumerate(layers):
+        if split_heads:
+            layer.forward = SplitHeadsLayer(layer, policy.count)
         if skip and i in skip:
             continue
-        for module in per_token_modules(layer):
-            module.forward = TiledModule(module, policy)
-            wrapped += 1
+        per_token = per_token_modules(layer)
+        for name, module in layer.named_children():
+            if any(module is m for m in per_token):
+                module.forward = TiledModule(module, policy, norm=_is_norm(name))
+                wrapped += 1
+        for linear in attention_linears(layer, per_token):
+            linear.forward = LinearConsumer(linear, policy.count)  # type: ignore[method-assign]
     return wrapped
 
 
 @contextlib.contextmanager
-def tiled_per_token(layers: list[nn.Module], policy: TilePolicy) -> Iterator[None]:
+def tiled_per_token(
+    layers: list[nn.Module], policy: TilePolicy, split_heads: bool = True
+) -> Iterator[None]:
     """`tile_per_token` for the duration of the block (the estimate's meta layers are shared)."""
-    tile_per_token(layers, policy)
+    tile_per_token(layers, policy, split_heads=split_heads)
     try:
         yield
     finally:
         for layer in layers:
-            for module in per_token_modules(layer):
-                if isinstance(module.__dict__.get("forward"), TiledModule):
+            layer.__dict__.pop("forward", None)
+            for module in layer.modules():
+                if isinstance(module.__dict__.get("forward"), (TiledModule, LinearConsumer)):
                     del module.__dict__["forward"]

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from megatrain.engine.attention_heads import head_calls
 from megatrain.engine.head import LogitsFn
 from megatrain.engine.tiling import TilePolicy, tiled_per_token
 from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
@@ -61,6 +62,11 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.ops = 0  # aten ops dispatched: kernels the GPU would launch
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def exclude(self, *tensors: torch.Tensor) -> None:
+        """Storages made outside the mode that its views must not count (held elsewhere)."""
+        for t in tensors:
+            self._seen[t.untyped_storage()] = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops += 1
@@ -121,11 +127,12 @@ def _fused_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """sdpa's CUDA backend choice: flash (half precision, no mask; grouped-query heads as
-    they are), else memory-efficient (any mask, but equal heads), else the math path, which
-    materializes the scores: fp32 with grouped-query heads and no mask (HF passes enable_gqa
-    only without a mask) lands there (H200, Qwen3 fp32, 4096 tokens: 2.7 GiB above the
-    fused-kernel prediction, about three [heads, seq, seq] fp32 tensors)."""
+    """sdpa's CUDA backend choice: flash or cuDNN (half precision, no mask; grouped-query
+    heads as they are, the key and value gradients too), else memory-efficient (any mask,
+    but equal heads), else the math path, which materializes the scores: fp32 with
+    grouped-query heads and no mask (HF passes enable_gqa only without a mask) lands there
+    (H200, Qwen3 fp32, 4096 tokens: 2.7 GiB above the fused-kernel prediction, about three
+    [heads, seq, seq] fp32 tensors)."""
     grouped = enable_gqa and k.shape[-3] != q.shape[-3]
     flash = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
     if grouped and not flash:
@@ -139,10 +146,7 @@ def _fused_attention(
             scale=scale,
             enable_gqa=True,
         )
-    if grouped:  # counted as the repeated heads (conservative by 2 x tokens x kv width)
-        repeat = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(repeat, -3), v.repeat_interleave(repeat, -3)
-    if flash:
+    if flash:  # grouped heads as they are; the expanded gradients: attention_workspace
         return torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, dropout_p, is_causal, False, scale=scale
         )[0]
@@ -162,14 +166,21 @@ class LayerProfile:
     peak_bytes: int  # transient of one layer's recompute + backward, max over layer groups
     captured_bytes: int  # the micro-batch's captured call arguments (masks, rotary tables)
     ops: list[tuple[int, int]]  # per layer: aten ops of its forward, of recompute + backward
+    workspace_bytes: int = 0  # the fused attention backward's block (attention_workspace)
 
 
 def layer_profile(
-    spec: ModelSpec, rows: int, seq: int, layout: str, mlp_tiles: int = 1
+    spec: ModelSpec,
+    rows: int,
+    seq: int,
+    layout: str,
+    mlp_tiles: int = 1,
+    split_heads: bool = True,
 ) -> LayerProfile:
     """Measure (once per shape, layout and tiling) every layer group's recompute + backward
-    on meta; with `mlp_tiles` > 1 the MLPs run tiled as the engine runs them (engine/tiling.py)."""
-    key = ("layer", rows, seq, layout, mlp_tiles)
+    on meta; with `mlp_tiles` > 1 the MLPs run tiled as the engine runs them (engine/tiling.py),
+    with `split_heads` the attention in head groups (engine/attention_heads.py)."""
+    key = ("layer", rows, seq, layout, mlp_tiles, split_heads)
     if key not in spec.cache:
         captured, seq0, rows0 = _capture(spec, seq, layout)
         shapes = _Rescale(seq0, seq, rows0, rows)
@@ -181,27 +192,44 @@ def layer_profile(
         ]
         peak, ops = 0, [(0, 0)] * spec.num_layers
         for group in spec.structure.groups:
-            group_peak, group_ops = _layer_run(
-                spec, calls, group.layer_indices[0], rows, seq, mlp_tiles
-            )
+            layer = spec.structure.layers[group.layer_indices[0]]
+            with tiled_per_token([layer], TilePolicy(mlp_tiles), split_heads):
+                group_peak, group_ops = _measure(
+                    spec, calls[group.layer_indices[0]], layer, rows, seq
+                )
             peak = max(peak, group_peak)
             for i in group.layer_indices:
                 ops[i] = group_ops
-        spec.cache[key] = LayerProfile(peak, shapes.bytes_of(captured.calls), ops)
+        spec.cache[key] = LayerProfile(
+            peak,
+            shapes.bytes_of(captured.calls),
+            ops,
+            attention_workspace(spec, rows, seq, split_heads),
+        )
     profile: LayerProfile = spec.cache[key]
     return profile
 
 
-def attention_workspace(spec: ModelSpec, tokens: int) -> int:
-    """Bytes the fused attention backward (cuDNN / flash) allocates that the meta measurement
-    (`layer_profile`, which sees only the kernel's bf16 gradients) misses, for one micro-batch
-    of `tokens`: sized as an fp32 accumulator of the query gradient (heads x qk dim) plus one
-    fp32 softmax statistic per head; Llama-3.1-8B at 512k tokens: 8.06 GiB. Calibrated on one
-    observation: on the H100 that layer's backward asked for a 16.06 GiB block (32,896 bytes a
-    token: 32 heads x (fp32 dQ + bf16 dK, dV at 32 heads + a statistic)) with 65.85 GiB
-    allocated, 7.5 GiB above the prediction without this term."""
-    per_token = max((la.attn_heads * (la.attn_qk_dim + 1) for la in spec.layers), default=0)
-    return tokens * per_token * 4
+def attention_workspace(spec: ModelSpec, rows: int, seq: int, split_heads: bool) -> int:
+    """Bytes the fused attention backward (cuDNN / flash) allocates beyond its outputs, which
+    the meta measurement (`layer_profile`) does not see, for one micro-batch of `rows` x `seq`:
+    per query head of one call (`split_heads`: the head groups of engine/attention_heads.py,
+    else all heads) and token, an fp32 query-gradient accumulator, one fp32 softmax statistic
+    and, with grouped-query attention, bf16 key and value gradients expanded to that head.
+    Calibrated on one observation: on the H100 the Llama-3.1-8B shape's backward at 524,288
+    tokens (32 query / 8 key-value heads of 128, one call) asked for one 16.06 GiB block:
+    32 x (128 x 4 + 4 + 2 x 128 x 2) = 32,896 bytes a token."""
+    peak = 0
+    for la in spec.layers:
+        if not la.attn_heads:
+            continue
+        heads = la.attn_heads
+        if split_heads:
+            heads //= head_calls(la.attn_heads, la.attn_kv_heads, seq)
+        grouped = la.attn_kv_heads != la.attn_heads
+        per_head = la.attn_qk_dim * 4 + 4 + (2 * (la.attn_qk_dim + la.attn_v_dim) if grouped else 0)
+        peak = max(peak, rows * seq * heads * per_head)
+    return peak
 
 
 def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int]:
@@ -225,15 +253,6 @@ def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int]:
     return result
 
 
-def _layer_run(
-    spec: ModelSpec, calls: list[LayerCall], index: int, rows: int, seq: int, mlp_tiles: int
-) -> tuple[int, tuple[int, int]]:
-    """(peak bytes, (forward ops, recompute + backward ops)) of layer `index`."""
-    layer = spec.structure.layers[index]
-    with tiled_per_token([layer], TilePolicy(mlp_tiles)):
-        return _measure(spec, calls[index], layer, rows, seq)
-
-
 def _measure(
     spec: ModelSpec, call: LayerCall, layer: torch.nn.Module, rows: int, seq: int
 ) -> tuple[int, tuple[int, int]]:
@@ -241,8 +260,9 @@ def _measure(
     x = torch.empty(
         rows, seq, spec.hidden_size, dtype=spec.compute_dtype, device="meta", requires_grad=True
     )
-    grad_out = torch.empty_like(x)  # mb.grad: counted by the caller, not here
+    grad_out = torch.empty_like(x)
     tracker = _LiveBytes()
+    tracker.exclude(x, grad_out)  # the layer input and mb.grad: counted by the caller
     with torch.enable_grad(), _GpuKernels(), tracker:
         out = call.run(layer, x)
         forward_ops = tracker.ops

@@ -37,8 +37,9 @@ T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph h
   (the last hidden state, then its gradient), the gathered embedding rows, the captured layer
   arguments (masks, rotary tables) of every micro-batch;
 - transient, the largest of: one layer's recompute + backward on one micro-batch (measured
-  on meta, resources/activations.py), one loss chunk (+ its micro-batch's hidden gradient),
-  the embedding gradient's bf16 staging at the end of the backward.
+  on meta, resources/activations.py) plus its fused attention backward's block (per head
+  group at long rows: engine/attention_heads.py), one loss chunk (+ its micro-batch's
+  hidden gradient), the embedding gradient's bf16 staging at the end of the backward.
 """
 
 from __future__ import annotations
@@ -52,12 +53,7 @@ from transformers import PretrainedConfig
 from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.head import default_chunk_tokens
-from megatrain.resources.activations import (
-    LayerProfile,
-    attention_workspace,
-    layer_profile,
-    loss_chunk,
-)
+from megatrain.resources.activations import LayerProfile, layer_profile, loss_chunk
 from megatrain.resources.hardware import Hardware, detect
 from megatrain.resources.host_memory import HostMemory, host_memory, pinned_reserved
 from megatrain.resources.long_context import device_inputs, host_input_bytes
@@ -186,7 +182,9 @@ def estimate(
     chunk = min(
         loss_chunk_tokens or default_chunk_tokens(spec.vocab_size), micro_batch_size * seq_len
     )
-    profile = layer_profile(spec, micro_batch_size, seq_len, layout, mlp_tiles)
+    # the engine splits attention heads where it tiles: not for compiled layers (builder.py)
+    split = mlp_tiles > 1 and not compiled
+    profile = layer_profile(spec, micro_batch_size, seq_len, layout, mlp_tiles, split)
     plan = boundary_plan or BoundaryPlan.on_device(spec.num_layers)
     input_bytes = micro_batch_size * seq_len * spec.hidden_size * spec.compute_dtype.itemsize
     reserved = pinned_reserved if pin_memory else (lambda n: n)
@@ -315,7 +313,7 @@ def gpu_memory(
         "layer backward": {
             **boundary,
             "one layer recompute + backward": layer_peak,
-            "attention backward workspace (fp32)": attention_workspace(spec, tokens_mb),
+            "attention backward workspace": profile.workspace_bytes,
         },
         "loss": {
             **boundary,

@@ -41,6 +41,7 @@ class LayerSpec:
     params: int
     active_params: int  # params a token goes through (MoE: top_k of the routed experts)
     attn_heads: int  # 0 for layers without softmax attention (linear attention)
+    attn_kv_heads: int  # key-value heads (fewer than attn_heads: grouped-query attention)
     attn_qk_dim: int
     attn_v_dim: int
     window: int | None  # sliding-window size, None for full causal attention
@@ -207,6 +208,7 @@ def _layer_spec(layer: nn.Module, layer_type: str, text: PretrainedConfig) -> La
         params=params,
         active_params=active,
         attn_heads=0 if linear else heads,
+        attn_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         attn_qk_dim=int(qk_dim),
         attn_v_dim=int(v_dim),
         window=int(window) if window else None,
