@@ -1,0 +1,356 @@
+"""The benchmark runner's scenarios (bench/run.py): each a few commands and what they measure.
+
+Commands are argv tuples; `$OUT`, `$NGPU`, `$THREADS`, `$WHEELS` and `$DEEPSPEED` are filled in
+by the runner. Results of past runs live in docs/performance.md, not here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+SITE = "/tmp/site"  # where peers_install puts DeepSpeed
+
+
+@dataclass(frozen=True)
+class Scenario:
+    what: str  # what it measures
+    commands: tuple[tuple[str, ...], ...]
+    timeout_s: int = 300
+
+
+def _verify(*flags: str) -> tuple[str, ...]:
+    return (PY, "-m", "megatrain", "verify", "--device", "cuda", *flags)
+
+
+def _train(*flags: str) -> tuple[str, ...]:
+    return (PY, "bench/train_shape.py", "--opt-threads", "14", *flags)
+
+
+_LLAMA_8B = (
+    "--preset",
+    "llama3.1-8b",
+    "--batch",
+    "1",
+    "--steps",
+    "1",
+    "--max-grad-norm",
+    "1.0",
+    "--expandable-segments",
+    "--memory.gpu_state_blocks",
+    "0",
+)
+
+
+def _torchrun(*argv: str) -> tuple[str, ...]:
+    """`argv` (a script and its flags) as $NGPU ranks on this node."""
+    torchrun = (PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "$NGPU")
+    return ("env", "OMP_NUM_THREADS=$THREADS", *torchrun, *argv)
+
+
+# Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step (4 rows of 2048 per rank);
+# --probe: the printed prediction uses this host's measured rates; the GPU tier "auto" in one
+# process and in the ranks (each rank plans its GPU; the tier's states sharded over them)
+_RANKS_JOB = ("--preset", "qwen2.5-7b", "--batch", "4", "--seq", "2048", "--steps", "3")
+_RANKS_TIER = ("--max-grad-norm", "1.0", "--probe", "--memory.gpu_state_blocks", "auto")
+_RANKS_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", *_RANKS_TIER)
+# the weak-scaling job: 32k tokens per GPU per step (16 rows of 2048 per rank, 4 micro-batches)
+_WEAK_MEGATRAIN = ("--preset", "qwen2.5-7b", "--batch", "16", "--micro", "4", "--seq", "2048")
+_WEAK_MEGATRAIN += ("--steps", "3", *_RANKS_TIER)
+
+
+def _grpo(*flags: str) -> tuple[str, ...]:
+    return (PY, "bench/grpo_shape.py", "--preset", "qwen2.5-7b", *flags)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "env": Scenario(
+        "the card, driver, CPU count, memory, torch and transformers versions",
+        (
+            ("nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"),
+            (
+                PY,
+                "-c",
+                "import os,torch,transformers;print(os.cpu_count(),torch.__version__,"
+                "transformers.__version__)",
+            ),
+        ),
+        timeout_s=60,
+    ),
+    "verify_cuda": Scenario(
+        "engine = PyTorch on the GPU: bf16 and fp32 tiny models (megatrain verify)",
+        (
+            _verify("--model-type", "llama", "--tiny", "--dtype", "bf16"),
+            _verify("--model-type", "qwen3_moe", "--tiny", "--dtype", "bf16"),
+            _verify("--model-type", "qwen3_5_text", "--tiny", "--dtype", "bf16"),
+            _verify("--model-type", "llama", "--tiny"),
+        ),
+        timeout_s=200,
+    ),
+    "gpu_tests": Scenario(
+        "the test suite's GPU-marked tests",
+        ((PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"),),
+        timeout_s=300,
+    ),
+    "peers_install": Scenario(
+        "install DeepSpeed and its dependencies from .wheels/ (carried; no network) into "
+        f"{SITE}, which every scenario's PYTHONPATH includes",
+        (
+            (
+                PY,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--target",
+                SITE,
+                "$WHEELS",
+            ),
+            (
+                PY,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-build-isolation",
+                "--target",
+                SITE,
+                "$DEEPSPEED",
+            ),
+        ),
+    ),
+    "adamw": Scenario(
+        "CPU AdamW: C kernel vs torch fused, Gparams/s and host copy bandwidth; compressed "
+        "state layouts (optimizer.state_dtype bf16, int8) through the C kernel",
+        (
+            (
+                PY,
+                "bench/adamw.py",
+                "--params",
+                "1e9",
+                "--block",
+                "80e6",
+                "--threads",
+                "14",
+                "--huge",
+                "yes",
+                "--state-dtypes",
+                "fp32,bf16,int8",
+            ),
+        ),
+    ),
+    "adamw_errno_ab": Scenario(
+        "issue 13: the fp32 C kernel built with and without -fno-math-errno, same host, same call",
+        tuple(
+            (PY, "bench/adamw.py", "--params", "1e9", "--threads", "14", "--huge", "yes", *flag)
+            for flag in ((), ("--drop-flag=-fno-math-errno",))
+        ),
+    ),
+    "compare_tier": Scenario(
+        "issue 13: Qwen2.5-3B shape, 8k tokens/step, clipping off and on: GPU-resident, DeepSpeed "
+        "ZeRO-3 offload (needs peers_install) and MegaTrain with its default GPU tier",
+        (
+            (
+                PY,
+                "bench/compare.py",
+                *("--preset", "qwen2.5-3b", "--tokens", "8192", "--steps", "4"),
+                "--systems",
+                "gpu,deepspeed,megatrain,megatrain:optimizer.max_grad_norm=1.0",
+            ),
+        ),
+        timeout_s=420,
+    ),
+    "quality": Scenario(
+        "issue 13: the same ~1.04B fine-tuning run (300 steps, demo-style data scaled up) with "
+        "fp32, bf16 and int8 AdamW states, one after the other: loss curves side by side",
+        ((PY, "bench/quality.py", "--out", "$OUT/quality", "--steps", "300"),),
+        timeout_s=590,
+    ),
+    "layer_speed": Scenario(
+        "one Qwen2.5-7B decoder layer: forward, recompute and backward times, eager and compiled",
+        (
+            (PY, "bench/layer_speed.py", "--preset", "qwen2.5-7b", "--tokens", "8192"),
+            (PY, "bench/layer_speed.py", "--preset", "qwen2.5-7b", "--tokens", "8192", "--compile"),
+        ),
+    ),
+    "train_shape": Scenario(
+        "the engine on a preset shape (Qwen2.5-3B, 8k tokens/step): step time, timeline, memory",
+        (_train("--preset", "qwen2.5-3b", "--batch", "4", "--micro", "1", "--steps", "5"),),
+    ),
+    "long_context": Scenario(
+        "issue 11: Llama-3.1-8B shape, one 128k-token row per step, clipping on, fp32 AdamW: the "
+        "engine before long-row support (offload and tiling off) and the new one (auto plan), "
+        "2 steps each on the same model; GPU time per phase, peak, host RSS, predictions",
+        (_train(*_LLAMA_8B, "--seq", "131072", "--old-too", "--sdpa", "cudnn"),),
+        timeout_s=590,
+    ),
+    "long_context_512k": Scenario(
+        "issue 11: the same shape with 4 of its 32 layers at 524,288 tokens (new path, auto "
+        "plan; `-- --layers N` for N), 1 step: GPU peak beside the plan's (pred_gpu_gib, "
+        "pred_gpu_items_gib); then the cuDNN attention kernel alone at that length, in one "
+        "call and in the engine's head groups: time, TFLOPS, backward memory",
+        (
+            _train(
+                *_LLAMA_8B, "--seq", "524288", "--layers", "4", "--sdpa", "cudnn", "--attn-bench"
+            ),
+        ),
+        timeout_s=590,
+    ),
+    "compare": Scenario(
+        "MegaTrain vs GPU-resident, FSDP2 CPU offload and DeepSpeed ZeRO-3 offload, same job "
+        "(Qwen2.5-3B shape, 8k and 32k tokens/step; DeepSpeed needs its wheels carried)",
+        ((PY, "bench/compare.py", "--preset", "qwen2.5-3b", "--tokens", "8192,32768"),),
+        timeout_s=580,
+    ),
+    "compiled_8b": Scenario(
+        "issue 13: Llama-3.1-8B shape, 64k tokens/step, clipping on, compiled layers: GPU idle "
+        "share, model TFLOPS, the plan's prediction beside",
+        (
+            _train(
+                "--preset",
+                "llama3.1-8b",
+                "--batch",
+                "32",
+                "--seq",
+                "2048",
+                "--micro",
+                "4",
+                "--steps",
+                "3",
+                "--max-grad-norm",
+                "1.0",
+                "--compile",
+                "--probe",
+            ),
+        ),
+        timeout_s=330,
+    ),
+    "capacity_int8": Scenario(
+        "issue 13: Qwen2.5-14B shape with int8 AdamW states on this host, 3 steps, clipping "
+        "on: host RSS against 8 B/param and the prediction",
+        (
+            _train(
+                "--preset",
+                "qwen2.5-14b",
+                "--batch",
+                "4",
+                "--seq",
+                "2048",
+                "--micro",
+                "1",
+                "--steps",
+                "3",
+                "--max-grad-norm",
+                "1.0",
+                "--probe",
+                "--optimizer.state_dtype",
+                "int8",
+            ),
+        ),
+        timeout_s=330,
+    ),
+    "capacity_int8_56b": Scenario(
+        "issue 13: the largest int8 model on a 512 GiB host with one GPU: a Qwen2.5-72B shape "
+        "cut to 62 of its 80 layers (56.9B), 3 steps, clipping on, host RSS against 8 B/param",
+        (
+            _train(
+                "--preset",
+                "qwen2.5-72b",
+                "--layers",
+                "62",
+                "--batch",
+                "4",
+                "--seq",
+                "2048",
+                "--steps",
+                "3",
+                "--max-grad-norm",
+                "1.0",
+                "--probe",
+                "--opt-threads",
+                str(max(1, (os.cpu_count() or 16) - 2)),
+                "--optimizer.state_dtype",
+                "int8",
+            ),
+        ),
+        timeout_s=560,
+    ),
+    "grpo_7b": Scenario(
+        "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length): the "
+        "seed's 8 prompts x 2 responses and TRL's 8 generations per prompt, 512 + 1024 tokens; "
+        "generation vs training time, GPU peak, host RSS, the estimate beside",
+        (
+            _grpo("--generations", "2"),
+            _grpo("--generations", "8", "--micro", "8", "--steps", "2"),
+        ),
+        timeout_s=300,
+    ),
+    "grpo_decode": Scenario(
+        "GRPO rollouts on the Qwen2.5-7B shape, 8 prompts x 2 responses, 512 + 1024 tokens, "
+        "static decoding (grpo/decode.py): the product default (torch.compile'd forward, one "
+        "CUDA graph per token; the compile in step 1) and grpo.compile_decode graphs (eager "
+        "kernels in the graph): ms per decoding step, prefill + capture, each step's split, "
+        "op_s_fit for resources/rollout.py's DECODE_OP_S",
+        (
+            _grpo("--generations", "2", "--steps", "3"),
+            _grpo("--generations", "2", "--steps", "2", "--grpo.compile_decode", "graphs"),
+        ),
+        timeout_s=400,
+    ),
+    "estimate_check": Scenario(
+        "the estimate against measured runs of this machine (3B 8k/32k, 7B 16k)",
+        (
+            (PY, "bench/estimate_check.py", "--probe-out", "$OUT/hw.json"),
+            _train("--preset", "qwen2.5-3b", "--batch", "4", "--micro", "1", "--steps", "5"),
+            _train("--preset", "qwen2.5-3b", "--batch", "16", "--micro", "4", "--steps", "4"),
+            _train("--preset", "qwen2.5-7b", "--batch", "8", "--micro", "2", "--steps", "6"),
+            (PY, "bench/estimate_check.py", "$OUT/results.jsonl", "--hardware", "$OUT/hw.json"),
+        ),
+    ),
+    "ranks_compare": Scenario(
+        "ranks (issue 10): Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step: "
+        "one GPU and $NGPU GPUs with torchrun, both with the GPU tier auto (sharded over the "
+        "ranks), DeepSpeed ZeRO-3 offload on the same GPUs and rows (needs peers_install); "
+        "tokens/s, per GPU (the bar: $NGPU ranks above one GPU), GPU peak per rank, host RSS",
+        (
+            (PY, "bench/train_shape.py", *_RANKS_MEGATRAIN),
+            _torchrun("bench/train_shape.py", *_RANKS_MEGATRAIN),
+            _torchrun("bench/peers.py", "--mode", "deepspeed", *_RANKS_JOB, "--clip", "1.0"),
+        ),
+        timeout_s=420,
+    ),
+    "ranks_weak32k": Scenario(
+        "ranks (issue 10), weak scaling: as ranks_compare at 32k tokens per GPU per step (16 rows "
+        "of 2048, 4 micro-batches of 4), no DeepSpeed: one GPU and $NGPU GPUs, GPU tier auto; "
+        "the bar: tokens/s per GPU on $NGPU GPUs >= 0.9x one GPU",
+        (
+            (PY, "bench/train_shape.py", *_WEAK_MEGATRAIN),
+            _torchrun("bench/train_shape.py", *_WEAK_MEGATRAIN),
+        ),
+        timeout_s=480,
+    ),
+    "ranks_capacity": Scenario(
+        "ranks (issue 10): Qwen2.5-32B shape on $NGPU GPUs (4 on a 512 GiB host), 4k tokens "
+        "per GPU, 3 steps: host RSS of the node against the estimate's prediction",
+        (
+            (
+                "env",
+                "MEGATRAIN_COLLECTIVE_TIMEOUT_S=1800",  # ranks load in turns: the last waits
+                *_torchrun(
+                    "bench/train_shape.py",
+                    *("--preset", "qwen2.5-32b", "--batch", "2", "--micro", "1"),
+                    *("--seq", "2048", "--steps", "2", "--max-grad-norm", "1.0"),
+                ),
+            ),
+        ),
+        timeout_s=590,
+    ),
+}
