@@ -28,6 +28,7 @@ from pathlib import Path
 
 from common import result
 
+from megatrain.data.assets import demo_assets_dir
 from megatrain.data.demo_assets import make_conversation, to_openai
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def write_data(folder: Path, conversations: int, seed: int) -> None:
     with open(folder / "quality.jsonl", "w") as f:
         for _ in range(conversations):
             f.write(json.dumps(to_openai(make_conversation(rng))) + "\n")
-    info = json.loads((ROOT / "src/megatrain/assets/demo/dataset_info.json").read_text())["demo"]
+    info = json.loads((demo_assets_dir() / "dataset_info.json").read_text())["demo"]
     info["file_name"] = "quality.jsonl"
     (folder / "dataset_info.json").write_text(json.dumps({"quality": info}, indent=1))
 
