@@ -10,10 +10,10 @@ Prints one line per step as soon as the step ends (flushed: a run cut short stil
 split): generation (on the static path also prefill + capture and ms per decoding step) and
 training; then one RESULT line: median step time after the first, split into generation and
 training, decode tokens/s, GPU peak, host RSS, and the estimate beside each (grpo/plan.py: the
-rollout phase and the training phase). The product default decodes with a static KV cache,
-a torch.compile'd forward and one CUDA graph per token (grpo/decode.py); `--grpo.compile_decode
-graphs` keeps the eager kernels in the graph, `--grpo.compile_decode false` measures
-transformers' eager generate.
+rollout phase and the training phase). The product default decodes with a static KV cache
+and one CUDA graph per token of the eager kernels (grpo/decode.py); `--grpo.compile_decode
+true` compiles the forward first, `--grpo.compile_decode false` measures transformers' eager
+generate.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def _step_line(step: int, r: dict) -> str:
         f"{r['time/train_s']:.1f} s, log-probs {r['time/logprob_s']:.1f} s, step "
         f"{r['time/generation_s'] + r['time/logprob_s'] + r['time/train_s']:.1f} s, "
         f"completion length {r['completion_length']:.0f}"
+        + (", STREAMED rollout" if r.get("rollout_streamed") else "")
     )
 
 

@@ -284,8 +284,9 @@ SCENARIOS: dict[str, Scenario] = {
         timeout_s=560,
     ),
     "grpo_7b": Scenario(
-        "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length): the "
-        "seed's 8 prompts x 2 responses and TRL's 8 generations per prompt, 512 + 1024 tokens; "
+        "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length), the "
+        "product default (static KV cache, one CUDA graph per token): the seed's 8 prompts x 2 "
+        "responses (3 steps) and TRL's 8 generations per prompt (2 steps), 512 + 1024 tokens; "
         "generation vs training time, GPU peak, host RSS, the estimate beside",
         (
             _grpo("--generations", "2"),
@@ -295,14 +296,10 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "grpo_decode": Scenario(
         "GRPO rollouts on the Qwen2.5-7B shape, 8 prompts x 2 responses, 512 + 1024 tokens, "
-        "static decoding (grpo/decode.py): the product default (torch.compile'd forward, one "
-        "CUDA graph per token; the compile in step 1) and grpo.compile_decode graphs (eager "
-        "kernels in the graph): ms per decoding step, prefill + capture, each step's split, "
-        "op_s_fit for resources/rollout.py's DECODE_OP_S",
-        (
-            _grpo("--generations", "2", "--steps", "3"),
-            _grpo("--generations", "2", "--steps", "2", "--grpo.compile_decode", "graphs"),
-        ),
+        "grpo.compile_decode true (the forward compiled by torch.compile, then one CUDA graph "
+        "per token; the compile in step 1): ms per decoding step against grpo_7b's graphed "
+        "eager kernels, prefill + capture, op_s_fit for resources/rollout.py's DECODE_OP_S",
+        (_grpo("--generations", "2", "--steps", "3", "--grpo.compile_decode", "true"),),
         timeout_s=400,
     ),
     "estimate_check": Scenario(
