@@ -10,10 +10,10 @@ Prints one line per step as soon as the step ends (flushed: a run cut short stil
 split): generation (on the static path also prefill + capture and ms per decoding step) and
 training; then one RESULT line: median step time after the first, split into generation and
 training, decode tokens/s, GPU peak, host RSS, and the estimate beside each (grpo/plan.py: the
-rollout phase and the training phase). The product default decodes with a static KV cache
-and one CUDA graph per token of the eager kernels (grpo/decode.py); `--grpo.compile_decode
-true` compiles the forward first, `--grpo.compile_decode false` measures transformers' eager
-generate.
+rollout phase and the training phase). The product default decodes with a static KV cache,
+a torch.compile'd forward and one CUDA graph per token (grpo/decode.py); `--grpo.compile_decode
+graphs` keeps the eager kernels in the graph, `--grpo.compile_decode false` measures
+transformers' eager generate.
 """
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ def _step_line(step: int, r: dict) -> str:
         f"{r['time/generation_s'] + r['time/logprob_s'] + r['time/train_s']:.1f} s, "
         f"completion length {r['completion_length']:.0f}"
         + (", STREAMED rollout" if r.get("rollout_streamed") else "")
+        + (
+            f"; GPU peak rollout {r['gpu_peak_gib/rollout']} GiB, training "
+            f"{r['gpu_peak_gib/train']} GiB"
+            if "gpu_peak_gib/train" in r
+            else ""
+        )
     )
 
 
@@ -128,8 +134,6 @@ def main() -> None:
         f"decoding: {plan.decode_reason if not ro.streamed else 'streamed layers'}; predicted "
         f"{1e3 * ro.decode_token_s:.1f} ms per decoding step, rollout {ro.rollout_s:.1f} s"
     )
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     train_step = trainer._train_step
 
     def train_and_report(*args: Any) -> dict:
@@ -166,9 +170,11 @@ def main() -> None:
         est_decode_step_ms=round(1e3 * ro.decode_token_s, 2),
         op_s_fit=_op_s_fit(ro, decode_ms),
         completion_length=steps[-1]["completion_length"],
-        gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        if device == "cuda"
-        else None,
+        gpu_peak_rollout_gib=max((r.get("gpu_peak_gib/rollout", 0) for r in rows), default=None),
+        gpu_peak_train_gib=max((r.get("gpu_peak_gib/train", 0) for r in rows), default=None),
+        est_rollout_phase_gpu_gib=round(
+            (plan.training.estimate.gpu.persistent_bytes + ro.gpu_peak_bytes) / 2**30, 2
+        ),
         host_rss_gib=host_rss_gib(),
         host_peak_rss_gib=host_peak_rss_gib(),
         est_step_s=round(plan.step_s, 2),

@@ -285,9 +285,10 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "grpo_7b": Scenario(
         "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length), the "
-        "product default (static KV cache, one CUDA graph per token): the seed's 8 prompts x 2 "
-        "responses (3 steps) and TRL's 8 generations per prompt (2 steps), 512 + 1024 tokens; "
-        "generation vs training time, GPU peak, host RSS, the estimate beside",
+        "product default (static KV cache, compiled forward, one CUDA graph per token; the "
+        "compile in step 1): the seed's 8 prompts x 2 responses (3 steps) and TRL's 8 "
+        "generations per prompt (2 steps), 512 + 1024 tokens; generation vs training time, "
+        "GPU peak per phase, host RSS, the estimate beside",
         (
             _grpo("--generations", "2"),
             _grpo("--generations", "8", "--micro", "8", "--steps", "2"),
@@ -296,10 +297,10 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "grpo_decode": Scenario(
         "GRPO rollouts on the Qwen2.5-7B shape, 8 prompts x 2 responses, 512 + 1024 tokens, "
-        "grpo.compile_decode true (the forward compiled by torch.compile, then one CUDA graph "
-        "per token; the compile in step 1): ms per decoding step against grpo_7b's graphed "
-        "eager kernels, prefill + capture, op_s_fit for resources/rollout.py's DECODE_OP_S",
-        (_grpo("--generations", "2", "--steps", "3", "--grpo.compile_decode", "true"),),
+        "grpo.compile_decode graphs (eager kernels in the graph, nothing compiled): ms per "
+        "decoding step against grpo_7b's compiled one, prefill + capture, op_s_fit for "
+        "resources/rollout.py's DECODE_OP_S",
+        (_grpo("--generations", "2", "--steps", "3", "--grpo.compile_decode", "graphs"),),
         timeout_s=400,
     ),
     "estimate_check": Scenario(

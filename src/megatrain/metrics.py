@@ -108,13 +108,15 @@ class MetricsLogger:
                 loss=f"{record['loss']:.4f}",
                 tok_s=f"{tokens_per_s:,.0f}",
                 mfu=f"{record['mfu']:.1%}" if "mfu" in record else "-",
+                **_grpo_postfix(record),
                 refresh=False,
             )
         elif step % self.log_every == 0 or step == self._total:
+            grpo = " ".join(f"{k} {v}" for k, v in _grpo_postfix(record).items())
             self.console(
                 f"step {step}/{self._total} loss {record['loss']:.4f} lr "
                 f"{record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
-                f"{tokens_per_s:,.0f} tok/s"
+                f"{tokens_per_s:,.0f} tok/s" + (f" {grpo}" if grpo else "")
             )
         return record
 
@@ -196,3 +198,14 @@ def _tensorboard_writer(path: Path, *, purge_step: int) -> Any:
         )
         return None
     return SummaryWriter(str(path), purge_step=purge_step)
+
+
+def _grpo_postfix(record: dict[str, Any]) -> dict[str, str]:
+    """A GRPO step's reward, KL and generation time for the progress line (empty for SFT)."""
+    if "reward" not in record:
+        return {}
+    return {
+        "reward": f"{record['reward']:.3f}",
+        "kl": f"{record['kl']:.4f}",
+        "gen_s": f"{record['time/generation_s']:.1f}",
+    }

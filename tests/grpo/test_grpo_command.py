@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -59,10 +60,11 @@ def test_resume_repeats_rollouts_and_losses_exactly(tmp_path: Path) -> None:
         "--checkpoint.resume_from",
         "auto",
     )
-    keys = ("loss", "reward", "completion_length", "kl", "grad_norm")
+    keys = ("loss", "reward", "completion_length", "kl", "entropy", "grad_norm")
     assert [[r[k] for k in keys] for r in straight] == [[r[k] for k in keys] for r in resumed]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 3, 4 appended after 1, 2
     assert straight[1]["kl"] > 0 and straight[0]["grad_norm"] > 0  # the objective did work
+    assert 0 < straight[0]["entropy"] < math.log(512)  # vocab_size 512: at most uniform's
 
 
 def test_torchrun_and_bad_rewards_stop_with_one_clear_error(

@@ -44,14 +44,11 @@ def test_static_decode_step_follows_its_formula(mode: str) -> None:
     assert static.decode_token_s < eager.decode_token_s
 
 
-def test_plan_decodes_with_graphs_on_cuda_for_dense_full_attention_models() -> None:
+def test_plan_decodes_compiled_on_cuda_for_dense_full_attention_models() -> None:
     plan = grpo_plan(_builder(HW))
-    assert plan.rollout.decode == "graphs" and not plan.rollout.streamed
-    assert "eager kernels, one CUDA graph per token" in plan.decode_reason
+    assert plan.rollout.decode == "compiled" and not plan.rollout.streamed
+    assert "torch.compile'd forward, one CUDA graph per token" in plan.decode_reason
     assert "graph capture" in format_rollout(plan)
-    compiled = grpo_plan(_builder(HW, "--grpo.compile_decode", "true"))
-    assert compiled.rollout.decode == "compiled"
-    assert "torch.compile'd forward, one CUDA graph per token" in compiled.decode_reason
     graphs = grpo_plan(_builder(HW, "--grpo.compile_decode", "graphs"))
     assert graphs.rollout.decode == "graphs" and "eager kernels" in graphs.decode_reason
     off = grpo_plan(_builder(HW, "--grpo.compile_decode", "false"))

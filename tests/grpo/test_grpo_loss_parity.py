@@ -62,6 +62,15 @@ class _Reference:
         targets = b.input_ids[:, 1:].unsqueeze(-1)
         return logp.gather(-1, targets).squeeze(-1)
 
+    @torch.no_grad()
+    def entropy(self) -> float:
+        """Mean entropy of the next-token distribution over the completion tokens."""
+        b = self.batch
+        logits = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        h = -(logp.exp() * logp).sum(-1)
+        return float((h * self.mask).sum() / self.mask.sum())
+
     def step(self, loss_type: str, old: torch.Tensor | None) -> tuple[float, dict]:
         logp = self.logps()
         old = logp.detach() if old is None else old
@@ -134,6 +143,7 @@ def test_grpo_step_matches_pytorch(loss_type: str, beta: float, num_iterations: 
             result = engine.train_step(micro, lr=LR, objective=TokenObjective(fn, inputs))
             engine.wait_updates()
             old = num_iterations > 1
+            ref_entropy = ref.entropy()  # the weights this step's forward saw
             ref_loss, ref_grads = ref.step(loss_type, ref.initial if old else None)
             _, noise_grads = ref32.step(loss_type, ref32.initial if old else None)
             assert abs(result.loss - ref_loss) <= TOL["loss"] * abs(ref_loss), (it, result.loss)
@@ -144,6 +154,7 @@ def test_grpo_step_matches_pytorch(loss_type: str, beta: float, num_iterations: 
             worst = max(excess, key=excess.__getitem__)
             assert excess[worst] <= 1.0, (it, worst, excess[worst])
             assert fn.stats.tokens == sum(int(m.sum()) for m in masks)
+            assert abs(fn.stats.entropy - ref_entropy) <= TOL["loss"] * ref_entropy
             if it == 1:  # the update moved the ratios: both clipped and unclipped tokens occur
                 assert 0 < fn.stats.clipped_low + fn.stats.clipped_high < fn.stats.tokens
                 assert (fn.stats.kl > 0) == (beta > 0)

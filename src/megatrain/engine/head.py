@@ -40,7 +40,9 @@ _LOGIT_BYTES_PER_CHUNK = 2 << 30
 
 
 TokenFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
-"""(log-probs [C] of a chunk's targets, side inputs of those C tokens) -> the chunk's loss."""
+"""(log-probs [C] of a chunk's targets, side inputs of those C tokens) -> the chunk's loss.
+A TokenFn with an `observe_logits` method is also shown each chunk's logits / temperature
+([C, V], detached) in training steps, for metrics such as the policy's entropy."""
 
 
 @dataclass
@@ -217,6 +219,9 @@ class ChunkedLoss:
             ce = F.cross_entropy(logits_CV, targets_C, reduction="sum")
             return ce / denom, ce.detach()
         logp_C = -F.cross_entropy(logits_CV, targets_C, reduction="none")
+        observe = getattr(fn, "observe_logits", None)  # metrics of the whole distribution
+        if observe is not None:
+            observe(logits_CV.detach())
         return fn(logp_C, side_C), -logp_C.detach().sum()
 
 

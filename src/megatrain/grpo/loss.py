@@ -85,10 +85,17 @@ class GRPOStats:
     kl_sum: float = 0.0
     clipped_low: int = 0
     clipped_high: int = 0
+    entropy_sum: float = 0.0  # of the policy's distribution (logits / temperature), nats
 
     @property
     def kl(self) -> float:
         return self.kl_sum / max(self.tokens, 1)
+
+    @property
+    def entropy(self) -> float:
+        """Mean entropy of the next-token distribution over the completion tokens (TRL's
+        `entropy`)."""
+        return self.entropy_sum / max(self.tokens, 1)
 
     @property
     def clip_ratio(self) -> float:
@@ -121,6 +128,16 @@ class GRPOLoss:
         )
         self._record(logp_C.detach(), adv, old, ref)
         return (loss_C * side["weights"]).sum()
+
+    def observe_logits(self, logits_CV: torch.Tensor) -> None:
+        """Adds the chunk's entropies, H = logsumexp(z) - sum softmax(z) z, a few rows at a time
+        (each slice's fp32 temporaries stay small beside the chunk's logits)."""
+        total = torch.zeros((), dtype=torch.float64, device=logits_CV.device)
+        rows = max(1, (64 << 20) // (4 * max(logits_CV.shape[-1], 1)))  # ~64 MiB per temporary
+        for z in logits_CV.split(rows):
+            lse = torch.logsumexp(z, -1)
+            total += (lse - (torch.softmax(z, -1) * z).sum(-1)).double().sum()
+        self.stats.entropy_sum += float(total)  # sync point: metrics only
 
     def _record(
         self,

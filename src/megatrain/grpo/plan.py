@@ -117,11 +117,11 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
 def decode_mode(builder: RunBuilder) -> tuple[str, str]:
     """How resident rollouts decode (one of resources/rollout.py's DECODE_MODES), and why.
 
-    grpo.compile_decode "auto": "graphs" on CUDA when the model allows it, else "generate";
+    grpo.compile_decode "auto": "compiled" on CUDA when the model allows it, else "generate";
     true / "graphs": "compiled" / "graphs" wherever the model allows it (the CPU runs the
-    same steps without CUDA graphs), else an error; false: "generate". "auto" does not
-    compile: on the 7B shape the eager kernels in a graph decode within ~10% of the weight and
-    KV reads (run 21), while inductor's compile of the whole forward costs minutes per run.
+    same steps without CUDA graphs), else an error; false: "generate". On the Qwen2.5-7B shape
+    (run 21) the compiled step decodes in 7.75 ms against 9.97 with eager kernels, for a
+    compile of about 25 s in the first generation batch.
     """
     setting, on_gpu = builder.cfg.grpo.compile_decode, builder.placement.is_cuda
     shown = str(setting).lower() if isinstance(setting, bool) else setting  # as YAML writes it
@@ -131,7 +131,7 @@ def decode_mode(builder: RunBuilder) -> tuple[str, str]:
         return "generate", "transformers' generate (grpo.compile_decode: auto, on the CPU)"
     problem = static_decode_problem(builder.spec.config, builder.cfg.model.attn_implementation)
     if problem is None:
-        mode = "compiled" if setting is True else "graphs"
+        mode = "graphs" if setting == "graphs" else "compiled"
         kernels = "torch.compile'd forward" if mode == "compiled" else "eager kernels"
         graphs = "one CUDA graph per token" if on_gpu else "no CUDA graphs on the CPU"
         return mode, f"static KV cache, {kernels}, {graphs} (grpo.compile_decode: {shown})"

@@ -63,6 +63,20 @@ def expandable_segments() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
+class _PhasePeak:
+    """The most GPU memory allocated from now until `gib()` (None off CUDA): one phase's peak."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device if device.type == "cuda" else None
+        if self.device is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def gib(self) -> float | None:
+        if self.device is None:
+            return None
+        return round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+
+
 @dataclass
 class GRPOSummary:
     steps: int
@@ -197,6 +211,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         self.engine.wait_updates()  # the store holds the current weights
         streamed = self._streamed_generation()
+        peak = _PhasePeak(b.device)
         with device_model(
             self.structure,
             self.store,
@@ -223,6 +238,7 @@ class GRPOTrainer:
                 **static,
             )
         gen_s = time.perf_counter() - t0
+        rollout_peak = peak.gib()
         scores, record = self._score(prompts, rollout.completions)
         adv = group_advantages(
             scores,
@@ -270,6 +286,8 @@ class GRPOTrainer:
             "generation_tokens_per_s": round(rollout.generated_tokens / max(gen_s, 1e-9), 1),
             "rollout_streamed": int(streamed),
         }
+        if rollout_peak is not None:
+            record["gpu_peak_gib/rollout"] = rollout_peak
         if rollout.decode_steps:  # the static path times its phases (grpo/decode.py)
             record["time/prefill_capture_s"] = round(rollout.prefill_s, 4)
             record["time/decode_step_ms"] = round(1e3 * rollout.decode_s / rollout.decode_steps, 3)
@@ -314,10 +332,12 @@ class GRPOTrainer:
             use_old=g.num_iterations > 1,
         )
         t0 = time.perf_counter()
+        peak = _PhasePeak(self.builder.device)
         result = self.engine.train_step(
             gen.batches, lr=lr, objective=TokenObjective(fn, gen.inputs, temperature=g.temperature)
         )
         step_s = time.perf_counter() - t0
+        train_peak = peak.gib()
         self.step += 1
         if not math.isfinite(result.loss):
             raise FloatingPointError(
@@ -328,7 +348,10 @@ class GRPOTrainer:
         record["time/train_s"] = round(step_s, 4)
         record["kl"] = fn.stats.kl
         record["clip_ratio"] = fn.stats.clip_ratio
+        record["entropy"] = fn.stats.entropy
         record["iteration"] = iteration
+        if train_peak is not None:
+            record["gpu_peak_gib/train"] = train_peak
         metrics.log_step(self.step, record)
         return record
 
