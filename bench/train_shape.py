@@ -47,6 +47,7 @@ from common import host_peak_rss_gib, host_rss_gib, log, preset_values, result, 
 from megatrain.batch import Batch
 from megatrain.builder import RunBuilder
 from megatrain.config.shorthand import model_values, shorthand_config
+from megatrain.distributed import placement_here
 from megatrain.engine.attention_heads import SplitHeads, head_calls
 from megatrain.model.loading import parse_config_sets
 from megatrain.resources import probe
@@ -112,12 +113,14 @@ def main() -> None:
     cfg = shorthand_config(None, overrides, values=values)
     if a.old_too and cfg.memory.gpu_state_blocks != 0:
         ap.error("--old-too trains one store twice: add --memory.gpu_state_blocks 0")
-    hardware = (
+    placement = placement_here(cfg.training.device)  # under torchrun: this rank's GPU, first
+    hardware = (  # on this rank's GPU (probing before the placement put every rank on GPU 0)
         probe(optimizer_threads=cfg.optimizer.threads, state_dtype=cfg.optimizer.state_dtype)
         if a.probe
         else None
     )
-    builder = RunBuilder(cfg, hardware=hardware)  # as `megatrain train`: plan, store, engine
+    # as `megatrain train`: plan, store, engine
+    builder = RunBuilder(cfg, hardware=hardware, placement=placement)
     p = builder.placement  # under torchrun: this rank's
     if p.world_size > 1:
         builder.plan().require_fit()  # per node and rank, before anything large is allocated
@@ -192,6 +195,8 @@ def _run(
             )
     except torch.OutOfMemoryError as e:
         result(**tags, error=f"out of GPU memory: {str(e).splitlines()[0]}")
+        if builder.placement.world_size > 1:
+            raise  # torchrun stops the other ranks (they would wait in a collective)
         return
     finally:
         if engine is not None:

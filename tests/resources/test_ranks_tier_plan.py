@@ -17,7 +17,7 @@ from transformers import Qwen2Config
 from megatrain.resources import Estimate, Hardware, estimate, model_spec
 from megatrain.resources.hardware import GIB
 from megatrain.resources.plan import RunShape, plan_resources
-from megatrain.resources.ranks import Ranks
+from megatrain.resources.ranks import NCCL_GPU_GIB, Ranks
 from megatrain.resources.spec import ModelSpec
 from megatrain.resources.timing import GPU_ADAMW_GPARAMS_S
 from megatrain.store.states import QUANT_BLOCK
@@ -93,11 +93,13 @@ def _plan(spec: ModelSpec, world: int, tier: int | str = "auto") -> tuple[int, E
 def test_auto_picks_a_tier_per_rank(qwen7b: ModelSpec) -> None:
     """8k tokens per GPU on 80 GiB H100s: one process keeps some layers' states on its GPU;
     two ranks, holding half of each tier block's states, keep more; each rank's predicted
-    peak fits with the 2 GiB margin, and one block more would not; the optimizer split over
-    the ranks' CPU and GPUs makes each GPU's predicted tokens/s the larger."""
+    peak fits with the 2 GiB margin plus NCCL's share (ranks.py NCCL_GPU_GIB), and one block
+    more would not; the optimizer split over the ranks' CPU and GPUs makes each GPU's
+    predicted tokens/s the larger."""
     one, one_est = _plan(qwen7b, 1)
     two, est = _plan(qwen7b, 2)
     assert 0 < one < two < qwen7b.num_layers + 2
-    budget = Hardware().gpu_bytes - 2 * GIB
+    assert one_est.gpu.peak_bytes <= Hardware().gpu_bytes - 2 * GIB
+    budget = Hardware().gpu_bytes - (2 + NCCL_GPU_GIB) * GIB
     assert est.gpu.peak_bytes <= budget < _plan(qwen7b, 2, two + 1)[1].gpu.peak_bytes
     assert est.time.tokens_per_s / 2 > one_est.time.tokens_per_s

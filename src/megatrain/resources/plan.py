@@ -133,6 +133,7 @@ def plan_resources(
     the chosen micro-batch; with a given micro-batch it must divide the step's rows.
     """
     reason = None
+    gpu_margin_gib = shape.ranks.gpu_margin_gib(gpu_margin_gib)  # NCCL's buffers under ranks
     if micro_batch_size == "auto":
         target: dict[str, Any] = (
             {"tokens_per_step": tokens_per_step}

@@ -34,6 +34,15 @@ INTERNODE_GBPS = 25.0
 """Assumed bus bandwidth per GPU between nodes (GB/s): one 200 Gb/s NIC per GPU."""
 
 
+NCCL_GPU_GIB = 1.5
+"""GPU memory per rank that a job of several ranks needs beyond one process's margin: NCCL's
+communicator buffers and streams live outside PyTorch's allocator. Measured (run 22, 2 x H100,
+7B shape, GPU tier planned with the 2 GiB margin): rank 0's process used 1.54 GiB outside
+PyTorch (CUDA context, cuBLAS, NCCL) and PyTorch held 0.86 GiB reserved but unallocated, so the
+planned peak ran out of memory. The plan adds this to memory.gpu_margin_gib when the world has
+more than one rank."""
+
+
 @dataclass(frozen=True)
 class Ranks:
     nproc_per_node: int = 1
@@ -53,6 +62,10 @@ class Ranks:
         if self.world == 1:
             return numel
         return -(-numel // (self.world * QUANT_BLOCK)) * QUANT_BLOCK
+
+    def gpu_margin_gib(self, configured: float) -> float:
+        """memory.gpu_margin_gib, plus NCCL's share when there are several ranks."""
+        return configured + (NCCL_GPU_GIB if self.world > 1 else 0.0)
 
     @property
     def bus_gbps(self) -> float:
