@@ -211,3 +211,19 @@ def test_usage_errors_name_the_fix(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         _run(argv, capsys)
+
+
+def test_set_reads_values_as_yaml_like_config_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--set KEY=VALUE` parses VALUE as `--model.config_overrides.KEY VALUE` does: Python's
+    `False` is a boolean (transformers' strict config fields refuse the string)."""
+    tiny = ["--model-type", "qwen2", "--tiny", "--seq-len", "64", "--json"]
+    status, out = _run(
+        [*tiny, "--set", "tie_word_embeddings=False", "--set", "vocab_size=640"], capsys
+    )
+    assert status == 0
+    untied = json.loads(out)
+    status, out = _run(
+        [*tiny, "--set", "tie_word_embeddings=true", "--set", "vocab_size=640"], capsys
+    )
+    tied = json.loads(out)
+    assert untied["total_params"] - tied["total_params"] == 640 * tiny_config("qwen2").hidden_size

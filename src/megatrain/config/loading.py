@@ -147,6 +147,12 @@ def _apply_override(raw: dict[str, Any], name: str, text: str) -> None:
         raise ValueError(f"override --{name}: {section}.{key} has no sub-key {sub!r}")
 
 
+def parse_yaml_value(text: str) -> Any:
+    """A command-line value as an override reads it (YAML: `false`, `False`, `1e-5`, `[1, 2]`),
+    for fields of any type (model config keys)."""
+    return _parse_value(text, Any)
+
+
 def _parse_value(text: str, tp: Any) -> Any:
     """`text` read as YAML; the raw text instead if only that fits a string field."""
     try:

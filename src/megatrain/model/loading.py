@@ -13,7 +13,6 @@ Errors: a missing folder, a folder without config.json, and a hub id that cannot
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.initialization import no_init_weights
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from megatrain.config.loading import parse_yaml_value
 from megatrain.model.random_init import init_on_device
 from megatrain.model.tiny import tiny_config
 
@@ -70,16 +70,14 @@ def load_config(
 
 
 def parse_config_sets(items: list[str]) -> dict[str, Any]:
-    """`KEY=VALUE` command-line model-config overrides; VALUE read as JSON when it parses."""
+    """`KEY=VALUE` command-line model-config overrides; VALUE read as YAML, as
+    `--model.config_overrides.KEY VALUE` reads it (`False` and `false` are booleans)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
+        out[key] = parse_yaml_value(value)
     return out
 
 
