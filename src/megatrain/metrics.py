@@ -104,13 +104,12 @@ class MetricsLogger:
         self._write(record, "train")
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(
-                loss=f"{record['loss']:.4f}",
-                tok_s=f"{tokens_per_s:,.0f}",
-                mfu=f"{record['mfu']:.1%}" if "mfu" in record else "-",
-                **_grpo_postfix(record),
-                refresh=False,
-            )
+            postfix = {
+                "loss": f"{record['loss']:.4f}",
+                "tok_s": f"{tokens_per_s:,.0f}",
+                "mfu": f"{record['mfu']:.1%}" if "mfu" in record else "-",
+            }
+            self._bar.set_postfix(postfix | _grpo_postfix(record), refresh=False)
         elif step % self.log_every == 0 or step == self._total:
             grpo = " ".join(f"{k} {v}" for k, v in _grpo_postfix(record).items())
             self.console(

@@ -185,26 +185,20 @@ def _probe_optimizer(params: int, threads: int | None, host_bytes: int, state_dt
     busy thread beside it."""
     from megatrain.optim.adamw import AdamWHyper, CpuAdamW
     from megatrain.store.blocks import ParamBlock
-    from megatrain.store.states import allocate_states
 
     block_numel = 25_000_000
     params = max(block_numel, min(params, host_bytes // 20 // 16))  # <= 5% of RAM
     blocks = []
     for i in range(max(1, params // block_numel)):
         n = min(block_numel, params)
-        states = allocate_states(n, state_dtype)
         blocks.append(
-            ParamBlock(
+            ParamBlock.with_states(
                 name=f"probe.{i}",
                 entries=[],
                 numel=n,
                 decay_numel=n,
                 master=torch.full((n,), 0.02),
-                exp_avg=states["exp_avg"],
-                exp_avg_sq=states["exp_avg_sq"],
                 state_dtype=state_dtype,
-                exp_avg_scale=states.get("exp_avg_scale"),
-                exp_avg_sq_scale=states.get("exp_avg_sq_scale"),
                 shadow=torch.full((n,), 1e-3, dtype=torch.bfloat16),
             )
         )

@@ -27,11 +27,13 @@ device weights. Its checkpoint files are the same (engine/tier.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from megatrain.native import load_adamw_kernel
+from megatrain.store.states import allocate_states
 
 
 @dataclass
@@ -50,6 +52,9 @@ class ParamEntry:
         return self.shape.numel()
 
 
+_Block = TypeVar("_Block", bound="ParamBlock")
+
+
 @dataclass
 class ParamBlock:
     name: str  # "embed", "layer.<i>", "head"
@@ -65,6 +70,23 @@ class ParamBlock:
     state_dtype: str = "fp32"  # layout of exp_avg / exp_avg_sq: "fp32", "bf16" or "int8"
     exp_avg_scale: torch.Tensor | None = field(default=None, repr=False)  # int8 only
     exp_avg_sq_scale: torch.Tensor | None = field(default=None, repr=False)  # int8 only
+
+    @classmethod
+    def with_states(
+        cls: type[_Block], *, master: torch.Tensor, state_dtype: str, **fields: Any
+    ) -> _Block:
+        """A block over `master` with zeroed AdamW states in `state_dtype`'s layout
+        (store/states.py allocate_states); `fields`: the other dataclass fields."""
+        states = allocate_states(master.numel(), state_dtype)
+        return cls(
+            master=master,
+            exp_avg=states["exp_avg"],
+            exp_avg_sq=states["exp_avg_sq"],
+            state_dtype=state_dtype,
+            exp_avg_scale=states.get("exp_avg_scale"),
+            exp_avg_sq_scale=states.get("exp_avg_sq_scale"),
+            **fields,
+        )
 
     @property
     def source(self) -> torch.Tensor:

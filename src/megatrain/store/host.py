@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from megatrain.model.structure import ModelStructure
 from megatrain.store.blocks import ParamBlock, ParamEntry
 from megatrain.store.memory import host_zeros
-from megatrain.store.states import allocate_states, check_state_dtype
+from megatrain.store.states import check_state_dtype
 
 DEFAULT_NO_DECAY = ("bias", "norm")
 
@@ -121,18 +121,13 @@ class HostStore:
         for entry, (_, _, _, p) in zip(entries, found, strict=True):
             master[entry.offset : entry.offset + entry.numel].copy_(p.detach().reshape(-1))
             self._to_meta(entry, p)
-        states = allocate_states(offset, self.state_dtype)
-        block = ParamBlock(
+        block = ParamBlock.with_states(
             name=name,
             entries=entries,
             numel=offset,
             decay_numel=decay_numel,
             master=master,
-            exp_avg=states["exp_avg"],
-            exp_avg_sq=states["exp_avg_sq"],
             state_dtype=self.state_dtype,
-            exp_avg_scale=states.get("exp_avg_scale"),
-            exp_avg_sq_scale=states.get("exp_avg_sq_scale"),
         )
         if self.compute_dtype == torch.bfloat16:
             block.shadow = host_zeros(offset, torch.bfloat16, pin=self.pin_memory)

@@ -29,7 +29,7 @@ import torch
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.memory import host_zeros
-from megatrain.store.states import QUANT_BLOCK, allocate_states
+from megatrain.store.states import QUANT_BLOCK
 
 
 @dataclass
@@ -70,18 +70,13 @@ def shard_block(block: ParamBlock, rank: int, world: int, *, pin_memory: bool) -
     lo, hi = min(start, block.numel), min(start + n, block.numel)
     master = host_zeros(n, torch.float32, pin=pin_memory and block.shadow is None)
     master[: hi - lo].copy_(block.master[lo:hi])  # fp32 compute: the master is the source
-    states = allocate_states(n, block.state_dtype)
-    sharded = ShardedBlock(
+    sharded = ShardedBlock.with_states(
         name=block.name,
         entries=block.entries,
         numel=n,
         decay_numel=min(max(block.decay_numel - start, 0), n),
         master=master,
-        exp_avg=states["exp_avg"],
-        exp_avg_sq=states["exp_avg_sq"],
         state_dtype=block.state_dtype,
-        exp_avg_scale=states.get("exp_avg_scale"),
-        exp_avg_sq_scale=states.get("exp_avg_sq_scale"),
         padded_numel=padded,
         shard_offset=start,
         full_numel=block.numel,
