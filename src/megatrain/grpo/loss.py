@@ -23,7 +23,7 @@ Per-token inputs (names of `TokenObjective.inputs`): "advantages", "weights", an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,7 +85,8 @@ class GRPOStats:
     kl_sum: float = 0.0
     clipped_low: int = 0
     clipped_high: int = 0
-    entropy_sum: float = 0.0  # of the policy's distribution (logits / temperature), nats
+    # per chunk, on the device (read once, by `entropy`): the policy's entropy sums, in nats
+    entropy_parts: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def kl(self) -> float:
@@ -95,7 +96,8 @@ class GRPOStats:
     def entropy(self) -> float:
         """Mean entropy of the next-token distribution over the completion tokens (TRL's
         `entropy`)."""
-        return self.entropy_sum / max(self.tokens, 1)
+        total = float(torch.stack(self.entropy_parts).sum()) if self.entropy_parts else 0.0
+        return total / max(self.tokens, 1)  # sync point: once per step, for the metrics
 
     @property
     def clip_ratio(self) -> float:
@@ -137,7 +139,7 @@ class GRPOLoss:
         for z in logits_CV.split(rows):
             lse = torch.logsumexp(z, -1)
             total += (lse - (torch.softmax(z, -1) * z).sum(-1)).double().sum()
-        self.stats.entropy_sum += float(total)  # sync point: metrics only
+        self.stats.entropy_parts.append(total)
 
     def _record(
         self,
