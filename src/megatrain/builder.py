@@ -328,8 +328,17 @@ class RunBuilder:
             world_size=self.placement.world_size,
             rank=self.placement.rank,
             boundary_plan=self.boundary_plan(len(store.layers)),
-            mlp_tiles=TilePolicy.from_setting(cfg.memory.mlp_tiles, cfg.training.compile_layers),
+            mlp_tiles=self.tile_policy(),
         )
+
+    def tile_policy(self) -> TilePolicy | None:
+        """The MLPs' sequence tiles (engine/tiling.py): memory.mlp_tiles, or for "auto" on the
+        GPU the plan's count (the fewest whose peak fits; the plan is then computed)."""
+        mem, t = self.cfg.memory, self.cfg.training
+        policy = TilePolicy.from_setting(mem.mlp_tiles, t.compile_layers)
+        if policy is None or mem.mlp_tiles != "auto" or not self.placement.is_cuda:
+            return policy
+        return self.plan().tile_policy(self.cfg.seq_len)
 
     def boundary_plan(self, num_layers: int) -> BoundaryPlan:
         """Where the layers' saved inputs wait: without "auto" in memory.activation_offload

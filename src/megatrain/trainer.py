@@ -268,6 +268,8 @@ def report_plan(plan: ResourcePlan, gpu: bool) -> None:
         )
     if plan.tier_reason and plan.gpu_state_blocks:
         print(f"memory.gpu_state_blocks auto: {plan.tier_reason}", flush=True)
+    if plan.tiles_reason:
+        print(f"memory.mlp_tiles auto: {plan.tiles_reason}", flush=True)
     est = plan.estimate
     print(
         f"resources: host {est.host.total_bytes / 2**30:.1f} GiB"

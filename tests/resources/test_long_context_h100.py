@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from megatrain.resources import Hardware, model_spec
+from megatrain.resources import Hardware, estimate, model_spec
 from megatrain.resources.hardware import GIB
 from megatrain.resources.long_context import choose_boundaries
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
@@ -80,3 +80,39 @@ def test_nothing_fits_the_gpu_offloads_all_rather_than_recompute() -> None:
     )
     assert reason.startswith("does not fit")
     assert (plan.every, plan.count("host") + plan.count("gpu"), plan.count("none")) == (1, 32, 0)
+
+
+def _peak(plan: ResourcePlan, tiles: int) -> int:
+    """The GPU peak of the plan's own run (batch, layer inputs, tier) with `tiles` MLP tiles."""
+    shape = RunShape(plan.estimate.settings["seq_len"], 2, "full", True, None, True, True, "fp32")
+    est = estimate(
+        model_spec(LlamaConfig(**LLAMA_8B)),
+        micro_batch_size=1,
+        grad_accum=1,
+        hardware=plan.estimate.hardware,
+        gpu_state_blocks=plan.gpu_state_blocks,
+        boundary_plan=plan.boundaries,
+        mlp_tiles=tiles,
+        **shape.estimate_kwargs(),
+    )
+    return est.gpu.peak_bytes
+
+
+def test_auto_tiles_are_the_fewest_that_fit() -> None:
+    """memory.mlp_tiles auto on the GPU: the untiled layer where it fits (a tiled MLP runs its
+    forward again in the backward), more tiles only as memory needs them, and the engine
+    takes the plan's count (shorter rows in proportion)."""
+    budget = H100_TOTAL - 2 * GIB
+    wide = _plan(65536, 256)  # 64k: the untiled 8B layer fits an H100 easily
+    assert wide.mlp_tiles == 1 and wide.estimate.settings["mlp_tiles"] == 1
+    assert wide.tiles_reason is not None and "untiled layer fits" in wide.tiles_reason
+    assert wide.tile_policy(65536).count(65536) == 1
+    long = _plan(524288, 256)  # 512k: as many tiles as the setting allows (32)
+    assert long.mlp_tiles > 1 and long.estimate.gpu.peak_bytes <= budget
+    assert _peak(long, long.mlp_tiles) == long.estimate.gpu.peak_bytes  # the helper is the plan's
+    if long.mlp_tiles > 2:  # one step fewer (a power of two) would not fit
+        fewer = 1 << ((long.mlp_tiles - 1).bit_length() - 1)
+        assert _peak(long, fewer) > budget
+    policy = long.tile_policy(524288)
+    assert policy.count(524288) == long.mlp_tiles
+    assert policy.count(524288 // 4) == -(-long.mlp_tiles // 4)  # shorter rows: fewer tiles

@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             "micro_batch_reason": plan.batch_reason,
             "gpu_tier_reason": plan.tier_reason,
             "activations_reason": plan.boundary_reason,
+            "mlp_tiles_reason": plan.tiles_reason,
             "longest_row": longest,
         }
         print(json.dumps({**report, **reasons}))
@@ -149,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     if plan.tier_reason:
         print(f"auto {plan.tier_reason}")
     print(f"layer inputs: {plan.boundary_reason}")
+    if plan.tiles_reason:
+        print(f"auto {plan.tiles_reason}")
     if args.longest:
         print(f"longest row that fits: {longest if longest else 'none'} tokens")
     print(

@@ -20,8 +20,13 @@ Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per no
 so the fit check refuses a node that cannot hold its ranks' shards, before loading; the GPU
 tier is picked against one rank's GPU (its blocks' states sharded over the ranks, their
 weights whole on every GPU: resources/estimate.py).
-Later plans (activation offload for long rows) extend `RunShape` and
-`ResourcePlan`, not their callers.
+Long rows: where the layer inputs wait (GPU, host, or recomputed every K layers) is chosen
+first, with the MLPs over the most sequence tiles `memory.mlp_tiles: auto` allows (the least
+memory); then, on the GPU, "auto" keeps the fewest tiles (1, 2, 4, ...) whose predicted peak
+still fits: a tiled MLP runs its forward once more in the backward and its layer's attention
+in head groups (engine/tiling.py), about 10% of an 8B step at 128k tokens on an H100
+(docs/performance.md run 24), so tiles are paid only where memory needs them.
+Later plans extend `RunShape` and `ResourcePlan`, not their callers.
 """
 
 from __future__ import annotations
@@ -97,6 +102,12 @@ class ResourcePlan:
     tier_reason: str | None = None  # why "auto" chose that many (None: it was given)
     boundaries: BoundaryPlan | None = None  # where layer inputs wait (None: all on the GPU)
     boundary_reason: str | None = None
+    mlp_tiles: int = 1  # sequence tiles of the MLPs at seq_len (engine/tiling.py)
+    tiles_reason: str | None = None  # why "auto" chose that many (None: set, or no choice)
+
+    def tile_policy(self, seq_len: int) -> TilePolicy:
+        """The engine's tiling: `mlp_tiles` tiles at seq_len, shorter rows in proportion."""
+        return TilePolicy(None, tile_tokens=math.ceil(seq_len / self.mlp_tiles))
 
     @property
     def fits(self) -> bool:
@@ -154,7 +165,9 @@ def plan_resources(
         grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)
     assert isinstance(micro_batch_size, int)
 
-    def predict(tier: int, boundaries: BoundaryPlan | None = None) -> Estimate:
+    def predict(
+        tier: int, boundaries: BoundaryPlan | None = None, tiles: int = shape.tile_count
+    ) -> Estimate:
         return estimate(
             spec,
             micro_batch_size=micro_batch_size,
@@ -163,7 +176,7 @@ def plan_resources(
             gpu_state_blocks=tier,
             state_dtype=shape.state_dtype,
             boundary_plan=boundaries,
-            mlp_tiles=shape.tile_count,
+            mlp_tiles=tiles,
             ranks=shape.ranks,
             **shape.estimate_kwargs(),
         )
@@ -171,7 +184,13 @@ def plan_resources(
     boundaries, boundary_reason = _pick_boundaries(
         spec, shape, predict(0), hardware, gpu_margin_gib, host_margin_gib
     )
-    predict = functools.partial(predict, boundaries=boundaries)
+    tiles, tiles_reason = shape.tile_count, None
+    if shape.mlp_tiles == "auto" and shape.check_gpu and tiles > 1:
+        budget = hardware.gpu_bytes - gpu_margin_gib * GIB
+        tiles, tiles_reason = _pick_tiles(
+            lambda n: predict(0, boundaries, n).gpu.peak_bytes, tiles, budget, shape.seq_len
+        )
+    predict = functools.partial(predict, boundaries=boundaries, tiles=tiles)
 
     tier_reason = None
     if shape.gpu_state_blocks == "auto" and shape.state_dtype != "fp32":
@@ -201,6 +220,20 @@ def plan_resources(
         tier_reason=tier_reason,
         boundaries=boundaries,
         boundary_reason=boundary_reason,
+        mlp_tiles=tiles,
+        tiles_reason=tiles_reason,
+    )
+
+
+def _pick_tiles(
+    peak: Callable[[int], int], most: int, budget: float, seq_len: int
+) -> tuple[int, str]:
+    """The fewest MLP tiles (1, 2, 4, ..., `most`) whose predicted GPU peak fits `budget`."""
+    counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k < most} | {most})
+    n = next((c for c in counts if peak(c) <= budget), most)
+    return n, (
+        f"MLP tiles: {n} of up to {most} at {seq_len} tokens "
+        + ("(the untiled layer fits)" if n == 1 else "(the fewest whose peak fits)")
     )
 
 
