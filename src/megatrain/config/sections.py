@@ -244,10 +244,13 @@ class MemoryConfig:
     whose kept inputs fit the GPU and host (1 when all fit)."""
     mlp_tiles: int | str = "auto"
     """Sequence tiles each decoder layer's MLP and norms run over ([tokens x intermediate] tensors
-    then exist one tile at a time): an integer >= 1 (1: not tiled) or "auto": tiles of at most
-    16384 tokens (not tiled below that; none with training.compile_layers). With tiles, the
-    norms' outputs are not kept for the backward and attention's backward runs over groups of
-    heads once a call would cover more than 2^21 head x positions (docs/architecture.md)."""
+    then exist one tile at a time): an integer >= 1 (1: not tiled) or "auto": on the GPU the
+    fewest tiles (1, 2, 4, ...) whose predicted peak fits, up to tiles of 16384 tokens (a tiled
+    MLP runs its forward once more in the backward, so tiles are paid only where memory needs
+    them; `megatrain estimate` prints the choice); on the CPU tiles of at most 16384 tokens;
+    none with training.compile_layers. With tiles, the norms' outputs are not kept for the
+    backward and attention's backward runs over groups of heads once a call would cover more
+    than 2^21 head x positions (docs/architecture.md)."""
 
     def validate(self) -> None:
         check_types("memory", self)
