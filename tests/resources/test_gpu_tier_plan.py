@@ -16,7 +16,7 @@ from transformers import Qwen2Config
 
 from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
-from megatrain.config.sections import MemoryConfig
+from megatrain.config.memory import MemoryConfig
 from megatrain.resources import Estimate, Hardware, estimate, model_spec
 from megatrain.resources.hardware import GIB
 from megatrain.resources.plan import RunShape, plan_resources

@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 
 from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
-from megatrain.config.sections import MemoryConfig
+from megatrain.config.memory import MemoryConfig
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.resources import Hardware, estimate, model_spec
 from megatrain.resources.activations import layer_profile

@@ -24,6 +24,7 @@ Invariants:
 
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.loading import config_to_dict, load_config, parse_overrides, save_config
+from megatrain.config.memory import MemoryConfig
 from megatrain.config.sections import (
     ATTN_IMPLEMENTATIONS,
     DTYPES,
@@ -32,7 +33,6 @@ from megatrain.config.sections import (
     SECTIONS,
     CheckpointConfig,
     LoggingConfig,
-    MemoryConfig,
     ModelConfig,
     OptimizerConfig,
     TrainConfig,
