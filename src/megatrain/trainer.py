@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from megatrain.batch import Batch
-from megatrain.builder import Placement, RunBuilder
+from megatrain.builder import RunBuilder
 from megatrain.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -38,8 +38,8 @@ from megatrain.checkpoint import (
 )
 from megatrain.checkpoint_shards import save_sharded_checkpoint
 from megatrain.config import TrainConfig, save_config
+from megatrain.distributed import Placement, on_rank0
 from megatrain.distributed import close as close_process_group
-from megatrain.distributed import on_rank0
 from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger
 from megatrain.output_dir import TrainingInterrupted, interrupted_message, open_output_dir

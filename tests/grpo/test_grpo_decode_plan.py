@@ -11,8 +11,9 @@ import torch
 from test_grpo_command import _reward_file, _run
 from test_grpo_plan import GRPO, HEAD_DIM, HIDDEN, KV_HEADS, LAYERS, LC, LP, MODEL, N, _builder
 
-from megatrain.builder import Placement, RunBuilder
+from megatrain.builder import RunBuilder
 from megatrain.config import load_config
+from megatrain.distributed import Placement
 from megatrain.grpo.plan import decode_mode, format_rollout, grpo_plan
 from megatrain.resources import Hardware
 from megatrain.resources.activations import layer_profile

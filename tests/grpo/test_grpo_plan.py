@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from megatrain.builder import Placement, RunBuilder
+from megatrain.builder import RunBuilder
 from megatrain.cli import main
 from megatrain.config import load_config
+from megatrain.distributed import Placement
 from megatrain.grpo.plan import grpo_plan
 from megatrain.resources import Hardware
 from megatrain.resources.activations import layer_profile

@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 
-from megatrain.builder import Placement, RunBuilder
 from megatrain.config import TrainConfig
 from megatrain.config.shorthand import model_values, shorthand_config
+from megatrain.distributed import Placement
 from megatrain.grpo.plan import format_rollout, grpo_plan, rollout_dict
 from megatrain.model.loading import parse_config_sets
+from megatrain.plan_builder import PlanBuilder
 from megatrain.resources import detect, format_estimate, probe
 from megatrain.resources.long_context import longest_fitting
 from megatrain.resources.plan import LAYOUTS
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     device = "cpu" if cfg.training.device == "cpu" else "cuda"
     ranks = Ranks(args.nproc_per_node, args.nnodes)  # ValueError for a count < 1
     placement = Placement(torch.device(device), 0, ranks.world, 0, ranks.nproc_per_node)
-    builder = RunBuilder(cfg, hardware=hardware, placement=placement)
+    builder = PlanBuilder(cfg, hardware=hardware, placement=placement)
     layout = "full" if args.layout == "full" else None
     grpo = grpo_plan(builder) if args.grpo else None
     plan = (
@@ -202,7 +203,7 @@ def _longest(
             training=dataclasses.replace(cfg.training, seq_len=seq, micro_batch_size=1),
             data=dataclasses.replace(cfg.data, cutoff_len=seq),
         )
-        return RunBuilder(run, hardware=hardware, placement=placement).plan(layout=layout).fits
+        return PlanBuilder(run, hardware=hardware, placement=placement).plan(layout=layout).fits
 
     return longest_fitting(fits, 1024, 8 << 20, 1024)
 

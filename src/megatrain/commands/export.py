@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from megatrain.builder import Placement, RunBuilder
+from megatrain.builder import RunBuilder
 from megatrain.checkpoint import export_hf, load_checkpoint
 from megatrain.config import load_config
+from megatrain.distributed import Placement
 
 
 def register(sub: argparse._SubParsersAction) -> None:

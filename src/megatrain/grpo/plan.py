@@ -6,7 +6,7 @@ prompts_per_step x num_generations sequences of `training.seq_len` tokens in mic
 max_prompt_length + max_completion_length tokens, resident when that fits in the GPU memory left
 beside the engine's persistent buffers (weight slots, gradient accumulators, head, GPU tier),
 else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to leave the
-resident rollout its room (RunBuilder.reserve_gpu), so the tier never pushes generation onto
+resident rollout its room (PlanBuilder.reserve_gpu), so the tier never pushes generation onto
 the streamed path. `grpo.generation: resident | streamed` forces a path; on the CPU it is resident.
 A resident rollout decodes on the static path (grpo/decode.py: static KV cache, CUDA graphs,
 the forward compiled or not) when `grpo.compile_decode` asks for it and the model allows it
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megatrain.builder import RunBuilder
 from megatrain.grpo.decode import static_decode_problem
+from megatrain.plan_builder import PlanBuilder
 from megatrain.resources.hardware import GIB, gib
 from megatrain.resources.plan import ResourcePlan
 from megatrain.resources.rollout import RolloutEstimate, rollout_estimate
@@ -50,7 +50,7 @@ class GRPOPlan:
             raise ValueError("this GRPO run does not fit: " + "; ".join(self.problems))
 
 
-def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPOPlan:
+def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRPOPlan:
     """Plan both phases; `free_gpu_bytes`: what the device reports free now (None: the GPU's
     size less the engine's persistent buffers, as predicted)."""
     cfg, g = builder.cfg, builder.cfg.grpo
@@ -114,7 +114,7 @@ def grpo_plan(builder: RunBuilder, *, free_gpu_bytes: int | None = None) -> GRPO
     return GRPOPlan(training, chosen, reason, decode_reason, tuple(problems))
 
 
-def decode_mode(builder: RunBuilder) -> tuple[str, str]:
+def decode_mode(builder: PlanBuilder) -> tuple[str, str]:
     """How resident rollouts decode (one of resources/rollout.py's DECODE_MODES), and why.
 
     grpo.compile_decode "auto": "compiled" on CUDA when the model allows it, else "generate";
