@@ -14,6 +14,7 @@ an eighth (one key-value group of 4 query heads per call), the norms' outputs ar
 from __future__ import annotations
 
 import pytest
+from test_long_context_h100 import H100_TOTAL, _plan
 from transformers import LlamaConfig
 
 from megatrain.engine import norm_fusion, tiling
@@ -22,10 +23,8 @@ from megatrain.resources import Hardware, model_spec
 from megatrain.resources.activations import attention_workspace
 from megatrain.resources.estimate import estimate
 from megatrain.resources.hardware import GIB
-from megatrain.resources.plan import RunShape, plan_resources
 from shapes import LLAMA31_8B
 
-H100_TOTAL = int(79.18 * GIB)  # what torch.cuda reports for an H100 80GB HBM3
 SEQ = 524288
 TILES = SEQ // 16384  # memory.mlp_tiles auto at 512k
 # per token and query head: fp32 dQ (128 x 4), an fp32 statistic, bf16 dK and dV (2 x 128 x 2)
@@ -61,26 +60,10 @@ def test_the_oom_run_reconstructed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert abs(est.gpu.peak_bytes / observed - 1) <= 0.05
 
 
-def _shape(seq: int) -> RunShape:
-    return RunShape(
-        seq_len=seq,
-        num_slots=2,
-        layout="full",
-        clipping=True,
-        loss_chunk_tokens=None,
-        pin_memory=True,
-        check_gpu=True,
-        state_dtype="fp32",
-        activation_offload="auto",
-        checkpoint_every="auto",
-        mlp_tiles="auto",
-    )
-
-
 def test_512k_fits_one_h100_with_256_gib() -> None:
     spec = model_spec(LlamaConfig(**LLAMA31_8B))
     hw = Hardware(gpu_bytes=H100_TOTAL, host_bytes=256 * GIB)
-    plan = plan_resources(spec, _shape(SEQ), hardware=hw, micro_batch_size=1)
+    plan = _plan(SEQ, 256)  # the long-row plan on this machine (test_long_context_h100.py)
     assert plan.fits, plan.problems
     b = plan.boundaries
     assert b is not None and b.every == 1 and b.count("none") == 0  # nothing recomputed
@@ -105,9 +88,7 @@ def test_512k_fits_one_h100_with_256_gib() -> None:
 def test_512k_fits_one_h100_with_128_gib() -> None:
     """The host holds 4 inputs: one kept every 4 layers, 3 recomputed, and the GPU the rest
     of the kept ones and a segment's recomputed inputs (7 x 4 GiB) beside the layer."""
-    spec = model_spec(LlamaConfig(**LLAMA31_8B))
-    hw = Hardware(gpu_bytes=H100_TOTAL, host_bytes=128 * GIB)
-    plan = plan_resources(spec, _shape(SEQ), hardware=hw, micro_batch_size=1)
+    plan = _plan(SEQ, 128)
     assert plan.fits, plan.problems
     b = plan.boundaries
     assert b is not None and (b.every, b.count("host"), b.count("none")) == (4, 4, 24)
