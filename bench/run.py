@@ -24,6 +24,7 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -69,23 +70,24 @@ def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) ->
             f.write(f"$ {shlex.join(argv)}\n")
             f.flush()
             t0 = time.time()
+            start = f.tell()
+            # the output goes to the log as it comes: a long run's log can be read while it runs
+            proc = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a timeout stops torchrun's ranks too
+            )
             try:
-                proc = subprocess.run(
-                    argv,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    timeout=scenario.timeout_s,
-                )
-                text, status = proc.stdout, str(proc.returncode)
-            except subprocess.TimeoutExpired as e:
-                # the partial output comes back as bytes even with text=True
-                raw = e.stdout or b""
-                text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+                status = str(proc.wait(timeout=scenario.timeout_s))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 status = f"timeout {scenario.timeout_s}s"
-            f.write(text)
+            f.flush()
+            text = log.read_bytes()[start:].decode(errors="replace")
             with (out / "results.jsonl").open("a") as results:
                 for line in text.splitlines():
                     if line.startswith("RESULT "):

@@ -204,6 +204,14 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=590,
     ),
+    "long_context_full512k": Scenario(
+        "issue 11: the whole 32-layer shape at 524,288 tokens, one step and no warm-up (a step "
+        "takes ~13 minutes, more than one device command: start it with setsid and OUT outside "
+        "$OUT, then read its log in the next command); the auto plan for this host (on 128 GiB: "
+        "one layer input kept every 4 layers), step time, GPU peak, host RSS, predictions",
+        (_train(*_LLAMA_8B, "--seq", "524288", "--steps", "0", "--sdpa", "cudnn"),),
+        timeout_s=1700,
+    ),
     "compare": Scenario(
         "MegaTrain vs GPU-resident, FSDP2 CPU offload and DeepSpeed ZeRO-3 offload, same job "
         "(Qwen2.5-3B shape, 8k and 32k tokens/step; DeepSpeed needs its wheels carried)",
@@ -334,6 +342,17 @@ SCENARIOS: dict[str, Scenario] = {
             _torchrun("bench/train_shape.py", *_WEAK_MEGATRAIN),
         ),
         timeout_s=480,
+    ),
+    "ranks_fetch": Scenario(
+        "ranks (issue 10): how a streamed layer (Qwen2.5-7B shape, 466 MB bf16) reaches every "
+        "GPU of the node: each rank's 1/N part over PCIe + NCCL all-gather (the engine's way) "
+        "against each rank pulling the whole layer over its own PCIe link; one GPU alone, then "
+        "$NGPU at once",
+        (
+            (PY, "bench/layer_fetch.py"),
+            _torchrun("bench/layer_fetch.py"),
+        ),
+        timeout_s=180,
     ),
     "ranks_capacity": Scenario(
         "ranks (issue 10): Qwen2.5-32B shape on $NGPU GPUs (4 on a 512 GiB host), 4k tokens "
