@@ -20,6 +20,13 @@ QWEN25_7B = dict(
     vocab_size=152064,
     tie_word_embeddings=False,
 )
+QWEN25_32B = QWEN25_7B | dict(
+    hidden_size=5120,
+    intermediate_size=27648,
+    num_hidden_layers=64,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+)
 LLAMA31_8B = dict(
     hidden_size=4096,
     intermediate_size=14336,

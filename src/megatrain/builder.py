@@ -42,9 +42,9 @@ from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loade
 from megatrain.data.ranks import RankLoader
 from megatrain.data.sample import Sample
 from megatrain.distributed import (
-    any_rank,
     default_threads,
     node_turns,
+    rank_max,
 )
 from megatrain.engine.engine import StreamingEngine
 from megatrain.metrics import MetricsLogger, peak_flops
@@ -162,8 +162,9 @@ class RunBuilder(PlanBuilder):
 
     def model_and_store(self) -> tuple[ModelStructure, HostStore]:
         """`model()` and `store()` of the run. Every rank loads one whole fp32 model and keeps
-        its shards: when the node cannot hold all its ranks' models at once (with the host
-        margin), its ranks take turns, each with all the node's cores (distributed.node_turns)."""
+        its shards, block by block: as many of a node's ranks at once as its host holds (with
+        the host margin; HostMemory.loading_at_once), the rest after them, each with its share
+        of the node's cores (distributed.node_turns)."""
         p = self.placement
 
         def build() -> tuple[ModelStructure, HostStore]:
@@ -172,10 +173,10 @@ class RunBuilder(PlanBuilder):
 
         if p.world_size == 1:
             return build()
-        others = (p.local_world_size - 1) * 4 * self.spec.total_params  # their whole models
-        at_once = self.plan().estimate.host.load_peak_bytes + others
         room = self.hardware.host_bytes - self.cfg.memory.host_margin_gib * GIB
-        return node_turns(build, p, in_turns=any_rank(at_once > room))
+        at_once = self.plan().estimate.host.loading_at_once(room, p.local_world_size)
+        # every rank plans the same, but the hardware each measured may differ: the fewest
+        return node_turns(build, p, at_once=-rank_max(-at_once))
 
     def optimizer(self) -> CpuAdamW:
         opt = self.cfg.optimizer

@@ -149,31 +149,36 @@ def _together(fn: Callable[[], None] | None) -> None:
 
 def any_rank(flag: bool) -> bool:
     """Whether `flag` is true on any rank (every rank gets the same answer)."""
+    return bool(rank_max(int(flag)))
+
+
+def rank_max(value: int) -> int:
+    """The largest of every rank's `value` (every rank gets the same answer)."""
     if not dist.is_initialized():
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=_device())
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())  # sync point
+    return int(t.item())  # sync point
 
 
-def node_turns(build: Callable[[], T], placement: Placement, *, in_turns: bool) -> T:
-    """`build()` on every rank: the ranks of each node one after another, each with all the
-    node's cores (`in_turns`), or all at once with a share each. A failure on any rank stops
-    every rank at the end of that turn (its error raised where it happened)."""
+def node_turns(build: Callable[[], T], placement: Placement, *, at_once: int) -> T:
+    """`build()` on every rank, `at_once` of each node's ranks at a time (local ranks 0 to
+    at_once - 1 first, and so on), each of them with its share of the node's cores: one at a
+    time with all of them, or all at once. A failure on any rank stops every rank at the end
+    of that turn (its error raised where it happened)."""
     result: list[T] = []
     cores, before = os.cpu_count() or 1, torch.get_num_threads()
     local = placement.local_world_size
+    at_once = min(max(at_once, 1), local)
 
     def run() -> None:
         result.append(build())
 
     try:
-        if not in_turns:
-            torch.set_num_threads(max(1, cores // local))
-            on_every_rank(run)
-        for turn in range(local if in_turns else 0):
-            torch.set_num_threads(cores)  # torchrun sets OMP_NUM_THREADS=1: init is CPU work
-            _together(run if turn == placement.local_rank else None)
+        # torchrun sets OMP_NUM_THREADS=1: init is CPU work
+        torch.set_num_threads(max(1, cores // at_once))
+        for turn in range(-(-local // at_once)):
+            _together(run if placement.local_rank // at_once == turn else None)
     finally:
         torch.set_num_threads(before)
     return result[0]

@@ -1,6 +1,7 @@
 """distributed.node_turns: a node's ranks build one after another with all its cores, or all at
-once with a share each; a failure on one rank stops the others. Two gloo processes, spawned
-once (imports dominate): every case runs in them in turn, each logging to its own file."""
+once with a share each (at_once 1 or 2 of 2); a failure on one rank stops the others. Two gloo
+processes, spawned once (imports dominate): every case runs in them in turn, each logging to
+its own file."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import torch.multiprocessing as mp
 
 from megatrain.distributed import Placement, any_rank, node_turns
 
-CASES = [(True, -1), (False, -1), (True, 0), (False, 0)]  # (in_turns, rank whose build fails)
+CASES = [(1, -1), (2, -1), (1, 0), (2, 0)]  # (ranks at once, rank whose build fails)
 
 
-def _case(rank: int, log: Path, in_turns: bool, fail_rank: int) -> None:
+def _case(rank: int, log: Path, at_once: int, fail_rank: int) -> None:
     placement = Placement(torch.device("cpu"), rank, 2, rank, 2)
 
     def build() -> int:
@@ -32,7 +33,7 @@ def _case(rank: int, log: Path, in_turns: bool, fail_rank: int) -> None:
         return rank * 10
 
     try:
-        assert node_turns(build, placement, in_turns=in_turns) == rank * 10
+        assert node_turns(build, placement, at_once=at_once) == rank * 10
     except ValueError as e:
         with open(log, "a") as f:
             f.write(f"error {rank} {e}\n")
@@ -47,8 +48,8 @@ def _worker(rank: int, folder: str, port: int) -> None:
     try:
         with open(Path(folder) / f"any{rank}.txt", "w") as f:
             f.write(f"{any_rank(rank == 1)} {any_rank(False)}")
-        for i, (in_turns, fail_rank) in enumerate(CASES):
-            _case(rank, Path(folder) / f"case{i}.txt", in_turns, fail_rank)
+        for i, (at_once, fail_rank) in enumerate(CASES):
+            _case(rank, Path(folder) / f"case{i}.txt", at_once, fail_rank)
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -68,6 +69,6 @@ def test_node_turns(tmp_path: Path) -> None:
     # at once: both start before either ends, each with its share
     assert sorted(cases[1][:2]) == [f"start 0 {share}", f"start 1 {share}"]
     # a failure: raised on its rank, the other stops; in turns rank 1 never started
-    for lines, in_turns in ((cases[2], True), (cases[3], False)):
+    for lines, in_turns in ((cases[2], True), (cases[3], False)):  # at_once 1, 2
         assert "error 0 rank 0 cannot build" in lines and "stopped 1" in lines
         assert any(ln.startswith("start 1") for ln in lines) is not in_turns

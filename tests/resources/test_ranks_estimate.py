@@ -17,12 +17,14 @@ from transformers import Qwen2Config
 from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
 from megatrain.resources import Estimate, Hardware, estimate, model_spec
+from megatrain.resources.fit import host_problem
 from megatrain.resources.hardware import GIB
 from megatrain.resources.plan import RunShape, plan_resources
 from megatrain.resources.ranks import NVLINK_GBPS, Ranks
 from megatrain.resources.spec import ModelSpec
 from megatrain.store.states import QUANT_BLOCK
 from shapes import QWEN25_7B as QWEN7B
+from shapes import QWEN25_32B
 
 HW = Hardware(host_bytes=512 * GIB)
 
@@ -66,10 +68,13 @@ def test_host_per_node_is_its_ranks_shards(qwen7b: ModelSpec, n: int, m: int) ->
     # the padding is at most one W x 2048 run per block
     pad = 14 * n * QUANT_BLOCK * len(_blocks(qwen7b))
     assert 0 <= job.host.store_bytes - one.host.store_bytes * n / world <= pad
-    # loading: the node's shards plus one whole fp32 model at a time (ranks take turns)
-    assert job.host.load_peak_bytes == (
-        job.host.total_bytes + 4 * qwen7b.total_params + 4 * max(_blocks(qwen7b))
-    )
+    # loading one rank at a time: in the last turn the others hold their shards and the
+    # loading rank its whole fp32 model (at first) or its shards (at the end), whichever is
+    # more, plus the block being moved twice
+    held = job.host.store_bytes // n
+    loader = max(4 * sum(_blocks(qwen7b)), held) + 4 * max(_blocks(qwen7b))
+    assert job.host.load_peak_bytes == job.host.total_bytes - held + loader
+    assert job.host.load_peak_at_once(n) == job.host.load_peak_bytes + (n - 1) * (loader - held)
 
 
 def test_two_nodes_halve_the_host_and_keep_it_on_one(qwen7b: ModelSpec) -> None:
@@ -117,20 +122,11 @@ def test_collectives_and_job_tokens(qwen7b: ModelSpec) -> None:
 
 def test_fit_check_refuses_per_node(qwen7b: ModelSpec) -> None:
     """A 256 GiB node: 4 ranks of the 7B (~14 B/param + 4 baselines) fit; a node of a 32B
-    shape (~14 x 32.8e9 B = 427 GiB) does not, and two such nodes (half each) do."""
+    shape (~14 x 32.8e9 B = 427 GiB) does not. Two such nodes hold half each (~214 GiB) for
+    training, but not the loading: its rank loads a whole fp32 model (122 GiB) beside the
+    others' shards; nodes of 320 GiB do."""
     hw = Hardware(host_bytes=256 * GIB)
-    qwen32b = model_spec(
-        Qwen2Config(
-            **{
-                **QWEN7B,
-                "hidden_size": 5120,
-                "intermediate_size": 27648,
-                "num_hidden_layers": 64,
-                "num_attention_heads": 40,
-                "num_key_value_heads": 8,
-            }
-        )
-    )
+    qwen32b = model_spec(Qwen2Config(**QWEN25_32B))
 
     def plan(spec: ModelSpec, ranks: Ranks) -> list[str]:
         shape = RunShape(2048, 2, "full", True, None, False, True, "fp32", 0, ranks=ranks)
@@ -139,6 +135,9 @@ def test_fit_check_refuses_per_node(qwen7b: ModelSpec) -> None:
     assert plan(qwen7b, Ranks(4, 1)) == []
     (problem,) = plan(qwen32b, Ranks(4, 1))
     assert "host" in problem
+    (problem,) = plan(qwen32b, Ranks(4, 2))
+    assert problem.startswith("host RAM while the model loads")
+    hw = Hardware(host_bytes=320 * GIB)
     assert plan(qwen32b, Ranks(4, 2)) == []
 
 
@@ -163,3 +162,38 @@ def test_estimate_command_takes_the_ranks(capsys: pytest.CaptureFixture[str]) ->
     assert json.loads(capsys.readouterr().out)["settings"]["gpu_state_blocks"] == 3
     with pytest.raises(ValueError, match="nnodes must be >= 1"):
         _command([*base, "--nnodes", "0"])
+
+
+def test_ranks_load_as_many_at_once_as_the_host_holds() -> None:
+    # Qwen2.5-32B shape, 4 ranks on a 503 GiB node: each rank holds 3.5 B/param of shards
+    # (~107 GiB) and loads a 4 B/param fp32 model (~122 GiB): each more rank loading at once
+    # adds the difference and the block moved twice (~18 GiB)
+    spec = model_spec(Qwen2Config(**QWEN25_32B))
+    est = estimate(
+        spec,
+        seq_len=2048,
+        micro_batch_size=2,
+        padded=False,
+        hardware=Hardware(host_bytes=503 * GIB),
+        ranks=Ranks(4, 1),
+    )
+    h = est.host
+    held = (h.pageable_bytes + h.pinned_reserved_bytes) // 4  # one rank's, pinned as reserved
+    assert h.load_extra_bytes == 4 * sum(_blocks(spec)) - held + 4 * max(_blocks(spec))
+    peaks = [h.load_peak_at_once(n) for n in range(1, 5)]
+    assert peaks[0] == h.load_peak_bytes and 440 * GIB < peaks[0] < 460 * GIB
+    room = [(peaks[n - 1] + peaks[n]) // 2 for n in range(1, 4)]  # between two peaks
+    assert [h.loading_at_once(r, 4) for r in room] == [1, 2, 3]
+    assert h.loading_at_once(peaks[3], 4) == 4
+    assert h.loading_at_once(100 * GIB, 4) == 1  # one at a time: the fit check reports it
+
+
+def test_the_fit_check_counts_the_loading_peak() -> None:
+    # training fits the node, loading (one rank at a time) does not: refused before loading
+    spec = model_spec(Qwen2Config(**QWEN25_32B))
+    hw = Hardware(host_bytes=445 * GIB)
+    est = estimate(spec, seq_len=2048, micro_batch_size=2, hardware=hw, ranks=Ranks(4, 1))
+    assert est.host.total_bytes < 441 * GIB < est.host.load_peak_bytes
+    problem = host_problem(est, hw, 4.0)
+    assert problem is not None and problem.startswith("host RAM while the model loads")
+    assert host_problem(est, Hardware(host_bytes=470 * GIB), 4.0) is None

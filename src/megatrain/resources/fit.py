@@ -29,6 +29,14 @@ def check_fits(
 def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
     """What is wrong with host RAM, or None when the prediction fits."""
     h, free = est.host, hw.host_bytes - margin_gib * GIB
+    if h.total_bytes <= free < h.load_peak_bytes:
+        return (
+            f"host RAM while the model loads: predicted peak {gib(h.load_peak_bytes)} > "
+            f"{gib(free)} available ({gib(hw.host_bytes)} total - margin {margin_gib:g} GiB), "
+            f"though training needs {gib(h.total_bytes)}: each block exists twice while it "
+            "moves into the store, and under ranks the rank loading holds its whole fp32 model "
+            "beside the others' shards. Use a machine with more RAM, or more nodes"
+        )
     if h.total_bytes <= free:
         return None
     per_param = h.store_bytes / est.total_params

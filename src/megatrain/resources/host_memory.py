@@ -21,12 +21,23 @@ class HostMemory:
     baseline_bytes: int  # python + torch + CUDA context
     data_bytes: int
     total_bytes: int
-    load_peak_bytes: int  # while the HF model's fp32 weights move into the store
+    load_peak_bytes: int  # while the fp32 model moves into the store (ranks: one at a time)
     offload_bytes: int = 0  # layer inputs offloaded during the step (in total_bytes)
+    load_extra_bytes: int = 0  # ranks: what each more rank loading at once adds to the peak
 
     @property
     def store_bytes(self) -> int:
         return self.pageable_bytes + self.pinned_bytes
+
+    def load_peak_at_once(self, n: int) -> int:
+        """The node's peak while `n` of its ranks load at once (load_peak_bytes: one)."""
+        return self.load_peak_bytes + (max(n, 1) - 1) * self.load_extra_bytes
+
+    def loading_at_once(self, room: float, local: int) -> int:
+        """How many of the node's `local` ranks can load at once within `room` bytes: the
+        most whose peak fits, at least 1 (one at a time; the fit check reports the rest)."""
+        fits = [n for n in range(1, local + 1) if self.load_peak_at_once(n) <= room]
+        return max(fits, default=1)
 
 
 HOST_REGISTER_MIN_BYTES = 32 << 20
@@ -64,10 +75,19 @@ def host_memory(
     pageable, pinned, reserved = (local * b for b in store(held))
     process = local * (hw.process_baseline_bytes + data_bytes)
     total = pageable + reserved + process + local * offload_bytes
-    loading = sum(store(every)[::2]) + process  # every block is built on the host first
-    if ranks.world > 1:  # ranks take turns: one whole fp32 model beside the node's shards
-        shards = store([ranks.shard(n) for n in every])  # the GPU tier's too, until it moves
-        loading = local * (shards[0] + shards[2]) + process + 4 * sum(every)
+    twice = 4 * max(every)  # the block being moved exists twice
+    loading = sum(store(every)[::2]) + process + twice  # every block is built on the host first
+    extra = 0
+    if ranks.world > 1:
+        # A loading rank holds its whole fp32 model at first and all its shards (the GPU
+        # tier's too, until it moves) at the end: each block moves from one to the other. A
+        # rank that has loaded holds its shards; the others, nothing yet. With ranks loading
+        # one at a time the node peaks in the last turn.
+        shards = store([ranks.shard(n) for n in every])
+        rank_bytes = shards[0] + shards[2]
+        loader = max(4 * sum(every), rank_bytes) + twice
+        loading = (local - 1) * rank_bytes + loader + process
+        extra = loader - rank_bytes
     return HostMemory(
         pageable_bytes=pageable,
         pinned_bytes=pinned,
@@ -75,8 +95,9 @@ def host_memory(
         baseline_bytes=local * hw.process_baseline_bytes,
         data_bytes=local * data_bytes,
         total_bytes=total,
-        load_peak_bytes=loading + 4 * max(every),  # the block being moved exists twice
+        load_peak_bytes=loading,
         offload_bytes=local * offload_bytes,
+        load_extra_bytes=extra,
     )
 
 
