@@ -116,3 +116,14 @@ def test_auto_tiles_are_the_fewest_that_fit() -> None:
     policy = long.tile_policy(524288)
     assert policy.count(524288) == long.mlp_tiles
     assert policy.count(524288 // 4) == -(-long.mlp_tiles // 4)  # shorter rows: fewer tiles
+
+
+def test_128k_untiled_as_measured() -> None:
+    # runs 24 and 27 (H100, 2026-11-26): the untiled engine peaked at 74.52 GiB at 128k. The
+    # attention backward's block (4 GiB as one call) comes on top of what the layer holds at
+    # that moment, after its MLP's backward, not on top of the layer's peak: the layer then
+    # fits untiled, which "auto" keeps (tiles cost backward time, docs/architecture.md)
+    plan = _plan(131072, 125)
+    assert plan.fits, plan.problems
+    assert plan.mlp_tiles == 1
+    assert abs(plan.estimate.gpu.peak_bytes / (74.52 * GIB) - 1) <= 0.03

@@ -56,7 +56,10 @@ def test_the_oom_run_reconstructed(monkeypatch: pytest.MonkeyPatch) -> None:
         compiled=True,
     )
     observed = (65.85 + 16.06) * GIB  # allocated + asked for
-    assert est.gpu.items["attention backward workspace"] == SEQ * 32 * BLOCK_PER_HEAD_TOKEN
+    # the layer peaks in its attention backward: the block comes on top of what it holds
+    # there, a little less than on top of its peak elsewhere
+    extra = est.gpu.items["attention backward workspace"]
+    assert 0 < extra <= SEQ * 32 * BLOCK_PER_HEAD_TOKEN
     assert abs(est.gpu.peak_bytes / observed - 1) <= 0.05
 
 
@@ -69,7 +72,10 @@ def test_512k_fits_one_h100_with_256_gib() -> None:
     assert b is not None and b.every == 1 and b.count("none") == 0  # nothing recomputed
     gpu = plan.estimate.gpu
     assert gpu.peak_phase == "layer backward"
-    assert gpu.items["attention backward workspace"] == SEQ * 4 * BLOCK_PER_HEAD_TOKEN
+    # one head group's block (2 GiB) on top of what the layer holds in its attention backward
+    # stays under the layer's peak elsewhere: it adds nothing
+    assert "attention backward workspace" not in gpu.items
+    assert attention_workspace(spec, 1, SEQ, split_heads=True) == SEQ * 4 * BLOCK_PER_HEAD_TOKEN
     # the plan keeps inputs on the GPU up to the 2 GiB margin; offloading all of them leaves
     # the layer's own peak with the 2 inputs the backward needs: over 20 GiB of the card free
     least = estimate(

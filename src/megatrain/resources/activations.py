@@ -53,13 +53,22 @@ _CAPTURE_ROWS = 2
 _CAPTURE_SEQ = 8192
 
 
+_ATTENTION_BACKWARD = tuple(
+    getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}_attention_backward")
+    for kernel in ("flash", "efficient", "cudnn")
+)
+
+
 class _LiveBytes(TorchDispatchMode):
-    """Peak of the bytes held by storages created inside the mode (meta tensors included)."""
+    """Peak of the bytes held by storages created inside the mode (meta tensors included), and
+    the most held right after a fused attention backward (its inputs and gradients live): the
+    kernel's workspace comes on top of that moment, not of the layer's peak."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.attention_backward = 0
         self.ops = 0  # aten ops dispatched: kernels the GPU would launch
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -72,6 +81,8 @@ class _LiveBytes(TorchDispatchMode):
         self.ops += 1
         out = func(*args, **(kwargs or {}))
         tree_map(self._track, out)
+        if func.overloadpacket in _ATTENTION_BACKWARD:
+            self.attention_backward = max(self.attention_backward, self.live)
         return out
 
     def _track(self, t: Any) -> Any:
@@ -167,6 +178,15 @@ class LayerProfile:
     captured_bytes: int  # the micro-batch's captured call arguments (masks, rotary tables)
     ops: list[tuple[int, int]]  # per layer: aten ops of its forward, of recompute + backward
     workspace_bytes: int = 0  # the fused attention backward's block (attention_workspace)
+    # the transient while that block exists: what the layer holds right after its attention
+    # backward, plus the block (max over layer groups); 0: no fused attention
+    attention_peak_bytes: int = 0
+
+    @property
+    def workspace_extra_bytes(self) -> int:
+        """What the attention backward's block adds beyond the layer's peak: nothing when the
+        layer peaks elsewhere (before its attention backward, in the MLP's, say)."""
+        return max(0, self.attention_peak_bytes - self.peak_bytes)
 
 
 def layer_profile(
@@ -190,21 +210,21 @@ def layer_profile(
             )
             for c in captured.calls
         ]
-        peak, ops = 0, [(0, 0)] * spec.num_layers
+        workspace = attention_workspace(spec, rows, seq, split_heads)
+        peak, attention_peak, ops = 0, 0, [(0, 0)] * spec.num_layers
         for group in spec.structure.groups:
             layer = spec.structure.layers[group.layer_indices[0]]
             with tiled_per_token([layer], TilePolicy(mlp_tiles), split_heads):
-                group_peak, group_ops = _measure(
+                group_peak, attention, group_ops = _measure(
                     spec, calls[group.layer_indices[0]], layer, rows, seq
                 )
             peak = max(peak, group_peak)
+            if attention:
+                attention_peak = max(attention_peak, attention + workspace)
             for i in group.layer_indices:
                 ops[i] = group_ops
         spec.cache[key] = LayerProfile(
-            peak,
-            shapes.bytes_of(captured.calls),
-            ops,
-            attention_workspace(spec, rows, seq, split_heads),
+            peak, shapes.bytes_of(captured.calls), ops, workspace, attention_peak
         )
     profile: LayerProfile = spec.cache[key]
     return profile
@@ -255,7 +275,8 @@ def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int]:
 
 def _measure(
     spec: ModelSpec, call: LayerCall, layer: torch.nn.Module, rows: int, seq: int
-) -> tuple[int, tuple[int, int]]:
+) -> tuple[int, int, tuple[int, int]]:
+    """(peak, held right after the attention backward, (forward ops, all ops)) of one layer."""
     params = list(layer.parameters())
     x = torch.empty(
         rows, seq, spec.hidden_size, dtype=spec.compute_dtype, device="meta", requires_grad=True
@@ -268,7 +289,7 @@ def _measure(
         forward_ops = tracker.ops
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)
         del out, grads
-    return tracker.peak, (forward_ops, tracker.ops)
+    return tracker.peak, tracker.attention_backward, (forward_ops, tracker.ops)
 
 
 def _capture(spec: ModelSpec, seq: int, layout: str) -> tuple[CapturedCalls, int, int]:

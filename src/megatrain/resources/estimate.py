@@ -313,7 +313,7 @@ def gpu_memory(
         "layer backward": {
             **boundary,
             "one layer recompute + backward": layer_peak,
-            "attention backward workspace": profile.workspace_bytes,
+            "attention backward workspace": profile.workspace_extra_bytes,
         },
         "loss": {
             **boundary,
