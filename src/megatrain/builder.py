@@ -173,10 +173,17 @@ class RunBuilder(PlanBuilder):
 
         if p.world_size == 1:
             return build()
+        host = self.plan().estimate.host
         room = self.hardware.host_bytes - self.cfg.memory.host_margin_gib * GIB
-        at_once = self.plan().estimate.host.loading_at_once(room, p.local_world_size)
         # every rank plans the same, but the hardware each measured may differ: the fewest
-        return node_turns(build, p, at_once=-rank_max(-at_once))
+        at_once = -rank_max(-host.loading_at_once(room, p.local_world_size))
+        if p.rank == 0:
+            print(
+                f"loading the model: {at_once} of each node's {p.local_world_size} ranks at "
+                f"once (host peak {host.load_peak_at_once(at_once) / GIB:.1f} GiB predicted)",
+                flush=True,
+            )
+        return node_turns(build, p, at_once=at_once)
 
     def optimizer(self) -> CpuAdamW:
         opt = self.cfg.optimizer

@@ -56,7 +56,13 @@ def format_estimate(est: Estimate) -> str:
             _gib(h.total_bytes),
             f"of {_gib(hw.host_bytes)} GiB ({hw.source('host_bytes')})",
         ),
-        _row("peak while loading the model", _gib(h.load_peak_bytes)),
+        _row(
+            "peak while loading the model",
+            _gib(h.load_peak_bytes),
+            f"a node's ranks one at a time; each more at once +{_gib(h.load_extra_bytes)} GiB"
+            if h.load_extra_bytes
+            else "",
+        ),
         "",
         f"{'GPU peak (at: ' + g.peak_phase + ')':<{_W + 2}}{'GiB':>10}",
         *(_row(name, _gib(n)) for name, n in g.items.items()),
