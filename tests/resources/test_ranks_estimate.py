@@ -20,7 +20,7 @@ from megatrain.resources import Estimate, Hardware, estimate, model_spec
 from megatrain.resources.fit import host_problem
 from megatrain.resources.hardware import GIB
 from megatrain.resources.plan import RunShape, plan_resources
-from megatrain.resources.ranks import NVLINK_GBPS, Ranks
+from megatrain.resources.ranks import NCCL_HOST_GIB, NVLINK_GBPS, Ranks
 from megatrain.resources.spec import ModelSpec
 from megatrain.store.states import QUANT_BLOCK
 from shapes import QWEN25_7B as QWEN7B
@@ -64,7 +64,8 @@ def test_host_per_node_is_its_ranks_shards(qwen7b: ModelSpec, n: int, m: int) ->
     shards = sum(_shard(b, world) for b in _blocks(qwen7b))
     assert one.host.store_bytes == 14 * qwen7b.total_params
     assert job.host.store_bytes == n * 14 * shards  # per node: its n ranks' shards
-    assert job.host.baseline_bytes == n * HW.process_baseline_bytes
+    # each process its baseline, and under ranks NCCL's host share (ranks.py NCCL_HOST_GIB)
+    assert job.host.baseline_bytes == n * (HW.process_baseline_bytes + int(NCCL_HOST_GIB * GIB))
     # the padding is at most one W x 2048 run per block
     pad = 14 * n * QUANT_BLOCK * len(_blocks(qwen7b))
     assert 0 <= job.host.store_bytes - one.host.store_bytes * n / world <= pad

@@ -18,7 +18,7 @@ class HostMemory:
     pageable_bytes: int
     pinned_bytes: int  # what the store asks for
     pinned_reserved_bytes: int  # what is page-locked: 2 MiB or power-of-two rounding
-    baseline_bytes: int  # python + torch + CUDA context
+    baseline_bytes: int  # python + torch + CUDA context (+ NCCL under ranks)
     data_bytes: int
     total_bytes: int
     load_peak_bytes: int  # while the fp32 model moves into the store (ranks: one at a time)
@@ -73,7 +73,8 @@ def host_memory(
         return pageable, pinned, reserved
 
     pageable, pinned, reserved = (local * b for b in store(held))
-    process = local * (hw.process_baseline_bytes + data_bytes)
+    baseline = hw.process_baseline_bytes + ranks.host_extra_bytes
+    process = local * (baseline + data_bytes)
     total = pageable + reserved + process + local * offload_bytes
     twice = 4 * max(every)  # the block being moved exists twice
     loading = sum(store(every)[::2]) + process + twice  # every block is built on the host first
@@ -92,7 +93,7 @@ def host_memory(
         pageable_bytes=pageable,
         pinned_bytes=pinned,
         pinned_reserved_bytes=reserved,
-        baseline_bytes=local * hw.process_baseline_bytes,
+        baseline_bytes=local * baseline,
         data_bytes=local * data_bytes,
         total_bytes=total,
         load_peak_bytes=loading,

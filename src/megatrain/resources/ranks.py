@@ -42,6 +42,13 @@ PyTorch (CUDA context, cuBLAS, NCCL) and PyTorch held 0.86 GiB reserved but unal
 planned peak ran out of memory. The plan adds this to memory.gpu_margin_gib when the world has
 more than one rank."""
 
+NCCL_HOST_GIB = 0.45
+"""Host memory per rank that a process under torchrun holds beyond one process's baseline (NCCL's
+host-side buffers, the process group's threads). Measured (run 25, 4 x H100, 7B shape, every
+block's states on the GPUs so the host held only the processes): 8.6 GiB for the node against
+4 x 1.7 GiB of baseline, as the one-process runs beside them measured it; run 22's 2 ranks
+showed the same once the probe's pinned block (since freed) is taken off."""
+
 
 @dataclass(frozen=True)
 class Ranks:
@@ -62,6 +69,11 @@ class Ranks:
         if self.world == 1:
             return numel
         return -(-numel // (self.world * QUANT_BLOCK)) * QUANT_BLOCK
+
+    @property
+    def host_extra_bytes(self) -> int:
+        """Host bytes each rank holds beyond one process's baseline (NCCL_HOST_GIB)."""
+        return int(NCCL_HOST_GIB * 2**30) if self.world > 1 else 0
 
     def gpu_margin_gib(self, configured: float) -> float:
         """memory.gpu_margin_gib, plus NCCL's share when there are several ranks."""
