@@ -57,7 +57,7 @@ from megatrain.plan_builder import PlanBuilder
 from megatrain.resources.hardware import GIB
 from megatrain.store.host import HostStore
 from megatrain.store.reference import ReferenceWeights
-from megatrain.store.shard import shard_block
+from megatrain.store.shard import shard_master
 
 
 class RunBuilder(PlanBuilder):
@@ -148,7 +148,7 @@ class RunBuilder(PlanBuilder):
         shard = None
         if p.world_size > 1:
             shard = functools.partial(
-                shard_block, rank=p.rank, world=p.world_size, pin_memory=self.pin_memory
+                shard_master, rank=p.rank, world=p.world_size, pin_memory=self.pin_memory
             )
         return HostStore(
             structure,

@@ -4,6 +4,8 @@ process group needed."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from megatrain.data.sample import Sample
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.store.host import HostStore
-from megatrain.store.shard import layout_numel, shard_block
+from megatrain.store.shard import ShardedBlock, layout_numel, shard_block, shard_master
 from megatrain.store.states import QUANT_BLOCK, num_quant_blocks, zero_code
 
 
@@ -44,6 +46,38 @@ def test_shards_cover_each_block_once_with_zero_padding(state_dtype: str) -> Non
         assert sum(s.decay_numel for s in shards) == block.decay_numel
         assert [s.shard_offset for s in shards] == [r * padded // world for r in range(world)]
         assert all(s.rank == r and s.world_size == world for r, s in enumerate(shards))
+
+
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
+def test_a_sharded_store_builds_only_whole_masters(compute: torch.dtype) -> None:
+    # HostStore under ranks hands each block's whole fp32 master to shard_master and keeps what
+    # it returns: the same parts as sharding whole blocks, without whole states or shadows
+    whole = HostStore(
+        discover(load_causal_lm(None, model_type="llama", tiny=True, seed=0)),
+        compute_dtype=compute,
+    )
+    seen: list[tuple[int, set[str]]] = []
+
+    def shard(master: torch.Tensor, **kw: Any) -> ShardedBlock:
+        seen.append((master.numel(), set(kw)))
+        return shard_master(master, **kw, rank=1, world=2, pin_memory=False)
+
+    model = load_causal_lm(None, model_type="llama", tiny=True, seed=0)
+    parts = HostStore(discover(model), compute_dtype=compute, shard=shard)
+    keys = {"name", "entries", "decay_numel", "state_dtype", "bf16"}
+    assert seen == [(b.numel, keys) for b in whole.blocks]
+    for b, part in zip(whole.blocks, parts.blocks, strict=True):
+        expect = shard_block(b, 1, 2, pin_memory=False)
+        assert isinstance(part, ShardedBlock) and part.name == expect.name
+        for t in ("master", "exp_avg", "exp_avg_sq", "shadow", "grad"):
+            a, e = getattr(part, t), getattr(expect, t)
+            assert (a is None and e is None) or torch.equal(a, e), t
+        assert (part.numel, part.decay_numel, part.shard_offset, part.full_numel) == (
+            expect.numel,
+            expect.decay_numel,
+            expect.shard_offset,
+            expect.full_numel,
+        )
 
 
 def _loader() -> BatchLoader:

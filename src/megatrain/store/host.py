@@ -48,10 +48,12 @@ class HostStore:
         no_decay: Sequence[str] = DEFAULT_NO_DECAY,
         decay_1d: bool = False,
         state_dtype: str = "fp32",
-        shard: Callable[[ParamBlock], ParamBlock] | None = None,
+        shard: Callable[..., ParamBlock] | None = None,
     ) -> None:
-        """`shard`: each block, once built, is replaced by what this returns (a rank's part,
-        store/shard.py), so a rank never holds more than one whole block of its own."""
+        """`shard`: under ranks, what each block becomes once its whole fp32 master is built
+        (this rank's part, store/shard.py shard_master, called with the master and the block's
+        name, entries, decay_numel, state_dtype and whether compute is bf16): a rank never
+        holds more than one whole master of its own, and never whole states or shadows."""
         check_state_dtype(state_dtype)
         if compute_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"compute dtype must be bfloat16 or float32, got {compute_dtype}")
@@ -117,10 +119,19 @@ class HostStore:
             )
             offset += p.numel()
             decay_numel += p.numel() if decay else 0
-        master = host_zeros(offset, torch.float32, pin=self._pin_master)
+        master = host_zeros(offset, torch.float32, pin=self._pin_master and self._shard is None)
         for entry, (_, _, _, p) in zip(entries, found, strict=True):
             master[entry.offset : entry.offset + entry.numel].copy_(p.detach().reshape(-1))
             self._to_meta(entry, p)
+        if self._shard is not None:  # this rank's part only
+            return self._shard(
+                master,
+                name=name,
+                entries=entries,
+                decay_numel=decay_numel,
+                state_dtype=self.state_dtype,
+                bf16=self.compute_dtype == torch.bfloat16,
+            )
         block = ParamBlock.with_states(
             name=name,
             entries=entries,
@@ -134,7 +145,7 @@ class HostStore:
             block.refresh_shadow()
         else:
             block.grad = host_zeros(offset, torch.float32, pin=self.pin_memory)
-        return block if self._shard is None else self._shard(block)
+        return block
 
     @property
     def _pin_master(self) -> bool:

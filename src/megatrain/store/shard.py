@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.store.blocks import ParamBlock
+from megatrain.store.blocks import ParamBlock, ParamEntry
 from megatrain.store.host import HostStore
 from megatrain.store.memory import host_zeros
 from megatrain.store.states import QUANT_BLOCK
@@ -62,31 +62,60 @@ def shard_range(numel: int, rank: int, world: int) -> tuple[int, int, int]:
     return n * world, rank * n, n
 
 
-def shard_block(block: ParamBlock, rank: int, world: int, *, pin_memory: bool) -> ShardedBlock:
-    """Rank `rank`'s shard of a fresh `block` (zero optimizer states; new host tensors, so
-    `block` can be freed afterwards)."""
-    assert block.step == 0, "shard a store before its first update"
-    padded, start, n = shard_range(block.numel, rank, world)
-    lo, hi = min(start, block.numel), min(start + n, block.numel)
-    master = host_zeros(n, torch.float32, pin=pin_memory and block.shadow is None)
-    master[: hi - lo].copy_(block.master[lo:hi])  # fp32 compute: the master is the source
+def shard_master(
+    master: torch.Tensor,
+    *,
+    name: str,
+    entries: list[ParamEntry],
+    decay_numel: int,
+    state_dtype: str,
+    bf16: bool,
+    rank: int,
+    world: int,
+    pin_memory: bool,
+) -> ShardedBlock:
+    """Rank `rank`'s shard of a fresh block given by its whole fp32 `master`: the shard's
+    master, zero AdamW states and its bf16 shadow (`bf16` compute) or fp32 gradient landing, in
+    new host tensors, so `master` can be freed afterwards. The whole block's states and shadow
+    are never made (HostStore under ranks builds only its master)."""
+    numel = master.numel()
+    padded, start, n = shard_range(numel, rank, world)
+    lo, hi = min(start, numel), min(start + n, numel)
+    part = host_zeros(n, torch.float32, pin=pin_memory and not bf16)
+    part[: hi - lo].copy_(master[lo:hi])  # fp32 compute: the master is the source
     sharded = ShardedBlock.with_states(
-        name=block.name,
-        entries=block.entries,
+        name=name,
+        entries=entries,
         numel=n,
-        decay_numel=min(max(block.decay_numel - start, 0), n),
-        master=master,
-        state_dtype=block.state_dtype,
+        decay_numel=min(max(decay_numel - start, 0), n),
+        master=part,
+        state_dtype=state_dtype,
         padded_numel=padded,
         shard_offset=start,
-        full_numel=block.numel,
+        full_numel=numel,
     )
-    if block.shadow is not None:
+    if bf16:
         sharded.shadow = host_zeros(n, torch.bfloat16, pin=pin_memory)
         sharded.refresh_shadow()
     else:
         sharded.grad = host_zeros(n, torch.float32, pin=pin_memory)
     return sharded
+
+
+def shard_block(block: ParamBlock, rank: int, world: int, *, pin_memory: bool) -> ShardedBlock:
+    """Rank `rank`'s shard of a fresh whole `block` (shard_master of its master)."""
+    assert block.step == 0, "shard a store before its first update"
+    return shard_master(
+        block.master,
+        name=block.name,
+        entries=block.entries,
+        decay_numel=block.decay_numel,
+        state_dtype=block.state_dtype,
+        bf16=block.shadow is not None,
+        rank=rank,
+        world=world,
+        pin_memory=pin_memory,
+    )
 
 
 def is_sharded(store: HostStore) -> bool:
