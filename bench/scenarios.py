@@ -208,7 +208,7 @@ SCENARIOS: dict[str, Scenario] = {
         "issue 11: the whole 32-layer shape at 524,288 tokens, one step and no warm-up (a step "
         "takes ~12 minutes, more than one device command: start it with setsid and OUT outside "
         "$OUT, poll for the process, read its log in the next command); the auto plan for this "
-        "host (a 256 GiB one: the 125 GiB H100 host is 1.2 GiB of GPU short, run 26), step "
+        "host (a 256 GiB one: on the 125 GiB H100 host the GPU is short, run 26), step "
         "time, GPU peak, host RSS, predictions",
         (_train(*_LLAMA_8B, "--seq", "524288", "--steps", "0", "--sdpa", "cudnn"),),
         timeout_s=1700,
