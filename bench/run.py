@@ -7,8 +7,10 @@
 Every scenario names what it measures; arguments after `--` go to each command of the
 scenarios run (for one-off variations). Each command runs with a timeout, its output goes to
 $OUT/<scenario>.log (default /tmp/out), the `RESULT {...}` lines the scripts print are collected
-into $OUT/results.jsonl, and a short summary is printed last. Record what you run in
-docs/performance.md (date, card, command, numbers); results of past runs live there, not here.
+into $OUT/results.jsonl, and a short summary is printed last. Each command's log ends with a
+`NODE` line: the node's memory in use before it and at its peak (sampled every second).
+Record what you run in docs/performance.md (date, card, command, numbers); results of past
+runs live there, not here.
 
 The environment of the GPU machine is kept as it is (NCCL_NVLS_ENABLE=0 and friends stay set);
 this runner only adds PYTHONPATH (src/ and bench/), PYTHONUNBUFFERED, TRANSFORMERS_VERBOSITY and
@@ -27,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,6 +63,43 @@ def _expand(argv: list[str]) -> list[str]:
     return out
 
 
+def _node_used_gib() -> float | None:
+    """The node's memory in use (MemTotal - MemAvailable, /proc/meminfo), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.split()[1:2]}
+    except (OSError, ValueError):
+        return None
+    return (kib["MemTotal"] - kib["MemAvailable"]) / 2**20
+
+
+class _NodeMemory:
+    """The node's peak memory in use while a command runs, sampled every `every_s` seconds.
+
+    Under torchrun the sum of each rank's own peak RSS overstates the node's peak when the
+    ranks peak at different times (loading in turns); this is what the host actually held."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.before = _node_used_gib()
+        self.peak = self.before
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            used = _node_used_gib()
+            if used is not None and self.peak is not None:
+                self.peak = max(self.peak, used)
+
+    def stop(self) -> str:
+        self._stop.set()
+        self._thread.join()
+        if self.before is None or self.peak is None:
+            return "node memory: not readable here"
+        return f"node memory in use: {self.before:.1f} GiB before, peak {self.peak:.1f} GiB"
+
+
 def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) -> list[str]:
     scenario = SCENARIOS[name]
     log = out / f"{name}.log"
@@ -71,6 +111,7 @@ def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) ->
             f.flush()
             t0 = time.time()
             start = f.tell()
+            node = _NodeMemory()
             # the output goes to the log as it comes: a long run's log can be read while it runs
             proc = subprocess.Popen(
                 argv,
@@ -86,6 +127,8 @@ def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) ->
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 status = f"timeout {scenario.timeout_s}s"
+            memory = node.stop()
+            f.write(f"NODE {memory}\n")
             f.flush()
             text = log.read_bytes()[start:].decode(errors="replace")
             with (out / "results.jsonl").open("a") as results:
@@ -98,7 +141,8 @@ def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) ->
                 if ln.startswith(("RESULT", "PASS", "FAIL", "|")) or "passed" in ln
             ]
             scripts = [a for a in argv if a.endswith(".py")] or argv[1:2] or argv[:1]
-            summary.append(f"[{name}] {scripts[0]} -> {status} ({time.time() - t0:.0f} s)")
+            took = f"{time.time() - t0:.0f} s"
+            summary.append(f"[{name}] {scripts[0]} -> {status} ({took}; {memory})")
             summary += [f"    {ln[:200]}" for ln in interesting[-8:]]
     return summary
 

@@ -375,4 +375,24 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=590,
     ),
+    "ranks_capacity14": Scenario(
+        "ranks (issue 10), capacity on a 2-GPU host (256 GiB): Qwen2.5-14B shape (14.8B) on "
+        "$NGPU GPUs, 4k tokens per GPU, 2 steps, first with every block's states on the host "
+        "(gpu_state_blocks 0: the whole 14 B/param, 193 GiB, in the node's RAM), then with the "
+        "GPU tier auto; host RSS and the node's peak against the estimate (training, loading)",
+        tuple(
+            (
+                "env",
+                "MEGATRAIN_COLLECTIVE_TIMEOUT_S=1800",
+                *_torchrun(
+                    "bench/train_shape.py",
+                    *("--preset", "qwen2.5-14b", "--batch", "2", "--micro", "1"),
+                    *("--seq", "2048", "--steps", "2", "--max-grad-norm", "1.0"),
+                    *("--memory.gpu_state_blocks", tier),
+                ),
+            )
+            for tier in ("0", "auto")
+        ),
+        timeout_s=420,
+    ),
 }
