@@ -47,7 +47,7 @@ from common import host_peak_rss_gib, host_rss_gib, log, preset_values, result, 
 from megatrain.batch import Batch
 from megatrain.builder import RunBuilder
 from megatrain.config.shorthand import model_values, shorthand_config
-from megatrain.distributed import placement_here
+from megatrain.distributed import default_threads, placement_here
 from megatrain.engine.attention_heads import SplitHeads, head_calls
 from megatrain.model.loading import parse_config_sets
 from megatrain.resources import probe
@@ -114,11 +114,17 @@ def main() -> None:
     if a.old_too and cfg.memory.gpu_state_blocks != 0:
         ap.error("--old-too trains one store twice: add --memory.gpu_state_blocks 0")
     placement = placement_here(cfg.training.device)  # under torchrun: this rank's GPU, first
-    hardware = (  # on this rank's GPU (probing before the placement put every rank on GPU 0)
-        probe(optimizer_threads=cfg.optimizer.threads, state_dtype=cfg.optimizer.state_dtype)
-        if a.probe
-        else None
-    )
+    hardware = None
+    if a.probe:  # on this rank's GPU (probing before the placement put every rank on GPU 0)
+        threads = cfg.optimizer.threads or default_threads(placement.local_world_size)
+        hardware = probe(optimizer_threads=threads, state_dtype=cfg.optimizer.state_dtype)
+    if hardware is not None and placement.world_size > 1:
+        # every rank probed at once with its share of the node's cores; the estimate takes the
+        # node's CPU AdamW rate (and splits it over the node's ranks): the sum over one node
+        rate = torch.tensor([hardware.optimizer_gparams_s], device=placement.device)
+        dist.all_reduce(rate)
+        node = float(rate) * placement.local_world_size / placement.world_size
+        hardware = dataclasses.replace(hardware, optimizer_gparams_s=node)
     # as `megatrain train`: plan, store, engine
     builder = RunBuilder(cfg, hardware=hardware, placement=placement)
     p = builder.placement  # under torchrun: this rank's
