@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,52 @@ def test_two_ranks_match_one_process(runs: tuple[Path, Path, list[float]]) -> No
         torch.testing.assert_close(w2[name], ref, rtol=0.0, atol=WEIGHT_ATOL)
         moved = max(moved, float((ref - w2[name]).abs().max()))
     assert moved < WEIGHT_ATOL
+
+
+def test_two_nodes_train_as_two_ranks_of_one(
+    runs: tuple[Path, Path, list[float]], tmp_path: Path
+) -> None:
+    """The several-node launch of docs/multi_gpu.md (`--nnodes 2 --rdzv-backend c10d
+    --rdzv-endpoint HOST:PORT`, the same command on every node), as two nodes of one rank each
+    on this host: the same job as the 2-rank run, each node loading and accounting its own
+    rank. Tolerances as the 2-rank run against one process (other thread counts: torchrun sets
+    one thread per rank only with several ranks on a node)."""
+    two, _, _ = runs
+    out = tmp_path / "nodes"
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes",
+        "-m", "megatrain", "train", "--config", str(DEMO), "--training.output_dir", str(out),
+        *COMMON, "--training.gradient_accumulation_steps", "2",
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    done = [node.communicate(timeout=300) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, done, strict=True):
+        assert node.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    stdout, stderr = ("".join(text[i] for text in done) for i in (0, 1))
+    assert stdout.count("loading the model: 1 of each node's 1 ranks at once") == 1
+    assert stderr.count(f"step {STEPS}/{STEPS}") == 1  # progress from rank 0 only
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in _records(out, "train")], dtype=torch.float64),
+        torch.tensor([r["loss"] for r in _records(two, "train")], dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0.0,
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-00000002",
+        "step-00000004",
+    ]
+    w2 = load_file(str(two / "hf_model" / "model.safetensors"))
+    wn = load_file(str(out / "hf_model" / "model.safetensors"))
+    assert wn.keys() == w2.keys()
+    for name, ref in w2.items():  # each against one process to WEIGHT_ATOL: twice that here
+        torch.testing.assert_close(wn[name], ref, rtol=0.0, atol=2 * WEIGHT_ATOL)
 
 
 def test_sharded_checkpoint_exports_the_run_weights(
