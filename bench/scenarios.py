@@ -192,6 +192,12 @@ SCENARIOS: dict[str, Scenario] = {
         (_train(*_LLAMA_8B, "--seq", "131072", "--old-too", "--sdpa", "cudnn"),),
         timeout_s=590,
     ),
+    "long_context_auto": Scenario(
+        "issue 11: as long_context, the engine as `megatrain train` runs it (auto plan, torch's "
+        "default sdpa order) alone: the plan's choice at 128k, GPU peak against pred_gpu_gib",
+        (_train(*_LLAMA_8B, "--seq", "131072"),),
+        timeout_s=420,
+    ),
     "long_context_512k": Scenario(
         "issue 11: the same shape with 4 of its 32 layers at 524,288 tokens (new path, auto "
         "plan; `-- --layers N` for N), 1 step: GPU peak beside the plan's (pred_gpu_gib, "
@@ -393,6 +399,13 @@ SCENARIOS: dict[str, Scenario] = {
             )
             for tier in ("0", "auto")
         ),
+        timeout_s=420,
+    ),
+    "attention_kernels": Scenario(
+        "causal attention alone at the Llama-3.1-8B heads (32 query, 8 kv heads of 128), bf16, "
+        "8k to 512k tokens: torch's default sdpa order (what megatrain train runs) against "
+        "flash and cuDNN put first; forward and backward time, TFLOPS, the backward's memory",
+        ((PY, "bench/attention_kernels.py", "--seq", "8192,32768,131072,524288"),),
         timeout_s=420,
     ),
 }

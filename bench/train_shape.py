@@ -290,10 +290,13 @@ class _sdpa:
             self.ctx.__exit__(*exc)
 
 
-def _attention_bench(config: Any, seq: int, backend: str) -> dict[str, Any]:
+def _attention_bench(
+    config: Any, seq: int, backend: str, modes: tuple[str, ...] = ("whole", "split"), reps: int = 2
+) -> dict[str, Any]:
     """One causal sdpa forward + backward at the model's heads and `seq` tokens, bf16: one
     call over all heads ("whole") and the engine's long-row head groups ("split",
-    engine/attention_heads.py); time, TFLOPS and the backward's GPU peak of each."""
+    engine/attention_heads.py); time (the best of `reps`), TFLOPS and the backward's GPU peak
+    of each."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     dim = config.hidden_size // heads
     # as HF's projections leave them: [1, S, heads, dim] memory seen as [1, heads, S, dim]
@@ -307,11 +310,11 @@ def _attention_bench(config: Any, seq: int, backend: str) -> dict[str, Any]:
     report: dict[str, Any] = dict(
         attention_kernel=backend, attention_head_calls=head_calls(heads, kv, seq)
     )
-    for mode in ("whole", "split"):
+    for mode in modes:
         times, peak = {}, 0.0
         for phase in ("forward", "backward"):
             best = float("inf")
-            for _ in range(2):
+            for _ in range(reps):
                 sync()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
