@@ -58,6 +58,8 @@ def _torchrun(*argv: str) -> tuple[str, ...]:
 _RANKS_JOB = ("--preset", "qwen2.5-7b", "--batch", "4", "--seq", "2048", "--steps", "3")
 _RANKS_TIER = ("--max-grad-norm", "1.0", "--probe", "--memory.gpu_state_blocks", "auto")
 _RANKS_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", *_RANKS_TIER)
+_STREAMED_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", "--max-grad-norm", "1.0", "--probe")
+_STREAMED_MEGATRAIN += ("--memory.gpu_state_blocks", "0")
 # the weak-scaling job: 32k tokens per GPU per step (16 rows of 2048 per rank, 4 micro-batches)
 _WEAK_MEGATRAIN = ("--preset", "qwen2.5-7b", "--batch", "16", "--micro", "4", "--seq", "2048")
 _WEAK_MEGATRAIN += ("--steps", "3", *_RANKS_TIER)
@@ -349,6 +351,16 @@ SCENARIOS: dict[str, Scenario] = {
             _torchrun("bench/train_shape.py", *_WEAK_MEGATRAIN),
         ),
         timeout_s=480,
+    ),
+    "ranks_host_optimizer": Scenario(
+        "ranks (issue 10): as ranks_compare's MegaTrain runs with every block streamed "
+        "(gpu_state_blocks 0), so each rank's CPU AdamW runs its part of every block: one GPU "
+        "and $NGPU ranks, --probe; the step time against the prediction from the probed rate",
+        (
+            (PY, "bench/train_shape.py", *_STREAMED_MEGATRAIN),
+            _torchrun("bench/train_shape.py", *_STREAMED_MEGATRAIN),
+        ),
+        timeout_s=300,
     ),
     "ranks_fetch": Scenario(
         "ranks (issue 10): how a streamed layer (Qwen2.5-7B shape, 466 MB bf16) reaches every "
