@@ -17,7 +17,7 @@ import types
 
 import torch
 from common import log, preset_values, result
-from train_shape import SDPA, _attention_bench
+from train_shape import SDPA, attention_bench
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
         for backend in backends:
             reps = a.reps if seq <= 131072 else 1
             try:
-                r = _attention_bench(config, seq, backend, modes=("whole",), reps=reps)
+                r = attention_bench(config, seq, backend, modes=("whole",), reps=reps)
             except torch.OutOfMemoryError as e:
                 r = dict(attention_kernel=backend, error=str(e).splitlines()[0])
             log(f"{seq} tokens, {backend}: {r}")

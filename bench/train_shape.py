@@ -157,7 +157,7 @@ def main() -> None:
         _run(RunBuilder(old, hardware=hardware), structure, store, micro, a, before)
     _run(builder, structure, store, micro, a, tags | {"engine": "new"})
     if a.attn_bench and device == "cuda" and p.rank == 0:
-        result(**tags, **_attention_bench(structure.causal_lm.config, a.seq, a.sdpa))
+        result(**tags, **attention_bench(structure.causal_lm.config, a.seq, a.sdpa))
     if p.world_size > 1:
         dist.destroy_process_group()
 
@@ -290,7 +290,7 @@ class _sdpa:
             self.ctx.__exit__(*exc)
 
 
-def _attention_bench(
+def attention_bench(
     config: Any, seq: int, backend: str, modes: tuple[str, ...] = ("whole", "split"), reps: int = 2
 ) -> dict[str, Any]:
     """One causal sdpa forward + backward at the model's heads and `seq` tokens, bf16: one
