@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result
 
+from megatrain.allocator import configure_allocator
 from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.grpo.plan import grpo_plan
 from megatrain.grpo.recipe import GRPOTrainer
@@ -124,6 +125,7 @@ def main() -> None:
     }
     cfg = shorthand_config(None, overrides, values=values)
     t0 = time.perf_counter()
+    configure_allocator()  # as the megatrain command does
     trainer = GRPOTrainer(cfg)
     trainer.save = lambda: None  # type: ignore[assignment,method-assign,return-value]
     trainer.min_completion_tokens = a.completion_len  # every completion at full length

@@ -40,7 +40,6 @@ _LLAMA_8B = (
     "1",
     "--max-grad-norm",
     "1.0",
-    "--expandable-segments",
     "--memory.gpu_state_blocks",
     "0",
 )

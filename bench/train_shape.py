@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import statistics
 import time
 from typing import Any
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 from common import host_peak_rss_gib, host_rss_gib, log, preset_values, result, sync
 
+from megatrain.allocator import configure_allocator
 from megatrain.batch import Batch
 from megatrain.builder import RunBuilder
 from megatrain.config.shorthand import model_values, shorthand_config
@@ -83,15 +83,8 @@ def main() -> None:
     ap.add_argument("--sdpa", choices=["default", *SDPA], default="default")
     ap.add_argument("--attn-bench", action="store_true", help="time the attention kernel alone")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="preset key")
-    ap.add_argument(
-        "--expandable-segments",
-        action="store_true",
-        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GiB-sized activations of long "
-        "rows fragment the caching allocator less)",
-    )
     a, overrides = ap.parse_known_args()
-    if a.expandable_segments:  # read when CUDA is first used, which is below
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    configure_allocator()  # as the megatrain command does, before CUDA is first used (below)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     extra = ({"num_hidden_layers": a.layers} if a.layers else {}) | parse_config_sets(a.set)
     model_type, preset = preset_values(a.preset, **extra)

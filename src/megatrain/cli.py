@@ -19,6 +19,7 @@ import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from megatrain.allocator import configure_allocator
 from megatrain.commands import COMMANDS
 from megatrain.config import SECTIONS
 from megatrain.resources.disk import DiskFullError
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     args.overrides = overrides
+    configure_allocator()  # before any command touches CUDA
     debug = os.environ.get("MEGATRAIN_DEBUG", "") not in ("", "0")
     try:
         return int(args.run(args))

@@ -18,7 +18,6 @@ same prompts and, from the same weights, the same completions.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,23 +43,6 @@ from megatrain.grpo.sequences import completion_mask, per_row, sequence_batches
 from megatrain.metrics import MetricsLogger
 from megatrain.output_dir import open_output_dir
 from megatrain.trainer import report_plan, step_record
-
-
-def expandable_segments() -> None:
-    """PyTorch's CUDA allocator with expandable segments, unless the user configured it.
-
-    A GRPO step alternates two phases whose allocations differ in size (rollout: weights, KV
-    cache, graph pool; training: slots, activations, the GPU tier). With fixed-size segments
-    the training phase found 4.4 GiB reserved but unusable after a rollout (run 20, TRL's shape:
-    out of memory at 73.9 GiB allocated of a predicted 76.0 GiB peak); expandable segments map
-    memory into one growing range per stream, so what is freed is usable at any size.
-    """
-    if any(k in os.environ for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
-        return
-    if torch.cuda.is_initialized():  # the environment is read once, when CUDA starts
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    else:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
 class _PhasePeak:
@@ -102,7 +84,6 @@ class GRPOTrainer:
     """
 
     def __init__(self, cfg: TrainConfig, builder: RunBuilder | None = None) -> None:
-        expandable_segments()
         self.cfg, g = cfg, cfg.grpo
         self.builder = b = builder or RunBuilder(cfg)
         if not isinstance(cfg.training.micro_batch_size, int):
