@@ -22,6 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 from megatrain.allocator import configure_allocator
 from megatrain.commands import COMMANDS
 from megatrain.config import SECTIONS
+from megatrain.errors import RunStopped
 from megatrain.resources.disk import DiskFullError
 
 
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, DiskFullError)):
             print("(MEGATRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
+    except RunStopped as e:  # its message is the paragraph (out of GPU memory, ...)
+        if debug:
+            raise
+        print(f"megatrain {args.command}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:  # the trainer's says where the last checkpoint is
         if debug:
             raise

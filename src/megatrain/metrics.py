@@ -132,6 +132,12 @@ class MetricsLogger:
             f"{tokens:,} tokens"
         )
 
+    def log_event(self, step: int, kind: str, record: dict[str, Any], message: str) -> None:
+        """Something the run changed on its own at `step` (e.g. "plan_step_down"): one record
+        of that kind in metrics.jsonl (numbers in TensorBoard too) and `message` on the console."""
+        self._write({"step": step, **record}, kind)
+        self.console(message)
+
     def console(self, message: str) -> None:
         if not self.echo:
             return

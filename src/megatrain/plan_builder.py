@@ -8,7 +8,10 @@ and the GPU tier count is the least any rank planned (distributed.least_on_ranks
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,9 +22,70 @@ from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.tiling import TilePolicy
 from megatrain.model.loading import load_config as load_hf_config
 from megatrain.resources import Hardware, ModelSpec, detect, model_spec
+from megatrain.resources.hardware import GIB, gib
 from megatrain.resources.long_context import configured_boundaries
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
 from megatrain.resources.ranks import Ranks
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine's GPU memory depends on that a plan resolves (the "auto" settings)."""
+
+    gpu_state_blocks: int
+    boundaries: BoundaryPlan
+    mlp_tiles: int | None  # a fixed count, None: by row length (TilePolicy), 0: not tiled
+
+    def describe(self) -> str:
+        tiles = "not tiled" if self.mlp_tiles == 0 else f"MLP tiles {self.mlp_tiles or 'auto'}"
+        return f"GPU tier {self.gpu_state_blocks} blocks, {self.boundaries.describe()}, {tiles}"
+
+
+@dataclass(frozen=True)
+class StepDown:
+    """The plan after a step ran out of GPU memory, and what changed."""
+
+    before: EngineSettings
+    after: EngineSettings
+    margin_gib: tuple[float, float]  # memory.gpu_margin_gib planned with, before and after
+    peak_bytes: tuple[int, int]  # predicted GPU peak, before and after
+    step_s: tuple[float, float]  # predicted step time, before and after
+
+    def describe(self) -> str:
+        """One paragraph: what the plan changed, and what it costs."""
+        b, a = self.before, self.after
+        changes = [
+            f"{name}{x} -> {y}"
+            for name, x, y in (
+                ("memory.gpu_state_blocks ", b.gpu_state_blocks, a.gpu_state_blocks),
+                ("", b.boundaries.describe(), a.boundaries.describe()),
+                ("MLP tiles ", b.mlp_tiles, a.mlp_tiles),
+            )
+            if x != y
+        ]
+        return (
+            f"the plan stepped down: {', '.join(changes)} (planned with "
+            f"memory.gpu_margin_gib {self.margin_gib[1]:g} instead of {self.margin_gib[0]:g}); "
+            f"predicted GPU peak {gib(self.peak_bytes[0])} -> {gib(self.peak_bytes[1])}, step "
+            f"{self.step_s[0]:.2f} s -> {self.step_s[1]:.2f} s. To start with this plan: "
+            f"--memory.gpu_margin_gib {self.margin_gib[1]:g}"
+            + (
+                f" --memory.gpu_state_blocks {a.gpu_state_blocks}"
+                if a.gpu_state_blocks != b.gpu_state_blocks
+                else ""
+            )
+        )
+
+    def record(self) -> dict[str, Any]:
+        """The metrics.jsonl fields of the step-down."""
+        return {
+            "gpu_state_blocks": [self.before.gpu_state_blocks, self.after.gpu_state_blocks],
+            "layer_inputs": [self.before.boundaries.describe(), self.after.boundaries.describe()],
+            "mlp_tiles": [self.before.mlp_tiles, self.after.mlp_tiles],
+            "gpu_margin_gib": list(self.margin_gib),
+            "pred_gpu_peak_gib": [round(n / GIB, 2) for n in self.peak_bytes],
+            "pred_step_s": [round(t, 3) for t in self.step_s],
+        }
 
 
 class PlanBuilder:
@@ -148,6 +212,52 @@ class PlanBuilder:
         if nbytes != self._gpu_reserve_bytes:
             self._gpu_reserve_bytes = nbytes
             self.__dict__.pop("_own_plan", None)  # planned again with the reservation
+
+    def engine_settings(self, num_layers: int) -> EngineSettings:
+        """The resolved settings the engine is built with (gpu_state_blocks, boundary_plan,
+        tile_policy below)."""
+        policy = self.tile_policy()
+        tiles = 0 if policy is None else policy.tiles
+        if policy is not None and policy.tiles is None and self.placement.is_cuda:
+            tiles = self.plan().mlp_tiles if self.cfg.memory.mlp_tiles == "auto" else None
+        return EngineSettings(
+            self.gpu_state_blocks(num_layers), self.boundary_plan(num_layers), tiles
+        )
+
+    def step_down(self, num_layers: int, shortfall_bytes: int) -> StepDown | None:
+        """After a step ran out of GPU memory: plan again with `shortfall_bytes` more of the GPU
+        left free (at least 1 GiB more margin): the GPU tier becomes the count "auto" picks
+        with that margin, and at least one block fewer while there are any; the "auto"
+        settings (layer inputs, MLP tiles) follow the new margin.
+        None, with nothing changed, when the smaller plan is the same as the current one.
+
+        Changes this builder's config (memory.gpu_margin_gib, memory.gpu_state_blocks): the
+        next engine it builds, and the config a checkpoint saves, are the smaller plan's.
+        """
+        cfg, mem = self.cfg, self.cfg.memory
+        before, old_plan = self.engine_settings(num_layers), self.plan()
+        more_gib = max(1.0, math.ceil(4 * shortfall_bytes / GIB) / 4)
+        margin = mem.gpu_margin_gib + more_gib
+        # a given tier count proved too large: the new margin's "auto" count, if smaller
+        self._replan(dataclasses.replace(mem, gpu_margin_gib=margin, gpu_state_blocks="auto"))
+        tier = min(self.gpu_state_blocks(num_layers), max(before.gpu_state_blocks - 1, 0))
+        self._replan(dataclasses.replace(self.cfg.memory, gpu_state_blocks=tier))
+        after = self.engine_settings(num_layers)
+        if after == before:
+            self._replan(mem, cfg)
+            return None
+        new_plan = self.plan()
+        return StepDown(
+            before,
+            after,
+            (mem.gpu_margin_gib, margin),
+            (old_plan.estimate.gpu.peak_bytes, new_plan.estimate.gpu.peak_bytes),
+            (old_plan.estimate.time.step_s, new_plan.estimate.time.step_s),
+        )
+
+    def _replan(self, memory: Any, cfg: TrainConfig | None = None) -> None:
+        self.cfg = dataclasses.replace(cfg or self.cfg, memory=memory)
+        self.__dict__.pop("_own_plan", None)
 
     def tile_policy(self) -> TilePolicy | None:
         """The MLPs' sequence tiles (engine/tiling.py): memory.mlp_tiles, or for "auto" on the

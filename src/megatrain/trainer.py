@@ -16,6 +16,7 @@ with the world size that wrote it.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -42,6 +43,7 @@ from megatrain.distributed import Placement, on_rank0
 from megatrain.distributed import close as close_process_group
 from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger
+from megatrain.oom import step_down
 from megatrain.output_dir import TrainingInterrupted, interrupted_message, open_output_dir
 from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
 from megatrain.resources.plan import ResourcePlan
@@ -157,7 +159,7 @@ class Trainer:
                 micro = [next(stream) for _ in range(ga)]
                 lr = self.schedule.lr_at(self.step)
                 t0 = time.perf_counter()
-                result = self.engine.train_step(micro, lr=lr)
+                result = self._train_step(micro, lr, metrics)
                 step_s = time.perf_counter() - t0
                 self.step += 1
                 if not math.isfinite(result.loss):
@@ -191,6 +193,29 @@ class Trainer:
             checkpoint=checkpoint,
             export_dir=export_dir,
         )
+
+    def _train_step(self, micro: list[Batch], lr: float, metrics: MetricsLogger) -> StepResult:
+        """One optimizer step; out of GPU memory, undone and run again on a smaller plan
+        (megatrain/oom.py), which the run reports once per change."""
+        while True:
+            rng = rng_state()
+            try:
+                return self.engine.train_step(micro, lr=lr)
+            except torch.OutOfMemoryError as e:
+                step = self.step + 1
+                change = step_down(e, step=step, builder=self.builder, engine=self.engine)
+                self.engine = None  # type: ignore[assignment]  # its GPU memory goes first
+                gc.collect()
+                torch.cuda.empty_cache()
+                self.engine = self.builder.engine(self.structure, self.store)
+                self.cfg = self.builder.cfg  # checkpoints save the plan the run now uses
+                set_rng_state(rng)
+                metrics.log_event(
+                    step,
+                    "plan_step_down",
+                    change.record(),
+                    f"step {step} ran out of GPU memory and is run again: {change.describe()}",
+                )
 
     def _evaluate(self, metrics: MetricsLogger) -> float | None:
         if not self.data.eval:

@@ -36,6 +36,7 @@ class BackwardPass:
     worker: Any
     embedder: Any
     max_grad_norm: float | None
+    updates_begun: bool
     embed_acc: torch.Tensor
     boundaries: Boundaries
     _acc: list[torch.Tensor]
@@ -154,6 +155,7 @@ class BackwardPass:
             return self._ship(block, acc, lr, k)
         sumsq = torch.linalg.vector_norm(self.tier.gradient_of(block, acc)).square()
         if self.max_grad_norm is None:
+            self.updates_begun = True
             self._update_tier(block, lr, 1.0)
         return sumsq
 
@@ -183,5 +185,6 @@ class BackwardPass:
             self._head_busy.append(landed)
         self._landed[block.name] = landed
         if self.max_grad_norm is None:
+            self.updates_begun = True
             self.worker.submit(block, landed, order=self._order[block.name], lr=lr, grad_scale=1.0)
         return sumsq

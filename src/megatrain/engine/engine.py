@@ -168,6 +168,8 @@ class StreamingEngine(BackwardPass, LossPass):
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
         self._order = {b.name: i for i, b in enumerate(store.blocks)}  # forward position
+        # set once this step's first update is queued: from then on the step cannot be undone
+        self.updates_begun = False
 
     def _build_head(self, loss_chunk_tokens: int | None) -> None:
         st, store = self.structure, self.store
@@ -221,6 +223,7 @@ class StreamingEngine(BackwardPass, LossPass):
         """One optimizer step over `batches`: mean cross-entropy, or `objective`'s loss."""
         assert objective is None or len(objective.inputs) == len(batches)
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
+        self.updates_begun = False
         t0 = timer.mark()
         # The loss divides by the supervised tokens of the whole step, on every rank.
         target_tokens = self.comm.sum_int(sum(b.num_target_tokens for b in batches))
@@ -237,6 +240,7 @@ class StreamingEngine(BackwardPass, LossPass):
         coef = 1.0
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            self.updates_begun = True
             for block in self.tier.blocks:  # before the next forward uses them (same stream)
                 self._update_tier(block, lr, coef)
             for order, block in enumerate(self.store.blocks):  # forward order
@@ -306,6 +310,19 @@ class StreamingEngine(BackwardPass, LossPass):
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""
         self.worker.wait_all(self.store.blocks)
+
+    def abandon_step(self) -> None:
+        """Undo a step that failed before any of its updates began (out of GPU memory): wait
+        for what it queued, and give every host block whose shadow received a gradient its
+        weights back (from the untouched master). Then the engine is closed: the store is as
+        it was before the step, ready for another engine."""
+        assert not self.updates_begun, "the step's updates have begun: it cannot be undone"
+        if self.transfers.is_cuda:  # sync point: every stream's work of the step is done
+            torch.cuda.synchronize(self.device)
+        self.close()  # the previous step's updates, queued with clipping, are applied
+        for block in self.store.blocks:
+            if block not in self.tier:
+                block.refresh_shadow()
 
     def close(self) -> None:
         self.wait_updates()

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from megatrain.native import load_adamw_kernel
+from megatrain.store.memory import host_zeros
 from megatrain.store.states import allocate_states
 
 
@@ -142,6 +143,28 @@ class ParamBlock:
         if self.grad is not None and self.grad.device == device:
             return
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+
+    def to_host(self, *, pin: bool) -> None:
+        """Undo `to_device`: the host store's layout again (a smaller GPU tier). The master is
+        pinned where it is the copy source (fp32 compute), the bf16 shadow always when `pin`;
+        fp32 compute gets its host gradient back, bf16 compute none (the shadow receives it)."""
+        bf16 = self.shadow is not None
+        self.master = _host_copy(self.master, pin=pin and not bf16)
+        self.exp_avg = _host_copy(self.exp_avg, pin=False)
+        self.exp_avg_sq = _host_copy(self.exp_avg_sq, pin=False)
+        if self.exp_avg_scale is not None and self.exp_avg_sq_scale is not None:
+            self.exp_avg_scale = _host_copy(self.exp_avg_scale, pin=False)
+            self.exp_avg_sq_scale = _host_copy(self.exp_avg_sq_scale, pin=False)
+        if self.shadow is not None:
+            self.shadow = _host_copy(self.shadow, pin=pin)
+        self.grad = None if bf16 else host_zeros(self.numel, torch.float32, pin=pin)
+
+
+def _host_copy(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    """A host copy of `t` in the store's kind of host buffer (huge pages; page-locked if `pin`)."""
+    out = host_zeros(t.numel(), t.dtype, pin=pin)
+    out.copy_(t.reshape(-1))
+    return out.view(t.shape)
 
 
 def to_bf16_(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -1,0 +1,15 @@
+"""Errors that stop a run with one paragraph for the user (no traceback); no torch import.
+
+`megatrain.cli` prints a `RunStopped` as it prints a bad key or path: its message names what
+happened and the setting to change. MEGATRAIN_DEBUG=1 shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on; the message says why and what to change."""
+
+
+class GpuOutOfMemory(RunStopped):
+    """A step ran out of GPU memory and no smaller plan was left to run it with."""

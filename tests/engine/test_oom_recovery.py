@@ -1,0 +1,119 @@
+"""A step that runs out of GPU memory is undone and run again on a smaller plan (megatrain/oom.py).
+
+On the CPU the GPU tier runs its device code path (tests/engine/test_gpu_tier.py), so a run
+planned with 3 tier blocks, whose step 2 raises torch's OutOfMemoryError in the middle of its
+backward (after the last layers' gradients were shipped into the host shadows), must step down
+to a smaller tier and finish with exactly the losses of a run planned with that tier from the
+start: with optimizer.impl torch the tier and the host run the same AdamW on the same numbers
+(bit for bit in fp32 compute). In bf16 compute the shadows that received gradients must get
+their weights back, or step 2's rerun would compute on gradients as weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.config import load_config
+from megatrain.engine.engine import StreamingEngine
+from megatrain.errors import GpuOutOfMemory
+from megatrain.trainer import Trainer
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
+STEPS = 4
+OOM = "CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 79.19 GiB"
+
+
+def _trainer(tmp: Path, tier: int, *overrides: str) -> Trainer:
+    cfg = load_config(
+        DEMO,
+        [
+            *("--training.output_dir", str(tmp)),
+            *("--training.max_steps", str(STEPS)),
+            *("--memory.gpu_state_blocks", str(tier)),
+            *("--optimizer.impl", "torch"),
+            *("--logging.progress_bar", "false"),
+            *("--logging.tensorboard", "false"),
+            *("--checkpoint.export_hf", "false"),
+            *("--data.val_size", "0"),
+            *overrides,
+        ],
+    )
+    return Trainer(cfg)
+
+
+def _losses(trainer: Trainer) -> list[float]:
+    try:
+        return trainer.train().losses
+    finally:
+        trainer.close()
+
+
+def _oom_once(monkeypatch: pytest.MonkeyPatch, *, step: int, layer: int) -> list[int]:
+    """Raise OutOfMemoryError once, in `step`'s backward of decoder layer `layer`."""
+    real = StreamingEngine._backward_layer
+    seen = {"backwards": 0}
+    raised: list[int] = []
+
+    def backward_layer(self, i, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if i == 0:
+            seen["backwards"] += 1
+        if not raised and i == layer and seen["backwards"] == step - 1:
+            raised.append(i)
+            raise torch.OutOfMemoryError(OOM)
+        return real(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(StreamingEngine, "_backward_layer", backward_layer)
+    return raised
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_out_of_memory_steps_down_and_matches_a_run_planned_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    dt = ("--model.compute_dtype", dtype)
+    expected = _losses(_trainer(tmp_path / "small", 0, *dt))
+    raised = _oom_once(monkeypatch, step=2, layer=1)  # layers 3, 2 shipped, layer 1 fails
+    trainer = _trainer(tmp_path / "recovered", 3, *dt)
+    losses = _losses(trainer)
+    assert raised == [1]
+    assert trainer.builder.gpu_state_blocks(4) == 0  # the CPU's "auto" tier, and below 3
+    assert len(trainer.engine.tier) == 0
+    if dtype == "fp32":
+        assert losses == expected  # bit for bit: same AdamW, same numbers, same order
+    else:
+        # bf16 compute: the same kernel order too; a shadow left holding a gradient would
+        # put step 2's loss far off (weights ~1e-2, gradients ~1e-4)
+        assert losses == pytest.approx(expected, rel=1e-6, abs=0)
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "recovered" / "metrics.jsonl").read_text().splitlines()
+    ]
+    down = [e for e in events if e["kind"] == "plan_step_down"]
+    assert len(down) == 1 and down[0]["step"] == 2
+    assert down[0]["gpu_state_blocks"] == [3, 0]
+    assert down[0]["gpu_margin_gib"][1] >= down[0]["gpu_margin_gib"][0] + 1.5
+    assert [e["step"] for e in events if e["kind"] == "train"] == list(range(1, STEPS + 1))
+
+
+def test_no_smaller_plan_stops_with_one_paragraph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _oom_once(monkeypatch, step=2, layer=1)
+    trainer = _trainer(tmp_path, 0)
+    with pytest.raises(GpuOutOfMemory, match="step 2 ran out of GPU memory .*micro_batch_size"):
+        _losses(trainer)
+
+
+def test_updates_already_applied_stop_with_one_paragraph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without clipping each layer is updated as its gradient lands: layer 3's update is
+    applied before layer 1 fails, so the step cannot be undone."""
+    _oom_once(monkeypatch, step=2, layer=1)
+    trainer = _trainer(tmp_path, 3, "--optimizer.max_grad_norm", "0")
+    with pytest.raises(GpuOutOfMemory, match="first optimizer updates were applied"):
+        _losses(trainer)
