@@ -104,7 +104,7 @@ def test_no_smaller_plan_stops_with_one_paragraph(
 ) -> None:
     _oom_once(monkeypatch, step=2, layer=1)
     trainer = _trainer(tmp_path, 0)
-    with pytest.raises(GpuOutOfMemory, match="step 2 ran out of GPU memory .*micro_batch_size"):
+    with pytest.raises(GpuOutOfMemory, match=r"step 2 ran out of GPU memory .*micro_batch_size"):
         _losses(trainer)
 
 
