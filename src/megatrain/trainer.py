@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from megatrain.batch import Batch
@@ -43,6 +44,7 @@ from megatrain.distributed import Placement, on_rank0
 from megatrain.distributed import close as close_process_group
 from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger
+from megatrain.model.kernels import kernel_report
 from megatrain.oom import step_down
 from megatrain.output_dir import TrainingInterrupted, interrupted_message, open_output_dir
 from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
@@ -87,6 +89,8 @@ class Trainer:
         self.micro_batch_size, self.grad_accum = self.plan.micro_batch_size, self.plan.grad_accum
         self.structure, self.store = b.model_and_store()
         print(f"model: {self.structure.describe()}", flush=True)
+        for line in kernel_report(self.structure):
+            print(f"kernels: {line}", flush=True)
         self.engine = b.engine(self.structure, self.store)
         self.loader = b.loader(self.data.train)
         self.total_steps = self._total_steps()
@@ -169,7 +173,7 @@ class Trainer:
                         "the data"
                     )
                 losses.append(result.loss)
-                metrics.log_step(self.step, step_record(result, lr, step_s))
+                metrics.log_step(self.step, step_record(result, lr, step_s, self.device))
                 if cfg.logging.timeline:
                     metrics.console(f"step {self.step}: {result.timeline.summary()}")
                 if cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
@@ -298,14 +302,21 @@ def report_plan(plan: ResourcePlan, gpu: bool) -> None:
     est = plan.estimate
     print(
         f"resources: host {est.host.total_bytes / 2**30:.1f} GiB"
-        + (f", GPU peak {est.gpu.peak_bytes / 2**30:.1f} GiB" if gpu else "")
+        + (
+            f", GPU peak {est.gpu.peak_bytes / 2**30:.1f} GiB, step {est.time.step_s:.2f} s"
+            if gpu
+            else ""
+        )
         + " (predicted)",
         flush=True,
     )
 
 
-def step_record(result: StepResult, lr: float, step_s: float) -> dict[str, Any]:
-    """The metrics record of one optimizer step (what MetricsLogger.log_step takes)."""
+def step_record(
+    result: StepResult, lr: float, step_s: float, device: torch.device | None = None
+) -> dict[str, Any]:
+    """The metrics record of one optimizer step (what MetricsLogger.log_step takes), with the
+    memory the step used (`memory_record`) when `device` is given."""
     record: dict[str, Any] = {
         "loss": result.loss,
         "ce_loss": result.ce_loss,
@@ -319,4 +330,18 @@ def step_record(result: StepResult, lr: float, step_s: float) -> dict[str, Any]:
     if result.aux_loss is not None:
         record["aux_loss"] = result.aux_loss
     record.update({f"time/{k}": v for k, v in result.timeline.as_dict().items()})
+    if device is not None:
+        record.update(memory_record(device))
+    return record
+
+
+def memory_record(device: torch.device) -> dict[str, float]:
+    """This process's host RSS now and, on CUDA, the most GPU memory the allocator held
+    (`gpu_peak_gib`, reserved: what the card must have) and handed out (`gpu_alloc_peak_gib`)
+    since the previous record; the peaks then start again. No sync point (host counters)."""
+    record = {"host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2)}
+    if device.type == "cuda":
+        record["gpu_peak_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+        record["gpu_alloc_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        torch.cuda.reset_peak_memory_stats(device)
     return record

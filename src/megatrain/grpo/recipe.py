@@ -325,7 +325,7 @@ class GRPOTrainer:
                 f"GRPO loss is {result.loss} at step {self.step}: lower "
                 "optimizer.learning_rate or keep optimizer.max_grad_norm > 0"
             )
-        record = step_record(result, lr, step_s) | gen.record
+        record = step_record(result, lr, step_s, self.builder.device) | gen.record
         record["time/train_s"] = round(step_s, 4)
         record["kl"] = fn.stats.kl
         record["clip_ratio"] = fn.stats.clip_ratio

@@ -23,6 +23,9 @@ What the GPU runs differently from meta tensors, and is substituted here:
   efficient with one); on meta it would fall back to the math path, which materializes the
   [B, H, S, S] scores. It is routed to the flash / efficient aten ops, which keep O(tokens),
   except where CUDA itself runs the math path (`_fused_attention`).
+- optional kernel packages a layer calls (flash-linear-attention, causal-conv1d) cannot run on
+  meta: the layer is measured with their torch reference code (model/kernels.py), an upper
+  bound on the fused kernels' memory.
 - grouped_mm (MoE experts) has a bf16-only meta kernel; fp32 runs transformers' loop fallback
   on the GPU, whose backward reads the expert offsets on the host in some transformers releases
   (5.17), impossible on meta: `_MetaGroupedMM` stands in with the fallback's memory (the output;
@@ -46,6 +49,7 @@ from megatrain.engine.attention_heads import head_calls
 from megatrain.engine.head import LogitsFn
 from megatrain.engine.tiling import TilePolicy, tiled_per_token
 from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
+from megatrain.model.kernels import reference_kernels
 from megatrain.resources.spec import ModelSpec
 
 LAYOUTS = ("full", "padded", "packed")  # rows full / right-padded rows / packed samples
@@ -284,7 +288,7 @@ def _measure(
     grad_out = torch.empty_like(x)
     tracker = _LiveBytes()
     tracker.exclude(x, grad_out)  # the layer input and mb.grad: counted by the caller
-    with torch.enable_grad(), _GpuKernels(), tracker:
+    with torch.enable_grad(), reference_kernels(layer), _GpuKernels(), tracker:
         out = call.run(layer, x)
         forward_ops = tracker.ops
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)

@@ -1,0 +1,168 @@
+"""Optional kernel packages inside a model's layers: which ones run, and their torch reference.
+
+Hybrid models' HF code calls a package's fused kernels when it is installed (Qwen3.5 and
+Qwen3-Next: flash-linear-attention's chunked gated-delta-rule and its fused gated RMSNorm,
+causal-conv1d's convolution) and its own torch reference code otherwise. Two forms exist:
+- an attribute of a layer's submodule bound to the package's function (transformers 5.0-5.17:
+  `self.chunk_gated_delta_rule = chunk_gated_delta_rule or torch_chunk_gated_delta_rule`);
+  the reference is the module-level `torch_<name>` of the model's file, or None where the
+  model's forward takes its own path for None (`causal_conv1d_fn`);
+- a module-level wrapper that picked the package at import (later releases:
+  `@use_kernel_func_from_hub_with_fallback`); the reference is the wrapped function
+  (`__wrapped__`);
+and a submodule whose class is the package's (`FusedRMSNormGated`).
+
+Triton and CUDA kernels cannot run on the meta device (launched on meta tensors they read
+address 0: an illegal memory access), so the plan's layer profile (resources/activations.py)
+measures such a layer with `reference_kernels`: functions swapped for their torch reference
+and package modules for a stand-in with the memory of an elementwise op (the output like the
+first input; the inputs kept for the backward). The torch reference materialises more than the
+fused kernels (chunked [C x C] blocks in fp32), so the profiled peak is an upper bound where a
+package runs; the report says so (`describe`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatrain.model.structure import ModelStructure
+
+PACKAGES = ("fla", "causal_conv1d", "mamba_ssm", "flash_attn", "liger_kernel")
+"""Import names of the optional kernel packages a layer may call (never required)."""
+
+DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+
+
+def _package(obj: Any) -> str | None:
+    """The optional package `obj` (a function or class) comes from, if any."""
+    root = str(getattr(obj, "__module__", "") or "").split(".")[0]
+    return root if root in PACKAGES else None
+
+
+def _wrapped_package(fn: Any) -> str | None:
+    """The package a transformers kernel wrapper dispatches to (`__wrapped__` is the torch
+    reference; the implementation it picked sits in its closure)."""
+    if not callable(fn) or not hasattr(fn, "__wrapped__"):
+        return None
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            found = _package(cell.cell_contents)
+            if found:
+                return found
+    return None
+
+
+def kernel_calls(layer: nn.Module) -> dict[str, str]:
+    """What of `layer` runs an optional package: {where: package}."""
+    found: dict[str, str] = {}
+    for name, module in layer.named_modules():
+        where = f"{name}." if name else ""
+        if _package(type(module)):
+            found[f"{where}{type(module).__name__}"] = str(_package(type(module)))
+        for attr, value in vars(module).items():
+            if callable(value) and _package(value):
+                found[f"{where}{attr}"] = str(_package(value))
+        source = sys.modules.get(type(module).__module__)
+        for attr, value in vars(source).items() if source is not None else ():
+            package = _wrapped_package(value)
+            if package:
+                found[f"{type(module).__module__.rsplit('.', 1)[-1]}.{attr}"] = package
+    return found
+
+
+def reference_calls(layer: nn.Module) -> list[str]:
+    """The layer's kernel slots bound to transformers' torch reference code (`torch_<name>`),
+    because the package that would fill them is not installed."""
+    return sorted(
+        attr
+        for module in layer.modules()
+        for attr, value in vars(module).items()
+        if callable(value)
+        and str(getattr(value, "__name__", "")).startswith("torch_")
+        and str(getattr(value, "__module__", "")).startswith("transformers.")
+    )
+
+
+def describe(layer: nn.Module) -> str | None:
+    """One line for the run's report: which optional kernels the layer runs, or which torch
+    reference code runs in their place (None: the layer has no such slot)."""
+    calls, reference = kernel_calls(layer), reference_calls(layer)
+    name = type(layer).__name__
+    if calls:
+        packages = sorted({DISTRIBUTIONS.get(p, p) for p in calls.values()})
+        return (
+            f"{name} runs {', '.join(packages)} kernels ({', '.join(sorted(calls))}); the plan "
+            "profiles them as their torch reference code (an upper bound on their memory)"
+        )
+    if reference:
+        return (
+            f"{name} runs transformers' torch reference code for {', '.join(reference)}, "
+            "slower than the fused kernels: pip install flash-linear-attention (the "
+            "megatrain[hybrid] extra) to run them"
+        )
+    return None
+
+
+def kernel_report(structure: ModelStructure) -> list[str]:
+    """`describe` of each layer group's first layer, where there is something to say."""
+    lines = (describe(structure.layers[g.layer_indices[0]]) for g in structure.groups)
+    return [line for line in lines if line]
+
+
+class _Elementwise(torch.autograd.Function):
+    """Memory of an opaque fused op on meta: an output like the first input, every input kept."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*inputs)
+        return torch.empty_like(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+def _stand_in(module: nn.Module) -> Callable[..., torch.Tensor]:
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        params = [p for p in module.parameters(recurse=False)]
+        return _Elementwise.apply(*tensors, *params)
+
+    return forward
+
+
+@contextlib.contextmanager
+def reference_kernels(layer: nn.Module) -> Iterator[None]:
+    """Within: `layer` runs torch code only (see the module docstring); restored on exit."""
+    undo: list[Callable[[], None]] = []
+
+    def swap(owner: dict[str, Any], attr: str, value: Any) -> None:
+        """Set owner[attr] (a module's instance dict or a file's globals) until the exit."""
+        missing = object()
+        old = owner.get(attr, missing)
+        owner[attr] = value
+        undo.append(lambda: owner.pop(attr) if old is missing else owner.__setitem__(attr, old))
+
+    try:
+        for module in layer.modules():
+            source = sys.modules.get(type(module).__module__)
+            namespace = vars(source) if isinstance(source, types.ModuleType) else {}
+            if _package(type(module)):
+                swap(vars(module), "forward", _stand_in(module))
+            for attr, value in list(vars(module).items()):
+                if callable(value) and _package(value):
+                    swap(vars(module), attr, namespace.get(f"torch_{attr}"))
+            for attr, value in list(namespace.items()):
+                if _wrapped_package(value):
+                    swap(namespace, attr, value.__wrapped__)
+        yield
+    finally:
+        for step in reversed(undo):
+            step()

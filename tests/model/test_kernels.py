@@ -1,0 +1,103 @@
+"""Optional kernel packages in a layer (model/kernels.py): the plan's meta profile runs their
+torch reference instead (a Triton kernel launched on meta tensors reads address 0 on a GPU:
+the illegal memory access the Qwen3.5 profile hit with flash-linear-attention installed).
+
+A stand-in `fla` package (a few files in tmp_path) whose kernels refuse meta tensors and
+otherwise run transformers' torch reference takes the place of the real one, which needs a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from megatrain.model import kernels
+
+_FAKE_FLA = {
+    "fla/__init__.py": '__version__ = "0.6.0"\n',
+    "fla/ops/__init__.py": "",
+    "fla/ops/gated_delta_rule/__init__.py": textwrap.dedent(
+        """
+        def _run(name, *args, **kwargs):
+            import torch
+            from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+            if any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):
+                raise RuntimeError("fla kernel launched on meta tensors")
+            return getattr(m, name).__wrapped__(*args, **kwargs)
+
+        def chunk_gated_delta_rule(*args, **kwargs):
+            return _run("torch_chunk_gated_delta_rule", *args, **kwargs)
+
+        def fused_recurrent_gated_delta_rule(*args, **kwargs):
+            return _run("torch_recurrent_gated_delta_rule", *args, **kwargs)
+        """
+    ),
+}
+
+_PROFILE = textwrap.dedent(
+    """
+    from megatrain.model.kernels import kernel_report
+    from megatrain.plan_builder import PlanBuilder
+    from megatrain.verify import verify_config
+
+    cfg = verify_config(None, [], model_type="qwen3_5_text", tiny=True)
+    builder = PlanBuilder(cfg)
+    plan = builder.plan()
+    print("PEAK", plan.estimate.gpu.peak_bytes)
+    print("REPORT", kernel_report(builder.spec.structure))
+    """
+)
+
+
+def test_plan_profiles_a_layer_whose_package_kernels_refuse_meta(tmp_path: Path) -> None:
+    for name, text in _FAKE_FLA.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    out = subprocess.run(
+        [sys.executable, "-c", _PROFILE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    peak = int(out.stdout.split("PEAK ")[1].split()[0])
+    assert peak > 0
+    report = out.stdout.split("REPORT ")[1]
+    assert "flash-linear-attention kernels" in report and "upper bound" in report
+
+
+def _torch_rule(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_reference_kernels_swaps_bound_functions_and_restores_them() -> None:
+    """transformers 5.0-5.17's form: the layer's attribute holds the package's function, the
+    model's file defines `torch_<name>`; a package module runs as an elementwise stand-in."""
+    package_fn = types.FunctionType(_torch_rule.__code__, {}, "chunk_rule")
+    package_fn.__module__ = "fla.ops.gated_delta_rule"
+    norm_cls = type("FusedRMSNormGated", (nn.Module,), {"__module__": "fla.modules"})
+    norm_cls.forward = lambda self, x, g: (_ for _ in ()).throw(RuntimeError("kernel ran"))
+
+    source = types.ModuleType("fake_modeling")
+    source.torch_chunk_rule = _torch_rule  # type: ignore[attr-defined]
+    sys.modules["fake_modeling"] = source
+    layer_cls = type("Layer", (nn.Module,), {"__module__": "fake_modeling"})
+    layer = layer_cls()
+    layer.chunk_rule = package_fn
+    layer.norm = norm_cls()
+    try:
+        assert kernels.kernel_calls(layer) == {"chunk_rule": "fla", "norm.FusedRMSNormGated": "fla"}
+        x = torch.ones(3, device="meta")
+        with kernels.reference_kernels(layer):
+            assert layer.chunk_rule is _torch_rule
+            out = layer.norm(x, x)
+            assert out.shape == x.shape and out.is_meta
+        assert layer.chunk_rule is package_fn and "forward" not in vars(layer.norm)
+    finally:
+        del sys.modules["fake_modeling"]
