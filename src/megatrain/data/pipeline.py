@@ -151,6 +151,7 @@ def read_dataset(spec: DatasetSpec, *, seed: int) -> list[dict[str, Any]]:
     if spec.load_from == "hf_hub":
         files = download_hub_dataset(
             spec.path,
+            name=spec.name,
             revision=spec.revision,
             folder=spec.folder,
             subset=spec.subset,
