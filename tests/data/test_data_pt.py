@@ -1,6 +1,6 @@
 """Stage pt on LLaMA-Factory-shaped raw text (c4_demo.jsonl, wiki_demo.txt as its dataset_info.json
 registers them): documents, token counts, rows cut from the stream, labels, document boundaries
-and exact mid-epoch resume, each against the tokenizer's own ids."""
+and exact mid-epoch resume, each against the tokenizer's own ids; `packing` is a no-op there."""
 
 from __future__ import annotations
 
@@ -201,3 +201,18 @@ def test_data_command_shows_the_loader_rows(tokenizer: Any, corpus_dir: tuple[Pa
     assert summary["loader"]["rows_per_epoch"] == n_rows
     assert summary["loader"]["supervised_tokens_per_epoch"] == n_rows * (SEQ_LEN - 1)
     assert summary["loader"]["tokens_dropped"] == len(stream) - n_rows * SEQ_LEN
+
+
+def test_packing_is_a_no_op_under_pt(tokenizer: Any, corpus_dir: tuple[Path, dict]) -> None:
+    folder, _ = corpus_dir
+    outputs = []
+    for packing in (True, False):
+        cfg = _cfg(folder, packing=packing)
+        cfg.validate()  # an sft config's packing: true is accepted
+        assert cfg.layout() == "full"
+        out = io.StringIO()
+        run_data_command(
+            cfg, tokenizer, show=3, as_json=True, seq_len=SEQ_LEN, micro_batch_size=2, out=out
+        )
+        outputs.append(out.getvalue())
+    assert outputs[0] == outputs[1]
