@@ -132,7 +132,9 @@ class ChatEncoder:
         must_mask = spans if self.multi_turn == "per_turn" else spans[-1:]
         if any(not end.startswith(prompt) for prompt, end in must_mask):
             return PROMPT_NOT_PREFIX
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # verbose=False: rows longer than the model's maximum are cut to cutoff_len below, so
+        # transformers' "Token indices sequence length is longer than ..." warning does not apply
+        ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         id_spans = list(zip(ids[0::2], ids[1::2], strict=True))
         rows = []
         for last, members in self._rows(spans):
