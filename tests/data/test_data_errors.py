@@ -120,8 +120,7 @@ def test_sft_data_given_to_pt_says_it_looks_like_sft(tokenizer: Any, tmp_path: P
 
 
 @pytest.mark.parametrize(
-    ("key", "value"),
-    [("packing", True), ("train_on_prompt", True), ("overflow", "drop"), ("system_prompt", "x")],
+    ("key", "value"), [("train_on_prompt", True), ("overflow", "drop"), ("system_prompt", "x")]
 )
 def test_pt_refuses_conversation_options(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"data.{key}=.*does not apply to data.stage: pt"):

@@ -1,16 +1,19 @@
 """Stage pt on LLaMA-Factory-shaped raw text (c4_demo.jsonl, wiki_demo.txt as its dataset_info.json
 registers them): documents, token counts, rows cut from the stream, labels, document boundaries
-and exact mid-epoch resume, each against the tokenizer's own ids."""
+and exact mid-epoch resume, each against the tokenizer's own ids; `packing` is a no-op there, and
+documents longer than the model's maximum are tokenized without transformers' warning."""
 
 from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from transformers.utils import logging as transformers_logging
 
 from data_fixtures.helpers import demo_tokenizer, write_rows
 from data_fixtures.pt_corpus import reference_document, reference_stream, write_lf_corpus
@@ -201,3 +204,57 @@ def test_data_command_shows_the_loader_rows(tokenizer: Any, corpus_dir: tuple[Pa
     assert summary["loader"]["rows_per_epoch"] == n_rows
     assert summary["loader"]["supervised_tokens_per_epoch"] == n_rows * (SEQ_LEN - 1)
     assert summary["loader"]["tokens_dropped"] == len(stream) - n_rows * SEQ_LEN
+
+
+def test_packing_is_a_no_op_under_pt(tokenizer: Any, corpus_dir: tuple[Path, dict]) -> None:
+    folder, _ = corpus_dir
+    outputs = []
+    for packing in (True, False):
+        cfg = _cfg(folder, packing=packing)
+        cfg.validate()  # an sft config's packing: true is accepted
+        assert cfg.layout() == "full"
+        out = io.StringIO()
+        run_data_command(
+            cfg, tokenizer, show=3, as_json=True, seq_len=SEQ_LEN, micro_batch_size=2, out=out
+        )
+        outputs.append(out.getvalue())
+    assert outputs[0] == outputs[1]
+
+
+@pytest.fixture()
+def transformers_warnings() -> Iterator[None]:
+    """transformers' warnings reach pytest's caplog (the suite runs it at verbosity error)."""
+    previous = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_warning()
+    transformers_logging.enable_propagation()
+    try:
+        yield
+    finally:
+        transformers_logging.disable_propagation()
+        transformers_logging.set_verbosity(previous)
+
+
+@pytest.mark.parametrize("stage", ["pt", "sft"])
+def test_documents_longer_than_the_model_maximum_do_not_warn(
+    stage: str,
+    corpus_dir: tuple[Path, dict],
+    tmp_path: Path,
+    transformers_warnings: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    folder, texts = corpus_dir
+    warning = "Token indices sequence length is longer than the specified maximum"
+    seen = demo_tokenizer()
+    seen.model_max_length = 8
+    seen(texts["wiki_demo"][0])  # called directly, the tokenizer warns (once per tokenizer)
+    assert warning in caplog.text
+    caplog.clear()
+    short = demo_tokenizer()
+    short.model_max_length = 8  # every document and conversation is longer
+    if stage == "pt":
+        cfg = _cfg(folder)
+    else:
+        rows = [{"instruction": t, "output": t} for t in texts["c4_demo"][:4]]
+        cfg = DataConfig(dataset=str(write_rows(tmp_path / "long.jsonl", rows)))
+    data = prepare_data(cfg, short)
+    assert len(data.train) > 0 and warning not in caplog.text

@@ -27,7 +27,6 @@ def _trainer(tmp: Path, data: Path, *overrides: str) -> Trainer:
             "--data.dataset", "c4_demo,wiki_demo",
             "--data.dataset_dir", str(data),
             "--data.cache_dir", str(data.parent / "cache"),
-            "--data.packing", "false",
             "--data.val_size", "0",
             "--data.cutoff_len", "128",
             "--training.micro_batch_size", "2",
@@ -53,6 +52,7 @@ def test_pt_resume_mid_epoch_gives_identical_losses(tmp_path: Path, neat: str) -
     data = tmp_path / "data"
     write_lf_corpus(data)
     straight_trainer = _trainer(tmp_path / "a", data, "--data.neat_packing", neat)
+    assert straight_trainer.cfg.data.packing  # the demo (sft) config's, a no-op under pt
     assert isinstance(straight_trainer.loader, PretrainLoader)
     assert len(straight_trainer.loader) > 6  # the stop at step 3 is mid-epoch
     try:

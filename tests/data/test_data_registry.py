@@ -127,10 +127,11 @@ def test_unknown_name_lists_registry_and_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ({"ms_hub_url": "org/x"}, "ms_hub_url (ModelScope) is not supported"),
-        ({"file_name": "x.json", "ranking": True}, "ranking (preference) data is not supported"),
-        ({"file_name": "x.json", "columns": {"images": "img"}}, "columns ['images'] not supported"),
-        ({"file_name": "x.json", "script_url": "s"}, "unsupported keys ['script_url']"),
+        ({"ms_hub_url": "org/x"}, "its only source is ms_hub_url='org/x', which megatrain"),
+        ({"script_url": "s", "xx_hub_url": "o/x"}, "only source is script_url='s', xx_hub_url="),
+        ({"file_name": "x.json", "ranking": True}, "preference data (ranking: true) is not supp"),
+        ({"file_name": "x.json", "columns": {"images": "i"}}, "multimodal data (columns.images)"),
+        ({"file_name": "x.json", "file": "y.json"}, "unsupported keys ['file']"),
         ({"file_name": "x.json", "formatting": "xml"}, "formatting='xml'"),
         ({"file_name": "x.json", "num_samples": 0}, "num_samples=0"),
         ({"formatting": "alpaca"}, "needs file_name or hf_hub_url"),
@@ -141,6 +142,15 @@ def test_registry_rejects_what_it_cannot_honour(tmp_path: Path, entry: dict, mes
     with pytest.raises(ValueError) as err:
         resolve_datasets(["bad"], tmp_path)
     assert "data set 'bad'" in str(err.value) and message in str(err.value)
+
+
+def test_other_sources_beside_a_file_or_hf_hub_url_are_ignored(tmp_path: Path) -> None:
+    others = {"ms_hub_url": "o/x", "om_hub_url": "o/x", "script_url": "s", "cloud_file_name": "c"}
+    info = {"local": {"file_name": "x.json", **others}, "hub": {"hf_hub_url": "o/x", **others}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    local, hub = resolve_datasets(["local", "hub"], tmp_path)
+    assert (local.load_from, local.path) == ("file", str(tmp_path / "x.json"))
+    assert (hub.load_from, hub.path) == ("hf_hub", "o/x")
 
 
 def test_undetectable_format_names_the_file_and_keys(tmp_path: Path) -> None:

@@ -234,10 +234,15 @@ def test_truncation_that_removes_all_targets_drops_the_sample(tmp_path: Path, to
     path = write_rows(tmp_path / "long.jsonl", _long_rows())
     prompt_only = 12  # every sample's prompt is longer than 12 tokens
     cfg = DataConfig(dataset=str(path), cutoff_len=prompt_only, min_target_tokens=1)
-    with pytest.raises(ValueError, match="too_few_target_tokens=3"):
+    with pytest.raises(ValueError, match="over_cutoff_len=3"):  # the cut is the reason
         prepare_data(cfg, tokenizer)
     rows = [*_long_rows(), json.loads(json.dumps(_long_rows()[0]))]
     rows[-1]["messages"][0]["content"] = "a"
     path2 = write_rows(tmp_path / "mixed.jsonl", rows)
     data = prepare_data(DataConfig(dataset=str(path2), cutoff_len=prompt_only), tokenizer)
-    assert data.stats.dropped == {"too_few_target_tokens": 3} and data.stats.kept == 1
+    assert data.stats.dropped == {"over_cutoff_len": 3} and data.stats.kept == 1
+    uncut = prepare_data(DataConfig(dataset=str(path)), tokenizer).train
+    longest = max(s.num_tokens for s in uncut)
+    few = DataConfig(dataset=str(path), min_target_tokens=longest)  # too few even uncut
+    with pytest.raises(ValueError, match="too_few_target_tokens=3"):
+        prepare_data(few, tokenizer)

@@ -16,10 +16,10 @@ OVERFLOW_CHOICES = ("truncate", "drop")
 MULTI_TURN_CHOICES = ("per_turn", "final")
 STAGES = ("sft", "pt")
 # Options that shape conversations: under stage pt (raw text) each must keep its default.
+# (`packing` is not one: pt rows are always full, so either value means the same there.)
 SFT_ONLY_DEFAULTS: dict[str, object] = {
     "chat_template": None,
     "overflow": "truncate",
-    "packing": False,
     "train_on_prompt": False,
     "system_prompt": None,
     "min_target_tokens": 1,
@@ -70,7 +70,9 @@ class DataConfig:
 
     packing: bool = False
     """Pack several samples into each row of exactly `seq_len` tokens (attention stays within a
-    sample through restarting position ids); False pads each micro-batch to its longest sample."""
+    sample through restarting position ids); False pads each micro-batch to its longest sample.
+    Stage pt: no effect, its rows are always full (see `neat_packing`), so an sft config's
+    `packing: true` can be kept."""
 
     pad_to_multiple_of: int = 8
     """Padded batches only: round the padded length up to a multiple of this (1 = no rounding)."""
@@ -164,15 +166,9 @@ class DataConfig:
             return
         for name, default in SFT_ONLY_DEFAULTS.items():
             if getattr(self, name) != default:
-                hint = (
-                    "; pt always concatenates documents into full rows (set neat_packing: true "
-                    "for per-document attention)"
-                    if name == "packing"
-                    else ""
-                )
                 raise ValueError(
                     f"data.{name}={getattr(self, name)!r} shapes conversations and does not apply "
-                    f"to data.stage: pt (raw text, every token supervised); remove it{hint}"
+                    "to data.stage: pt (raw text, every token supervised); remove it"
                 )
 
     def _validate_val_size(self) -> None:

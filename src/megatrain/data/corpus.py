@@ -139,9 +139,11 @@ def _write(
     progress = _Progress(file)
     with (out / "tokens.bin").open("wb") as f:
         for texts in _text_batches(file, column, stats, limit):
-            ids = tokenizer(texts, add_special_tokens=True, return_attention_mask=False)[
-                "input_ids"
-            ]
+            # verbose=False: documents are cut into rows of seq_len later, so transformers'
+            # "Token indices sequence length is longer than ..." warning does not apply
+            ids = tokenizer(
+                texts, add_special_tokens=True, return_attention_mask=False, verbose=False
+            )["input_ids"]
             for doc in ids:
                 if not doc or doc[-1] != eos:
                     doc.append(eos)

@@ -29,7 +29,7 @@ from megatrain.data.pretrain import PretrainCorpus, load_corpus, split_corpus
 from megatrain.data.readers import download_hub_dataset, iter_rows, read_rows
 from megatrain.data.registry import DatasetSpec, resolve_datasets, sft_format_of
 from megatrain.data.sample import DataStats, Sample, held_out_mask
-from megatrain.data.template import ChatEncoder
+from megatrain.data.template import OVER_CUTOFF, ChatEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +130,29 @@ def load_samples(
                 samples += result
         if rows and not stats.kept and stats.dropped.get(MISSING_COLUMN) == stats.rows_read:
             _refuse_raw_text(spec, rows[0])
+        hint = _over_cutoff_hint(stats, encoder, encoder.take_longest_over_cutoff())
         log = logger.warning if stats.dropped else logger.info
-        log("data set %s (%s): %s", spec.name, spec.path, stats.describe())
+        log("data set %s (%s): %s%s", spec.name, spec.path, stats.describe(), hint)
         total.add(stats)
     return samples, total
+
+
+def _over_cutoff_hint(stats: DataStats, encoder: ChatEncoder, longest: int) -> str:
+    """Why rows were dropped as not fitting data.cutoff_len, and the value that keeps them."""
+    count = stats.dropped.get(OVER_CUTOFF, 0)
+    if not count:
+        return ""
+    cutoff = f"data.cutoff_len={encoder.cutoff_len}"
+    why = (
+        f"are longer than {cutoff} (overflow: drop)"
+        if encoder.overflow == "drop"
+        else f"keep fewer than data.min_target_tokens={encoder.min_target_tokens} supervised "
+        f"tokens when truncated to {cutoff}"
+    )
+    return (
+        f"; {count} of the {stats.rows_read} rows were dropped because they do not fit: they "
+        f"{why}; raise data.cutoff_len ({longest} keeps every such row whole)"
+    )
 
 
 def _refuse_raw_text(spec: DatasetSpec, first: dict[str, Any]) -> None:
@@ -151,6 +170,7 @@ def read_dataset(spec: DatasetSpec, *, seed: int) -> list[dict[str, Any]]:
     if spec.load_from == "hf_hub":
         files = download_hub_dataset(
             spec.path,
+            name=spec.name,
             revision=spec.revision,
             folder=spec.folder,
             subset=spec.subset,

@@ -159,6 +159,7 @@ def _files_of(spec: DatasetSpec) -> list[Path]:
     if spec.load_from == "hf_hub":
         return download_hub_dataset(
             spec.path,
+            name=spec.name,
             revision=spec.revision,
             folder=spec.folder,
             subset=spec.subset,

@@ -10,7 +10,10 @@ reproducible. Every reader streams except a `.json` array, which
 is parsed whole.
 
 Hub data sets (`hf_hub_url` in dataset_info.json) are fetched with
-`huggingface_hub.snapshot_download(repo_type="dataset")` and then read with the same readers.
+`huggingface_hub.snapshot_download(repo_type="dataset")` and then read with the same readers. A
+download that fails (the hub unreachable or HF_HUB_OFFLINE set, with no cached copy; a missing,
+gated or private repository; an unknown revision) is one error naming the data set, its hub id
+and the fix.
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ def _read_jsonl(file: Path) -> Iterator[Any]:
 def download_hub_dataset(
     repo_id: str,
     *,
+    name: str,
     revision: str | None = None,
     folder: str | None = None,
     subset: str | None = None,
@@ -153,24 +157,20 @@ def download_hub_dataset(
 ) -> list[Path]:
     """Download a hub data set repository and return the data files of `split`, sorted.
 
-    `folder` is a folder inside the repository; `subset` (a `datasets` config name) is looked up as
-    a folder of that name, which is how hub repositories lay out their configs' data files. Files
-    of a split are those named `<split>...` (e.g. `train-00000-of-00001.parquet`, `train.jsonl`) or
-    under a folder named `<split>`; a repository with no split in any file name is all `train`.
+    `name`: the data set's name in dataset_info.json, for the messages. `folder` is a folder
+    inside the repository; `subset` (a `datasets` config name) is looked up as a folder of that
+    name, which is how hub repositories lay out their configs' data files. Files of a split are
+    those named `<split>...` (e.g. `train-00000-of-00001.parquet`, `train.jsonl`) or under a
+    folder named `<split>`; a repository with no split in any file name is all `train`.
     """
-    from huggingface_hub import snapshot_download
-
     prefix = "/".join(p.strip("/") for p in (folder, subset) if p)
     patterns = [f"{prefix}/*{s}" if prefix else f"*{s}" for s in suffixes]
-    local = Path(
-        snapshot_download(
-            repo_id=repo_id, repo_type="dataset", revision=revision, allow_patterns=patterns
-        )
-    )
+    where = f"data set {name!r} (hf_hub_url {repo_id})"
+    local = _snapshot(repo_id, revision=revision, patterns=patterns, where=where)
     root = local / prefix if prefix else local
     if not root.is_dir():
         raise FileNotFoundError(
-            f"hub data set {repo_id}: no folder {prefix!r} in the repository (from folder="
+            f"{where}: no folder {prefix!r} in the repository (from folder="
             f"{folder!r}, subset={subset!r}); check `folder`/`subset` in dataset_info.json"
         )
     files = data_files(root, suffixes)
@@ -184,16 +184,44 @@ def download_hub_dataset(
     if not chosen:
         names = ", ".join(str(f.relative_to(root)) for f in files[:20])
         raise FileNotFoundError(
-            f"hub data set {repo_id}: no data file of split {split!r} among: {names}; set `split` "
+            f"{where}: no data file of split {split!r} among: {names}; set `split` "
             "in dataset_info.json to the split named in those files"
         )
     tops = sorted({f.relative_to(root).parts[0] if f.parent != root else "." for f in chosen})
     if len(tops) > 1:
         raise ValueError(
-            f"hub data set {repo_id}: split {split!r} has files in several folders {tops}, "
+            f"{where}: split {split!r} has files in several folders {tops}, "
             "usually one per subset (config); set `subset` or `folder` in dataset_info.json"
         )
     return chosen
+
+
+def _snapshot(repo_id: str, *, revision: str | None, patterns: list[str], where: str) -> Path:
+    """The local snapshot folder of a hub data set; a failed download is a user error."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id=repo_id, repo_type="dataset", revision=revision, allow_patterns=patterns
+            )
+        )
+    except LocalEntryNotFoundError as err:  # offline or unreachable, and not in the hub cache
+        raise FileNotFoundError(
+            f"{where}: cannot download it: the Hugging Face hub is unreachable (no network, or "
+            "HF_HUB_OFFLINE is set) and no copy is in the local hub cache. Run where the hub is "
+            f"reachable, or download it there (`hf download {repo_id} --repo-type dataset "
+            "--local-dir DIR`) and replace the entry's hf_hub_url with file_name: DIR (or the "
+            "data files of the split you want) in dataset_info.json"
+        ) from err
+    except HfHubHTTPError as err:  # no such repository or revision, gated or private
+        reason = " ".join(str(err).split())  # the hub's text, as one paragraph
+        raise ValueError(
+            f"{where}: the hub refused the download ({reason}); check hf_hub_url and revision in "
+            "dataset_info.json, and for a gated or private data set accept its terms on the hub "
+            "and log in (`hf auth login`)"
+        ) from err
 
 
 def _in_split(relative: Path, split: str) -> bool:

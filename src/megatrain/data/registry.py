@@ -1,9 +1,13 @@
 """The data set registry: LLaMA-Factory's `dataset_info.json`, and data referenced by path.
 
-An entry (see LLaMA-Factory's data/README.md) names its source (`file_name` relative to the
-registry's folder, or `hf_hub_url`), its `formatting` ("alpaca" default, "sharegpt", or this
+An entry (see LLaMA-Factory's data/README.md) names its source (`hf_hub_url`, else `file_name`
+relative to the registry's folder), its `formatting` ("alpaca" default, "sharegpt", or this
 package's "openai", which is sharegpt with OpenAI's role/content tags), optional `columns` and
 `tags` that rename the fields, and `split`, `subset`, `folder`, `revision`, `num_samples`.
+LLaMA-Factory's other sources (`ms_hub_url`, `om_hub_url` or any other `*_hub_url`, `script_url`,
+`cloud_file_name`) are alternatives to those two: ignored when the entry has one of them, an
+error naming the entry otherwise. Entries of features not supported yet (`ranking: true`
+preference data, `kto_tag`, `images`/`videos`/`audios` columns) are refused by name.
 
 A name that is not in the registry but is an existing file or folder (absolute, relative to the
 working directory, or relative to the registry folder) is read directly; its format is detected
@@ -11,7 +15,8 @@ from its first row: alpaca (`instruction`/`output`), sharegpt (`conversations` o
 or OpenAI (`messages` of `role`/`content`).
 
 Invariant: every key an entry may carry is either honoured or rejected with an error naming the
-data set, the key and the fix; nothing in an entry is ignored.
+data set, the key and the fix; the only keys ignored are the alternative sources above, and only
+when a source read here is given.
 """
 
 from __future__ import annotations
@@ -36,10 +41,21 @@ TAGS = (
     "function_tag",
     "system_tag",
 )
+SOURCES = ("hf_hub_url", "file_name")  # read here, in this order of precedence
+# LLaMA-Factory's sources of other kinds, besides any `*_hub_url` of another hub
+OTHER_SOURCES = ("script_url", "cloud_file_name")
+HUB_URL_SUFFIX = "_hub_url"
+# Features of LLaMA-Factory's registry not supported yet, by the column that marks each.
+UNSUPPORTED_COLUMNS = {
+    "chosen": "preference",
+    "rejected": "preference",
+    "kto_tag": "KTO",
+    "images": "multimodal",
+    "videos": "multimodal",
+    "audios": "multimodal",
+}
 ENTRY_KEYS = (
-    "file_name",
-    "hf_hub_url",
-    "ms_hub_url",
+    *SOURCES,
     "formatting",
     "columns",
     "tags",
@@ -151,11 +167,11 @@ def spec_from_entry(name: str, entry: Any, dataset_dir: Path) -> DatasetSpec:
     where = f"{dataset_dir / REGISTRY_FILE}: data set {name!r}"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: expected an object, got {type(entry).__name__}")
-    unknown = sorted(set(entry) - set(ENTRY_KEYS))
+    other_sources = [k for k in entry if k in OTHER_SOURCES or _is_other_hub(k)]
+    unknown = sorted(set(entry) - set(ENTRY_KEYS) - set(other_sources))
     if unknown:
         raise ValueError(f"{where}: unsupported keys {unknown}; supported: {list(ENTRY_KEYS)}")
-    if entry.get("ranking"):
-        raise ValueError(f"{where}: ranking (preference) data is not supported; SFT data only")
+    _refuse_unsupported_features(entry, where)
     formatting = entry.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
         raise ValueError(f"{where}: formatting={formatting!r}; use one of {list(FORMATTINGS)}")
@@ -164,10 +180,12 @@ def spec_from_entry(name: str, entry: Any, dataset_dir: Path) -> DatasetSpec:
     elif "file_name" in entry:
         file = Path(str(entry["file_name"])).expanduser()
         load_from, path = "file", str(file if file.is_absolute() else dataset_dir / file)
-    elif "ms_hub_url" in entry:
+    elif other_sources:
+        given = ", ".join(f"{k}={entry[k]!r}" for k in other_sources)
         raise ValueError(
-            f"{where}: ms_hub_url (ModelScope) is not supported; download the data and set "
-            "file_name, or use hf_hub_url"
+            f"{where}: its only source is {given}, which megatrain does not read yet (it reads "
+            f"{' and '.join(SOURCES)}); download the data and set file_name to the local copy, "
+            "or add the data set's hf_hub_url"
         )
     else:
         raise ValueError(f"{where}: needs file_name or hf_hub_url")
@@ -187,6 +205,26 @@ def spec_from_entry(name: str, entry: Any, dataset_dir: Path) -> DatasetSpec:
         fields["text"] = fields["prompt"]
     fields.update(_mapping(entry, "tags", TAGS if formatting != "alpaca" else (), where))
     return replace(spec, **fields)
+
+
+def _is_other_hub(key: str) -> bool:
+    return key.endswith(HUB_URL_SUFFIX) and key not in SOURCES
+
+
+def _refuse_unsupported_features(entry: dict[str, Any], where: str) -> None:
+    """Name the features of the entry that are not supported yet (before any column check)."""
+    columns = entry.get("columns")
+    found: dict[str, list[str]] = {"preference": ["ranking: true"]} if entry.get("ranking") else {}
+    for column, feature in UNSUPPORTED_COLUMNS.items():
+        if isinstance(columns, dict) and column in columns:
+            found.setdefault(feature, []).append(f"columns.{column}")
+    if found:
+        listed = " and ".join(f"{name} data ({', '.join(keys)})" for name, keys in found.items())
+        raise ValueError(
+            f"{where}: {listed} {'is' if len(found) == 1 else 'are'} not supported yet; megatrain "
+            "trains on text conversations (data.stage: sft) and raw text (pt) only: remove the "
+            "data set from data.dataset"
+        )
 
 
 def _allowed_columns(formatting: str) -> tuple[str, ...]:

@@ -32,8 +32,9 @@ Checks per conversation, each failure a counted drop, never a crash of the run:
 - tokens: the same prefixes must hold for the token ids; when the tokenizer merges characters
   across a turn boundary (a reply that starts with whitespace the header ends with):
   "token_merge_across_turns".
-Then `cutoff_len`: each row is truncated (first tokens kept) or dropped per `overflow`, and
-dropped if fewer than `min_target_tokens` supervised tokens remain.
+Then `cutoff_len`: each row is truncated (first tokens kept) or dropped per `overflow`. A row is
+dropped if fewer than `min_target_tokens` supervised tokens remain: as "over_cutoff_len" when the
+cut is the reason (the whole row has enough), else "too_few_target_tokens".
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class ChatEncoder:
         self.train_on_prompt = train_on_prompt
         self.min_target_tokens = min_target_tokens
         self.default_system = default_system
+        self._longest_over_cutoff = 0  # tokens of the longest OVER_CUTOFF row not yet taken
 
     def messages(self, conv: Conversation) -> list[dict[str, Any]]:
         """The message list handed to the template: the system turn first, when there is one."""
@@ -130,7 +132,9 @@ class ChatEncoder:
         must_mask = spans if self.multi_turn == "per_turn" else spans[-1:]
         if any(not end.startswith(prompt) for prompt, end in must_mask):
             return PROMPT_NOT_PREFIX
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # verbose=False: rows longer than the model's maximum are cut to cutoff_len below, so
+        # transformers' "Token indices sequence length is longer than ..." warning does not apply
+        ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         id_spans = list(zip(ids[0::2], ids[1::2], strict=True))
         rows = []
         for last, members in self._rows(spans):
@@ -175,14 +179,21 @@ class ChatEncoder:
         assert isinstance(text, str)
         return text
 
+    def take_longest_over_cutoff(self) -> int:
+        """Tokens of the longest row dropped as "over_cutoff_len" since the last call (0: none):
+        the cutoff_len that would have kept every such row whole."""
+        longest, self._longest_over_cutoff = self._longest_over_cutoff, 0
+        return longest
+
     def _limit(self, input_ids: np.ndarray, mask: np.ndarray) -> Sample | str:
         truncated = len(input_ids) > self.cutoff_len
-        if truncated and self.overflow == "drop":
-            return OVER_CUTOFF
         sample = Sample(input_ids[: self.cutoff_len], mask[: self.cutoff_len], truncated)
-        if sample.num_target_tokens < self.min_target_tokens:
-            return TOO_FEW_TARGETS
-        return sample
+        too_few = sample.num_target_tokens < self.min_target_tokens
+        whole_enough = Sample(input_ids, mask).num_target_tokens >= self.min_target_tokens
+        if truncated and (self.overflow == "drop" or (too_few and whole_enough)):
+            self._longest_over_cutoff = max(self._longest_over_cutoff, len(input_ids))
+            return OVER_CUTOFF
+        return TOO_FEW_TARGETS if too_few else sample
 
 
 def _holds(text: str, prompt: str, end: str) -> bool:
