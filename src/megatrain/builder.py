@@ -207,7 +207,7 @@ class RunBuilder(PlanBuilder):
             num_slots=cfg.memory.num_slots,
             max_grad_norm=cfg.optimizer.clip_norm,
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-            compile_layers=cfg.training.compile_layers,
+            compile_layers=self.compiled,
             gpu_state_blocks=self.gpu_state_blocks(len(store.layers)),
             world_size=self.placement.world_size,
             rank=self.placement.rank,

@@ -27,6 +27,12 @@ from megatrain.resources.long_context import configured_boundaries
 from megatrain.resources.plan import ResourcePlan, RunShape, plan_resources
 from megatrain.resources.ranks import Ranks
 
+COMPILE_AUTO_KINDS = ("attention", "full_attention", "sliding_attention")
+"""Layer kinds (model/structure.py) that compile_layers "auto" compiles: plain attention + MLP,
+whose compiled peak the eager profile covers (measured dense). Hybrid linear-attention layers
+ran out of memory compiled against the eager plan (Qwen3.5 shape); MoE layers are not measured
+compiled."""
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -143,7 +149,7 @@ class PlanBuilder:
         """Pinned host buffers: asked for, and useful (only CUDA copies from them)."""
         return self.cfg.memory.pin_memory and self.placement.is_cuda
 
-    def shape(self, layout: str | None = None) -> RunShape:
+    def shape(self, layout: str | None = None, compiled: bool | None = None) -> RunShape:
         cfg, p = self.cfg, self.placement
         return RunShape(
             seq_len=cfg.seq_len,
@@ -155,7 +161,7 @@ class PlanBuilder:
             check_gpu=p.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
             gpu_state_blocks=cfg.memory.gpu_state_blocks,
-            compiled=cfg.training.compile_layers,
+            compiled=self.compiled if compiled is None else compiled,
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             activation_offload=cfg.memory.activation_offload,
             checkpoint_every=cfg.memory.checkpoint_every,
@@ -188,14 +194,30 @@ class PlanBuilder:
     def _own_plan(self) -> ResourcePlan:
         return self._plan(None, None)
 
-    def _plan(self, tokens_per_step: int | None, layout: str | None) -> ResourcePlan:
+    @functools.cached_property
+    def compiled(self) -> bool:
+        """training.compile_layers resolved: "auto" compiles on a GPU where the plan's memory
+        holds for compiled layers (see its docstring in config/sections.py)."""
+        setting = self.cfg.training.compile_layers
+        if not isinstance(setting, str):
+            return setting
+        plain = all(g.kind in COMPILE_AUTO_KINDS for g in self.spec.structure.groups)
+        fixed_rows = self.cfg.layout != "padded"
+        if not (self.placement.is_cuda and plain and fixed_rows):
+            return False
+        tiles = self.cfg.memory.mlp_tiles
+        return tiles == 1 or (tiles == "auto" and self._plan(None, None, False).mlp_tiles == 1)
+
+    def _plan(
+        self, tokens_per_step: int | None, layout: str | None, compiled: bool | None = None
+    ) -> ResourcePlan:
         t, mem = self.cfg.training, self.cfg.memory
         if tokens_per_step is None and t.global_batch_size and t.micro_batch_size == "auto":
             rows = rows_per_rank(t.global_batch_size, self.placement.world_size)
             tokens_per_step = rows * self.cfg.seq_len
         return plan_resources(
             self.spec,
-            self.shape(layout),
+            self.shape(layout, compiled),
             hardware=self.hardware,
             micro_batch_size=t.micro_batch_size,
             grad_accum=t.gradient_accumulation_steps,
@@ -262,8 +284,8 @@ class PlanBuilder:
     def tile_policy(self) -> TilePolicy | None:
         """The MLPs' sequence tiles (engine/tiling.py): memory.mlp_tiles, or for "auto" on the
         GPU the plan's count (the fewest whose peak fits; the plan is then computed)."""
-        mem, t = self.cfg.memory, self.cfg.training
-        policy = TilePolicy.from_setting(mem.mlp_tiles, t.compile_layers)
+        mem = self.cfg.memory
+        policy = TilePolicy.from_setting(mem.mlp_tiles, self.compiled)
         if policy is None or mem.mlp_tiles != "auto" or not self.placement.is_cuda:
             return policy
         return self.plan().tile_policy(self.cfg.seq_len)

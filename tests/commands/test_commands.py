@@ -47,7 +47,8 @@ def test_short_form_equals_the_yaml_it_abbreviates(tmp_path: Path) -> None:
     yaml.write_text(
         "model: {model_type: qwen3, tiny: true, tokenizer: demo, compute_dtype: fp32}\n"
         "data: {cutoff_len: 32, packing: true}\n"
-        "training: {micro_batch_size: 2, gradient_accumulation_steps: 3, seq_len: 32, seed: 0}\n"
+        "training: {micro_batch_size: 2, gradient_accumulation_steps: 3, seq_len: 32, seed: 0,\n"
+        "           compile_layers: false}\n"
         "optimizer: {learning_rate: 1.0e-3, weight_decay: 0.1, lr_scheduler: constant}\n"
         "memory: {gpu_state_blocks: 0}\n"
     )

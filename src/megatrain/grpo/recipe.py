@@ -17,6 +17,7 @@ same prompts and, from the same weights, the same completions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -84,6 +85,10 @@ class GRPOTrainer:
     """
 
     def __init__(self, cfg: TrainConfig, builder: RunBuilder | None = None) -> None:
+        if cfg.training.compile_layers == "auto":  # rows of every length: eager layers
+            cfg = dataclasses.replace(
+                cfg, training=dataclasses.replace(cfg.training, compile_layers=False)
+            )
         self.cfg, g = cfg, cfg.grpo
         self.builder = b = builder or RunBuilder(cfg)
         if not isinstance(cfg.training.micro_batch_size, int):

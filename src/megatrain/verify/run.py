@@ -32,13 +32,19 @@ DATA_SEED_TRIES = 12
 VERIFY_BASE: dict[str, dict[str, Any]] = {
     "model": {"compute_dtype": "fp32"},
     "data": {"cutoff_len": 24},
-    "training": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "seq_len": 24, "seed": 0},
+    "training": {
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "seq_len": 24,
+        "seed": 0,
+        "compile_layers": False,
+    },
     "optimizer": {"learning_rate": 1e-3, "weight_decay": 0.1, "lr_scheduler": "constant"},
     "memory": {"gpu_state_blocks": 0},
 }
 """verify's own defaults when no --config is given: small random batches, fp32, a large lr so
 that every step moves the weights measurably. No tokenizer is loaded: the tokens are random.
-Every layer streamed (a tiny model would otherwise sit whole in the GPU tier on CUDA);
+Every layer streamed (a tiny model would otherwise sit whole in the GPU tier on CUDA), eager;
 `--memory.gpu_state_blocks N` checks the tier."""
 
 SHORTHANDS: dict[str, tuple[str, ...]] = {
