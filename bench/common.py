@@ -59,6 +59,42 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=64,
         **_QWEN_LARGE,
     ),
+    # Qwen3.5-27B's text model (hybrid: Gated DeltaNet x3, gated full attention x1, repeating)
+    "qwen3.5-27b": dict(
+        model_type="qwen3_5_text",
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        vocab_size=248320,
+        tie_word_embeddings=False,
+        max_position_embeddings=262144,
+    ),
+    # Qwen3-30B-A3B (128 experts, top 8)
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
 }
 host_rss_gib = _peers.host_rss_gib
 

@@ -1,0 +1,156 @@
+"""`megatrain train` as a user runs it, on a preset shape: the product's own figures.
+
+    python bench/cli_train.py --name dense64k --preset llama3.1-8b --seq 2048 --rows 32 \
+        --micro 4 --steps 10 [--layers N] [-- --section.key VALUE ...]
+
+Writes what a user would have: a model folder holding only the shape's config.json
+(`model.random_init: true`), a pre-training text corpus (the demo's lines, repeated), and a YAML
+config with the default settings except the shape, the batch and the run length (clipping on,
+as by default; no checkpoint within the run: `save_every` beyond it). Then runs
+`python -m megatrain train --config FILE` in a fresh process with the environment as it is (no
+allocator or other variable set here), its output into $OUT/<name>/train.log, and reads
+$OUT/<name>/run/metrics.jsonl: the median step time over the steps after the first two
+(compiling, warm-up), tokens/s, model TFLOPS (6 x active params, from the logged MFU), the
+GPU allocator's peak (reserved: what the card must hold) and host RSS, any step-down of the
+plan, beside the prediction the run printed. One RESULT line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from common import log, preset_values, result
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_TEXT = ROOT / "src" / "megatrain" / "assets" / "demo" / "demo_text.txt"
+PREDICTED = re.compile(
+    r"resources: host ([\d.]+) GiB, GPU peak ([\d.]+) GiB, step ([\d.]+) s \(predicted\)"
+)
+
+
+def corpus(path: Path, chars: int) -> Path:
+    """A .txt corpus (one document per line) of about `chars` characters of demo text."""
+    if path.exists() and path.stat().st_size >= chars:
+        return path
+    lines = [ln for ln in DEMO_TEXT.read_text().splitlines() if ln.strip()]
+    rng, out, size = random.Random(0), [], 0
+    while size < chars:
+        doc = " ".join(rng.choice(lines) for _ in range(rng.randint(4, 40)))
+        out.append(doc)
+        size += len(doc) + 1
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
+    extra = {"num_hidden_layers": a.layers} if a.layers else {}
+    model_type, values = preset_values(a.preset, **extra)
+    from transformers import AutoConfig
+
+    model_dir = out / "model"
+    AutoConfig.for_model(model_type, **values).save_pretrained(model_dir)
+    text = corpus(out.parent / "corpus.txt", max(4 * a.seq, 4_000_000))
+    cfg: dict[str, Any] = {
+        "model": {"name_or_path": str(model_dir), "random_init": True, "tokenizer": "demo"},
+        "data": {"stage": "pt", "dataset": str(text), "cutoff_len": a.seq},
+        "training": {
+            "output_dir": str(out / "run"),
+            "micro_batch_size": a.micro,
+            "gradient_accumulation_steps": a.rows // a.micro,
+            "seq_len": a.seq,
+            "max_steps": a.steps,
+        },
+        "logging": {"progress_bar": False, "log_every": 1, "tensorboard": False},
+        "checkpoint": {"save_every": 10 * a.steps, "save_final": False, "export_hf": False},
+    }
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    (out / "overrides.txt").write_text(" ".join(overrides))
+    return path
+
+
+def summarize(name: str, out: Path, rc: int, log_text: str) -> dict[str, Any]:
+    records = (
+        [
+            json.loads(line)
+            for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
+        if (out / "run" / "metrics.jsonl").exists()
+        else []
+    )
+    train = [r for r in records if r["kind"] == "train"]
+    steady = train[2:] or train
+    step_s = statistics.median(r["step_s"] for r in steady) if steady else None
+    summary: dict[str, Any] = {"name": name, "rc": rc, "steps": len(train)}
+    if step_s:
+        tokens = steady[0]["tokens"]
+        summary |= {
+            "step_s": round(step_s, 3),
+            "tokens_per_s": round(tokens / step_s),
+            "first_step_s": train[0]["step_s"],
+        }
+        mfu = [r["mfu"] for r in steady if "mfu" in r]
+        if mfu:  # the logger's MFU is 6 x active params x tokens/s over the card's peak
+            summary["mfu"] = round(statistics.median(mfu), 4)
+        for key in ("gpu_peak_gib", "gpu_alloc_peak_gib", "host_rss_gib"):
+            values = [r[key] for r in train if key in r]
+            if values:
+                summary[key] = max(values)
+        summary["loss"] = [round(train[0]["loss"], 3), round(train[-1]["loss"], 3)]
+    downs = [r for r in records if r["kind"] == "plan_step_down"]
+    if downs:
+        summary["step_downs"] = downs
+    found = PREDICTED.search(log_text)
+    if found:
+        summary |= {
+            "pred_host_gib": float(found.group(1)),
+            "pred_gpu_peak_gib": float(found.group(2)),
+            "pred_step_s": float(found.group(3)),
+        }
+    if rc:
+        summary["error"] = log_text.strip().splitlines()[-1][-300:] if log_text.strip() else ""
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(epilog="after --: config overrides, as megatrain train takes")
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--rows", type=int, default=32, help="rows per optimizer step")
+    ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--timeout", type=int, default=560)
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    a, overrides = ap.parse_args(argv[:split]), argv[split + 1 :]
+    out = Path(os.environ.get("OUT", "/tmp/out")) / a.name
+    out.mkdir(parents=True, exist_ok=True)
+    config = write_run(a, overrides, out)
+    command = [sys.executable, "-m", "megatrain", "train", "--config", str(config), *overrides]
+    log(f"{a.name}: {' '.join(command)}")
+    logfile = out / "train.log"
+    with open(logfile, "w") as f:
+        try:
+            rc = subprocess.run(
+                command, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    result(**summarize(a.name, out, rc, logfile.read_text()))
+
+
+if __name__ == "__main__":
+    main()
