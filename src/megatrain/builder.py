@@ -258,6 +258,7 @@ class RunBuilder(PlanBuilder):
             progress_bar=log.progress_bar and main,
             echo=main,
             flops_per_token=6 * self.spec.active_params,
+            world_size=self.placement.world_size,  # the engine's tokens are the job's
             peak_flops_per_s=peak_flops(
                 torch.cuda.get_device_name(device) if device.type == "cuda" else None
             ),
