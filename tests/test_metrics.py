@@ -28,7 +28,7 @@ def _logger(out: Path, world_size: int, *, progress_bar: bool) -> MetricsLogger:
         start_step=0,
         log_every=1,
         jsonl=False,
-        tensorboard=False,
+        trackers=(),
         progress_bar=progress_bar,
         flops_per_token=FLOPS_PER_TOKEN,
         peak_flops_per_s=PEAK,
@@ -80,7 +80,7 @@ def test_no_peak_no_mfu(tmp_path: Path) -> None:
         start_step=0,
         log_every=1,
         jsonl=False,
-        tensorboard=False,
+        trackers=(),
         progress_bar=False,
         flops_per_token=FLOPS_PER_TOKEN,
         peak_flops_per_s=None,  # a CPU run, or a GPU not in the table

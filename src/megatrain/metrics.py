@@ -1,10 +1,11 @@
-"""Training progress and metrics: a progress bar, metrics.jsonl, TensorBoard.
+"""Training progress and metrics: a progress bar, metrics.jsonl, the trackers of report_to.
 
 One `MetricsLogger` per run. Every optimizer step's record goes to `<output_dir>/metrics.jsonl`
 (one JSON object per line, appended, flushed each line, so a crash loses at most the step in
-flight) and, when the tensorboard package is installed, to TensorBoard event files under
-`<output_dir>/tensorboard`. The console shows a tqdm bar with loss, tokens/s, MFU and ETA, or
-(without a bar) one line every `log_every` steps.
+flight) and to each tracker the run opened (megatrain/trackers.py: TensorBoard by default,
+W&B, MLflow, SwanLab, Trackio) as `train/<key>` / `eval/<key>` scalars at the record's step.
+The console shows a tqdm bar with loss, tokens/s, MFU and ETA, or (without a bar) one line
+every `log_every` steps.
 
 Speed under ranks: a step's `tokens` are the whole job's (the engine sums them over the ranks),
 so `tokens_per_s` is the job's and `tokens_per_s_per_gpu` divides it by the world size. Model
@@ -14,7 +15,7 @@ over one GPU's peak (two GPUs at 42% each show 42%, not 84%).
 Resume: the logger starts at the checkpoint's step. Records of the interrupted run after that
 step (kill at 48, resume from 45: steps 46-48) are dropped from metrics.jsonl before the first
 new line (the file is rewritten to a temporary file and renamed over, so a crash leaves either
-the old or the cut log), and TensorBoard purges its events from that step on (`purge_step`).
+the old or the cut log); the trackers handle their own history (trackers.py).
 So the log of a resumed run continues the checkpoint's history with every step once.
 """
 
@@ -25,11 +26,13 @@ import math
 import os
 import sys
 import time
-import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from megatrain.trackers import Tracker
 
 # Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name().
 _PEAK_FLOPS = (
@@ -64,7 +67,7 @@ class MetricsLogger:
         start_step: int,
         log_every: int,
         jsonl: bool,
-        tensorboard: bool,
+        trackers: Sequence[Tracker],
         progress_bar: bool,
         flops_per_token: float,
         peak_flops_per_s: float | None,
@@ -73,6 +76,7 @@ class MetricsLogger:
     ) -> None:
         """`flops_per_token`: model FLOPs per trained token (6 x active parameters);
         `peak_flops_per_s`: one GPU's peak (None: no MFU); `world_size`: the GPUs of the job;
+        `trackers`: opened for this run (trackers.open_trackers), closed by `close()`;
         `echo` False: nothing on the console (ranks other than 0 of a multi-process run)."""
         self.output_dir = Path(output_dir)
         self.echo = echo
@@ -85,11 +89,7 @@ class MetricsLogger:
             truncate_metrics(path, start_step)
         # held open for the run (closed in close()): one line per step, flushed each time
         self._jsonl = open(path, "a") if jsonl else None  # noqa: SIM115
-        self._tb = (
-            _tensorboard_writer(self.output_dir / "tensorboard", purge_step=start_step + 1)
-            if tensorboard
-            else None
-        )
+        self._trackers = list(trackers)
         self._bar = (
             tqdm(
                 total=total_steps,
@@ -168,18 +168,22 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
             self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"{kind}/{key}", value, record["step"])
+        if self._trackers:
+            scalars = {
+                f"{kind}/{key}": float(value)
+                for key, value in record.items()
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value)
+            }
+            for tracker in self._trackers:
+                tracker.log(scalars, record["step"])
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 def truncate_metrics(path: Path, last_step: int) -> int:
@@ -208,19 +212,6 @@ def truncate_metrics(path: Path, last_step: int) -> int:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     return dropped
-
-
-def _tensorboard_writer(path: Path, *, purge_step: int) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        warnings.warn(
-            "logging.tensorboard is on but the tensorboard package is not installed; "
-            "pip install tensorboard, or set logging.tensorboard: false",
-            stacklevel=3,
-        )
-        return None
-    return SummaryWriter(str(path), purge_step=purge_step)
 
 
 def _grpo_postfix(record: dict[str, Any]) -> dict[str, str]:

@@ -52,7 +52,7 @@ COMMON = [
     "--checkpoint.save_every", "2",
     "--checkpoint.keep_last", "2",
     "--logging.progress_bar", "false",
-    "--logging.tensorboard", "false",
+    "--logging.report_to", "none",
     "--logging.log_every", "1",
 ]  # fmt: skip
 
