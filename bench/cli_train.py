@@ -70,7 +70,7 @@ def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
             "seq_len": a.seq,
             "max_steps": a.steps,
         },
-        "logging": {"progress_bar": False, "log_every": 1, "tensorboard": False},
+        "logging": {"progress_bar": False, "log_every": 1, "report_to": "none"},
         "checkpoint": {"save_every": 10 * a.steps, "save_final": False, "export_hf": False},
     }
     path = out / "config.yaml"

@@ -115,7 +115,7 @@ def main() -> None:
         "checkpoint.save_every": 0,
         "checkpoint.export_hf": False,
         "logging.progress_bar": False,
-        "logging.tensorboard": False,
+        "logging.report_to": "none",
         "optimizer.learning_rate": 1e-6,
         "grpo.prompts_per_step": a.prompts,
         "grpo.num_generations": a.generations,

@@ -106,7 +106,7 @@ def phase_train(folder: Path) -> dict[str, Any]:
         [
             "--training.output_dir", str(folder / "run"),
             "--logging.progress_bar", "false",
-            "--logging.tensorboard", "false",
+            "--logging.report_to", "none",
             "--data.stage", "pt",
             "--data.dataset", "corpus",
             "--data.dataset_dir", str(folder),

@@ -70,7 +70,7 @@ def overrides(out: Path, data: Path, steps: int, state_dtype: str, smoke: bool) 
         *("--training.micro_batch_size", "8", "--training.eval_every", "50"),
         *("--optimizer.learning_rate", "3e-4", "--optimizer.state_dtype", state_dtype),
         *("--optimizer.max_grad_norm", "1.0", "--memory.gpu_state_blocks", "0"),
-        *("--logging.progress_bar", "false", "--logging.tensorboard", "false"),
+        *("--logging.progress_bar", "false", "--logging.report_to", "none"),
         *("--logging.log_every", "25", "--checkpoint.export_dtype", "bf16"),
         *("--checkpoint.save_final", "false"),
     ]

@@ -35,7 +35,7 @@ _Usage = namedtuple("_Usage", "total used free")
 def _args(out: Path, *overrides: str) -> list[str]:
     return [
         "--training.output_dir", str(out), "--logging.progress_bar", "false",
-        "--logging.tensorboard", "false", "--model.config_overrides", SMALL,
+        "--logging.report_to", "none", "--model.config_overrides", SMALL,
         "--data.val_size", "0", "--training.micro_batch_size", "2", *overrides,
     ]  # fmt: skip
 

@@ -94,7 +94,7 @@ def test_ctrl_c_prints_where_to_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _interrupt_during_step(5, monkeypatch)
-    args = _args(tmp_path, "--logging.tensorboard", "false")
+    args = _args(tmp_path, "--logging.report_to", "none")
     assert main(["train", "--config", str(DEMO), *args]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -107,7 +107,7 @@ def test_ctrl_c_before_any_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _interrupt_during_step(2, monkeypatch)
-    args = _args(tmp_path, "--logging.tensorboard", "false")
+    args = _args(tmp_path, "--logging.report_to", "none")
     assert main(["train", "--config", str(DEMO), *args]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and "no checkpoint was saved yet" in err

@@ -27,8 +27,8 @@ def _run(tmp: Path, *overrides: str) -> Trainer:
             str(tmp),
             "--logging.progress_bar",
             "false",
-            "--logging.tensorboard",
-            "false",
+            "--logging.report_to",
+            "none",
             *overrides,
         ],
     )

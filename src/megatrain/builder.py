@@ -24,7 +24,7 @@ Invariants:
 Ranks: under torchrun (megatrain/distributed.py) the placement is this rank's (cuda:LOCAL_RANK,
 the process group joined), the store is built sharded (store/shard.py), the training loader
 reads this rank's rows (data/ranks.py), a GPU tier is sharded over the ranks' GPUs (one count
-on every rank: the least any rank planned), metrics from rank 0. A plain run is a
+on every rank: the least any rank planned), metrics and trackers from rank 0. A plain run is a
 world of one. Further model roles reuse `model()` and `store()`, as `reference()` does.
 """
 
@@ -38,12 +38,14 @@ import torch
 
 from megatrain.checkpoint import export_hf
 from megatrain.checkpoint_shards import export_sharded
+from megatrain.config import config_to_dict
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.ranks import RankLoader
 from megatrain.data.sample import Sample
 from megatrain.distributed import (
     default_threads,
     node_turns,
+    on_rank0,
     rank_max,
 )
 from megatrain.engine.engine import StreamingEngine
@@ -58,6 +60,7 @@ from megatrain.resources.hardware import GIB
 from megatrain.store.host import HostStore
 from megatrain.store.reference import ReferenceWeights
 from megatrain.store.shard import shard_master
+from megatrain.trackers import Tracker, TrackerRun, open_trackers, tracker_names
 
 
 class RunBuilder(PlanBuilder):
@@ -245,19 +248,36 @@ class RunBuilder(PlanBuilder):
         )
 
     def metrics(self, *, total_steps: int, start_step: int) -> MetricsLogger:
-        """The run's metrics logger (metrics.jsonl, TensorBoard, progress bar) in output_dir."""
+        """The run's metrics logger in output_dir: metrics.jsonl, the trackers of
+        logging.report_to, the progress bar. Rank 0 alone logs and opens trackers."""
         log, device = self.cfg.logging, self.device
-        main = self.placement.rank == 0  # progress and metrics from rank 0 only
+        out = Path(self.cfg.training.output_dir)
+        main = self.placement.rank == 0
+        run = TrackerRun(
+            output_dir=out,
+            project=log.project,
+            name=log.run_name or out.resolve().name,
+            start_step=start_step,
+            config=config_to_dict(self.cfg),
+        )
+        trackers: list[Tracker] = []
+
+        def open_on_rank0() -> None:
+            if main:
+                trackers.extend(open_trackers(tracker_names(log.report_to), run))
+
+        on_rank0(open_on_rank0)  # a tracker that fails to open stops every rank, not rank 0 alone
         return MetricsLogger(
-            self.cfg.training.output_dir,
+            out,
             total_steps=total_steps,
             start_step=start_step,
             log_every=log.log_every,
             jsonl=log.jsonl and main,
-            tensorboard=log.tensorboard and main,
+            trackers=trackers,
             progress_bar=log.progress_bar and main,
             echo=main,
             flops_per_token=6 * self.spec.active_params,
+            world_size=self.placement.world_size,  # the engine's tokens are the job's
             peak_flops_per_s=peak_flops(
                 torch.cuda.get_device_name(device) if device.type == "cuda" else None
             ),

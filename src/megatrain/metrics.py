@@ -1,15 +1,21 @@
-"""Training progress and metrics: a progress bar, metrics.jsonl, TensorBoard.
+"""Training progress and metrics: a progress bar, metrics.jsonl, the trackers of report_to.
 
 One `MetricsLogger` per run. Every optimizer step's record goes to `<output_dir>/metrics.jsonl`
 (one JSON object per line, appended, flushed each line, so a crash loses at most the step in
-flight) and, when the tensorboard package is installed, to TensorBoard event files under
-`<output_dir>/tensorboard`. The console shows a tqdm bar with loss, tokens/s, MFU and ETA, or
-(without a bar) one line every `log_every` steps.
+flight) and to each tracker the run opened (megatrain/trackers.py: TensorBoard by default,
+W&B, MLflow, SwanLab, Trackio) as `train/<key>` / `eval/<key>` scalars at the record's step.
+The console shows a tqdm bar with loss, tokens/s, MFU and ETA, or (without a bar) one line
+every `log_every` steps.
+
+Speed under ranks: a step's `tokens` are the whole job's (the engine sums them over the ranks),
+so `tokens_per_s` is the job's and `tokens_per_s_per_gpu` divides it by the world size. Model
+FLOPs are per GPU: `tflops_per_gpu` = flops_per_token x tokens_per_s_per_gpu, and `mfu` is that
+over one GPU's peak (two GPUs at 42% each show 42%, not 84%).
 
 Resume: the logger starts at the checkpoint's step. Records of the interrupted run after that
 step (kill at 48, resume from 45: steps 46-48) are dropped from metrics.jsonl before the first
 new line (the file is rewritten to a temporary file and renamed over, so a crash leaves either
-the old or the cut log), and TensorBoard purges its events from that step on (`purge_step`).
+the old or the cut log); the trackers handle their own history (trackers.py).
 So the log of a resumed run continues the checkpoint's history with every step once.
 """
 
@@ -20,11 +26,13 @@ import math
 import os
 import sys
 import time
-import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from megatrain.trackers import Tracker
 
 # Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name().
 _PEAK_FLOPS = (
@@ -59,28 +67,29 @@ class MetricsLogger:
         start_step: int,
         log_every: int,
         jsonl: bool,
-        tensorboard: bool,
+        trackers: Sequence[Tracker],
         progress_bar: bool,
         flops_per_token: float,
         peak_flops_per_s: float | None,
+        world_size: int = 1,
         echo: bool = True,
     ) -> None:
-        """`echo` False: nothing on the console (ranks other than 0 of a multi-process run)."""
+        """`flops_per_token`: model FLOPs per trained token (6 x active parameters);
+        `peak_flops_per_s`: one GPU's peak (None: no MFU); `world_size`: the GPUs of the job;
+        `trackers`: opened for this run (trackers.open_trackers), closed by `close()`;
+        `echo` False: nothing on the console (ranks other than 0 of a multi-process run)."""
         self.output_dir = Path(output_dir)
         self.echo = echo
         self.log_every = max(1, log_every)
         self.flops_per_token = flops_per_token
         self.peak = peak_flops_per_s
+        self.world_size = world_size
         path = self.output_dir / "metrics.jsonl"
         if jsonl and path.exists():
             truncate_metrics(path, start_step)
         # held open for the run (closed in close()): one line per step, flushed each time
         self._jsonl = open(path, "a") if jsonl else None  # noqa: SIM115
-        self._tb = (
-            _tensorboard_writer(self.output_dir / "tensorboard", purge_step=start_step + 1)
-            if tensorboard
-            else None
-        )
+        self._trackers = list(trackers)
         self._bar = (
             tqdm(
                 total=total_steps,
@@ -97,27 +106,42 @@ class MetricsLogger:
         self._total = total_steps
 
     def log_step(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
-        tokens_per_s = record["tokens"] / record["step_s"] if record["step_s"] > 0 else 0.0
-        record = dict(record, step=step, tokens_per_s=round(tokens_per_s, 1))
-        if self.peak:
-            record["mfu"] = round(self.flops_per_token * tokens_per_s / self.peak, 4)
+        record = dict(record, step=step) | self._speed(record["tokens"], record["step_s"])
         self._write(record, "train")
+        shown = self._speed_postfix(record) | _grpo_postfix(record)
         if self._bar is not None:
             self._bar.update(1)
-            postfix = {
-                "loss": f"{record['loss']:.4f}",
-                "tok_s": f"{tokens_per_s:,.0f}",
-                "mfu": f"{record['mfu']:.1%}" if "mfu" in record else "-",
-            }
-            self._bar.set_postfix(postfix | _grpo_postfix(record), refresh=False)
+            self._bar.set_postfix({"loss": f"{record['loss']:.4f}"} | shown, refresh=False)
         elif step % self.log_every == 0 or step == self._total:
-            grpo = " ".join(f"{k} {v}" for k, v in _grpo_postfix(record).items())
             self.console(
                 f"step {step}/{self._total} loss {record['loss']:.4f} lr "
                 f"{record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
-                f"{tokens_per_s:,.0f} tok/s" + (f" {grpo}" if grpo else "")
+                + " ".join(f"{k} {v}" for k, v in shown.items())
             )
         return record
+
+    def _speed(self, tokens: int, step_s: float) -> dict[str, float]:
+        """A step's speed from the job's `tokens`: tokens/s of the job and per GPU, model
+        TFLOPS per GPU, and MFU (per GPU, against one GPU's peak; absent without a peak)."""
+        tokens_per_s = tokens / step_s if step_s > 0 else 0.0
+        per_gpu = tokens_per_s / self.world_size
+        flops_per_gpu = self.flops_per_token * per_gpu
+        out = {
+            "tokens_per_s": round(tokens_per_s, 1),
+            "tokens_per_s_per_gpu": round(per_gpu, 1),
+            "tflops_per_gpu": round(flops_per_gpu / 1e12, 2),
+        }
+        if self.peak:
+            out["mfu"] = round(flops_per_gpu / self.peak, 4)
+        return out
+
+    def _speed_postfix(self, record: dict[str, Any]) -> dict[str, str]:
+        """The job's tokens/s, then per GPU (with several ranks) and MFU, for the console."""
+        out = {"tok_s": f"{record['tokens_per_s']:,.0f}"}
+        if self.world_size > 1:
+            out["tok_s_gpu"] = f"{record['tokens_per_s_per_gpu']:,.0f}"
+        out["mfu"] = f"{record['mfu']:.1%}" if "mfu" in record else "-"
+        return out
 
     def log_eval(self, step: int, loss: float, tokens: int) -> None:
         record = {
@@ -134,7 +158,8 @@ class MetricsLogger:
 
     def log_event(self, step: int, kind: str, record: dict[str, Any], message: str) -> None:
         """Something the run changed on its own at `step` (e.g. "plan_step_down"): one record
-        of that kind in metrics.jsonl (numbers in TensorBoard too) and `message` on the console."""
+        of that kind in metrics.jsonl (its numbers to the trackers too) and `message` on the
+        console."""
         self._write({"step": step, **record}, kind)
         self.console(message)
 
@@ -150,18 +175,22 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
             self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"{kind}/{key}", value, record["step"])
+        if self._trackers:
+            scalars = {
+                f"{kind}/{key}": float(value)
+                for key, value in record.items()
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value)
+            }
+            for tracker in self._trackers:
+                tracker.log(scalars, record["step"])
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 def truncate_metrics(path: Path, last_step: int) -> int:
@@ -190,19 +219,6 @@ def truncate_metrics(path: Path, last_step: int) -> int:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     return dropped
-
-
-def _tensorboard_writer(path: Path, *, purge_step: int) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        warnings.warn(
-            "logging.tensorboard is on but the tensorboard package is not installed; "
-            "pip install tensorboard, or set logging.tensorboard: false",
-            stacklevel=3,
-        )
-        return None
-    return SummaryWriter(str(path), purge_step=purge_step)
 
 
 def _grpo_postfix(record: dict[str, Any]) -> dict[str, str]:

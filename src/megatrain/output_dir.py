@@ -4,9 +4,10 @@
 - a new run (`checkpoint.resume_from: null`) in a non-empty `training.output_dir` is refused,
   with the three ways out: resume it, choose another folder, or `training.overwrite_output_dir`;
 - with `overwrite_output_dir: true` the files a run writes there (config.yaml, metrics.jsonl,
-  tensorboard/, checkpoints/, hf_model/) of the previous run are moved into
-  `previous-<UTC time>/` inside the folder, never deleted; other files are left alone. So
-  metrics.jsonl never mixes two runs and `resume_from: auto` never picks up the old run;
+  the trackers' tensorboard/, wandb/, swanlog/, checkpoints/, hf_model/) of the previous run
+  are moved into `previous-<UTC time>/` inside the folder, never deleted; other files are left
+  alone. So metrics.jsonl never mixes two runs and `resume_from: auto` never picks up the old
+  run;
 - a resumed run continues the folder (its metrics are cut back to the checkpoint's step by
   megatrain.metrics); a non-empty `hf_model/` that is not a MegaTrain export is refused up
   front, not after training, when the export would have to replace it.
@@ -24,8 +25,9 @@ from pathlib import Path
 
 from megatrain.checkpoint import check_export_target, latest_checkpoint
 from megatrain.config import TrainConfig, save_config
+from megatrain.trackers import TRACKER_FOLDERS
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "checkpoints", "hf_model")
+RUN_FILES = ("config.yaml", "metrics.jsonl", *TRACKER_FOLDERS, "checkpoints", "hf_model")
 """What a run writes at the top of its output_dir (moved aside by overwrite_output_dir)."""
 
 

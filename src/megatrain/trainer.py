@@ -49,6 +49,7 @@ from megatrain.oom import step_down
 from megatrain.output_dir import TrainingInterrupted, interrupted_message, open_output_dir
 from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
 from megatrain.resources.plan import ResourcePlan
+from megatrain.trackers import tracker_names
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Trainer:
         self.run_id = ""  # a resumed run takes its checkpoint's (_resume)
 
         def open_folder() -> None:
+            tracker_names(cfg.logging.report_to)  # a tracker's missing package: before anything
             self.run_id = open_output_dir(cfg)
 
         on_rank0(open_folder)  # several ranks: rank 0 alone writes the folder (and its run id)

@@ -62,7 +62,7 @@ def test_yaml_round_trip_is_exact(tmp_path: Path) -> None:
             learning_rate=3e-5, betas=(0.9, 0.95), no_decay=(r"\.bias$",), warmup_ratio=0.1
         ),
         memory=MemoryConfig(loss_chunk_tokens=4096, pin_memory=False),
-        logging=LoggingConfig(tensorboard=False, timeline=True),
+        logging=LoggingConfig(report_to=("wandb", "mlflow"), timeline=True),
         checkpoint=CheckpointConfig(resume_from="auto", export_dtype="fp32"),
     )
     cfg.validate()
@@ -117,8 +117,8 @@ def test_override_forms_and_types(tmp_path: Path) -> None:
             "--training.max_steps=30",
             "--training.micro_batch_size",
             "auto",
-            "--logging.tensorboard",
-            "false",
+            "--logging.report_to",
+            "none",
             "--data.dataset",
             "a,b",
             "--data.eval_dataset=[e1, e2]",
@@ -138,7 +138,7 @@ def test_override_forms_and_types(tmp_path: Path) -> None:
     assert cfg.optimizer.max_grad_norm == 2.0 and isinstance(cfg.optimizer.max_grad_norm, float)
     assert cfg.training.max_steps == 30 and cfg.training.micro_batch_size == "auto"
     assert cfg.training.seed == 7  # the override beats the file
-    assert cfg.logging.tensorboard is False
+    assert cfg.logging.report_to == "none"
     assert cfg.data.dataset == "a,b" and cfg.data.eval_dataset == ["e1", "e2"]
     assert cfg.data.system_prompt == "Note: answer briefly"  # not read as a YAML mapping
     assert cfg.checkpoint.resume_from is None

@@ -22,7 +22,7 @@ def _trainer(tmp: Path, data: Path, *overrides: str) -> Trainer:
         [
             "--training.output_dir", str(tmp),
             "--logging.progress_bar", "false",
-            "--logging.tensorboard", "false",
+            "--logging.report_to", "none",
             "--data.stage", "pt",
             "--data.dataset", "c4_demo,wiki_demo",
             "--data.dataset_dir", str(data),

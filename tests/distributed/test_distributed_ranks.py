@@ -52,7 +52,7 @@ COMMON = [
     "--checkpoint.save_every", "2",
     "--checkpoint.keep_last", "2",
     "--logging.progress_bar", "false",
-    "--logging.tensorboard", "false",
+    "--logging.report_to", "none",
     "--logging.log_every", "1",
 ]  # fmt: skip
 
@@ -109,6 +109,11 @@ def test_two_ranks_match_one_process(runs: tuple[Path, Path, list[float]]) -> No
         atol=0.0,
     )
     assert all(r["clip_coef"] < 1.0 for r in train)  # clipping was active
+    # the job's tokens (both ranks'), the same as the 1-process run's; speed halved per GPU
+    # (each figure rounded to 0.1: they agree to 0.05 / 2 + 0.05)
+    assert [r["tokens"] for r in train] == [r["tokens"] for r in _records(one, "train")]
+    for r in train:
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2, abs=0.075)
     (ev2,), (ev1,) = _records(two, "eval"), _records(one, "eval")
     assert ev2["eval_tokens"] == ev1["eval_tokens"]  # every eval row once, across the ranks
     torch.testing.assert_close(ev2["eval_loss"], ev1["eval_loss"], rtol=LOSS_RTOL, atol=0.0)

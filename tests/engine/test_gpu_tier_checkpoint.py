@@ -34,8 +34,8 @@ COMMON = (
     "torch",
     "--logging.progress_bar",
     "false",
-    "--logging.tensorboard",
-    "false",
+    "--logging.report_to",
+    "none",
 )
 
 

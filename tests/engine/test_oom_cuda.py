@@ -38,7 +38,7 @@ def _trainer(tmp: Path, tier: int) -> Trainer:
             *("--memory.gpu_state_blocks", str(tier), "--memory.gpu_margin_gib", "0"),
             *("--optimizer.impl", "torch", "--checkpoint.export_hf", "false"),
             *("--training.compile_layers", "false"),
-            *("--logging.progress_bar", "false", "--logging.tensorboard", "false"),
+            *("--logging.progress_bar", "false", "--logging.report_to", "none"),
         ],
     )
     return Trainer(cfg)

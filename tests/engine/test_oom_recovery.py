@@ -36,7 +36,7 @@ def _trainer(tmp: Path, tier: int, *overrides: str) -> Trainer:
             *("--memory.gpu_state_blocks", str(tier)),
             *("--optimizer.impl", "torch"),
             *("--logging.progress_bar", "false"),
-            *("--logging.tensorboard", "false"),
+            *("--logging.report_to", "none"),
             *("--checkpoint.export_hf", "false"),
             *("--data.val_size", "0"),
             *overrides,

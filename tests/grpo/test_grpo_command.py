@@ -18,7 +18,7 @@ TINY = [
     *("--model.tokenizer", "demo", "--model.config_overrides.vocab_size", "512"),
     *("--grpo.num_generations", "3", "--grpo.prompts_per_step", "2"),
     *("--grpo.max_completion_length", "5", "--training.micro_batch_size", "4"),
-    *("--logging.progress_bar", "false", "--logging.tensorboard", "false"),
+    *("--logging.progress_bar", "false", "--logging.report_to", "none"),
     *("--checkpoint.export_hf", "false", "--optimizer.learning_rate", "1e-2"),
 ]
 

@@ -19,7 +19,7 @@ from megatrain.config import load_config
 from megatrain.grpo.recipe import GRPOTrainer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-QUIET = ["--logging.progress_bar", "false", "--logging.tensorboard", "false"]
+QUIET = ["--logging.progress_bar", "false", "--logging.report_to", "none"]
 MIN_GAIN = 0.15
 
 

@@ -19,7 +19,7 @@ DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
 
 def _trainer(tmp: Path, *overrides: str) -> Trainer:
-    quiet = ["--logging.progress_bar", "false", "--logging.tensorboard", "false"]
+    quiet = ["--logging.progress_bar", "false", "--logging.report_to", "none"]
     cfg = load_config(DEMO, ["--training.output_dir", str(tmp), *quiet, *overrides])
     return Trainer(cfg)
 

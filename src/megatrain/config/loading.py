@@ -195,9 +195,18 @@ def _section_class(section: str) -> type:
     raise ValueError("; ".join(part for part in parts if part))
 
 
+_REPLACED = {
+    "logging.tensorboard": "logging.report_to replaced it: report_to: [tensorboard] (the "
+    "default) writes TensorBoard events, report_to: none turns every tracker off",
+}
+"""Keys that were removed, and what replaced them (configs written before, e.g. a checkpoint's)."""
+
+
 def _unknown_key(section: str, key: object) -> str:
     allowed = list(field_types(SECTIONS[section]))
-    hint = _did_you_mean(str(key), allowed, prefix=f"{section}.")
+    hint = _REPLACED.get(f"{section}.{key}") or _did_you_mean(
+        str(key), allowed, prefix=f"{section}."
+    )
     if not hint:
         elsewhere = {
             k: f"{s}.{k}" for s in SECTIONS if s != section for k in field_types(SECTIONS[s])

@@ -18,6 +18,7 @@ from megatrain.config.types import check_choice, check_int, check_number, check_
 from megatrain.data.config import DataConfig
 from megatrain.dtypes import DTYPE_NAMES as DTYPES
 from megatrain.dtypes import torch_dtype
+from megatrain.trackers import TRACKER_NAMES
 
 ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager", "flash_attention_2", "flex_attention")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -118,8 +119,8 @@ class TrainingConfig:
     `megatrain grpo` (rows of every length) eager. true / false: as given."""
     overwrite_output_dir: bool = False
     """Start a new run (resume_from: null) in a non-empty output_dir. The previous run's files
-    there (config.yaml, metrics.jsonl, tensorboard, checkpoints, hf_model) are moved into
-    output_dir/previous-<time>/, never deleted. False: such a run is refused."""
+    there (config.yaml, metrics.jsonl, tensorboard, wandb, swanlog, checkpoints, hf_model) are
+    moved into output_dir/previous-<time>/, never deleted. False: such a run is refused."""
 
     def validate(self) -> None:
         check_types("training", self)
@@ -228,8 +229,15 @@ class LoggingConfig:
     """Optimizer steps between metric lines (loss, lr, grad norm, tokens/s)."""
     jsonl: bool = True
     """Append metrics to output_dir/metrics.jsonl."""
-    tensorboard: bool = True
-    """Write TensorBoard event files to output_dir/tensorboard."""
+    report_to: str | tuple[str, ...] = ("tensorboard",)
+    """Trackers that also get every metric (rank 0): tensorboard (output_dir/tensorboard), wandb,
+    mlflow, swanlab, trackio, a list of them, "all" (every one installed) or "none". Each one's
+    own settings come from its environment variables (WANDB_MODE=offline, MLFLOW_TRACKING_URI,
+    ...); docs/metrics.md."""
+    project: str = "megatrain"
+    """The project (wandb, swanlab, trackio) or experiment (mlflow) the run is logged under."""
+    run_name: str | None = None
+    """The run's name in the trackers; None: the output_dir's folder name."""
     progress_bar: bool = True
     """Show a tqdm progress bar."""
     timeline: bool = False
@@ -238,6 +246,14 @@ class LoggingConfig:
     def validate(self) -> None:
         check_types("logging", self)
         check_int("logging.log_every", self.log_every, minimum=1)
+        names = (self.report_to,) if isinstance(self.report_to, str) else self.report_to
+        for name in names:
+            check_choice("logging.report_to", name, (*TRACKER_NAMES, "all", "none"))
+        if len(names) > 1 and {"all", "none"} & set(names):
+            raise ValueError(
+                f"logging.report_to={list(names)!r} mixes 'all' or 'none' with other names; "
+                "give 'all', 'none', or a list of trackers"
+            )
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from megatrain.grpo.rollout import device_model, generate
 from megatrain.grpo.sequences import completion_mask, per_row, sequence_batches
 from megatrain.metrics import MetricsLogger
 from megatrain.output_dir import open_output_dir
+from megatrain.trackers import tracker_names
 from megatrain.trainer import report_plan, step_record
 
 
@@ -98,6 +99,7 @@ class GRPOTrainer:
                 "grpo.num_generations keeps micro-batches equal)"
             )
         self.output_dir = Path(cfg.training.output_dir)
+        tracker_names(cfg.logging.report_to)  # a tracker's missing package: before anything
         self.run_id = open_output_dir(cfg)  # a resumed run takes its checkpoint's (_resume)
         torch.manual_seed(cfg.training.seed)
         self.tokenizer = b.tokenizer()
