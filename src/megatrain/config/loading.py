@@ -15,6 +15,7 @@ import yaml
 
 from megatrain.config.sections import SECTIONS, TrainConfig
 from megatrain.config.types import MISMATCH, coerce, convert, field_types
+from megatrain.files import umask_mode
 
 
 class _Loader(yaml.SafeLoader):
@@ -88,7 +89,7 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
     )
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would make the config unreadable to others
+        os.fchmod(fd, umask_mode())  # mkstemp's 0600 would make it unreadable to others
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
