@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tqdm import tqdm
 
@@ -74,13 +74,11 @@ class MetricsLogger:
         path = self.output_dir / "metrics.jsonl"
         if jsonl and path.exists():
             truncate_metrics(path, start_step)
-        # held open for the run (closed in close()): one line per step, flushed each time
-        self._jsonl = open(path, "a") if jsonl else None  # noqa: SIM115
-        self._tb = (
-            _tensorboard_writer(self.output_dir / "tensorboard", purge_step=start_step + 1)
-            if tensorboard
-            else None
-        )
+        self._jsonl_path = path if jsonl else None
+        self._tensorboard, self._purge_step = tensorboard, start_step + 1
+        self._opened = False  # the files are created at the first record (_open)
+        self._jsonl: IO[str] | None = None
+        self._tb: Any = None
         self._bar = (
             tqdm(
                 total=total_steps,
@@ -140,7 +138,20 @@ class MetricsLogger:
         else:
             print(message, file=sys.stderr, flush=True)
 
+    def _open(self) -> None:
+        """Create the log files, at the first record: a start that fails before its first step
+        leaves none (output_dir.py counts a folder holding only its config.yaml as free)."""
+        self._opened = True
+        if self._jsonl_path is not None:
+            # held open for the run (closed in close()): one line per step, flushed each time
+            self._jsonl = open(self._jsonl_path, "a")  # noqa: SIM115
+        if self._tensorboard:
+            tb_dir = self.output_dir / "tensorboard"
+            self._tb = _tensorboard_writer(tb_dir, purge_step=self._purge_step)
+
     def _write(self, record: dict[str, Any], kind: str) -> None:
+        if not self._opened:
+            self._open()
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
             self._jsonl.flush()

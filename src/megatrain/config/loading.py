@@ -17,6 +17,9 @@ from megatrain.config.sections import SECTIONS, TrainConfig
 from megatrain.config.types import MISMATCH, coerce, convert, field_types
 from megatrain.files import umask_mode
 
+CONFIG_HEADER = "# Resolved MegaTrain config: megatrain train --config <this file>\n"
+"""The first line of every config.yaml MegaTrain writes (how a run's own config is told apart)."""
+
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`; 1.2 does not)."""
@@ -84,9 +87,7 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
     """Write `cfg` as YAML atomically (temp file in the same folder, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = "# Resolved MegaTrain config: megatrain train --config <this file>\n" + yaml.safe_dump(
-        config_to_dict(cfg), sort_keys=False, allow_unicode=True
-    )
+    text = CONFIG_HEADER + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, umask_mode())  # mkstemp's 0600 would make it unreadable to others
