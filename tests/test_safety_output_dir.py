@@ -1,21 +1,27 @@
 """A run never deletes what another run wrote: a non-empty output_dir is refused (or, with
 training.overwrite_output_dir, the previous run is moved aside), and checkpoint pruning touches
-only the checkpoints of the saving run's lineage."""
+only the checkpoints of the saving run's lineage. A start that fails does not claim the folder:
+the corrected command runs in it. A folder that cannot be written is one paragraph naming it."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from megatrain.checkpoint import checkpoint_run_id, list_checkpoints, save_checkpoint
 from megatrain.cli import main
-from megatrain.config import load_config
+from megatrain.config import load_config, save_config
+from megatrain.engine.engine import StreamingEngine
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
-from megatrain.output_dir import prepare_output_dir
+from megatrain.output_dir import LOCK_FILE, OutputFolder, check_output_dir
 from megatrain.store.host import HostStore
 from megatrain.trainer import Trainer
 
@@ -126,11 +132,91 @@ def test_resumed_run_inherits_the_lineage_and_prunes_its_own(tmp_path: Path) -> 
 def test_used_folder_without_checkpoints_is_not_offered_for_resume(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
     with pytest.raises(ValueError, match="no checkpoint to resume from: choose another") as e:
-        prepare_output_dir(tmp_path, resume_from=None, overwrite=False, export_hf=True)
+        check_output_dir(tmp_path, resume_from=None, overwrite=False, export_hf=True)
     assert "holds metrics.jsonl" in str(e.value)
     # a run may resume into it; an hf_model that is not an export is refused before training
     (tmp_path / "hf_model").mkdir()
     (tmp_path / "hf_model" / "weights.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match=r"the export folder .*hf_model is not empty"):
-        prepare_output_dir(tmp_path, resume_from="auto", overwrite=False, export_hf=True)
-    prepare_output_dir(tmp_path, resume_from="auto", overwrite=False, export_hf=False)
+        check_output_dir(tmp_path, resume_from="auto", overwrite=False, export_hf=True)
+    check_output_dir(tmp_path, resume_from="auto", overwrite=False, export_hf=False)
+
+
+@pytest.mark.parametrize("existed", [False, True], ids=["new folder", "empty folder"])
+def test_a_start_with_bad_data_leaves_the_folder_free(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], existed: bool
+) -> None:
+    out = tmp_path / "run"
+    if existed:
+        out.mkdir()
+    typo = tmp_path / "trian.jsonl"
+    bad = _args(out, "--training.max_steps", "1", "--data.dataset", str(typo))
+    assert main(["train", "--config", str(DEMO), *bad]) == 2
+    assert str(typo) in capsys.readouterr().err
+    # nothing claimed: a folder the run created is gone, an existing one holds only the lock
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE] if existed else not out.exists()
+    assert main(["train", "--config", str(DEMO), *_args(out, "--training.max_steps", "1")]) == 0
+    assert _train_steps(out / "metrics.jsonl") == [1]
+
+
+def test_a_start_that_failed_after_its_claim_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    tensorboard = ("--logging.report_to", "tensorboard")  # opened as training starts
+    with monkeypatch.context() as m:
+        m.setattr(StreamingEngine, "train_step", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            _train(tmp_path, "--training.max_steps", "1", *tensorboard)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "config.yaml", "tensorboard"]
+    _train(tmp_path, "--training.max_steps", "1", "--optimizer.learning_rate", "1e-3", *tensorboard)
+    assert _train_steps(tmp_path / "metrics.jsonl") == [1]
+    assert load_config(tmp_path / "config.yaml").optimizer.learning_rate == 1e-3
+    # the failed start's TensorBoard events are kept aside, with its config
+    (previous,) = tmp_path.glob("previous-*")
+    assert sorted(p.name for p in previous.iterdir()) == ["config.yaml", "tensorboard"]
+
+
+def test_only_megatrains_own_config_counts_as_a_failed_start(tmp_path: Path) -> None:
+    cfg = load_config(DEMO, _args(tmp_path, "--training.overwrite_output_dir", "true"))
+    save_config(cfg, tmp_path / "config.yaml")  # what a start that failed after its claim leaves
+    check_output_dir(tmp_path, resume_from=None, overwrite=False, export_hf=False)
+    folder = OutputFolder(cfg)
+    folder.claim()
+    folder.release()
+    # overwrite_output_dir replaced it rather than moving it into a previous-<time>/ folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "config.yaml"]
+    (tmp_path / "config.yaml").write_text("training:\n  output_dir: .\n")  # the user's own
+    with pytest.raises(ValueError, match=r"it holds config\.yaml\)"):
+        check_output_dir(tmp_path, resume_from=None, overwrite=False, export_hf=False)
+
+
+@pytest.mark.parametrize("existed", [False, True], ids=["new folder", "existing folder"])
+def test_a_read_only_output_dir_is_one_paragraph(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    existed: bool,
+) -> None:
+    out = tmp_path / "run"
+    if existed:
+        out.mkdir()
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def read_only(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(path).startswith(str(out)):  # what the kernel says on a read-only mount
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(os, "open", read_only(real_open))
+    monkeypatch.setattr(os, "mkdir", read_only(real_mkdir))
+    code = main(["train", "--config", str(DEMO), *_args(out, "--training.max_steps", "1")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"training.output_dir='{out}' cannot be written (Read-only file system: {out}" in err
+    assert "--training.output_dir PATH" in err

@@ -111,3 +111,17 @@ def test_ctrl_c_before_any_checkpoint(
     assert main(["train", "--config", str(DEMO), *args]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and "no checkpoint was saved yet" in err
+
+
+def test_done_line_says_where_a_resumed_run_started(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _args(tmp_path, "--logging.report_to", "none")
+    assert main(["train", "--config", str(DEMO), *args, "--training.max_steps", "3"]) == 0
+    assert main(["train", "--config", str(DEMO), *args, "--checkpoint.resume_from", "auto"]) == 0
+    first, resumed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("done:")]
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert first.startswith(f"done: 3 steps, loss {losses[0]:.4f} -> {losses[2]:.4f};")
+    assert resumed.startswith(
+        f"done: 6 steps (resumed at step 3), loss {losses[3]:.4f} at step 4 -> {losses[5]:.4f};"
+    )

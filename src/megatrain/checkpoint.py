@@ -56,6 +56,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatrain.checkpoint_files import block_file, block_files, check_block
+from megatrain.files import honour_umask
 from megatrain.resources.disk import AFTER_EXPORT, disk_full_error, is_disk_full
 from megatrain.store.host import HostStore
 
@@ -132,6 +133,7 @@ def write_blocks(tmp: Path, store: HostStore) -> None:
                 "state_dtype": block.state_dtype,
             },
         )
+        honour_umask(path)  # save_file writes 0600
         _fsync(path)
     _fsync_dir(tmp / "blocks")
 
@@ -303,6 +305,7 @@ def _write_export(store: HostStore, tmp: Path, dtype: str, tokenizer: Any | None
     files = sorted(p.name for p in tmp.iterdir())
     marker = {"format_version": FORMAT_VERSION, "dtype": dtype, "files": files}
     _write_json(tmp / EXPORT_MARKER, marker)
+    honour_umask(*tmp.iterdir())  # save_pretrained writes model.safetensors 0600
     for file in tmp.iterdir():
         _fsync(file)
     _fsync_dir(tmp)

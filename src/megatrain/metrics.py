@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tqdm import tqdm
 
@@ -87,8 +87,9 @@ class MetricsLogger:
         path = self.output_dir / "metrics.jsonl"
         if jsonl and path.exists():
             truncate_metrics(path, start_step)
-        # held open for the run (closed in close()): one line per step, flushed each time
-        self._jsonl = open(path, "a") if jsonl else None  # noqa: SIM115
+        self._jsonl_path = path if jsonl else None
+        self._opened = False  # metrics.jsonl is created at the first record (_open)
+        self._jsonl: IO[str] | None = None
         self._trackers = list(trackers)
         self._bar = (
             tqdm(
@@ -171,7 +172,18 @@ class MetricsLogger:
         else:
             print(message, file=sys.stderr, flush=True)
 
+    def _open(self) -> None:
+        """Create metrics.jsonl at the first record: a start that fails before its first step
+        leaves none (output_dir.py counts a folder holding only its config.yaml as free; the
+        trackers' folders are made when they open, at the start of training)."""
+        self._opened = True
+        if self._jsonl_path is not None:
+            # held open for the run (closed in close()): one line per step, flushed each time
+            self._jsonl = open(self._jsonl_path, "a")  # noqa: SIM115
+
     def _write(self, record: dict[str, Any], kind: str) -> None:
+        if not self._opened:
+            self._open()
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
             self._jsonl.flush()

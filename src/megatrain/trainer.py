@@ -8,10 +8,13 @@ data loader's position, the RNG states and the step; the learning rate is a pure
 the step. So `train 6 steps` and `train 3, resume, train 3` see identical batches, weights and
 learning rates, and produce identical losses.
 
-Several ranks (torchrun; docs/multi_gpu.md): rank 0 alone opens the output folder, writes
-metrics and the export; each rank writes its part of every checkpoint (checkpoint_shards.py);
-eval batches are split over the ranks and their sums all-reduced. A checkpoint resumes only
-with the world size that wrote it.
+The output folder (output_dir.py) is locked before anything is loaded and claimed (config.yaml
+written) only once the inputs are validated: tokenizer, data, model config, memory and disk.
+
+Several ranks (torchrun; docs/multi_gpu.md): rank 0 alone holds the output folder (its lock),
+writes metrics and the export; each rank writes its part of every checkpoint
+(checkpoint_shards.py); eval batches are split over the ranks and their sums all-reduced. A
+checkpoint resumes only with the world size that wrote it.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger
 from megatrain.model.kernels import kernel_report
 from megatrain.oom import step_down
-from megatrain.output_dir import TrainingInterrupted, interrupted_message, open_output_dir
+from megatrain.output_dir import OutputFolder, TrainingInterrupted, interrupted_message
 from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
 from megatrain.resources.plan import ResourcePlan
 from megatrain.trackers import tracker_names
@@ -71,16 +74,27 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, builder: RunBuilder | None = None) -> None:
         self.cfg = cfg
-        self.builder = b = builder or RunBuilder(cfg)
-        self.device = b.device
+        self.builder = builder or RunBuilder(cfg)
+        self.device = self.builder.device
         self.output_dir = Path(cfg.training.output_dir)
         self.run_id = ""  # a resumed run takes its checkpoint's (_resume)
+        self.folder: OutputFolder | None = None
 
         def open_folder() -> None:
             tracker_names(cfg.logging.report_to)  # a tracker's missing package: before anything
-            self.run_id = open_output_dir(cfg)
+            self.folder = OutputFolder(cfg)
 
-        on_rank0(open_folder)  # several ranks: rank 0 alone writes the folder (and its run id)
+        on_rank0(open_folder)  # several ranks: rank 0 alone holds the folder and writes it
+        try:
+            self._setup()
+        except BaseException:
+            self._release_folder()
+            raise
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self) -> None:
+        cfg, b = self.cfg, self.builder
         torch.manual_seed(cfg.training.seed)
         self.tokenizer = b.tokenizer()
         self.data = b.data()
@@ -88,6 +102,12 @@ class Trainer:
         self.plan.require_fit()  # before anything large is allocated
         self._check_disk(b.spec.total_params)  # before training time is spent
         report_plan(self.plan, b.placement.is_cuda)
+
+        def claim() -> None:  # the inputs are good: the folder becomes this run's
+            assert self.folder is not None
+            self.run_id = self.folder.claim()
+
+        on_rank0(claim)
         self.micro_batch_size, self.grad_accum = self.plan.micro_batch_size, self.plan.grad_accum
         self.structure, self.store = b.model_and_store()
         print(f"model: {self.structure.describe()}", flush=True)
@@ -99,8 +119,6 @@ class Trainer:
         self.schedule = b.schedule(self.total_steps)
         self.step = 0
         self._resume()
-
-    # ------------------------------------------------------------------ setup
 
     def _check_disk(self, num_params: int) -> None:
         """Refuse a run whose checkpoints and export the output_dir's disk cannot hold."""
@@ -271,8 +289,15 @@ class Trainer:
         return self.builder.export(self.store)
 
     def close(self) -> None:
-        self.engine.close()
-        close_process_group()
+        try:
+            self.engine.close()
+            close_process_group()
+        finally:
+            self._release_folder()
+
+    def _release_folder(self) -> None:
+        if self.folder is not None:
+            self.folder.release()
 
 
 def _saved_world_size(path: Path) -> int:

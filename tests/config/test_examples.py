@@ -47,8 +47,10 @@ def test_example_loads_and_is_headed_by_its_command(path: Path) -> None:
     if path.name == "demo.yaml":
         assert cfg.model.model_type is not None and cfg.model.tiny
         return
-    if path.name == "grpo_demo.yaml":  # starts from the demo's exported model
-        assert cfg.model.name_or_path == "outputs/demo/hf_model"
+    if path.name == "grpo_demo.yaml":  # starts from the export of the demo's warm start
+        warm_start = "outputs/grpo_warm_start"  # its own folder: the full demo writes outputs/demo
+        assert cfg.model.name_or_path == f"{warm_start}/hf_model"
+        assert f"--training.output_dir {warm_start}" in _header(path)
         return
     assert cfg.model.name_or_path is not None and HUB_ID.fullmatch(cfg.model.name_or_path)
     assert "80 GB GPU" in _header(path) and "bytes per parameter" in _header(path)

@@ -78,3 +78,18 @@ def test_torchrun_and_bad_rewards_stop_with_one_clear_error(
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(args) == 2
     assert "started as 2 processes" in capsys.readouterr().err
+
+
+def test_a_failed_start_leaves_the_folder_to_the_corrected_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o"
+    args = ["grpo", "--config", str(DEMO), *TINY, "--training.output_dir", str(out)]
+    args += ["--training.max_steps", "1"]
+    assert main([*args, "--data.dataset", "demo_cuont"]) == 2  # refused before the claim
+    assert "'demo_cuont'" in capsys.readouterr().err and not out.exists()
+    bad = tmp_path / "bad.py"  # fails in the first step, after the claim: config.yaml is left
+    bad.write_text("def score(completions, **kwargs):\n    return [1.0]\n")
+    assert main([*args, "--grpo.reward_funcs", f"[{bad}:score]"]) == 2
+    assert main([*args, "--grpo.reward_funcs", f"[{_reward_file(tmp_path)}]"]) == 0
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").open()] == [1]

@@ -26,10 +26,16 @@ def run(args: argparse.Namespace) -> int:
         summary = trainer.train()
     finally:
         trainer.close()
-    first, last = summary.losses[:1], summary.losses[-1:]
+    losses = summary.losses  # of this process's steps: after a resume, those after the checkpoint
+    resumed_at = summary.steps - len(losses)  # 0 for a fresh run
+    loss = ""
+    if losses:
+        where = f" at step {resumed_at + 1}" if resumed_at else ""
+        loss = f", loss {losses[0]:.4f}{where} -> {losses[-1]:.4f}"
     print(
         f"done: {summary.steps} steps"
-        + (f", loss {first[0]:.4f} -> {last[0]:.4f}" if first else "")
+        + (f" (resumed at step {resumed_at})" if resumed_at else "")
+        + loss
         + (f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
         + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
         + (f"; Hugging Face model {summary.export_dir}" if summary.export_dir else "")

@@ -23,7 +23,13 @@ Invariants:
 """
 
 from megatrain.config.grpo import GRPOConfig
-from megatrain.config.loading import config_to_dict, load_config, parse_overrides, save_config
+from megatrain.config.loading import (
+    CONFIG_HEADER,
+    config_to_dict,
+    load_config,
+    parse_overrides,
+    save_config,
+)
 from megatrain.config.memory import MemoryConfig
 from megatrain.config.sections import (
     ATTN_IMPLEMENTATIONS,
@@ -41,6 +47,7 @@ from megatrain.config.sections import (
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
+    "CONFIG_HEADER",
     "DTYPES",
     "LR_SCHEDULERS",
     "OPTIMIZER_IMPLS",

@@ -15,6 +15,10 @@ import yaml
 
 from megatrain.config.sections import SECTIONS, TrainConfig
 from megatrain.config.types import MISMATCH, coerce, convert, field_types
+from megatrain.files import umask_mode
+
+CONFIG_HEADER = "# Resolved MegaTrain config: megatrain train --config <this file>\n"
+"""The first line of every config.yaml MegaTrain writes (how a run's own config is told apart)."""
 
 
 class _Loader(yaml.SafeLoader):
@@ -83,12 +87,10 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
     """Write `cfg` as YAML atomically (temp file in the same folder, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = "# Resolved MegaTrain config: megatrain train --config <this file>\n" + yaml.safe_dump(
-        config_to_dict(cfg), sort_keys=False, allow_unicode=True
-    )
+    text = CONFIG_HEADER + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would make the config unreadable to others
+        os.fchmod(fd, umask_mode())  # mkstemp's 0600 would make it unreadable to others
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

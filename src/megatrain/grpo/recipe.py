@@ -1,8 +1,9 @@
 """The GRPO recipe: the only GRPO module that reads the config and wires the parts.
 
-setup (tokenizer, prompts, rewards, model, store, engine, reference, schedule, resume) -> train
-(generation batches of `prompts_per_step` prompts x `num_generations` completions, each trained
-for `num_iterations` optimizer steps) -> finish (checkpoint, Hugging Face export) -> close.
+setup (output folder locked; tokenizer, prompts, rewards, plan; folder claimed; model, store,
+engine, reference, schedule, resume) -> train (generation batches of `prompts_per_step` prompts
+x `num_generations` completions, each trained for `num_iterations` optimizer steps) -> finish
+(checkpoint, Hugging Face export) -> close (folder released). output_dir.py has the rules.
 
 One generation batch: sample completions with the current weights (rollout.py), score them
 (rewards.py), group-normalise the rewards into advantages (advantages.py), lay the sequences
@@ -42,7 +43,7 @@ from megatrain.grpo.rewards import load_reward
 from megatrain.grpo.rollout import device_model, generate
 from megatrain.grpo.sequences import completion_mask, per_row, sequence_batches
 from megatrain.metrics import MetricsLogger
-from megatrain.output_dir import open_output_dir
+from megatrain.output_dir import OutputFolder
 from megatrain.trackers import tracker_names
 from megatrain.trainer import report_plan, step_record
 
@@ -90,8 +91,8 @@ class GRPOTrainer:
             cfg = dataclasses.replace(
                 cfg, training=dataclasses.replace(cfg.training, compile_layers=False)
             )
-        self.cfg, g = cfg, cfg.grpo
-        self.builder = b = builder or RunBuilder(cfg)
+        self.cfg = cfg
+        self.builder = builder or RunBuilder(cfg)
         if not isinstance(cfg.training.micro_batch_size, int):
             raise ValueError(
                 "training.micro_batch_size='auto' is not available for megatrain grpo yet; set "
@@ -100,7 +101,15 @@ class GRPOTrainer:
             )
         self.output_dir = Path(cfg.training.output_dir)
         tracker_names(cfg.logging.report_to)  # a tracker's missing package: before anything
-        self.run_id = open_output_dir(cfg)  # a resumed run takes its checkpoint's (_resume)
+        self.folder = OutputFolder(cfg)  # locked; claimed once the inputs are validated
+        try:
+            self._setup()
+        except BaseException:
+            self.folder.release()
+            raise
+
+    def _setup(self) -> None:
+        cfg, g, b = self.cfg, self.cfg.grpo, self.builder
         torch.manual_seed(cfg.training.seed)
         self.tokenizer = b.tokenizer()
         d = cfg.data
@@ -119,6 +128,7 @@ class GRPOTrainer:
         plan.require_fit()  # both phases; before anything large is allocated
         report_plan(plan.training, b.placement.is_cuda)
         print(format_rollout(plan), flush=True)
+        self.run_id = self.folder.claim()  # a resumed run takes its checkpoint's (_resume)
         self.structure = b.model()
         print(f"model: {self.structure.describe()}", flush=True)
         self.store = b.store(self.structure)
@@ -367,4 +377,7 @@ class GRPOTrainer:
         return self.builder.export(self.store)
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            self.folder.release()
