@@ -12,7 +12,8 @@ device. The run is planned for a GPU unless training.device is cpu.
 `--nproc-per-node N --nnodes M` plans the torchrun job: GPU numbers per rank, host numbers per
 node, the step with its collectives (resources/ranks.py); batch flags are per rank.
 The machine is this one (`--probe` measures its rates, a few seconds), with the H100 test
-host's numbers for what is not measured; `--gpu-gib` / `--host-gib` set the memory sizes.
+host's numbers for what is not measured (on a machine without a GPU the GPU itself: a note
+says so); `--gpu-gib` / `--host-gib` set the memory sizes.
 
 Prints a table, or with `--json` one JSON object. Exit status 0 when the setup fits, 1 when it
 does not (the reasons are printed), 2 for a usage error.
