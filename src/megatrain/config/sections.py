@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.memory import MemoryConfig
@@ -18,6 +16,9 @@ from megatrain.config.types import check_choice, check_int, check_number, check_
 from megatrain.data.config import DataConfig
 from megatrain.dtypes import DTYPE_NAMES as DTYPES
 from megatrain.dtypes import torch_dtype
+
+if TYPE_CHECKING:
+    import torch  # only named in annotations: loading a config loads no torch
 
 ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager", "flash_attention_2", "flex_attention")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
