@@ -19,9 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # config errors before torch loads
     from megatrain.trainer import Trainer
 
-    trainer = Trainer(load_config(args.config, args.overrides))
+    trainer = Trainer(cfg)
     try:
         summary = trainer.train()
     finally:

@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatrain.device import resolve_device
-from megatrain.model.loading import parse_config_sets
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -63,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatrain.device import resolve_device
+    from megatrain.model.loading import parse_config_sets
     from megatrain.verify import (
         SHORTHANDS,
         TOLERANCES,
