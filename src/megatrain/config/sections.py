@@ -175,7 +175,9 @@ class OptimizerConfig:
     impl: str = "auto"
     """AdamW kernel: "c" (compiled C, OpenMP), "torch", or "auto" (c when it compiles)."""
     threads: int | None = None
-    """CPU threads for the optimizer; None: all cores but two."""
+    """CPU threads for the optimizer; None: the cores this process may use (its CPU affinity,
+    less those other processes keep busy) but two; with several ranks on a node, each rank's
+    share of them less one (megatrain/threads.py)."""
     state_dtype: str = "fp32"
     """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4)
     or "int8" (block-wise 8-bit Adam, ~2); master weights stay fp32 (docs/optimizer_states.md)."""
