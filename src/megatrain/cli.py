@@ -12,8 +12,9 @@ unsupported model, disk full) print one paragraph naming what to change and exit
 where the last checkpoint is and exits 130. MEGATRAIN_DEBUG=1 shows the traceback instead.
 
 Invariant: parsing imports neither torch nor transformers (the commands import them when they
-run), so `--help`, `--version`, usage and config errors answer in a fraction of a second
-(tests/test_cli_startup.py; bench/cli_startup.py times it).
+run), so `--help`, `--version` and usage errors answer in a fraction of a second, and so do
+config errors of train, grpo, data and export (tests/test_cli_startup.py; bench/cli_startup.py
+times it).
 """
 
 from __future__ import annotations
