@@ -47,11 +47,12 @@ from megatrain.allocator import configure_allocator
 from megatrain.batch import Batch
 from megatrain.builder import RunBuilder
 from megatrain.config.shorthand import model_values, shorthand_config
-from megatrain.distributed import default_threads, placement_here
+from megatrain.distributed import placement_here
 from megatrain.engine.attention_heads import SplitHeads, head_calls
 from megatrain.model.loading import parse_config_sets
 from megatrain.resources import probe
 from megatrain.resources.timing import attention_flops_per_token
+from megatrain.threads import optimizer_threads
 
 OLD = {"activation_offload": "off", "checkpoint_every": 1, "mlp_tiles": 1}  # memory.*
 SDPA = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
@@ -109,7 +110,7 @@ def main() -> None:
     placement = placement_here(cfg.training.device)  # under torchrun: this rank's GPU, first
     hardware = None
     if a.probe:  # on this rank's GPU (probing before the placement put every rank on GPU 0)
-        threads = cfg.optimizer.threads or default_threads(placement.local_world_size)
+        threads = cfg.optimizer.threads or optimizer_threads(placement.local_world_size)
         hardware = probe(optimizer_threads=threads, state_dtype=cfg.optimizer.state_dtype)
     if hardware is not None and placement.world_size > 1:
         # every rank probed at once with its share of the node's cores; the estimate takes the

@@ -42,12 +42,7 @@ from megatrain.config import config_to_dict
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.ranks import RankLoader
 from megatrain.data.sample import Sample
-from megatrain.distributed import (
-    default_threads,
-    node_turns,
-    on_rank0,
-    rank_max,
-)
+from megatrain.distributed import node_turns, on_rank0, rank_max
 from megatrain.engine.engine import StreamingEngine
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.loading import load_causal_lm
@@ -60,6 +55,7 @@ from megatrain.resources.hardware import GIB
 from megatrain.store.host import HostStore
 from megatrain.store.reference import ReferenceWeights
 from megatrain.store.shard import shard_master
+from megatrain.threads import optimizer_threads
 from megatrain.trackers import Tracker, TrackerRun, open_trackers, tracker_names
 
 
@@ -195,7 +191,7 @@ class RunBuilder(PlanBuilder):
                 betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay
             ),
             impl=opt.impl,
-            num_threads=opt.threads or default_threads(self.placement.local_world_size),
+            num_threads=opt.threads or optimizer_threads(self.placement.local_world_size),
         )
 
     def engine(

@@ -10,6 +10,11 @@
 `python -m megatrain` is the same command. Errors a user can fix (bad path, bad key,
 unsupported model, disk full) print one paragraph naming what to change and exit 2; Ctrl-C prints
 where the last checkpoint is and exits 130. MEGATRAIN_DEBUG=1 shows the traceback instead.
+
+Invariant: parsing imports neither torch nor transformers (the commands import them when they
+run), so `--help`, `--version` and usage errors answer in a fraction of a second, and so do
+config errors of train, grpo, data and export (tests/test_cli_startup.py; bench/cli_startup.py
+times it).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from megatrain.allocator import configure_allocator
 from megatrain.commands import COMMANDS
 from megatrain.config import SECTIONS
 from megatrain.errors import RunStopped
-from megatrain.resources.disk import DiskFullError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
-        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, DiskFullError)):
+        if _may_need_traceback(e):
             print("(MEGATRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     except RunStopped as e:  # its message is the paragraph (out of GPU memory, ...)
@@ -90,6 +94,15 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(token)
             i += 1
     return overrides, rest
+
+
+def _may_need_traceback(e: Exception) -> bool:
+    """An OSError other than a missing file or a full disk: its message may not say enough."""
+    if not isinstance(e, OSError) or isinstance(e, FileNotFoundError):
+        return False
+    from megatrain.resources.disk import DiskFullError  # here: megatrain.resources loads torch
+
+    return not isinstance(e, DiskFullError)
 
 
 def _version() -> str:

@@ -207,15 +207,6 @@ def placement_here(device_setting: str) -> Placement:
     return Placement(device, env.rank, env.world_size, env.local_rank, env.local_world_size)
 
 
-def default_threads(local_world_size: int) -> int:
-    """Optimizer threads: the node's cores less two for the driving threads, or with several
-    ranks on the node, each rank's share less one."""
-    cores = os.cpu_count() or 2
-    if local_world_size == 1:
-        return max(1, cores - 2)
-    return max(1, cores // local_world_size - 1)
-
-
 def least_on_ranks(value: int) -> int:
     """The smallest of every rank's `value` (every rank gets it): a count the ranks must agree
     on, such as the GPU tier's blocks, each planned from its own GPU."""

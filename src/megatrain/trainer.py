@@ -141,7 +141,9 @@ class Trainer:
         t = self.cfg.training
         if t.max_steps is not None:
             return t.max_steps
-        per_epoch = len(self.loader) / self.grad_accum
+        # micro-batches of the whole job (every rank's) per epoch over those of one job step: N
+        # ranks take the steps of one process with N times the accumulation (data/ranks.py)
+        per_epoch = len(self.loader) / (self.grad_accum * self.builder.placement.world_size)
         return max(1, math.ceil(t.num_epochs * per_epoch))
 
     def _resume(self) -> None:

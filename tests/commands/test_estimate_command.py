@@ -8,11 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
 from megatrain.model.tiny import tiny_config
-from megatrain.resources import estimate, model_spec
+from megatrain.resources import Hardware, estimate, model_spec
+from megatrain.resources.hardware import GIB
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -227,3 +229,21 @@ def test_set_reads_values_as_yaml_like_config_overrides(capsys: pytest.CaptureFi
     )
     tied = json.loads(out)
     assert untied["total_params"] - tied["total_params"] == 640 * tiny_config("qwen2").hidden_size
+
+
+def test_without_a_gpu_the_report_says_the_gpu_is_assumed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
+    tiny = ["--model-type", "llama", "--tiny", "--seq-len", "64"]
+    status, out = _run(tiny, capsys)
+    assert status == 0
+    assert (
+        "note: no GPU found here: the GPU figures are for an assumed NVIDIA H100 80GB HBM3 "
+        "with 80.0 GiB (--gpu-gib sets its memory" in out
+    )
+    _, out = _run([*tiny, "--gpu-gib", "24"], capsys)
+    assert "an assumed NVIDIA H100 80GB HBM3 with 24.0 GiB" in out
+    found = Hardware(gpu_name="NVIDIA L4", gpu_bytes=24 * GIB, measured=("gpu_bytes", "gpu_name"))
+    notes = estimate(tiny_config("llama"), seq_len=64, micro_batch_size=1, hardware=found).notes
+    assert not any("no GPU found" in n for n in notes)

@@ -3,7 +3,10 @@
 One 2-rank run of the demo (launched as users do: torchrun -m megatrain train) is compared
 with a 1-process run whose gradient accumulation is twice as long, so both take the same
 micro-batches in every step (data/ranks.py). Clipping is on (the gradient norm is ~3, clipped
-to 0.5) and every rank accumulates over 2 micro-batches.
+to 0.5) and every rank accumulates over 2 micro-batches. Both are whole runs of num_epochs over
+a shortened demo data set: an epoch of 5 micro-batches, which the job's 4 per step do not
+divide, so the step count (3.75 -> 4) and with it the learning-rate schedule come from the same
+rule on both sides (docs/multi_gpu.md, The batch).
 
 Parity tolerance (fp32). The runs differ only in the order of fp32 sums: the gradient and
 loss are summed over the step's A x W = 4 micro-batches in another order, and the two
@@ -38,13 +41,16 @@ from megatrain.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.yaml"
-STEPS, LR, CLIP, K = 4, 0.05, 0.5, 384
+SAMPLES, EPOCHS = 64, 3  # 9 packed training rows: 5 micro-batches of 2 rows an epoch
+STEPS = 4  # ceil(EPOCHS x 5 / 4 micro-batches a step); each rank's 2 of 5 would make it 3
+LR, CLIP, K = 0.05, 0.5, 384
 U = 2.0**-24
 LOSS_RTOL = 5 * K * U
 WEIGHT_ATOL = STEPS * LR * 2 * CLIP * (5 * K * U + 4 * U)
 COMMON = [
     "--training.device", "cpu",
-    "--training.max_steps", str(STEPS),
+    "--data.max_samples", str(SAMPLES),
+    "--training.num_epochs", str(EPOCHS),
     "--training.micro_batch_size", "2",
     "--optimizer.learning_rate", str(LR),
     "--optimizer.max_grad_norm", str(CLIP),
@@ -100,8 +106,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[flo
 
 def test_two_ranks_match_one_process(runs: tuple[Path, Path, list[float]]) -> None:
     two, one, losses = runs
-    train = _records(two, "train")
-    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    train, alone = _records(two, "train"), _records(one, "train")
+    assert [r["step"] for r in train] == [r["step"] for r in alone] == list(range(1, STEPS + 1))
+    assert [r["lr"] for r in train] == [r["lr"] for r in alone]  # one schedule
+    assert [r["tokens"] for r in train] == [r["tokens"] for r in alone]  # the same rows
     torch.testing.assert_close(
         torch.tensor([r["loss"] for r in train], dtype=torch.float64),
         torch.tensor(losses, dtype=torch.float64),

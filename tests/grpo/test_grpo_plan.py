@@ -123,6 +123,15 @@ def test_estimate_command_reports_the_rollout_phase(capsys: pytest.CaptureFixtur
     assert "GRPO rollout phase (whole model on the GPU" in capsys.readouterr().out
 
 
+def test_cpu_estimate_puts_the_rollout_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    cpu = ["--training.device", "cpu"]
+    args = ["estimate", "--model-type", "qwen2", "--seq-len", "64", "--grpo", *cpu]
+    assert main([*args, *MODEL[2:], *GRPO]) == 0
+    out = capsys.readouterr().out
+    assert "GRPO rollout phase (whole model on the CPU: a CPU run streams nothing)" in out
+    assert "whole model on the GPU" not in out
+
+
 def test_auto_gpu_tier_leaves_the_resident_rollout_its_room() -> None:
     """The automatic GPU tier is chosen around the room reserved for the rollout: the more is
     reserved, the fewer blocks, and persistent buffers + the reservation always fit."""

@@ -3,6 +3,9 @@
 Each module has `register(subparsers)`, which adds its parser and sets `run` (the function
 taking the parsed namespace and returning the exit status) and, for commands that accept
 `--section.key VALUE` config overrides, `takes_overrides`. `megatrain.cli` only dispatches.
+A module imports torch, transformers and what loads them (the builder, the recipes) inside
+`run` (train, grpo, data and export after reading the config, so config errors answer at once
+too): `megatrain --help` never waits for them.
 """
 
 from megatrain.commands import data, estimate, export, grpo, train, verify

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatrain.builder import RunBuilder
 from megatrain.config import load_config
-from megatrain.data import run_data_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # config errors before torch loads
+    from megatrain.builder import RunBuilder
+    from megatrain.data import run_data_command
+
     builder = RunBuilder(cfg)
     mbs = cfg.training.micro_batch_size
     return run_data_command(

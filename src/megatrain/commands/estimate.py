@@ -12,10 +12,12 @@ device. The run is planned for a GPU unless training.device is cpu.
 `--nproc-per-node N --nnodes M` plans the torchrun job: GPU numbers per rank, host numbers per
 node, the step with its collectives (resources/ranks.py); batch flags are per rank.
 The machine is this one (`--probe` measures its rates, a few seconds), with the H100 test
-host's numbers for what is not measured; `--gpu-gib` / `--host-gib` set the memory sizes.
+host's numbers for what is not measured (on a machine without a GPU the GPU itself: a note
+says so); `--gpu-gib` / `--host-gib` set the memory sizes.
 
 Prints a table, or with `--json` one JSON object. Exit status 0 when the setup fits, 1 when it
-does not (the reasons are printed), 2 for a usage error.
+does not (the reasons are printed), 2 for a usage error. torch and transformers are imported
+where the command runs, not here: `megatrain --help` parses without them.
 """
 
 from __future__ import annotations
@@ -23,20 +25,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatrain.config import TrainConfig
 from megatrain.config.shorthand import model_values, shorthand_config
-from megatrain.distributed import Placement
-from megatrain.grpo.plan import format_rollout, grpo_plan, rollout_dict
-from megatrain.model.loading import parse_config_sets
-from megatrain.plan_builder import PlanBuilder
-from megatrain.resources import detect, format_estimate, probe
-from megatrain.resources.long_context import longest_fitting
-from megatrain.resources.plan import LAYOUTS
-from megatrain.resources.ranks import Ranks
+from megatrain.data.config import LAYOUTS
+
+if TYPE_CHECKING:
+    from megatrain.distributed import Placement
+    from megatrain.plan_builder import PlanBuilder
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -105,21 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatrain.grpo.plan import format_rollout, grpo_plan, rollout_dict
+    from megatrain.resources import format_estimate
+
     cfg = _config(args)
-    hardware = (
-        probe(
-            optimizer_threads=cfg.optimizer.threads,
-            state_dtype=cfg.optimizer.state_dtype,
-            gpu_gib=args.gpu_gib,
-            host_gib=args.host_gib,
-        )
-        if args.probe
-        else detect(gpu_gib=args.gpu_gib, host_gib=args.host_gib)
-    )
-    device = "cpu" if cfg.training.device == "cpu" else "cuda"
-    ranks = Ranks(args.nproc_per_node, args.nnodes)  # ValueError for a count < 1
-    placement = Placement(torch.device(device), 0, ranks.world, 0, ranks.nproc_per_node)
-    builder = PlanBuilder(cfg, hardware=hardware, placement=placement)
+    builder = _builder(cfg, args)
     layout = "full" if args.layout == "full" else None
     grpo = grpo_plan(builder) if args.grpo else None
     plan = (
@@ -129,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     problems = grpo.problems if grpo else plan.problems
     fits = not problems
     problem = "; ".join(problems) if problems else None
-    longest = _longest(cfg, hardware, builder.placement, layout) if args.longest else None
+    longest = _longest(cfg, builder.hardware, builder.placement, layout) if args.longest else None
     if args.json:
         report = {**est.to_dict(), "fits": fits, "problem": problem}
         if grpo:
@@ -164,7 +151,35 @@ def run(args: argparse.Namespace) -> int:
     return 0 if fits else 1
 
 
+def _builder(cfg: TrainConfig, args: argparse.Namespace) -> PlanBuilder:
+    """The planner of the run on this machine (measured with --probe), for the GPU (unless
+    training.device is cpu) and the ranks asked for."""
+    import torch
+
+    from megatrain.distributed import Placement
+    from megatrain.plan_builder import PlanBuilder
+    from megatrain.resources import detect, probe
+    from megatrain.resources.ranks import Ranks
+
+    hardware = (
+        probe(
+            optimizer_threads=cfg.optimizer.threads,
+            state_dtype=cfg.optimizer.state_dtype,
+            gpu_gib=args.gpu_gib,
+            host_gib=args.host_gib,
+        )
+        if args.probe
+        else detect(gpu_gib=args.gpu_gib, host_gib=args.host_gib)
+    )
+    device = "cpu" if cfg.training.device == "cpu" else "cuda"
+    ranks = Ranks(args.nproc_per_node, args.nnodes)  # ValueError for a count < 1
+    placement = Placement(torch.device(device), 0, ranks.world, 0, ranks.nproc_per_node)
+    return PlanBuilder(cfg, hardware=hardware, placement=placement)
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
+    from megatrain.model.loading import parse_config_sets
+
     given = [x for x in (args.config, args.model, args.model_type) if x]
     if len(given) != 1:
         raise ValueError(
@@ -196,6 +211,8 @@ def _longest(
     cfg: TrainConfig, hardware: Any, placement: Placement, layout: str | None
 ) -> int | None:
     """The longest row (one per micro-batch) whose plan fits, up to 8M tokens."""
+    from megatrain.plan_builder import PlanBuilder
+    from megatrain.resources.long_context import longest_fitting
 
     def fits(seq: int) -> bool:
         run = dataclasses.replace(

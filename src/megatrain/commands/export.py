@@ -10,12 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
-from megatrain.builder import RunBuilder
-from megatrain.checkpoint import export_hf, load_checkpoint
 from megatrain.config import load_config
-from megatrain.distributed import Placement
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
         )
     dtype = ["--checkpoint.export_dtype", args.dtype] if args.dtype else []
     cfg = load_config(config, [*args.overrides, *dtype])
+    import torch  # after the checks above: a usage error answers without loading torch
+
+    from megatrain.builder import RunBuilder
+    from megatrain.checkpoint import export_hf, load_checkpoint
+    from megatrain.distributed import Placement
+
     builder = RunBuilder(cfg, placement=Placement(torch.device("cpu")))  # no GPU needed
     store = builder.store(builder.model(random_init=True), compute_dtype=torch.float32)
     load_checkpoint(ckpt, store)

@@ -20,8 +20,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatrain.grpo.recipe import GRPOTrainer
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise ValueError(
@@ -30,7 +28,12 @@ def run(args: argparse.Namespace) -> int:
             "`megatrain grpo --config FILE`"
         )
 
-    trainer = GRPOTrainer(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)  # config errors before torch loads
+    from megatrain.grpo.recipe import GRPOTrainer
+    from megatrain.threads import use_compute_threads
+
+    use_compute_threads(cfg.training.device)  # on the CPU: the cores not busy elsewhere
+    trainer = GRPOTrainer(cfg)
     try:
         summary = trainer.train()
     finally:

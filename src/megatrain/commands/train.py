@@ -19,9 +19,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # config errors before torch loads
+    from megatrain.threads import use_compute_threads
     from megatrain.trainer import Trainer
 
-    trainer = Trainer(load_config(args.config, args.overrides))
+    use_compute_threads(cfg.training.device)  # on the CPU: the cores not busy elsewhere
+    trainer = Trainer(cfg)
     try:
         summary = trainer.train()
     finally:

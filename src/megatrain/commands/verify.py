@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatrain.device import resolve_device
-from megatrain.model.loading import parse_config_sets
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -63,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatrain.device import resolve_device
+    from megatrain.model.loading import parse_config_sets
+    from megatrain.threads import use_compute_threads
     from megatrain.verify import (
         SHORTHANDS,
         TOLERANCES,
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         config_overrides=parse_config_sets(args.set),
         **{name: getattr(args, name) for name in SHORTHANDS},
     )
+    use_compute_threads(cfg.training.device)  # on the CPU: the cores not busy elsewhere
     reports = run_verify(cfg, steps=args.steps)
     ok = within(reports)
     if args.json:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.memory import MemoryConfig
@@ -19,6 +17,9 @@ from megatrain.data.config import DataConfig
 from megatrain.dtypes import DTYPE_NAMES as DTYPES
 from megatrain.dtypes import torch_dtype
 from megatrain.trackers import TRACKER_NAMES
+
+if TYPE_CHECKING:
+    import torch  # only named in annotations: loading a config loads no torch
 
 ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager", "flash_attention_2", "flex_attention")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -181,7 +182,9 @@ class OptimizerConfig:
     impl: str = "auto"
     """AdamW kernel: "c" (compiled C, OpenMP), "torch", or "auto" (c when it compiles)."""
     threads: int | None = None
-    """CPU threads for the optimizer; None: all cores but two."""
+    """CPU threads for the optimizer; None: the cores this process may use (its CPU affinity,
+    less those other processes keep busy) but two; with several ranks on a node, each rank's
+    share of them less one (megatrain/threads.py)."""
     state_dtype: str = "fp32"
     """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4)
     or "int8" (block-wise 8-bit Adam, ~2); master weights stay fp32 (docs/optimizer_states.md)."""

@@ -34,19 +34,37 @@ Data flow and modules:
     pretrain.py   PretrainCorpus: the documents of the data sets over the cached token files
     pretrain_loader.py  PretrainLoader: the document stream cut into rows of seq_len
   demo_assets.py  the built-in synthetic data sets and tokenizer (megatrain/assets/demo)
+
+The names above are imported on first use (`_EXPORTS`): importing the package, as the config
+does for `DataConfig`, loads neither torch nor transformers, so `megatrain --help` stays fast.
 """
 
-from megatrain.data.assets import demo_assets_dir, demo_tokenizer_dir
-from megatrain.data.command import run_data_command
-from megatrain.data.config import DataConfig
-from megatrain.data.formats import Conversation, convert_row
-from megatrain.data.loader import BatchLoader, make_loader
-from megatrain.data.packing import pack_rows
-from megatrain.data.pipeline import PreparedData, pad_token_id_of, prepare_data
-from megatrain.data.pretrain import PretrainCorpus
-from megatrain.data.registry import DatasetSpec, resolve_datasets
-from megatrain.data.sample import DataStats, Sample
-from megatrain.data.template import ChatEncoder
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "demo_assets_dir": "assets",
+    "demo_tokenizer_dir": "assets",
+    "run_data_command": "command",
+    "DataConfig": "config",
+    "Conversation": "formats",
+    "convert_row": "formats",
+    "BatchLoader": "loader",
+    "make_loader": "loader",
+    "pack_rows": "packing",
+    "PreparedData": "pipeline",
+    "pad_token_id_of": "pipeline",
+    "prepare_data": "pipeline",
+    "PretrainCorpus": "pretrain",
+    "DatasetSpec": "registry",
+    "resolve_datasets": "registry",
+    "DataStats": "sample",
+    "Sample": "sample",
+    "ChatEncoder": "template",
+}
+"""Each name of `__all__` -> the module of this package that defines it."""
 
 __all__ = [
     "BatchLoader",
@@ -68,3 +86,26 @@ __all__ = [
     "resolve_datasets",
     "run_data_command",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`megatrain.data.NAME`: imported from its module on first use, then cached here."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:  # the same names, for type checkers
+    from megatrain.data.assets import demo_assets_dir, demo_tokenizer_dir
+    from megatrain.data.command import run_data_command
+    from megatrain.data.config import DataConfig
+    from megatrain.data.formats import Conversation, convert_row
+    from megatrain.data.loader import BatchLoader, make_loader
+    from megatrain.data.packing import pack_rows
+    from megatrain.data.pipeline import PreparedData, pad_token_id_of, prepare_data
+    from megatrain.data.pretrain import PretrainCorpus
+    from megatrain.data.registry import DatasetSpec, resolve_datasets
+    from megatrain.data.sample import DataStats, Sample
+    from megatrain.data.template import ChatEncoder

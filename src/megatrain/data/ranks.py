@@ -6,7 +6,8 @@ step of A micro-batches per rank covers A x W consecutive micro-batches of that 
 same ones a single-process run with accumulation A x W takes in that step: the global batch
 is micro-batch x accumulation x world, and a run on W ranks sees exactly the data of the
 one-process run with the same global batch. Groups run across epoch boundaries, so every rank
-gets the same number of micro-batches.
+gets the same number of micro-batches. An epoch is counted in the job's micro-batches (`len`),
+so a run of `num_epochs` takes the steps, rows and learning rates of that one-process run.
 
 Every rank reads (and so builds) the whole stream; the state is the underlying loader's
 position, identical on all ranks, plus the world size (a checkpoint resumes with the same one).
@@ -32,8 +33,10 @@ class RankLoader:
         self._stream: Iterator[Batch] | None = None
 
     def __len__(self) -> int:
-        """This rank's micro-batches per epoch (rounded down)."""
-        return max(1, len(self.loader) // self.world_size)
+        """The job's micro-batches per epoch, every rank's together (this rank takes 1 in
+        world_size of them): what one process with world_size times the accumulation counts,
+        so both run the same number of steps."""
+        return len(self.loader)
 
     def _endless(self) -> Iterator[Batch]:
         while True:

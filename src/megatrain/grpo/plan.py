@@ -35,6 +35,7 @@ class GRPOPlan:
     reason: str  # why that path
     decode_reason: str  # why a resident rollout decodes the way it does (decode_mode)
     problems: tuple[str, ...]  # training's and the rollout's; empty when both fit
+    on_gpu: bool  # a CUDA run (else everything, rollout included, runs on the CPU)
 
     @property
     def fits(self) -> bool:
@@ -92,7 +93,7 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
     if g.generation != "auto":
         streamed, reason = g.generation == "streamed", f"grpo.generation: {g.generation}"
     elif not on_gpu:
-        streamed, reason = False, "on the CPU"
+        streamed, reason = False, "a CPU run streams nothing"
     else:
         streamed = resident.gpu_peak_bytes > budget
         reason = (
@@ -111,7 +112,7 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
             "grpo.max_completion_length"
             + ("" if streamed else ", or set grpo.generation: streamed")
         )
-    return GRPOPlan(training, chosen, reason, decode_reason, tuple(problems))
+    return GRPOPlan(training, chosen, reason, decode_reason, tuple(problems), on_gpu)
 
 
 def decode_mode(builder: PlanBuilder) -> tuple[str, str]:
@@ -159,7 +160,8 @@ def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
 def format_rollout(plan: GRPOPlan) -> str:
     """The rollout phase and the GRPO step, as lines under the training estimate's table."""
     r = plan.rollout
-    path = "layers streamed per decoding step" if r.streamed else "whole model on the GPU"
+    where = "GPU" if plan.on_gpu else "CPU"
+    path = "layers streamed per decoding step" if r.streamed else f"whole model on the {where}"
     decode = "" if r.streamed else f"\n  decoding: {plan.decode_reason}"
     lines = [
         f"GRPO rollout phase ({path}: {plan.reason}){decode}",

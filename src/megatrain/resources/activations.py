@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from megatrain.data.config import LAYOUTS
 from megatrain.engine.attention_heads import head_calls
 from megatrain.engine.head import LogitsFn
 from megatrain.engine.tiling import TilePolicy, tiled_per_token
@@ -52,7 +53,6 @@ from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
 from megatrain.model.kernels import reference_kernels
 from megatrain.resources.spec import ModelSpec
 
-LAYOUTS = ("full", "padded", "packed")  # rows full / right-padded rows / packed samples
 _CAPTURE_ROWS = 2
 _CAPTURE_SEQ = 8192
 

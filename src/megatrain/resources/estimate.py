@@ -54,7 +54,7 @@ from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.head import default_chunk_tokens
 from megatrain.resources.activations import LayerProfile, layer_profile, loss_chunk
-from megatrain.resources.hardware import Hardware, detect
+from megatrain.resources.hardware import Hardware, detect, gib
 from megatrain.resources.host_memory import HostMemory, host_memory, pinned_reserved
 from megatrain.resources.long_context import device_inputs, host_input_bytes
 from megatrain.resources.ranks import ONE_PROCESS, Ranks
@@ -347,6 +347,11 @@ def _notes(hw: Hardware) -> list[str]:
         "all tokens assumed supervised (loss FLOPs) and every padded micro-batch assumed "
         "to carry a padding mask"
     ]
+    if hw.source("gpu_name") == "assumed":  # detect() found no CUDA device
+        notes.append(
+            f"no GPU found here: the GPU figures are for an assumed {hw.gpu_name} with "
+            f"{gib(hw.gpu_bytes)} (--gpu-gib sets its memory; estimate on the GPU host for its own)"
+        )
     if assumed:
         notes.append(
             f"assumed, not measured here: {', '.join(assumed)} (defaults of the H100 "

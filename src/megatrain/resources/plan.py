@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatrain.data.config import LAYOUTS
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.tiling import TilePolicy
 from megatrain.resources.batch_size import pick_micro_batch
@@ -47,8 +48,6 @@ from megatrain.resources.host_memory import pinned_reserved
 from megatrain.resources.long_context import choose_boundaries
 from megatrain.resources.ranks import ONE_PROCESS, Ranks
 from megatrain.resources.spec import ModelSpec
-
-LAYOUTS = ("padded", "packed", "full")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,85 @@
+"""megatrain/threads.py: thread counts from the cores this process may use less other
+processes' load; OMP_NUM_THREADS wins; a CPU command's torch follows the rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from megatrain import threads
+from megatrain.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rule() -> Iterator[None]:
+    """Each test measures (or fakes) the load anew; torch's thread count is put back after."""
+    before = torch.get_num_threads()
+    threads.usable_cores.cache_clear()
+    yield
+    threads.usable_cores.cache_clear()
+    torch.set_num_threads(before)
+
+
+def _machine(monkeypatch: pytest.MonkeyPatch, cores: int, busy: float) -> None:
+    monkeypatch.setattr(threads, "_affinity", lambda: list(range(cores)))
+    monkeypatch.setattr(threads, "busy_elsewhere", lambda cpus: busy)
+
+
+@pytest.mark.parametrize(
+    "cores,busy,usable,alone,of_two_ranks",
+    [
+        (16, 0.0, 16, 14, 7),  # an idle GPU host: as before (cores less 2; share less 1)
+        (16, 3.6, 12, 10, 7),  # 3.6 cores busy elsewhere count as 4; ranks: their share
+        (2, 0.7, 1, 1, 1),  # the shared 2-core machine: one core left, at least one thread
+        (2, 0.4, 2, 1, 1),
+        (4, 9.0, 1, 1, 1),  # more load than cores: still one
+    ],
+)
+def test_cores_less_other_load(
+    monkeypatch: pytest.MonkeyPatch,
+    cores: int,
+    busy: float,
+    usable: int,
+    alone: int,
+    of_two_ranks: int,
+) -> None:
+    _machine(monkeypatch, cores, busy)
+    assert threads.usable_cores() == usable
+    assert threads.optimizer_threads(1) == alone
+    assert threads.optimizer_threads(2) == of_two_ranks
+
+
+def test_a_cpu_run_computes_on_the_usable_cores(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _machine(monkeypatch, 4, 1.2)  # 3 usable
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(1)
+    verify = ["verify", "--model-type", "llama", "--tiny", "--steps", "1", "--device", "cpu"]
+    assert main(verify) == 0, capsys.readouterr().out
+    assert torch.get_num_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's (or torchrun's) choice wins
+    torch.set_num_threads(2)
+    threads.use_compute_threads("cpu")
+    assert torch.get_num_threads() == 2
+
+
+def test_another_busy_process_is_measured() -> None:
+    """A process spinning on one core: measured as (about) one core busy elsewhere, so this
+    process gets one core less (at least one). Its CPU counters tick in 10 ms jiffies: over the
+    0.5 s window one core reads within 2 x 10 ms / 0.5 s = 0.04 of 1.0 per CPU it ran on; the
+    0.1 bound allows that for two CPUs and a little more; other load only adds to it."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        cpus = threads._affinity()
+        assert threads.busy_elsewhere(cpus, window_s=0.5) >= 0.9
+        assert threads.usable_cores() <= max(1, len(cpus) - 1)
+    finally:
+        spinner.kill()
+        spinner.wait()
