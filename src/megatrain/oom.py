@@ -24,9 +24,11 @@ import re
 import torch
 
 from megatrain.engine.engine import StreamingEngine
+from megatrain.engine.tier import tier_order
 from megatrain.errors import GpuOutOfMemory
 from megatrain.plan_builder import PlanBuilder, StepDown
 from megatrain.resources.hardware import GIB
+from megatrain.store.host import HostStore
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _TRIED = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
@@ -53,10 +55,14 @@ def step_down(
     *,
     step: int,
     builder: PlanBuilder,
-    engine: StreamingEngine,
+    engine: StreamingEngine | None = None,
+    store: HostStore | None = None,
 ) -> StepDown:
-    """Undo the failed `step` on `engine` and step `builder`'s plan down; the caller builds a
-    new engine from `builder` and reruns the step. Raises GpuOutOfMemory when it cannot."""
+    """Undo the failed `step` on `engine` (None: building the engine ran out of memory; give
+    the `store` then) and step `builder`'s plan down, the store's blocks beyond the smaller
+    tier back on the host; the caller builds a new engine from `builder` and reruns the step
+    (from outside its `except` block, so that the failed step's tensors are freed). Raises
+    GpuOutOfMemory when it cannot."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
     where = f"step {step} ran out of GPU memory ({first_line})"
     if builder.placement.world_size > 1:
@@ -64,21 +70,24 @@ def step_down(
             f"{where} on rank {builder.placement.rank}. Several ranks cannot step the plan down "
             f"together yet; resume from the last checkpoint after you {_FIX}"
         ) from error
-    if engine.updates_begun:
+    if engine is not None and engine.updates_begun:
         raise GpuOutOfMemory(
             f"{where} after its first optimizer updates were applied (optimizer.max_grad_norm "
             f"0 updates each layer as its gradient lands), so it cannot be undone. Resume from "
             f"the last checkpoint after you {_FIX}"
         ) from error
-    layers = len(engine.store.layers)
-    change = builder.step_down(layers, shortfall_bytes(error, engine.device))
+    store = engine.store if engine is not None else store
+    assert store is not None, "step_down needs the engine or the store"
+    layers = len(store.layers)
+    change = builder.step_down(layers, shortfall_bytes(error, builder.device))
     if change is None:
         raise GpuOutOfMemory(
             f"{where} and the plan has nothing left to give up "
             f"({builder.engine_settings(layers).describe()}). To fit, {_FIX}"
         ) from error
-    tier = engine.tier.blocks
-    engine.abandon_step()
-    for block in tier[change.after.gpu_state_blocks :]:
-        block.to_host(pin=builder.pin_memory)
+    if engine is not None:
+        engine.abandon_step()
+    for block in tier_order(store)[change.after.gpu_state_blocks :]:
+        if block.master.device.type != "cpu":  # a tier block leaving the GPU
+            block.to_host(pin=builder.pin_memory)
     return change

@@ -48,6 +48,12 @@ from megatrain.store.host import HostStore
 from megatrain.store.shard import ShardedBlock
 
 
+def tier_order(store: HostStore) -> list[ParamBlock]:
+    """The order blocks join the GPU tier: decoder layers, then the embedding, then the head
+    (this module's docstring says why); a tier of k blocks is the first k."""
+    return [*store.layers, store.embed, store.head]
+
+
 class GpuTier:
     """The blocks whose optimizer states live on the compute device, and their updates."""
 
@@ -57,7 +63,7 @@ class GpuTier:
     ) -> GpuTier:
         """The first `count` blocks of the tier order (layers, embedding, head)."""
         assert 0 <= count <= len(store.layers) + 2, count  # the plan clamps it
-        return cls([*store.layers, store.embed, store.head][:count], optimizer, comm)
+        return cls(tier_order(store)[:count], optimizer, comm)
 
     def __init__(
         self, blocks: Sequence[ParamBlock], optimizer: CpuAdamW, comm: Collectives
