@@ -45,6 +45,7 @@ from megatrain.data.sample import Sample
 from megatrain.distributed import node_turns, on_rank0, rank_max
 from megatrain.engine.engine import StreamingEngine
 from megatrain.metrics import MetricsLogger, peak_flops
+from megatrain.model.kernels import fall_back_where_refused
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import ModelStructure, discover
 from megatrain.model.tokenizer import load_tokenizer
@@ -198,6 +199,7 @@ class RunBuilder(PlanBuilder):
         self, structure: ModelStructure, store: HostStore, optimizer: CpuAdamW | None = None
     ) -> StreamingEngine:
         cfg = self.cfg
+        fall_back_where_refused(structure)  # a kernel package that would stop the run
         return StreamingEngine(
             structure,
             store,

@@ -26,9 +26,12 @@ _FAKE_FLA = {
     "fla/ops/gated_delta_rule/__init__.py": textwrap.dedent(
         """
         def _run(name, *args, **kwargs):
+            import os
             import torch
             from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
+            if os.environ.get("FAKE_FLA_REFUSES"):  # as fla 0.6 on Hopper with Triton 3.6
+                raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs: refused")
             if any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):
                 raise RuntimeError("fla kernel launched on meta tensors")
             return getattr(m, name).__wrapped__(*args, **kwargs)
@@ -57,18 +60,53 @@ _PROFILE = textwrap.dedent(
 )
 
 
-def test_plan_profiles_a_layer_whose_package_kernels_refuse_meta(tmp_path: Path) -> None:
+_REFUSED = textwrap.dedent(
+    """
+    from megatrain.builder import RunBuilder
+    from megatrain.model import kernels
+    from megatrain.verify import make_batches, verify_config
+
+    kernels.refusals = lambda: {"fla": "fla refuses this Triton"}  # as _fla_refusal on Hopper
+    cfg = verify_config(None, [], model_type="qwen3_5_text", tiny=True)
+    builder = RunBuilder(cfg)
+    structure = builder.model()
+    print("REPORT", kernels.kernel_report(structure))
+    store = builder.store(structure)
+    engine = builder.engine(structure, store)
+    vocab = structure.causal_lm.config.vocab_size
+    for micro in make_batches(cfg, 2, vocab, 0, *builder.batch()):
+        print("LOSS", engine.train_step(micro, lr=1e-3).loss)
+    engine.close()
+    """
+)
+
+
+def _run_with_fake_fla(tmp_path: Path, script: str, **env_extra: str) -> str:
     for name, text in _FAKE_FLA.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), **env_extra)
     out = subprocess.run(
-        [sys.executable, "-c", _PROFILE], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    peak = int(out.stdout.split("PEAK ")[1].split()[0])
-    assert peak > 0
-    report = out.stdout.split("REPORT ")[1]
+    return out.stdout
+
+
+def test_a_refused_package_falls_back_to_the_torch_reference_for_the_run(
+    tmp_path: Path,
+) -> None:
+    """fla installed but refusing (its guard would raise in the first backward): the engine's
+    layers run transformers' torch reference, and the report says why."""
+    out = _run_with_fake_fla(tmp_path, _REFUSED, FAKE_FLA_REFUSES="1")
+    assert "fla refuses this Triton" in out.split("REPORT ")[1].splitlines()[0]
+    assert out.count("LOSS ") == 2
+
+
+def test_plan_profiles_a_layer_whose_package_kernels_refuse_meta(tmp_path: Path) -> None:
+    out = _run_with_fake_fla(tmp_path, _PROFILE)
+    assert int(out.split("PEAK ")[1].split()[0]) > 0
+    report = out.split("REPORT ")[1]
     assert "flash-linear-attention kernels" in report and "upper bound" in report
 
 

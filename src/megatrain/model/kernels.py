@@ -24,6 +24,8 @@ package runs; the report says so (`describe`).
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -95,6 +97,9 @@ def describe(layer: nn.Module) -> str | None:
     reference code runs in their place (None: the layer has no such slot)."""
     calls, reference = kernel_calls(layer), reference_calls(layer)
     name = type(layer).__name__
+    refused = [why for package, why in refusals().items() if package in calls.values()]
+    if refused:
+        return f"{name}: {refused[0]}"
     if calls:
         packages = sorted({DISTRIBUTIONS.get(p, p) for p in calls.values()})
         return (
@@ -141,28 +146,86 @@ def _stand_in(module: nn.Module) -> Callable[..., torch.Tensor]:
 @contextlib.contextmanager
 def reference_kernels(layer: nn.Module) -> Iterator[None]:
     """Within: `layer` runs torch code only (see the module docstring); restored on exit."""
+    undo = _swap_to_reference(layer, stand_in_modules=True)
+    try:
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+def fall_back_where_refused(structure: ModelStructure) -> None:
+    """For the whole run, a refused package's functions (`refusal`) are replaced by their torch
+    reference in every layer (its modules, such as a fused norm, keep running)."""
+    if not refusals():
+        return
+    for layer in structure.layers:
+        if any(p in refusals() for p in kernel_calls(layer).values()):
+            _swap_to_reference(layer, stand_in_modules=False, only=set(refusals()))
+
+
+def _swap_to_reference(
+    layer: nn.Module, *, stand_in_modules: bool, only: set[str] | None = None
+) -> list[Callable[[], None]]:
+    """Swap `layer`'s package kernels (those of `only`'s packages, or all) for their torch
+    reference; package modules for the elementwise stand-in if `stand_in_modules` (memory on
+    meta only: it computes nothing). Returns the undo steps."""
     undo: list[Callable[[], None]] = []
 
     def swap(owner: dict[str, Any], attr: str, value: Any) -> None:
-        """Set owner[attr] (a module's instance dict or a file's globals) until the exit."""
+        """Set owner[attr] (a module's instance dict or a file's globals) until undone."""
         missing = object()
         old = owner.get(attr, missing)
         owner[attr] = value
         undo.append(lambda: owner.pop(attr) if old is missing else owner.__setitem__(attr, old))
 
+    def chosen(package: str | None) -> bool:
+        return package is not None and (only is None or package in only)
+
+    for module in layer.modules():
+        source = sys.modules.get(type(module).__module__)
+        namespace = vars(source) if isinstance(source, types.ModuleType) else {}
+        if stand_in_modules and chosen(_package(type(module))):
+            swap(vars(module), "forward", _stand_in(module))
+        for attr, value in list(vars(module).items()):
+            if callable(value) and chosen(_package(value)):
+                swap(vars(module), attr, namespace.get(f"torch_{attr}"))
+        for attr, value in list(namespace.items()):
+            if chosen(_wrapped_package(value)):
+                swap(namespace, attr, value.__wrapped__)
+    return undo
+
+
+@functools.cache
+def refusals() -> dict[str, str]:
+    """{package: why its kernels cannot train here}, for installed packages that would stop
+    the run (the package's own guard raises in the first backward). Checked once."""
+    found: dict[str, str] = {}
+    reason = _fla_refusal()
+    if reason:
+        found["fla"] = reason
+    return found
+
+
+def _fla_refusal() -> str | None:
+    """flash-linear-attention (0.6) raises in its gated kernels' backward on Hopper GPUs with
+    Triton >= 3.4 and < 3.7.1 (wrong results there, its issue #640) unless tilelang is
+    installed: the same test, made before the run instead of in its first step."""
+    if importlib.util.find_spec("fla") is None or not torch.cuda.is_available():
+        return None
     try:
-        for module in layer.modules():
-            source = sys.modules.get(type(module).__module__)
-            namespace = vars(source) if isinstance(source, types.ModuleType) else {}
-            if _package(type(module)):
-                swap(vars(module), "forward", _stand_in(module))
-            for attr, value in list(vars(module).items()):
-                if callable(value) and _package(value):
-                    swap(vars(module), attr, namespace.get(f"torch_{attr}"))
-            for attr, value in list(namespace.items()):
-                if _wrapped_package(value):
-                    swap(namespace, attr, value.__wrapped__)
-        yield
-    finally:
-        for step in reversed(undo):
-            step()
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # another release: its guard, if any, is its own
+        return None
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return None
+    if importlib.util.find_spec("tilelang") is not None:
+        return None
+    import triton
+
+    return (
+        f"flash-linear-attention refuses Triton {triton.__version__} on this Hopper GPU for its "
+        "gated kernels' backward (wrong results, its issue #640), so the layers run "
+        "transformers' torch reference code instead: upgrade triton to >= 3.7.1 or pip install "
+        "tilelang to run its kernels"
+    )
