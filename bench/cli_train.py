@@ -1,7 +1,9 @@
 """`megatrain train` as a user runs it, on a preset shape: the product's own figures.
 
     python bench/cli_train.py --name dense64k --preset llama3.1-8b --seq 2048 --rows 32 \
-        --micro 4 --steps 10 [--layers N] [-- --section.key VALUE ...]
+        --micro 4 --steps 10 [--layers N] [--nproc 2] [-- --section.key VALUE ...]
+
+`--rows` are per rank (`--nproc N`: torchrun, each rank's micro-batches are its own).
 
 Writes what a user would have: a model folder holding only the shape's config.json
 (`model.random_init: true`), a pre-training text corpus (the demo's lines, repeated), and a YAML
@@ -10,7 +12,7 @@ as by default; no checkpoint within the run: `save_every` beyond it). Then runs
 `python -m megatrain train --config FILE` in a fresh process with the environment as it is (no
 allocator or other variable set here), its output into $OUT/<name>/train.log, and reads
 $OUT/<name>/run/metrics.jsonl: the median step time over the steps after the first two
-(compiling, warm-up), tokens/s, model TFLOPS (6 x active params, from the logged MFU), the
+(compiling, warm-up), tokens/s of the job and per GPU, MFU and model TFLOPS per GPU, the
 GPU allocator's peak (reserved: what the card must hold) and host RSS, any step-down of the
 plan, beside the prediction the run printed. One RESULT line.
 """
@@ -100,9 +102,10 @@ def summarize(name: str, out: Path, rc: int, log_text: str) -> dict[str, Any]:
             "tokens_per_s": round(tokens / step_s),
             "first_step_s": train[0]["step_s"],
         }
-        mfu = [r["mfu"] for r in steady if "mfu" in r]
-        if mfu:  # the logger's MFU is 6 x active params x tokens/s over the card's peak
-            summary["mfu"] = round(statistics.median(mfu), 4)
+        for key in ("mfu", "tokens_per_s_per_gpu", "tflops_per_gpu"):  # per GPU: docs/metrics.md
+            values = [r[key] for r in steady if key in r]
+            if values:
+                summary[key] = round(statistics.median(values), 4)
         for key in ("gpu_peak_gib", "gpu_alloc_peak_gib", "host_rss_gib"):
             values = [r[key] for r in train if key in r]
             if values:
@@ -133,13 +136,17 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=560)
+    ap.add_argument("--nproc", type=int, default=1, help="ranks: torchrun --nproc-per-node N")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     a, overrides = ap.parse_args(argv[:split]), argv[split + 1 :]
     out = Path(os.environ.get("OUT", "/tmp/out")) / a.name
     out.mkdir(parents=True, exist_ok=True)
     config = write_run(a, overrides, out)
-    command = [sys.executable, "-m", "megatrain", "train", "--config", str(config), *overrides]
+    launch = [sys.executable]
+    if a.nproc > 1:  # as docs/multi_gpu.md launches it
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
+    command = [*launch, "-m", "megatrain", "train", "--config", str(config), *overrides]
     log(f"{a.name}: {' '.join(command)}")
     logfile = out / "train.log"
     with open(logfile, "w") as f:
