@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatrain.config import TrainConfig
 from megatrain.config.shorthand import model_values, shorthand_config
-from megatrain.data.config import LAYOUTS
+from megatrain.layouts import LAYOUTS
 
 if TYPE_CHECKING:
     from megatrain.distributed import Placement

@@ -15,9 +15,6 @@ from dataclasses import dataclass
 OVERFLOW_CHOICES = ("truncate", "drop")
 MULTI_TURN_CHOICES = ("per_turn", "final")
 STAGES = ("sft", "pt")
-LAYOUTS = ("padded", "packed", "full")
-"""Row layouts (`DataConfig.layout`), as the resource estimate plans them: right-padded rows
-with masks, packed samples (positions restart inside rows), or full rows without a mask."""
 # Options that shape conversations: under stage pt (raw text) each must keep its default.
 # (`packing` is not one: pt rows are always full, so either value means the same there.)
 SFT_ONLY_DEFAULTS: dict[str, object] = {

@@ -45,10 +45,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from megatrain.data.config import LAYOUTS
 from megatrain.engine.attention_heads import head_calls
 from megatrain.engine.head import LogitsFn
 from megatrain.engine.tiling import TilePolicy, tiled_per_token
+from megatrain.layouts import LAYOUTS
 from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
 from megatrain.model.kernels import reference_kernels
 from megatrain.resources.spec import ModelSpec

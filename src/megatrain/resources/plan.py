@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatrain.data.config import LAYOUTS
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.tiling import TilePolicy
+from megatrain.layouts import LAYOUTS
 from megatrain.resources.batch_size import pick_micro_batch
 from megatrain.resources.estimate import Estimate, estimate
 from megatrain.resources.fit import gpu_problem, host_problem
