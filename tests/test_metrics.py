@@ -21,7 +21,9 @@ PEAK = 1e15
 TOKENS, STEP_S = 16_000, 0.2
 
 
-def _logger(out: Path, world_size: int, *, progress_bar: bool) -> MetricsLogger:
+def _logger(
+    out: Path, world_size: int, *, progress_bar: bool, peak: float | None = PEAK
+) -> MetricsLogger:
     return MetricsLogger(
         out,
         total_steps=1,
@@ -31,7 +33,7 @@ def _logger(out: Path, world_size: int, *, progress_bar: bool) -> MetricsLogger:
         trackers=(),
         progress_bar=progress_bar,
         flops_per_token=FLOPS_PER_TOKEN,
-        peak_flops_per_s=PEAK,
+        peak_flops_per_s=peak,
         world_size=world_size,
     )
 
@@ -74,18 +76,8 @@ def test_console_line_shows_per_gpu_figures(
 
 
 def test_no_peak_no_mfu(tmp_path: Path) -> None:
-    logger = MetricsLogger(
-        tmp_path,
-        total_steps=1,
-        start_step=0,
-        log_every=1,
-        jsonl=False,
-        trackers=(),
-        progress_bar=False,
-        flops_per_token=FLOPS_PER_TOKEN,
-        peak_flops_per_s=None,  # a CPU run, or a GPU not in the table
-        world_size=2,
-    )
+    # a CPU run, or a GPU not in the table
+    logger = _logger(tmp_path, 2, progress_bar=False, peak=None)
     record = _step(logger)
     logger.close()
     assert "mfu" not in record and record["tflops_per_gpu"] == 300.0

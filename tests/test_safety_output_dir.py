@@ -24,21 +24,10 @@ from megatrain.model.structure import discover
 from megatrain.output_dir import LOCK_FILE, OutputFolder, check_output_dir
 from megatrain.store.host import HostStore
 from megatrain.trainer import Trainer
+from run_helpers import tiny_run_args
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
-SMALL = (
-    "{vocab_size: 512, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
-    "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16, tie_word_embeddings: true}"
-)
-
-
-def _args(out: Path, *overrides: str) -> list[str]:
-    return [
-        "--training.output_dir", str(out), "--logging.progress_bar", "false",
-        "--logging.report_to", "none", "--model.config_overrides", SMALL,
-        "--data.val_size", "0", "--training.micro_batch_size", "2",
-        "--checkpoint.export_hf", "false", *overrides,
-    ]  # fmt: skip
+_args = tiny_run_args
 
 
 def _train(out: Path, *overrides: str) -> Trainer:
