@@ -88,6 +88,9 @@ class StreamingEngine(BackwardPass, LossPass):
     clipping, updates use the exact global norm of the whole step's gradient.
     """
 
+    # set once a step's first update is queued: from then on that step cannot be undone
+    updates_begun = False
+
     def __init__(
         self,
         structure: ModelStructure,
@@ -168,8 +171,6 @@ class StreamingEngine(BackwardPass, LossPass):
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
         self._order = {b.name: i for i, b in enumerate(store.blocks)}  # forward position
-        # set once this step's first update is queued: from then on the step cannot be undone
-        self.updates_begun = False
 
     def _build_head(self, loss_chunk_tokens: int | None) -> None:
         st, store = self.structure, self.store
