@@ -238,6 +238,7 @@ def test_rank_zero_alone_opens_trackers(tmp_path: Path, rank: int) -> None:
     cfg = load_config(DEMO, ["--training.output_dir", str(tmp_path), "--training.device", "cpu"])
     placement = Placement(torch.device("cpu"), rank=rank, world_size=2)
     logger = RunBuilder(cfg, placement=placement).metrics(total_steps=1, start_step=0)
+    logger.log_eval(1, 2.0, 10)  # metrics.jsonl is made at the first record
     logger.close()
     assert (tmp_path / "tensorboard").is_dir() == (rank == 0)  # report_to's default
     assert (tmp_path / "metrics.jsonl").exists() == (rank == 0)
