@@ -7,13 +7,13 @@ failure mode: rows that lose every supervised token to cutoff_len are counted an
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
-import httpx
 import huggingface_hub
 import pytest
 from huggingface_hub import constants
@@ -27,6 +27,10 @@ from megatrain.data import DataConfig, prepare_data
 FIXTURE = Path(__file__).resolve().parents[1] / "data_fixtures" / "llamafactory"
 INFO: dict[str, Any] = json.loads((FIXTURE / "dataset_info.json").read_text(encoding="utf-8"))
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
+# the HTTP client huggingface_hub's errors are built on (httpx, or httpx2 from hub 2.x on)
+HTTP = importlib.import_module(
+    next(c.__module__ for c in RepositoryNotFoundError.__mro__ if c.__name__ == "HTTPError")
+)
 GIT_BLOB = "4d105699026995d1455f6ecb44e2702bef97a7c3"  # data/dataset_info.json, see README.md
 
 
@@ -205,7 +209,7 @@ def test_a_refused_hub_download_is_one_paragraph(
     lf_dir: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = "https://huggingface.co/api/datasets/llamafactory/alpaca_zh"
-    response = httpx.Response(404, request=httpx.Request("GET", url))
+    response = HTTP.Response(404, request=HTTP.Request("GET", url))
 
     def snapshot_download(**kwargs: Any) -> str:
         text = f"404 Client Error.\n\nRepository Not Found for url: {url}."
