@@ -19,11 +19,15 @@ together without aborting the process group), and a plan that cannot get smaller
 
 from __future__ import annotations
 
+import gc
 import re
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
-from megatrain.engine.engine import StreamingEngine
+from megatrain.checkpoint import rng_state, set_rng_state
+from megatrain.engine.engine import StepResult, StreamingEngine
 from megatrain.engine.tier import tier_order
 from megatrain.errors import GpuOutOfMemory
 from megatrain.plan_builder import PlanBuilder, StepDown
@@ -91,3 +95,56 @@ def step_down(
         if block.master.device.type != "cpu":  # a tier block leaving the GPU
             block.to_host(pin=builder.pin_memory)
     return change
+
+
+class Recipe(Protocol):
+    """What `recovering_step` needs of a recipe (Trainer, GRPOTrainer): its builder and the
+    parts it builds the engine from; `engine` and `cfg` are replaced on a step-down."""
+
+    cfg: Any
+    builder: Any  # RunBuilder
+    engine: StreamingEngine
+    structure: Any
+    store: HostStore
+
+
+def recovering_step(
+    recipe: Recipe, step: int, run: Callable[[StreamingEngine], StepResult], metrics: Any
+) -> StepResult:
+    """`run(recipe.engine)`, optimizer step `step`; out of GPU memory, undone, the plan stepped
+    down, the engine rebuilt and the step run again. Each change is reported once: a
+    paragraph on the console and a `plan_step_down` record in `metrics` (MetricsLogger)."""
+
+    def report(change: StepDown) -> None:
+        message = f"step {step} ran out of GPU memory and is run again: {change.describe()}"
+        metrics.log_event(step, "plan_step_down", change.record(), message)
+
+    while True:
+        rng = rng_state()
+        try:
+            return run(recipe.engine)
+        except torch.OutOfMemoryError as e:
+            change = step_down(e, step=step, builder=recipe.builder, engine=recipe.engine)
+        # outside the except block: the failed step's frames, and the GPU memory they
+        # hold, are gone
+        report(change)
+        _rebuild_engine(recipe, step, report)
+        set_rng_state(rng)
+
+
+def _rebuild_engine(recipe: Recipe, step: int, report: Callable[[StepDown], None]) -> None:
+    """A new engine from the builder's (smaller) plan; stepped down again while even
+    building it runs out of GPU memory. The recipe's config becomes the plan's (what its
+    checkpoints save)."""
+    recipe.engine = None  # type: ignore[assignment]  # its GPU memory goes first
+    recipe.cfg = recipe.builder.cfg
+    while True:
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            recipe.engine = recipe.builder.engine(recipe.structure, recipe.store)
+            return
+        except torch.OutOfMemoryError as e:
+            change = step_down(e, step=step, builder=recipe.builder, store=recipe.store)
+        report(change)
+        recipe.cfg = recipe.builder.cfg

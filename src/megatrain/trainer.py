@@ -19,7 +19,6 @@ checkpoint resumes only with the world size that wrote it.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import time
@@ -48,9 +47,8 @@ from megatrain.distributed import close as close_process_group
 from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger
 from megatrain.model.kernels import kernel_report
-from megatrain.oom import step_down
+from megatrain.oom import recovering_step
 from megatrain.output_dir import OutputFolder, TrainingInterrupted, interrupted_message
-from megatrain.plan_builder import StepDown
 from megatrain.resources.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
 from megatrain.resources.plan import ResourcePlan
 from megatrain.trackers import tracker_names
@@ -224,40 +222,8 @@ class Trainer:
     def _train_step(self, micro: list[Batch], lr: float, metrics: MetricsLogger) -> StepResult:
         """One optimizer step; out of GPU memory, undone and run again on a smaller plan
         (megatrain/oom.py), which the run reports once per change."""
-        step = self.step + 1
-        while True:
-            rng = rng_state()
-            try:
-                return self.engine.train_step(micro, lr=lr)
-            except torch.OutOfMemoryError as e:
-                change = step_down(e, step=step, builder=self.builder, engine=self.engine)
-            # outside the except block: the failed step's frames, and the GPU memory they
-            # hold, are gone
-            self._report_step_down(change, step, metrics)
-            self._rebuild_engine(step, metrics)
-            set_rng_state(rng)
-
-    def _rebuild_engine(self, step: int, metrics: MetricsLogger) -> None:
-        """A new engine from the builder's (smaller) plan; stepped down again while even
-        building it runs out of GPU memory."""
-        self.engine = None  # type: ignore[assignment]  # its GPU memory goes first
-        while True:
-            gc.collect()
-            torch.cuda.empty_cache()
-            try:
-                self.engine = self.builder.engine(self.structure, self.store)
-                return
-            except torch.OutOfMemoryError as e:
-                change = step_down(e, step=step, builder=self.builder, store=self.store)
-            self._report_step_down(change, step, metrics)
-
-    def _report_step_down(self, change: StepDown, step: int, metrics: MetricsLogger) -> None:
-        self.cfg, self.plan = self.builder.cfg, self.builder.plan()  # what checkpoints save
-        metrics.log_event(
-            step,
-            "plan_step_down",
-            change.record(),
-            f"step {step} ran out of GPU memory and is run again: {change.describe()}",
+        return recovering_step(
+            self, self.step + 1, lambda engine: engine.train_step(micro, lr=lr), metrics
         )
 
     def _evaluate(self, metrics: MetricsLogger) -> float | None:

@@ -93,3 +93,33 @@ def test_a_failed_start_leaves_the_folder_to_the_corrected_command(
     assert main([*args, "--grpo.reward_funcs", f"[{bad}:score]"]) == 2
     assert main([*args, "--grpo.reward_funcs", f"[{_reward_file(tmp_path)}]"]) == 0
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").open()] == [1]
+
+
+def test_out_of_memory_in_a_grpo_step_steps_down_and_matches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """megatrain grpo shares the trainer's recovery (megatrain/oom.py): an out-of-memory in
+    step 2's backward is undone and the step run again on the smaller tier (on the CPU the
+    tier runs its device code; optimizer.impl torch makes tier and host updates equal), so
+    the losses are those of a run planned without the tier."""
+    import torch
+
+    from megatrain.engine.engine import StreamingEngine
+
+    reward = _reward_file(tmp_path)
+    common = ["--optimizer.impl", "torch", "--training.max_steps", "3"]
+    expected = _run(tmp_path / "small", reward, *common, "--memory.gpu_state_blocks", "0")
+    real, calls = StreamingEngine._backward_layer, {"n": 0}
+
+    def backward_layer(self, i, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 5:  # step 2's backward (3 layers a step), its second layer
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+        return real(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(StreamingEngine, "_backward_layer", backward_layer)
+    records = _run(tmp_path / "tier", reward, *common, "--memory.gpu_state_blocks", "3")
+    (down,) = [r for r in records if r["kind"] == "plan_step_down"]
+    assert down["step"] == 2 and down["gpu_state_blocks"] == [3, 0]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert losses == [r["loss"] for r in expected if r["kind"] == "train"]

@@ -43,6 +43,7 @@ from megatrain.grpo.rewards import load_reward
 from megatrain.grpo.rollout import device_model, generate
 from megatrain.grpo.sequences import completion_mask, per_row, sequence_batches
 from megatrain.metrics import MetricsLogger
+from megatrain.oom import recovering_step
 from megatrain.output_dir import OutputFolder
 from megatrain.trackers import tracker_names
 from megatrain.trainer import report_plan, step_record
@@ -331,8 +332,12 @@ class GRPOTrainer:
         )
         t0 = time.perf_counter()
         peak = _PhasePeak(self.builder.device)
-        result = self.engine.train_step(
-            gen.batches, lr=lr, objective=TokenObjective(fn, gen.inputs, temperature=g.temperature)
+        objective = TokenObjective(fn, gen.inputs, temperature=g.temperature)
+        result = recovering_step(  # out of GPU memory: run again on a smaller plan (oom.py)
+            self,
+            self.step + 1,
+            lambda engine: engine.train_step(gen.batches, lr=lr, objective=objective),
+            metrics,
         )
         step_s = time.perf_counter() - t0
         train_peak = peak.gib()
