@@ -137,6 +137,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=560)
     ap.add_argument("--nproc", type=int, default=1, help="ranks: torchrun --nproc-per-node N")
+    ap.add_argument(
+        "--command",
+        choices=["train", "grpo"],
+        default="train",
+        help="grpo: give the prompts and the grpo keys as overrides",
+    )
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     a, overrides = ap.parse_args(argv[:split]), argv[split + 1 :]
@@ -146,7 +152,7 @@ def main() -> None:
     launch = [sys.executable]
     if a.nproc > 1:  # as docs/multi_gpu.md launches it
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
-    command = [*launch, "-m", "megatrain", "train", "--config", str(config), *overrides]
+    command = [*launch, "-m", "megatrain", a.command, "--config", str(config), *overrides]
     log(f"{a.name}: {' '.join(command)}")
     logfile = out / "train.log"
     with open(logfile, "w") as f:

@@ -123,3 +123,12 @@ def test_out_of_memory_in_a_grpo_step_steps_down_and_matches(
     assert down["step"] == 2 and down["gpu_state_blocks"] == [3, 0]
     losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert losses == [r["loss"] for r in expected if r["kind"] == "train"]
+
+
+def test_save_final_false_writes_no_final_checkpoint(tmp_path: Path) -> None:
+    """As megatrain train: checkpoint.save_final: false leaves only the periodic checkpoints
+    (none here: save_every beyond the run)."""
+    reward = _reward_file(tmp_path)
+    flags = ["--checkpoint.save_final", "false", "--checkpoint.save_every", "100"]
+    _run(tmp_path / "run", reward, *flags, "--training.max_steps", "2")
+    assert not (tmp_path / "run" / "checkpoints").exists()

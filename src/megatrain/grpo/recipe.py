@@ -197,7 +197,7 @@ class GRPOTrainer:
                 every = cfg.checkpoint.save_every
                 if every and self.step % every < g.num_iterations:  # crossed a multiple
                     checkpoint, saved_at = self.save(), self.step
-            if saved_at != self.step:
+            if cfg.checkpoint.save_final and saved_at != self.step:
                 checkpoint = self.save()
             export_dir = self.export() if cfg.checkpoint.export_hf else None
         finally:
