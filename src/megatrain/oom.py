@@ -5,8 +5,9 @@ architecture's kernels, the allocator's own slack) must not end a run hours in. 
 raises torch's OutOfMemoryError before any of its optimizer updates began (with clipping, the
 default, updates start only after the whole backward), nothing of it is applied: the engine
 waits for its copies, puts back the bf16 weights that the shipped gradients overwrote in the
-host shadows (from the untouched fp32 master) and closes; the caller restores the RNG state and
-runs the same micro-batches again on an engine built from the next smaller plan
+host shadows (from the untouched fp32 master) and closes; `recovering_step` (the loop that
+`megatrain train` and `megatrain grpo` run their steps through) restores the RNG state and runs
+the same micro-batches again on an engine built from the next smaller plan
 (`PlanBuilder.step_down`: at least one GPU-tier block fewer while there are any, planned with
 the missing bytes added to the margin, so "auto" layer-input and tile choices follow). Tier
 blocks leaving the GPU move their master and AdamW states back to the host unchanged.
