@@ -12,7 +12,7 @@ import pytest
 
 from megatrain.cli import main
 from megatrain.config import load_config
-from megatrain.verify import verify_config
+from megatrain.verify import make_batches, verify_config
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
@@ -61,3 +61,23 @@ def test_derived_values_are_decided_once() -> None:
     cfg = load_config(DEMO)
     assert cfg.optimizer.clip_norm == 1.0 and cfg.seq_len == 256
     assert str(cfg.model.torch_dtype) == "torch.float32"
+
+
+@pytest.mark.parametrize(
+    ("flags", "layout", "masked", "positions"),
+    [
+        ([], "padded", True, False),
+        (["--data.packing", "true"], "packed", False, True),
+        (["--data.stage", "pt"], "full", False, False),
+    ],
+)
+def test_verify_batches_come_in_the_runs_layout(
+    flags: list[str], layout: str, masked: bool, positions: bool
+) -> None:
+    """verify checks the engine on rows like the run's: a pre-training config's are full
+    rows (no mask, no restarting positions), not padded ones."""
+    cfg = verify_config(None, flags, model_type="llama", tiny=True)
+    assert cfg.layout == layout
+    (batch,) = make_batches(cfg, 1, 64, 0, 2, 1)[0]
+    assert (batch.attention_mask is not None) is masked
+    assert (batch.position_ids is not None) is positions

@@ -92,7 +92,8 @@ def make_batches(
     grad_accum: int,
     data_seed: int | None = None,
 ) -> list[list[Batch]]:
-    """Random micro-batches for every step: padded (last row shorter) or packed rows."""
+    """Random micro-batches for every step in the run's layout (`cfg.layout`): padded (last row
+    shorter), packed rows, or full rows (pre-training)."""
     seed = cfg.training.seed if data_seed is None else data_seed
     gen = torch.Generator().manual_seed(seed + 1)
     rows, seq_len = micro_batch_size, cfg.seq_len
@@ -103,7 +104,9 @@ def make_batches(
             ids = torch.randint(3, vocab, (rows, seq_len), generator=gen)
             labels = ids.clone()
             labels[:, : seq_len // 4] = IGNORE_INDEX  # a "prompt" that is not supervised
-            if cfg.data.packing:
+            if cfg.layout == "full":  # pre-training rows: plain causal windows, no mask
+                micro.append(Batch(ids, labels, None, None))
+            elif cfg.layout == "packed":
                 cut = seq_len // 2 - 1
                 pos = torch.cat([torch.arange(cut), torch.arange(seq_len - cut)])
                 labels[:, cut] = IGNORE_INDEX  # first token of the second sample
