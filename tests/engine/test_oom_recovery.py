@@ -85,9 +85,13 @@ def test_out_of_memory_steps_down_and_matches_a_run_planned_small(
     if dtype == "fp32":
         assert losses == expected  # bit for bit: same AdamW, same numbers, same order
     else:
-        # bf16 compute: the same kernel order too; a shadow left holding a gradient would
-        # put step 2's loss far off (weights ~1e-2, gradients ~1e-4)
-        assert losses == pytest.approx(expected, rel=1e-6, abs=0)
+        # bf16 compute: step 1's tier update read the fp32 gradient, the small run's host
+        # update its bf16 rounding; AdamW's first update is lr * g / (|g| + eps), blind to
+        # that rounding wherever |g| >> eps, so the masters agree to fp32 rounding and the
+        # bf16 weights at most in a last bit here and there: each later loss within one bf16
+        # unit (2^-8 relative). A shadow left holding a gradient instead of its weights
+        # (gradients ~1e-4, weights ~1e-2) moves step 2's loss far more.
+        assert losses == pytest.approx(expected, rel=2**-8, abs=0)
     events = [
         json.loads(line)
         for line in (tmp_path / "recovered" / "metrics.jsonl").read_text().splitlines()
