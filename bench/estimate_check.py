@@ -17,7 +17,7 @@ from pathlib import Path
 
 from common import preset_config
 
-from megatrain.resources import Hardware, estimate, model_spec, probe
+from megatrain.planning import Hardware, estimate, model_spec, probe
 
 
 def main() -> None:

@@ -9,9 +9,11 @@ the advantages are not zero. Config overrides after the options apply as in `meg
 Prints one line per step as soon as the step ends (flushed: a run cut short still shows its
 split): generation (on the static path also prefill + capture and ms per decoding step) and
 training; then one RESULT line: median step time after the first, split into generation and
-training, decode tokens/s, GPU peak, host RSS, and the estimate beside each (grpo/plan.py: the
+training, decode tokens/s, GPU peak, host RSS, and the estimate beside each (recipes/grpo/plan.py:
+the
 rollout phase and the training phase). The product default decodes with a static KV cache,
-a torch.compile'd forward and one CUDA graph per token (grpo/decode.py); `--grpo.compile_decode
+a torch.compile'd forward and one CUDA graph per token (recipes/grpo/decode.py);
+`--grpo.compile_decode
 graphs` keeps the eager kernels in the graph, `--grpo.compile_decode false` measures
 transformers' eager generate.
 """
@@ -32,9 +34,9 @@ from common import host_peak_rss_gib, host_rss_gib, log, preset_config, result
 
 from megatrain.allocator import configure_allocator
 from megatrain.config.shorthand import model_values, shorthand_config
-from megatrain.grpo.plan import grpo_plan
-from megatrain.grpo.recipe import GRPOTrainer
-from megatrain.resources.rollout import DECODE_OP_S, RolloutEstimate
+from megatrain.planning.rollout import DECODE_OP_S, RolloutEstimate
+from megatrain.recipes.grpo.plan import grpo_plan
+from megatrain.recipes.grpo.recipe import GRPOTrainer
 
 
 def random_reward(completions: list[Any], **_: Any) -> list[float]:
@@ -67,7 +69,7 @@ def _step_line(step: int, r: dict) -> str:
 
 
 def _op_s_fit(ro: RolloutEstimate, decode_ms: list[float]) -> float | None:
-    """resources/rollout.py's DECODE_OP_S[mode] that would predict the measured decoding step:
+    """planning/rollout.py's DECODE_OP_S[mode] that would predict the measured decoding step:
     the step less the estimate's weight and KV reads, over its ops (static decoding only)."""
     if ro.decode not in DECODE_OP_S or not decode_ms:
         return None
@@ -111,7 +113,8 @@ def main() -> None:
         "training.seq_len": a.prompt_len + a.completion_len,
         "data.cutoff_len": a.prompt_len + a.completion_len,
         "training.max_steps": a.steps,
-        "memory.gpu_state_blocks": "auto",  # chosen around the resident rollout (grpo/plan.py)
+        # chosen around the resident rollout (recipes/grpo/plan.py)
+        "memory.gpu_state_blocks": "auto",
         "checkpoint.save_every": 0,
         "checkpoint.export_hf": False,
         "logging.progress_bar": False,

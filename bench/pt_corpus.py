@@ -99,7 +99,7 @@ def phase_prepare(folder: Path) -> dict[str, Any]:
 
 def phase_train(folder: Path) -> dict[str, Any]:
     from megatrain.config import load_config
-    from megatrain.trainer import Trainer
+    from megatrain.recipes.sft import Trainer
 
     cfg = load_config(
         DEMO_YAML,

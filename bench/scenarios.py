@@ -315,7 +315,7 @@ SCENARIOS: dict[str, Scenario] = {
         "GRPO rollouts on the Qwen2.5-7B shape, 8 prompts x 2 responses, 512 + 1024 tokens, "
         "grpo.compile_decode graphs (eager kernels in the graph, nothing compiled): ms per "
         "decoding step against grpo_7b's compiled one, prefill + capture, op_s_fit for "
-        "resources/rollout.py's DECODE_OP_S",
+        "planning/rollout.py's DECODE_OP_S",
         (_grpo("--generations", "2", "--steps", "3", "--grpo.compile_decode", "graphs"),),
         timeout_s=400,
     ),

@@ -45,13 +45,13 @@ from common import host_peak_rss_gib, host_rss_gib, log, preset_values, result, 
 
 from megatrain.allocator import configure_allocator
 from megatrain.batch import Batch
-from megatrain.builder import RunBuilder
 from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.distributed import placement_here
 from megatrain.engine.attention_heads import SplitHeads, head_calls
 from megatrain.model.loading import parse_config_sets
-from megatrain.resources import probe
-from megatrain.resources.timing import attention_flops_per_token
+from megatrain.planning import probe
+from megatrain.planning.timing import attention_flops_per_token
+from megatrain.recipes.builder import RunBuilder
 from megatrain.threads import optimizer_threads
 
 OLD = {"activation_offload": "off", "checkpoint_every": 1, "mlp_tiles": 1}  # memory.*

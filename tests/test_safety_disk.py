@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain import checkpoint as ckpt_mod
-from megatrain.checkpoint import latest_checkpoint, list_checkpoints
+from megatrain.checkpoint import saving as ckpt_mod
+from megatrain.checkpoint.saving import latest_checkpoint, list_checkpoints
 from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
-from megatrain.resources import disk
-from megatrain.resources.disk import DiskFullError, run_disk_bytes
+from megatrain.planning import disk
+from megatrain.planning.disk import DiskFullError, run_disk_bytes
+from megatrain.recipes.sft import Trainer
 from megatrain.store.host import HostStore
-from megatrain.trainer import Trainer
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
 SMALL = (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.config import load_config
-from megatrain.trainer import Trainer
+from megatrain.recipes.sft import Trainer
 from run_helpers import DEMO, tiny_run_args
 
 UMASK = 0o027  # group may read, others nothing: neither 0600 nor a fixed 0644 matches it

@@ -18,11 +18,11 @@ import pytest
 import torch
 import yaml
 
-from megatrain.builder import RunBuilder
 from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.distributed import Placement
 from megatrain.metrics import MetricsLogger
+from megatrain.recipes.builder import RunBuilder
 from megatrain.trackers import TRACKER_NAMES, TrackerRun, open_trackers, tracker_names
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"

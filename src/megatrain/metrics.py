@@ -174,7 +174,8 @@ class MetricsLogger:
 
     def _open(self) -> None:
         """Create metrics.jsonl at the first record: a start that fails before its first step
-        leaves none (output_dir.py counts a folder holding only its config.yaml as free; the
+        leaves none (checkpoint/output_dir.py counts a folder holding only its config.yaml as free;
+        the
         trackers' folders are made when they open, at the start of training)."""
         self._opened = True
         if self._jsonl_path is not None:

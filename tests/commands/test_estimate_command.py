@@ -13,8 +13,8 @@ import torch
 from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
 from megatrain.model.tiny import tiny_config
-from megatrain.resources import Hardware, estimate, model_spec
-from megatrain.resources.hardware import GIB
+from megatrain.planning import Hardware, estimate, model_spec
+from megatrain.planning.hardware import GIB
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

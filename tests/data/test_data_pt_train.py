@@ -10,7 +10,7 @@ import pytest
 from data_fixtures.pt_corpus import write_lf_corpus
 from megatrain.config import load_config
 from megatrain.data.pretrain_loader import PretrainLoader
-from megatrain.trainer import Trainer
+from megatrain.recipes.sft import Trainer
 from run_helpers import crash_during_step
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"

@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megatrain.config import load_config
-from megatrain.trainer import Trainer
+from megatrain.recipes.sft import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.yaml"

@@ -37,7 +37,7 @@ from distributed.test_distributed_ranks import (
     _torchrun,
 )
 from megatrain.config import load_config
-from megatrain.trainer import Trainer
+from megatrain.recipes.sft import Trainer
 
 ALL_BLOCKS = 6  # demo: 4 layers, embedding (tied: also the lm_head), head (final norm)
 ACCUM = ["--training.gradient_accumulation_steps", "2"]

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from megatrain.builder import RunBuilder
 from megatrain.config import TrainConfig
 from megatrain.optim.adamw import CpuAdamW
+from megatrain.recipes.builder import RunBuilder
 from megatrain.store.blocks import ParamBlock
 from megatrain.verify import make_batches, run_verify, verify_config, within
 

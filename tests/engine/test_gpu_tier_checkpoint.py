@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatrain.checkpoint import latest_checkpoint
+from megatrain.checkpoint.saving import latest_checkpoint
 from megatrain.config import load_config
-from megatrain.trainer import Trainer
+from megatrain.recipes.sft import Trainer
 from run_helpers import crash_during_step
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"

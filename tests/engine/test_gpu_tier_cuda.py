@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from megatrain.builder import RunBuilder
-from megatrain.checkpoint import load_checkpoint, save_checkpoint
+from megatrain.checkpoint.saving import load_checkpoint, save_checkpoint
 from megatrain.config import TrainConfig
+from megatrain.recipes.builder import RunBuilder
 from megatrain.verify import make_batches, run_verify, verify_config, within
 
 pytestmark = pytest.mark.gpu

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-from megatrain.builder import RunBuilder
 from megatrain.engine import tiling
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.engine import StreamingEngine
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
+from megatrain.recipes.builder import RunBuilder
 from megatrain.store.host import HostStore
 from megatrain.verify import run_verify, verify_config, within
 from megatrain.verify.run import make_batches

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatrain.config import load_config
-from megatrain.trainer import Trainer
+from megatrain.recipes.sft import Trainer
 
 pytestmark = pytest.mark.gpu
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"

@@ -1,4 +1,5 @@
-"""A step that runs out of GPU memory is undone and run again on a smaller plan (megatrain/oom.py).
+"""A step that runs out of GPU memory is undone and run again on a smaller plan
+(megatrain/recipes/oom.py).
 
 On the CPU the GPU tier runs its device code path (tests/engine/test_gpu_tier.py), so a run
 planned with 3 tier blocks, whose step 2 raises torch's OutOfMemoryError in the middle of its
@@ -20,7 +21,7 @@ import torch
 from megatrain.config import load_config
 from megatrain.engine.engine import StreamingEngine
 from megatrain.errors import GpuOutOfMemory
-from megatrain.trainer import Trainer
+from megatrain.recipes.sft import Trainer
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 STEPS = 4

@@ -48,7 +48,7 @@ _FAKE_FLA = {
 _PROFILE = textwrap.dedent(
     """
     from megatrain.model.kernels import kernel_report
-    from megatrain.plan_builder import PlanBuilder
+    from megatrain.planning.builder import PlanBuilder
     from megatrain.verify import verify_config
 
     cfg = verify_config(None, [], model_type="qwen3_5_text", tiny=True)
@@ -62,7 +62,7 @@ _PROFILE = textwrap.dedent(
 
 _REFUSED = textwrap.dedent(
     """
-    from megatrain.builder import RunBuilder
+    from megatrain.recipes.builder import RunBuilder
     from megatrain.model import kernels
     from megatrain.verify import make_batches, verify_config
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatrain.checkpoint import latest_checkpoint
+from megatrain.checkpoint.saving import latest_checkpoint
 from megatrain.config import load_config
+from megatrain.recipes.sft import Trainer
 from megatrain.store.states import QUANT_BLOCK
-from megatrain.trainer import Trainer
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 

@@ -13,8 +13,8 @@ from megatrain.config import load_config
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.model.tiny import tiny_config
-from megatrain.resources import Hardware, estimate, host_problem, model_spec
-from megatrain.resources.hardware import GIB
+from megatrain.planning import Hardware, estimate, host_problem, model_spec
+from megatrain.planning.hardware import GIB
 from megatrain.store.host import HostStore
 from megatrain.store.states import (
     QUANT_BLOCK,

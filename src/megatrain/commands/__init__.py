@@ -1,4 +1,4 @@
-"""The `megatrain` commands, one module each: parse, build (megatrain.builder), run, report.
+"""The `megatrain` commands, one module each: parse, build (megatrain.recipes.builder), run, report.
 
 Each module has `register(subparsers)`, which adds its parser and sets `run` (the function
 taking the parsed namespace and returning the exit status) and, for commands that accept

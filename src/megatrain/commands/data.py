@@ -20,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # config errors before torch loads
-    from megatrain.builder import RunBuilder
     from megatrain.data import run_data_command
+    from megatrain.recipes.builder import RunBuilder
 
     builder = RunBuilder(cfg)
     mbs = cfg.training.micro_batch_size

@@ -6,11 +6,11 @@
     megatrain estimate --config examples/grpo_demo.yaml --grpo   # + the rollout phase
 
 The run is described by a config as for `train` (a YAML file, or the short flags below on the
-defaults); the builder's resource plan (megatrain.builder) is what `train` checks before
+defaults); the builder's resource plan (megatrain.recipes.builder) is what `train` checks before
 loading, so the two agree. Only the model's config is read; the model is built on the meta
 device. The run is planned for a GPU unless training.device is cpu.
 `--nproc-per-node N --nnodes M` plans the torchrun job: GPU numbers per rank, host numbers per
-node, the step with its collectives (resources/ranks.py); batch flags are per rank.
+node, the step with its collectives (planning/ranks.py); batch flags are per rank.
 The machine is this one (`--probe` measures its rates, a few seconds), with the H100 test
 host's numbers for what is not measured (on a machine without a GPU the GPU itself: a note
 says so); `--gpu-gib` / `--host-gib` set the memory sizes.
@@ -33,7 +33,7 @@ from megatrain.layouts import LAYOUTS
 
 if TYPE_CHECKING:
     from megatrain.distributed import Placement
-    from megatrain.plan_builder import PlanBuilder
+    from megatrain.planning.builder import PlanBuilder
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -102,8 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatrain.grpo.plan import format_rollout, grpo_plan, rollout_dict
-    from megatrain.resources import format_estimate
+    from megatrain.planning import format_estimate
+    from megatrain.recipes.grpo.plan import format_rollout, grpo_plan, rollout_dict
 
     cfg = _config(args)
     builder = _builder(cfg, args)
@@ -157,9 +157,9 @@ def _builder(cfg: TrainConfig, args: argparse.Namespace) -> PlanBuilder:
     import torch
 
     from megatrain.distributed import Placement
-    from megatrain.plan_builder import PlanBuilder
-    from megatrain.resources import detect, probe
-    from megatrain.resources.ranks import Ranks
+    from megatrain.planning import detect, probe
+    from megatrain.planning.builder import PlanBuilder
+    from megatrain.planning.ranks import Ranks
 
     hardware = (
         probe(
@@ -211,8 +211,8 @@ def _longest(
     cfg: TrainConfig, hardware: Any, placement: Placement, layout: str | None
 ) -> int | None:
     """The longest row (one per micro-batch) whose plan fits, up to 8M tokens."""
-    from megatrain.plan_builder import PlanBuilder
-    from megatrain.resources.long_context import longest_fitting
+    from megatrain.planning.builder import PlanBuilder
+    from megatrain.planning.long_context import longest_fitting
 
     def fits(seq: int) -> bool:
         run = dataclasses.replace(

@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(config, [*args.overrides, *dtype])
     import torch  # after the checks above: a usage error answers without loading torch
 
-    from megatrain.builder import RunBuilder
-    from megatrain.checkpoint import export_hf, load_checkpoint
+    from megatrain.checkpoint.saving import export_hf, load_checkpoint
     from megatrain.distributed import Placement
+    from megatrain.recipes.builder import RunBuilder
 
     builder = RunBuilder(cfg, placement=Placement(torch.device("cpu")))  # no GPU needed
     store = builder.store(builder.model(random_init=True), compute_dtype=torch.float32)

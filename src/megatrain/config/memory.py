@@ -1,6 +1,6 @@
 """The `memory:` section: where weights, optimizer states and activations live (GPU or host),
 and how long rows are cut (layer inputs kept every K layers, MLP sequence tiles).
-The planner (resources/plan.py) resolves its "auto" values."""
+The planner (planning/plan.py) resolves its "auto" values."""
 
 from __future__ import annotations
 

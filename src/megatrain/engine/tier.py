@@ -31,7 +31,7 @@ Invariants: a tier block never goes through the host update worker; its update (
 ranks, its all-gather) is queued on the compute stream, so the next use of its weights is
 ordered after it without an event; every rank has the same tier (the builder agrees on one
 count) and updates its blocks in the same order, so the collectives match; the checkpoint
-files of a tier block are those of a host block (checkpoint.py copies them over); after a
+files of a tier block are those of a host block (checkpoint/saving.py copies them over); after a
 checkpoint load into a sharded tier, `refresh()` gathers the loaded shards again.
 """
 

@@ -13,7 +13,7 @@ causal-conv1d's convolution) and its own torch reference code otherwise. Two for
 and a submodule whose class is the package's (`FusedRMSNormGated`).
 
 Triton and CUDA kernels cannot run on the meta device (launched on meta tensors they read
-address 0: an illegal memory access), so the plan's layer profile (resources/activations.py)
+address 0: an illegal memory access), so the plan's layer profile (planning/activations.py)
 measures such a layer with `reference_kernels`: functions swapped for their torch reference
 and package modules for a stand-in with the memory of an elementwise op (the output like the
 first input; the inputs kept for the backward). The torch reference materialises more than the

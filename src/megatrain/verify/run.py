@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from megatrain.batch import IGNORE_INDEX, Batch
-from megatrain.builder import RunBuilder
 from megatrain.config import TrainConfig
 from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.engine.rng import random_config_keys
 from megatrain.model.router import RoutingMargins
+from megatrain.recipes.builder import RunBuilder
 from megatrain.verify.judge import (
     MIN_ROUTING_MARGIN,
     TOLERANCES,

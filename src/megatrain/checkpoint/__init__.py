@@ -1,0 +1,1 @@
+"""Checkpoints, Hugging Face export and the output folder's rules."""

@@ -1,0 +1,364 @@
+"""Transient GPU memory of one layer's recompute + backward, and of one loss chunk, measured
+on the meta device.
+
+Why measure instead of a formula: what a layer keeps for its backward depends on the
+architecture (gated MLPs keep three [tokens x intermediate] tensors, MoE layers keep routed
+copies of the tokens per expert, linear-attention layers keep chunked states, RMSNorm keeps an
+fp32 copy of its input, eager attention keeps [heads x seq x seq] scores). Running the real HF
+layer on meta tensors (shapes and dtypes, no data, no FLOPs) under a dispatch mode that tracks
+the bytes of every live storage gives the peak for any architecture, with the engine's own call
+path (`LayerCall.run` + `torch.autograd.grad` over the input and the parameters). Calibrated on
+an H200: Qwen2.5-3B, 4 x 2048 tokens, measured 1.63 GiB against 1.64-1.66 GiB inferred from
+`max_memory_allocated`.
+
+The layer's call arguments (masks, rotary cos/sin) come from the engine's `LayerCallCapture`
+run for real on the CPU (the HF mask code is data-dependent, it cannot run on meta) at a small
+batch (`_CAPTURE_ROWS` rows, at most `_CAPTURE_SEQ` positions), then every dimension equal to
+the captured sequence length becomes the real one, and a leading dimension equal to the
+captured rows becomes the real micro-batch size. The same tensors give the per-micro-batch
+bytes of the captured arguments, which the engine keeps for the whole step.
+
+What the GPU runs differently from meta tensors, and is substituted here:
+- `F.scaled_dot_product_attention` picks a fused kernel on CUDA (flash without a mask, memory
+  efficient with one); on meta it would fall back to the math path, which materializes the
+  [B, H, S, S] scores. It is routed to the flash / efficient aten ops, which keep O(tokens),
+  except where CUDA itself runs the math path (`_fused_attention`).
+- optional kernel packages a layer calls (flash-linear-attention, causal-conv1d) cannot run on
+  meta: the layer is measured with their torch reference code (model/kernels.py), an upper
+  bound on the fused kernels' memory.
+- grouped_mm (MoE experts) has a bf16-only meta kernel; fp32 runs transformers' loop fallback
+  on the GPU, whose backward reads the expert offsets on the host in some transformers releases
+  (5.17), impossible on meta: `_MetaGroupedMM` stands in with the fallback's memory (the output;
+  for backward, the saved input and weight and gradients like both).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from megatrain.engine.attention_heads import head_calls
+from megatrain.engine.head import LogitsFn
+from megatrain.engine.tiling import TilePolicy, tiled_per_token
+from megatrain.layouts import LAYOUTS
+from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
+from megatrain.model.kernels import reference_kernels
+from megatrain.planning.spec import ModelSpec
+
+_CAPTURE_ROWS = 2
+_CAPTURE_SEQ = 8192
+
+
+_ATTENTION_BACKWARD = tuple(
+    getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}_attention_backward")
+    for kernel in ("flash", "efficient", "cudnn")
+)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak of the bytes held by storages created inside the mode (meta tensors included), and
+    the most held right after a fused attention backward (its inputs and gradients live): the
+    kernel's workspace comes on top of that moment, not of the layer's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.attention_backward = 0
+        self.ops = 0  # aten ops dispatched: kernels the GPU would launch
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def exclude(self, *tensors: torch.Tensor) -> None:
+        """Storages made outside the mode that its views must not count (held elsewhere)."""
+        for t in tensors:
+            self._seen[t.untyped_storage()] = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        out = func(*args, **(kwargs or {}))
+        tree_map(self._track, out)
+        if func.overloadpacket in _ATTENTION_BACKWARD:
+            self.attention_backward = max(self.attention_backward, self.live)
+        return out
+
+    def _track(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            if storage not in self._seen:
+                nbytes = storage.nbytes()
+                self._seen[storage] = nbytes
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, nbytes)
+        return t
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+class _GpuKernels(TorchFunctionMode):
+    """Route attention and grouped matmuls to the kernels (and memory) the GPU would use."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _fused_attention(*args, **kwargs)
+        grouped = (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
+        if func in grouped and args[0].dtype != torch.bfloat16:
+            return _MetaGroupedMM.apply(args[0], args[1])
+        return func(*args, **kwargs)
+
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """transformers' fp32 grouped-matmul fallback, as memory: out [tokens, N] from input
+    [tokens, K] and weight [experts, K, N]; backward keeps both and returns gradients like them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x.new_empty(x.shape[0], weight.shape[2])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """sdpa's CUDA backend choice: flash or cuDNN (half precision, no mask; grouped-query
+    heads as they are, the key and value gradients too), else memory-efficient (any mask,
+    but equal heads), else the math path, which materializes the scores: fp32 with
+    grouped-query heads and no mask (HF passes enable_gqa only without a mask) lands there
+    (H200, Qwen3 fp32, 4096 tokens: 2.7 GiB above the fused-kernel prediction, about three
+    [heads, seq, seq] fp32 tensors)."""
+    grouped = enable_gqa and k.shape[-3] != q.shape[-3]
+    flash = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
+    if grouped and not flash:
+        return F.scaled_dot_product_attention(  # the mode is off inside its handler: math
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+    if flash:  # grouped heads as they are; the expanded gradients: attention_workspace
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale
+        )[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as sdpa does before the kernel
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            attn_mask.logical_not(), float("-inf")
+        )
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale
+    )[0]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One micro-batch of `rows` x `seq` tokens through the decoder layers."""
+
+    peak_bytes: int  # transient of one layer's recompute + backward, max over layer groups
+    captured_bytes: int  # the micro-batch's captured call arguments (masks, rotary tables)
+    ops: list[tuple[int, int]]  # per layer: aten ops of its forward, of recompute + backward
+    workspace_bytes: int = 0  # the fused attention backward's block (attention_workspace)
+    # the transient while that block exists: what the layer holds right after its attention
+    # backward, plus the block (max over layer groups); 0: no fused attention
+    attention_peak_bytes: int = 0
+
+    @property
+    def workspace_extra_bytes(self) -> int:
+        """What the attention backward's block adds beyond the layer's peak: nothing when the
+        layer peaks elsewhere (before its attention backward, in the MLP's, say)."""
+        return max(0, self.attention_peak_bytes - self.peak_bytes)
+
+
+def layer_profile(
+    spec: ModelSpec,
+    rows: int,
+    seq: int,
+    layout: str,
+    mlp_tiles: int = 1,
+    split_heads: bool = True,
+) -> LayerProfile:
+    """Measure (once per shape, layout and tiling) every layer group's recompute + backward
+    on meta; with `mlp_tiles` > 1 the MLPs run tiled as the engine runs them (engine/tiling.py),
+    with `split_heads` the attention in head groups (engine/attention_heads.py)."""
+    key = ("layer", rows, seq, layout, mlp_tiles, split_heads)
+    if key not in spec.cache:
+        captured, seq0, rows0 = _capture(spec, seq, layout)
+        shapes = _Rescale(seq0, seq, rows0, rows)
+        calls = [
+            LayerCall(
+                tree_map(shapes.meta, c.args), tree_map(shapes.meta, c.kwargs), c.hidden_as_kwarg
+            )
+            for c in captured.calls
+        ]
+        workspace = attention_workspace(spec, rows, seq, split_heads)
+        peak, attention_peak, ops = 0, 0, [(0, 0)] * spec.num_layers
+        for group in spec.structure.groups:
+            layer = spec.structure.layers[group.layer_indices[0]]
+            with tiled_per_token([layer], TilePolicy(mlp_tiles), split_heads):
+                group_peak, attention, group_ops = _measure(
+                    spec, calls[group.layer_indices[0]], layer, rows, seq
+                )
+            peak = max(peak, group_peak)
+            if attention:
+                attention_peak = max(attention_peak, attention + workspace)
+            for i in group.layer_indices:
+                ops[i] = group_ops
+        spec.cache[key] = LayerProfile(
+            peak, shapes.bytes_of(captured.calls), ops, workspace, attention_peak
+        )
+    profile: LayerProfile = spec.cache[key]
+    return profile
+
+
+def attention_workspace(spec: ModelSpec, rows: int, seq: int, split_heads: bool) -> int:
+    """Bytes the fused attention backward (cuDNN / flash) allocates beyond its outputs, which
+    the meta measurement (`layer_profile`) does not see, for one micro-batch of `rows` x `seq`:
+    per query head of one call (`split_heads`: the head groups of engine/attention_heads.py,
+    else all heads) and token, an fp32 query-gradient accumulator, one fp32 softmax statistic
+    and, with grouped-query attention, bf16 key and value gradients expanded to that head.
+    Calibrated on one observation: on the H100 the Llama-3.1-8B shape's backward at 524,288
+    tokens (32 query / 8 key-value heads of 128, one call) asked for one 16.06 GiB block:
+    32 x (128 x 4 + 4 + 2 x 128 x 2) = 32,896 bytes a token."""
+    peak = 0
+    for la in spec.layers:
+        if not la.attn_heads:
+            continue
+        heads = la.attn_heads
+        if split_heads:
+            heads //= head_calls(la.attn_heads, la.attn_kv_heads, seq)
+        grouped = la.attn_kv_heads != la.attn_heads
+        per_head = la.attn_qk_dim * 4 + 4 + (2 * (la.attn_qk_dim + la.attn_v_dim) if grouped else 0)
+        peak = max(peak, rows * seq * heads * per_head)
+    return peak
+
+
+def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int]:
+    """(peak transient bytes, aten ops) of one fused loss chunk (engine/head.py), forward and
+    backward, parameter gradients included."""
+    key = ("loss", chunk_tokens)
+    if key not in spec.cache:
+        st, dtype = spec.structure, spec.compute_dtype
+        params = [p for m in (st.final_norm, st.lm_head) for p in m.parameters()]
+        logits = LogitsFn(st, st.lm_head)
+        tracker = _LiveBytes()
+        with torch.enable_grad(), tracker:
+            h = torch.empty(chunk_tokens, spec.hidden_size, dtype=dtype, device="meta")
+            h.requires_grad_(True)
+            targets = torch.zeros(chunk_tokens, dtype=torch.long, device="meta")
+            loss = F.cross_entropy(logits(st.final_norm(h)).float(), targets, reduction="sum")
+            grads = torch.autograd.grad(loss, [h, *params], allow_unused=True)
+            del loss, grads
+        spec.cache[key] = (tracker.peak, tracker.ops)
+    result: tuple[int, int] = spec.cache[key]
+    return result
+
+
+def _measure(
+    spec: ModelSpec, call: LayerCall, layer: torch.nn.Module, rows: int, seq: int
+) -> tuple[int, int, tuple[int, int]]:
+    """(peak, held right after the attention backward, (forward ops, all ops)) of one layer."""
+    params = list(layer.parameters())
+    x = torch.empty(
+        rows, seq, spec.hidden_size, dtype=spec.compute_dtype, device="meta", requires_grad=True
+    )
+    grad_out = torch.empty_like(x)
+    tracker = _LiveBytes()
+    tracker.exclude(x, grad_out)  # the layer input and mb.grad: counted by the caller
+    with torch.enable_grad(), reference_kernels(layer), _GpuKernels(), tracker:
+        out = call.run(layer, x)
+        forward_ops = tracker.ops
+        grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)
+        del out, grads
+    return tracker.peak, tracker.attention_backward, (forward_ops, tracker.ops)
+
+
+def _capture(spec: ModelSpec, seq: int, layout: str) -> tuple[CapturedCalls, int, int]:
+    """The layers' call arguments for a small real batch with `layout`, on the CPU."""
+    key = ("capture", min(seq, _CAPTURE_SEQ), layout)
+    if key not in spec.cache:
+        spec.cache[key] = _run_capture(spec, seq, layout)
+    result: tuple[CapturedCalls, int, int] = spec.cache[key]
+    return result
+
+
+def _run_capture(spec: ModelSpec, seq: int, layout: str) -> tuple[CapturedCalls, int, int]:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    seq0 = min(seq, _CAPTURE_SEQ)
+    rows0 = _CAPTURE_ROWS if seq0 != _CAPTURE_ROWS else _CAPTURE_ROWS + 1
+    embeds = torch.zeros(1, 1, spec.hidden_size, dtype=spec.compute_dtype)
+    mask = positions = None
+    if layout == "padded":  # the last row is shorter: HF builds a 4-D padding mask
+        mask = torch.ones(rows0, seq0, dtype=torch.long)
+        mask[-1, seq0 - max(1, seq0 // 4) :] = 0
+    elif layout == "packed":  # two samples per row: position ids restart mid-row
+        half = seq0 // 2
+        positions = torch.cat([torch.arange(half), torch.arange(seq0 - half)]).expand(rows0, -1)
+    captured = LayerCallCapture(spec.structure).capture(
+        embeds.expand(rows0, seq0, -1), mask, positions
+    )
+    return captured, seq0, rows0
+
+
+class _Rescale:
+    """Captured tensor shapes at (rows0, seq0) -> the same tensors at (rows, seq)."""
+
+    def __init__(self, seq0: int, seq: int, rows0: int, rows: int) -> None:
+        self.seq0, self.seq, self.rows0, self.rows = seq0, seq, rows0, rows
+
+    def shape(self, t: torch.Tensor) -> list[int]:
+        dims = list(t.shape)
+        has_seq = self.seq0 in dims[1:]
+        for i, d in enumerate(dims):
+            if d == self.seq0:
+                dims[i] = self.seq
+            elif i == 0 and d == self.rows0 and has_seq:
+                dims[i] = self.rows
+        return dims
+
+    def meta(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return torch.empty(self.shape(x), dtype=x.dtype, device="meta")
+
+    def bytes_of(self, calls: list[LayerCall]) -> int:
+        """Bytes of the distinct storages behind the calls' tensors, at the new shape."""
+        sizes: dict[int, int] = {}
+
+        def visit(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                scaled = 1
+                for d in self.shape(t):
+                    scaled *= d
+                nbytes = t.untyped_storage().nbytes() * scaled // t.numel()
+                ptr = t.untyped_storage().data_ptr()
+                sizes[ptr] = max(sizes.get(ptr, 0), nbytes)
+            return t
+
+        for call in calls:
+            tree_map(visit, (call.args, call.kwargs))
+        return sum(sizes.values())

@@ -1,0 +1,311 @@
+"""The planning half of the one builder (megatrain/recipes/builder.py): config -> resource plan.
+
+`PlanBuilder(cfg).plan()` reads the model's config alone and predicts the run (planning/plan.py);
+the engine's "auto" settings (GPU tier, where layer inputs wait, MLP tiles) are read from that
+plan here, so the run uses what the fit check saw. Under torchrun the placement is this rank's
+and the GPU tier count is the least any rank planned (distributed.least_on_ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatrain.config import TrainConfig
+from megatrain.distributed import Placement, least_on_ranks, placement_here, rows_per_rank
+from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.engine.tiling import TilePolicy
+from megatrain.model.loading import load_config as load_hf_config
+from megatrain.planning import Hardware, ModelSpec, detect, model_spec
+from megatrain.planning.hardware import GIB, gib
+from megatrain.planning.long_context import configured_boundaries
+from megatrain.planning.plan import ResourcePlan, RunShape, plan_resources
+from megatrain.planning.ranks import Ranks
+
+COMPILE_AUTO_KINDS = ("attention", "full_attention", "sliding_attention")
+"""Layer kinds (model/structure.py) that compile_layers "auto" compiles: plain attention + MLP,
+whose compiled peak the eager profile covers (measured dense). Hybrid linear-attention layers
+ran out of memory compiled against the eager plan (Qwen3.5 shape); MoE layers are not measured
+compiled."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine's GPU memory depends on that a plan resolves (the "auto" settings)."""
+
+    gpu_state_blocks: int
+    boundaries: BoundaryPlan
+    mlp_tiles: int | None  # a fixed count, None: by row length (TilePolicy), 0: not tiled
+
+    def describe(self) -> str:
+        tiles = "not tiled" if self.mlp_tiles == 0 else f"MLP tiles {self.mlp_tiles or 'auto'}"
+        return f"GPU tier {self.gpu_state_blocks} blocks, {self.boundaries.describe()}, {tiles}"
+
+
+@dataclass(frozen=True)
+class StepDown:
+    """The plan after a step ran out of GPU memory, and what changed."""
+
+    before: EngineSettings
+    after: EngineSettings
+    margin_gib: tuple[float, float]  # memory.gpu_margin_gib planned with, before and after
+    peak_bytes: tuple[int, int]  # predicted GPU peak, before and after
+    step_s: tuple[float, float]  # predicted step time, before and after
+
+    def describe(self) -> str:
+        """One paragraph: what the plan changed, and what it costs."""
+        b, a = self.before, self.after
+        changes = [
+            f"{name}{x} -> {y}"
+            for name, x, y in (
+                ("memory.gpu_state_blocks ", b.gpu_state_blocks, a.gpu_state_blocks),
+                ("", b.boundaries.describe(), a.boundaries.describe()),
+                ("MLP tiles ", b.mlp_tiles, a.mlp_tiles),
+            )
+            if x != y
+        ]
+        return (
+            f"the plan stepped down: {', '.join(changes)} (planned with "
+            f"memory.gpu_margin_gib {self.margin_gib[1]:g} instead of {self.margin_gib[0]:g}); "
+            f"predicted GPU peak {gib(self.peak_bytes[0])} -> {gib(self.peak_bytes[1])}, step "
+            f"{self.step_s[0]:.2f} s -> {self.step_s[1]:.2f} s. To start with this plan: "
+            f"--memory.gpu_margin_gib {self.margin_gib[1]:g}"
+            + (
+                f" --memory.gpu_state_blocks {a.gpu_state_blocks}"
+                if a.gpu_state_blocks != b.gpu_state_blocks
+                else ""
+            )
+        )
+
+    def record(self) -> dict[str, Any]:
+        """The metrics.jsonl fields of the step-down."""
+        return {
+            "gpu_state_blocks": [self.before.gpu_state_blocks, self.after.gpu_state_blocks],
+            "layer_inputs": [self.before.boundaries.describe(), self.after.boundaries.describe()],
+            "mlp_tiles": [self.before.mlp_tiles, self.after.mlp_tiles],
+            "gpu_margin_gib": list(self.margin_gib),
+            "pred_gpu_peak_gib": [round(n / GIB, 2) for n in self.peak_bytes],
+            "pred_step_s": [round(t, 3) for t in self.step_s],
+        }
+
+
+class PlanBuilder:
+    """A run's config -> its resource plan and the settings the plan resolves, before any
+    weight exists (meta device). `RunBuilder` extends it with the parts that hold weights and
+    data; `megatrain estimate` needs no more than this.
+
+    Cached: `hf_config`, `spec`, `hardware` and the run's own `plan()` are built at most once,
+    so the batch, GPU tier, layer-input plan and MLP tiles a run uses are those that were
+    checked.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        hardware: Hardware | None = None,
+        placement: Placement | None = None,
+    ) -> None:
+        """`placement` None: this process, alone, on `training.device` resolved here.
+        `megatrain estimate` passes the placement it plans for (a GPU it may not have)."""
+        self.cfg = cfg
+        self.placement = placement or placement_here(cfg.training.device)
+        self._hardware = hardware
+        self._gpu_reserve_bytes = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    # ---------------------------------------------------------------- plan (no weights)
+
+    @functools.cached_property
+    def hf_config(self) -> Any:
+        m = self.cfg.model
+        return load_hf_config(
+            m.name_or_path,
+            model_type=m.model_type,
+            tiny=m.tiny,
+            trust_remote_code=m.trust_remote_code,
+            overrides=dict(m.config_overrides) or None,
+        )
+
+    @functools.cached_property
+    def spec(self) -> ModelSpec:
+        m = self.cfg.model
+        return model_spec(self.hf_config, m.compute_dtype, m.attn_implementation)
+
+    @functools.cached_property
+    def hardware(self) -> Hardware:
+        return self._hardware or detect()
+
+    @property
+    def pin_memory(self) -> bool:
+        """Pinned host buffers: asked for, and useful (only CUDA copies from them)."""
+        return self.cfg.memory.pin_memory and self.placement.is_cuda
+
+    def shape(self, layout: str | None = None, compiled: bool | None = None) -> RunShape:
+        cfg, p = self.cfg, self.placement
+        return RunShape(
+            seq_len=cfg.seq_len,
+            num_slots=cfg.memory.num_slots,
+            layout=layout or cfg.layout,
+            clipping=cfg.optimizer.clip_norm is not None,
+            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+            pin_memory=self.pin_memory,
+            check_gpu=p.is_cuda,
+            state_dtype=cfg.optimizer.state_dtype,
+            gpu_state_blocks=cfg.memory.gpu_state_blocks,
+            compiled=self.compiled if compiled is None else compiled,
+            ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
+            activation_offload=cfg.memory.activation_offload,
+            checkpoint_every=cfg.memory.checkpoint_every,
+            mlp_tiles=cfg.memory.mlp_tiles,
+        )
+
+    def plan(
+        self, *, tokens_per_step: int | None = None, layout: str | None = None
+    ) -> ResourcePlan:
+        """The resource plan; the run's own (no arguments) is computed once and cached.
+
+        `tokens_per_step` / `layout` ask what-if questions (megatrain estimate's flags).
+        With `training.global_batch_size` and micro_batch_size "auto" the step's tokens are
+        fixed at global_batch_size x seq_len.
+        """
+        if tokens_per_step is None and layout is None:
+            return self._own_plan
+        return self._plan(tokens_per_step, layout)
+
+    def batch(self) -> tuple[int, int]:
+        """(micro_batch_size, gradient accumulation) of the run: the config's, or the plan's
+        when micro_batch_size is "auto" (the plan is then computed, else it is not needed)."""
+        t = self.cfg.training
+        if isinstance(t.micro_batch_size, int):
+            return t.micro_batch_size, t.gradient_accumulation_steps
+        plan = self.plan()
+        return plan.micro_batch_size, plan.grad_accum
+
+    @functools.cached_property
+    def _own_plan(self) -> ResourcePlan:
+        return self._plan(None, None)
+
+    @functools.cached_property
+    def compiled(self) -> bool:
+        """training.compile_layers resolved: "auto" compiles on a GPU where the plan's memory
+        holds for compiled layers (see its docstring in config/sections.py)."""
+        setting = self.cfg.training.compile_layers
+        if not isinstance(setting, str):
+            return setting
+        plain = all(g.kind in COMPILE_AUTO_KINDS for g in self.spec.structure.groups)
+        fixed_rows = self.cfg.layout != "padded"
+        if not (self.placement.is_cuda and plain and fixed_rows):
+            return False
+        tiles = self.cfg.memory.mlp_tiles
+        return tiles == 1 or (tiles == "auto" and self._plan(None, None, False).mlp_tiles == 1)
+
+    def _plan(
+        self, tokens_per_step: int | None, layout: str | None, compiled: bool | None = None
+    ) -> ResourcePlan:
+        t, mem = self.cfg.training, self.cfg.memory
+        if tokens_per_step is None and t.global_batch_size and t.micro_batch_size == "auto":
+            rows = rows_per_rank(t.global_batch_size, self.placement.world_size)
+            tokens_per_step = rows * self.cfg.seq_len
+        return plan_resources(
+            self.spec,
+            self.shape(layout, compiled),
+            hardware=self.hardware,
+            micro_batch_size=t.micro_batch_size,
+            grad_accum=t.gradient_accumulation_steps,
+            tokens_per_step=tokens_per_step,
+            gpu_margin_gib=mem.gpu_margin_gib,
+            host_margin_gib=mem.host_margin_gib,
+            gpu_reserve_bytes=self._gpu_reserve_bytes,
+        )
+
+    def reserve_gpu(self, nbytes: int) -> None:
+        """Leave `nbytes` of GPU memory beside the engine's persistent buffers for another
+        phase of the run (GRPO's rollout): the automatic GPU tier is chosen around it. Call
+        before the engine is built (it takes the tier from the plan)."""
+        if nbytes != self._gpu_reserve_bytes:
+            self._gpu_reserve_bytes = nbytes
+            self.__dict__.pop("_own_plan", None)  # planned again with the reservation
+
+    def engine_settings(self, num_layers: int) -> EngineSettings:
+        """The resolved settings the engine is built with (gpu_state_blocks, boundary_plan,
+        tile_policy below)."""
+        policy = self.tile_policy()
+        tiles = 0 if policy is None else policy.tiles
+        if policy is not None and policy.tiles is None and self.placement.is_cuda:
+            tiles = self.plan().mlp_tiles if self.cfg.memory.mlp_tiles == "auto" else None
+        return EngineSettings(
+            self.gpu_state_blocks(num_layers), self.boundary_plan(num_layers), tiles
+        )
+
+    def step_down(self, num_layers: int, shortfall_bytes: int) -> StepDown | None:
+        """After a step ran out of GPU memory: plan again with `shortfall_bytes` more of the GPU
+        left free (at least 1 GiB more margin): the GPU tier becomes the count "auto" picks
+        with that margin, and at least one block fewer while there are any; the "auto"
+        settings (layer inputs, MLP tiles) follow the new margin.
+        None, with nothing changed, when the smaller plan is the same as the current one.
+
+        Changes this builder's config (memory.gpu_margin_gib, memory.gpu_state_blocks): the
+        next engine it builds, and the config a checkpoint saves, are the smaller plan's.
+        """
+        cfg, mem = self.cfg, self.cfg.memory
+        before, old_plan = self.engine_settings(num_layers), self.plan()
+        more_gib = max(1.0, math.ceil(4 * shortfall_bytes / GIB) / 4)
+        margin = mem.gpu_margin_gib + more_gib
+        # a given tier count proved too large: the new margin's "auto" count, if smaller
+        self._replan(dataclasses.replace(mem, gpu_margin_gib=margin, gpu_state_blocks="auto"))
+        tier = min(self.gpu_state_blocks(num_layers), max(before.gpu_state_blocks - 1, 0))
+        self._replan(dataclasses.replace(self.cfg.memory, gpu_state_blocks=tier))
+        after = self.engine_settings(num_layers)
+        if after == before:
+            self._replan(mem, cfg)
+            return None
+        new_plan = self.plan()
+        return StepDown(
+            before,
+            after,
+            (mem.gpu_margin_gib, margin),
+            (old_plan.estimate.gpu.peak_bytes, new_plan.estimate.gpu.peak_bytes),
+            (old_plan.estimate.time.step_s, new_plan.estimate.time.step_s),
+        )
+
+    def _replan(self, memory: Any, cfg: TrainConfig | None = None) -> None:
+        self.cfg = dataclasses.replace(cfg or self.cfg, memory=memory)
+        self.__dict__.pop("_own_plan", None)
+
+    def tile_policy(self) -> TilePolicy | None:
+        """The MLPs' sequence tiles (engine/tiling.py): memory.mlp_tiles, or for "auto" on the
+        GPU the plan's count (the fewest whose peak fits; the plan is then computed)."""
+        mem = self.cfg.memory
+        policy = TilePolicy.from_setting(mem.mlp_tiles, self.compiled)
+        if policy is None or mem.mlp_tiles != "auto" or not self.placement.is_cuda:
+            return policy
+        return self.plan().tile_policy(self.cfg.seq_len)
+
+    def boundary_plan(self, num_layers: int) -> BoundaryPlan:
+        """Where the layers' saved inputs wait: without "auto" in memory.activation_offload
+        and memory.checkpoint_every (or on the CPU), straight from them; else the plan's."""
+        mem = self.cfg.memory
+        plan = configured_boundaries(
+            num_layers, mem.activation_offload, mem.checkpoint_every, self.placement.is_cuda
+        )
+        plan = plan or self.plan().boundaries
+        assert plan is not None
+        return plan
+
+    def gpu_state_blocks(self, num_layers: int) -> int:
+        """GPU-tier blocks (layers, then embedding, then head): the config's count (clamped to
+        the model), or the plan's for "auto" (the plan is then computed, else not needed).
+        Several ranks: the least count of any rank (each plans its own GPU; the collectives
+        of a sharded tier need one count)."""
+        blocks = self.cfg.memory.gpu_state_blocks
+        count = min(blocks, num_layers + 2) if isinstance(blocks, int) else None
+        return least_on_ranks(self.plan().gpu_state_blocks if count is None else count)

@@ -1,0 +1,96 @@
+"""Does a predicted run fit this machine? The verdicts of host RAM and GPU memory, each with
+the numbers and what to change (megatrain.planning.plan collects them)."""
+
+from __future__ import annotations
+
+from megatrain.planning.estimate import Estimate
+from megatrain.planning.hardware import GIB, Hardware, gib
+from megatrain.store.states import state_bytes_per_param
+
+
+def check_fits(
+    est: Estimate,
+    hardware: Hardware | None = None,
+    *,
+    host_margin_gib: float = 4.0,
+    gpu_margin_gib: float = 2.0,
+) -> None:
+    """Raise ValueError, with the numbers and what to change, when host RAM or GPU won't do."""
+    hw = hardware or est.hardware
+    problems = [
+        p
+        for p in (host_problem(est, hw, host_margin_gib), gpu_problem(est, hw, gpu_margin_gib))
+        if p
+    ]
+    if problems:
+        raise ValueError("this setup does not fit: " + "; ".join(problems))
+
+
+def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
+    """What is wrong with host RAM, or None when the prediction fits."""
+    h, free = est.host, hw.host_bytes - margin_gib * GIB
+    if h.total_bytes <= free < h.load_peak_bytes:
+        return (
+            f"host RAM while the model loads: predicted peak {gib(h.load_peak_bytes)} > "
+            f"{gib(free)} available ({gib(hw.host_bytes)} total - margin {margin_gib:g} GiB), "
+            f"though training needs {gib(h.total_bytes)}: each block exists twice while it "
+            "moves into the store, and under ranks the rank loading holds its whole fp32 model "
+            "beside the others' shards. Use a machine with more RAM, or more nodes"
+        )
+    if h.total_bytes <= free:
+        return None
+    per_param = h.store_bytes / est.total_params
+    states = state_bytes_per_param(est.settings.get("state_dtype", "fp32"))
+    advice = ["a machine with more RAM", "a smaller model"]
+    if est.settings["compute_dtype"] == "fp32":
+        advice.append(f"bf16 compute ({6 + states:.0f} instead of {8 + states:.0f} B/param)")
+    if states > state_bytes_per_param("int8"):
+        advice.append(
+            f"compressed AdamW states, optimizer.state_dtype: int8 ({states - 2:.0f} B/param "
+            "less)" + (" or bf16 (4 less)" if states > state_bytes_per_param("bf16") else "")
+        )
+    return (
+        f"host RAM: predicted {gib(h.total_bytes)} (store {gib(h.store_bytes)} = "
+        f"{per_param:.0f} B/param x {est.total_params / 1e9:.2f}B params, pinned blocks "
+        f"rounded up to {gib(h.pinned_reserved_bytes)}, process {gib(h.baseline_bytes)}, "
+        f"data {gib(h.data_bytes)}) > {gib(free)} available ({gib(hw.host_bytes)} "
+        f"total - margin {margin_gib:g} GiB). Use " + ", or ".join(advice)
+    )
+
+
+def gpu_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
+    """What is wrong with GPU memory, or None when the prediction fits."""
+    gpu_free = hw.gpu_bytes - margin_gib * GIB
+    if est.gpu.peak_bytes <= gpu_free:
+        return None
+    s, items = est.settings, est.gpu.items
+    top = sorted(items.items(), key=lambda kv: -kv[1])[:3]
+    advice = [
+        f"fewer tokens per step (now {s['tokens_per_step']}: the boundary activations "
+        "grow with them)"
+    ]
+    masks = items.get("captured masks + rotary", 0)
+    if masks > GIB and s["layout"] != "full":
+        advice.insert(
+            0,
+            f"full rows (the {s['layout']} rows' attention masks are [rows, 1, S, S] under sdpa: "
+            f"{gib(masks)}; packed long rows need a kernel that takes per-document positions "
+            "instead of a mask: model.attn_implementation flash_attention_2, with the flash-attn "
+            "package)",
+        )
+    if s["micro_batch_size"] > 1:
+        advice.append(
+            f"a smaller micro_batch_size (now {s['micro_batch_size']}) with more "
+            "gradient accumulation"
+        )
+    if s["num_slots"] > 1:
+        advice.append(f"fewer memory.num_slots (now {s['num_slots']})")
+    if s["compute_dtype"] == "fp32":
+        advice.append("bf16 compute (halves slots and activations)")
+    return (
+        f"GPU: predicted peak {gib(est.gpu.peak_bytes)} > {gib(gpu_free)} available "
+        f"({gib(hw.gpu_bytes)} - margin {margin_gib:g} GiB); largest: "
+        + ", ".join(f"{k} {gib(v)}" for k, v in top)
+        + ". Try "
+        + ", or ".join(advice)
+    )

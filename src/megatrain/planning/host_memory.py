@@ -1,0 +1,118 @@
+"""Host RAM of a run: the store's pageable and pinned bytes, the process, offloaded layer
+inputs, and the peak while the model loads (one process, or the ranks of one node)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.planning.hardware import Hardware
+from megatrain.planning.ranks import ONE_PROCESS, Ranks
+from megatrain.planning.spec import ModelSpec
+from megatrain.store.states import state_nbytes
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    pageable_bytes: int
+    pinned_bytes: int  # what the store asks for
+    pinned_reserved_bytes: int  # what is page-locked: 2 MiB or power-of-two rounding
+    baseline_bytes: int  # python + torch + CUDA context (+ NCCL under ranks)
+    data_bytes: int
+    total_bytes: int
+    load_peak_bytes: int  # while the fp32 model moves into the store (ranks: one at a time)
+    offload_bytes: int = 0  # layer inputs offloaded during the step (in total_bytes)
+    load_extra_bytes: int = 0  # ranks: what each more rank loading at once adds to the peak
+
+    @property
+    def store_bytes(self) -> int:
+        return self.pageable_bytes + self.pinned_bytes
+
+    def load_peak_at_once(self, n: int) -> int:
+        """The node's peak while `n` of its ranks load at once (load_peak_bytes: one)."""
+        return self.load_peak_bytes + (max(n, 1) - 1) * self.load_extra_bytes
+
+    def loading_at_once(self, room: float, local: int) -> int:
+        """How many of the node's `local` ranks can load at once within `room` bytes: the
+        most whose peak fits, at least 1 (one at a time; the fit check reports the rest)."""
+        fits = [n for n in range(1, local + 1) if self.load_peak_at_once(n) <= room]
+        return max(fits, default=1)
+
+
+HOST_REGISTER_MIN_BYTES = 32 << 20
+
+
+def host_memory(
+    spec: ModelSpec,
+    hw: Hardware,
+    *,
+    data_bytes: int = 0,
+    pin_memory: bool = True,
+    state_dtype: str = "fp32",
+    gpu_state_blocks: int = 0,
+    offload_bytes: int = 0,
+    ranks: Ranks = ONE_PROCESS,
+) -> HostMemory:
+    """Host bytes of one process, or with several ranks of one node (its ranks' shards)."""
+    layers = [la.params for la in spec.layers]
+    every = [spec.embed_params, *layers, spec.head_params]
+    order = [*layers, spec.embed_params, spec.head_params]  # tier order (engine/tier.py)
+    held = [ranks.shard(n) for n in order[gpu_state_blocks:]]
+    local = ranks.nproc_per_node if ranks.world > 1 else 1
+
+    def store(numels: list[int]) -> tuple[int, int, int]:
+        """(pageable, pinned, pinned as reserved) bytes of these blocks on the host."""
+        states = sum(state_nbytes(n, state_dtype) for n in numels)
+        if spec.compute_dtype == torch.bfloat16:
+            pageable, pinned_per_block = 4 * sum(numels) + states, [2 * n for n in numels]
+        else:  # master and gradient pinned
+            pageable, pinned_per_block = states, [4 * n for n in numels] * 2
+        pinned = sum(pinned_per_block)
+        reserved = sum(pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
+        return pageable, pinned, reserved
+
+    pageable, pinned, reserved = (local * b for b in store(held))
+    baseline = hw.process_baseline_bytes + ranks.host_extra_bytes
+    process = local * (baseline + data_bytes)
+    total = pageable + reserved + process + local * offload_bytes
+    twice = 4 * max(every)  # the block being moved exists twice
+    loading = sum(store(every)[::2]) + process + twice  # every block is built on the host first
+    extra = 0
+    if ranks.world > 1:
+        # A loading rank holds its whole fp32 model at first and all its shards (the GPU
+        # tier's too, until it moves) at the end: each block moves from one to the other. A
+        # rank that has loaded holds its shards; the others, nothing yet. With ranks loading
+        # one at a time the node peaks in the last turn.
+        shards = store([ranks.shard(n) for n in every])
+        rank_bytes = shards[0] + shards[2]
+        loader = max(4 * sum(every), rank_bytes) + twice
+        loading = (local - 1) * rank_bytes + loader + process
+        extra = loader - rank_bytes
+    return HostMemory(
+        pageable_bytes=pageable,
+        pinned_bytes=pinned,
+        pinned_reserved_bytes=reserved,
+        baseline_bytes=local * baseline,
+        data_bytes=local * data_bytes,
+        total_bytes=total,
+        load_peak_bytes=loading,
+        offload_bytes=local * offload_bytes,
+        load_extra_bytes=extra,
+    )
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+def pinned_reserved(nbytes: int) -> int:
+    """Host bytes a pinned block costs (megatrain.store.memory.host_zeros).
+
+    Blocks of 32 MiB and more are huge-page mappings registered with cudaHostRegister: their
+    size rounded up to 2 MiB. Smaller ones come from torch's caching host allocator, which
+    rounds up to a power of two.
+    """
+    if nbytes >= HOST_REGISTER_MIN_BYTES:
+        return -(-nbytes // (2 << 20)) * (2 << 20)
+    return _pow2_ceil(nbytes)

@@ -1,0 +1,316 @@
+"""A run's resource plan: batch choice, estimate and fit check, all from one set of inputs.
+
+    shape = builder.shape()     # RunShape: seq_len, num_slots, layout, clipping, ... of the run
+    plan = plan_resources(spec, shape, hardware=hw, micro_batch_size="auto", grad_accum=1,
+                          tokens_per_step=65536)
+    plan.require_fit()          # ValueError naming what does not fit and what to change
+
+Invariant: the automatic micro-batch is chosen against exactly the estimate that the fit check
+then judges (same shape, same loss chunk, same pinning), so "auto" never picks a batch the check
+refuses for a reason it did not see. The builder (megatrain.recipes.builder) derives the shape from
+the
+run config once; `megatrain estimate` and `megatrain train` both read the plan from there.
+
+The GPU tier of optimizer states (engine/tier.py) is chosen after the batch: the run's
+activations come first, and "auto" (`memory.gpu_state_blocks`) gives the tier the largest
+number of blocks (layers from the first, then embedding, then head) whose predicted GPU peak
+still fits with `gpu_margin_gib` free; on the CPU "auto" is 0. A given count is clamped to the
+model's blocks, like `num_slots`.
+
+Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host,
+so the fit check refuses a node that cannot hold its ranks' shards, before loading; the GPU
+tier is picked against one rank's GPU (its blocks' states sharded over the ranks, their
+weights whole on every GPU: planning/estimate.py).
+Long rows: where the layer inputs wait (GPU, host, or recomputed every K layers) is chosen
+first, with the MLPs over the most sequence tiles `memory.mlp_tiles: auto` allows (the least
+memory); then, on the GPU, "auto" keeps the fewest tiles (1, 2, 4, ...) whose predicted peak
+still fits: a tiled MLP runs its forward once more in the backward and its layer's attention
+in head groups (engine/tiling.py), about 10% of an 8B step at 128k tokens on an H100
+(docs/performance.md run 24), so tiles are paid only where memory needs them.
+Later plans extend `RunShape` and `ResourcePlan`, not their callers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.engine.tiling import TilePolicy
+from megatrain.layouts import LAYOUTS
+from megatrain.planning.batch_size import pick_micro_batch
+from megatrain.planning.estimate import Estimate, estimate
+from megatrain.planning.fit import gpu_problem, host_problem
+from megatrain.planning.hardware import GIB, Hardware, gib
+from megatrain.planning.host_memory import pinned_reserved
+from megatrain.planning.long_context import choose_boundaries
+from megatrain.planning.ranks import ONE_PROCESS, Ranks
+from megatrain.planning.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the estimate needs besides the model and the batch: the run's fixed settings."""
+
+    seq_len: int
+    num_slots: int
+    layout: str  # "padded" rows (masks), "packed" samples, or "full" rows without mask
+    clipping: bool
+    loss_chunk_tokens: int | None
+    pin_memory: bool
+    check_gpu: bool  # a CUDA run: the GPU peak must fit too
+    state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
+    gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
+    compiled: bool = False  # decoder layers torch.compile'd (training.compile_layers)
+    activation_offload: str = "off"  # layer inputs to the host: "auto", "on" or "off"
+    checkpoint_every: int | str = 1  # one layer input kept every K layers, or "auto"
+    mlp_tiles: int | str = 1  # sequence tiles of the MLPs, or "auto" (engine/tiling.py)
+    ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
+
+    @property
+    def tile_count(self) -> int:
+        policy = TilePolicy.from_setting(self.mlp_tiles, self.compiled)  # as the builder's
+        return 1 if policy is None else policy.count(self.seq_len)
+
+    def estimate_kwargs(self) -> dict[str, Any]:
+        assert self.layout in LAYOUTS, self.layout
+        return dict(
+            seq_len=self.seq_len,
+            num_slots=self.num_slots,
+            padded=self.layout == "padded",
+            packed=self.layout == "packed",
+            clipping=self.clipping,
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            pin_memory=self.pin_memory,
+            compiled=self.compiled,
+        )
+
+
+@dataclass(frozen=True)
+class ResourcePlan:
+    """The batch a run uses and what it is predicted to need; `problems` empty when it fits."""
+
+    micro_batch_size: int
+    grad_accum: int
+    estimate: Estimate
+    batch_reason: str | None  # why "auto" chose this micro-batch (None: it was given)
+    problems: tuple[str, ...]
+    gpu_state_blocks: int = 0  # blocks (layers, embedding, head) whose states live on the GPU
+    tier_reason: str | None = None  # why "auto" chose that many (None: it was given)
+    boundaries: BoundaryPlan | None = None  # where layer inputs wait (None: all on the GPU)
+    boundary_reason: str | None = None
+    mlp_tiles: int = 1  # sequence tiles of the MLPs at seq_len (engine/tiling.py)
+    tiles_reason: str | None = None  # why "auto" chose that many (None: set, or no choice)
+
+    def tile_policy(self, seq_len: int) -> TilePolicy:
+        """The engine's tiling: `mlp_tiles` tiles at seq_len, shorter rows in proportion."""
+        return TilePolicy(None, tile_tokens=math.ceil(seq_len / self.mlp_tiles))
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def tokens_per_step(self) -> int:
+        return int(self.estimate.settings["tokens_per_step"])
+
+    def require_fit(self) -> None:
+        """Raise ValueError with the numbers and what to change when the run does not fit."""
+        if self.problems:
+            raise ValueError("this run does not fit: " + "; ".join(self.problems))
+
+
+def plan_resources(
+    spec: ModelSpec,
+    shape: RunShape,
+    *,
+    hardware: Hardware,
+    micro_batch_size: int | str,
+    grad_accum: int = 1,
+    tokens_per_step: int | None = None,
+    gpu_margin_gib: float = 2.0,
+    host_margin_gib: float = 4.0,
+    gpu_reserve_bytes: int = 0,
+) -> ResourcePlan:
+    """Resolve the batch ("auto" or given) and predict the run.
+
+    `gpu_reserve_bytes`: GPU memory another phase of the run needs beside the engine's
+    persistent buffers (GRPO's resident rollout); the automatic GPU tier leaves it free.
+
+    `tokens_per_step` (optional) fixes the step's tokens: with "auto" the accumulation follows
+    the chosen micro-batch; with a given micro-batch it must divide the step's rows.
+    """
+    reason = None
+    gpu_margin_gib = shape.ranks.gpu_margin_gib(gpu_margin_gib)  # NCCL's buffers under ranks
+    if micro_batch_size == "auto":
+        target: dict[str, Any] = (
+            {"tokens_per_step": tokens_per_step}
+            if tokens_per_step is not None
+            else {"grad_accum": grad_accum}
+        )
+        micro_batch_size, grad_accum, reason = pick_micro_batch(
+            spec,
+            hardware=hardware,
+            gpu_margin_gib=gpu_margin_gib,
+            state_dtype=shape.state_dtype,
+            mlp_tiles=shape.tile_count,
+            ranks=shape.ranks,
+            **target,
+            **shape.estimate_kwargs(),
+        )
+    elif tokens_per_step is not None:
+        grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)
+    assert isinstance(micro_batch_size, int)
+
+    def predict(
+        tier: int, boundaries: BoundaryPlan | None = None, tiles: int = shape.tile_count
+    ) -> Estimate:
+        return estimate(
+            spec,
+            micro_batch_size=micro_batch_size,
+            grad_accum=grad_accum,
+            hardware=hardware,
+            gpu_state_blocks=tier,
+            state_dtype=shape.state_dtype,
+            boundary_plan=boundaries,
+            mlp_tiles=tiles,
+            ranks=shape.ranks,
+            **shape.estimate_kwargs(),
+        )
+
+    boundaries, boundary_reason = _pick_boundaries(
+        spec, shape, predict(0), hardware, gpu_margin_gib, host_margin_gib
+    )
+    tiles, tiles_reason = shape.tile_count, None
+    if shape.mlp_tiles == "auto" and shape.check_gpu and tiles > 1:
+        budget = hardware.gpu_bytes - gpu_margin_gib * GIB
+        tiles, tiles_reason = _pick_tiles(
+            lambda n: predict(0, boundaries, n).gpu.peak_bytes, tiles, budget, shape.seq_len
+        )
+    predict = functools.partial(predict, boundaries=boundaries, tiles=tiles)
+
+    tier_reason = None
+    if shape.gpu_state_blocks == "auto" and shape.state_dtype != "fp32":
+        tier, tier_reason = 0, f"GPU tier: none (state_dtype {shape.state_dtype}: fp32 only)"
+    elif shape.gpu_state_blocks == "auto":
+        tier, tier_reason = _pick_tier(
+            predict,
+            spec.num_layers + 2,
+            shape.check_gpu,
+            hardware,
+            gpu_margin_gib,
+            gpu_reserve_bytes,
+        )
+    else:
+        tier = min(int(shape.gpu_state_blocks), spec.num_layers + 2)
+    est = predict(tier)
+    problems = [host_problem(est, hardware, host_margin_gib)]
+    if shape.check_gpu:
+        problems.append(gpu_problem(est, hardware, gpu_margin_gib))
+    return ResourcePlan(
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        estimate=est,
+        batch_reason=reason,
+        problems=tuple(p for p in problems if p),
+        gpu_state_blocks=tier,
+        tier_reason=tier_reason,
+        boundaries=boundaries,
+        boundary_reason=boundary_reason,
+        mlp_tiles=tiles,
+        tiles_reason=tiles_reason,
+    )
+
+
+def _pick_tiles(
+    peak: Callable[[int], int], most: int, budget: float, seq_len: int
+) -> tuple[int, str]:
+    """The fewest MLP tiles (1, 2, 4, ..., `most`) whose predicted GPU peak fits `budget`."""
+    counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k < most} | {most})
+    n = next((c for c in counts if peak(c) <= budget), most)
+    return n, (
+        f"MLP tiles: {n} of up to {most} at {seq_len} tokens "
+        + ("(the untiled layer fits)" if n == 1 else "(the fewest whose peak fits)")
+    )
+
+
+def _pick_boundaries(
+    spec: ModelSpec,
+    shape: RunShape,
+    on_device: Estimate,
+    hardware: Hardware,
+    gpu_margin_gib: float,
+    host_margin_gib: float,
+) -> tuple[BoundaryPlan, str]:
+    """Where the layer inputs wait: the room `on_device` (every input on the GPU) leaves
+    beside everything else, GPU first, host second (planning/long_context.py)."""
+    s = on_device.settings
+    input_bytes = s["micro_batch_size"] * shape.seq_len * spec.hidden_size
+    input_bytes *= spec.compute_dtype.itemsize
+    inputs = on_device.gpu.items.get("boundary activations", 0)
+    gpu_free = (
+        hardware.gpu_bytes - gpu_margin_gib * GIB - (on_device.gpu.peak_bytes - inputs)
+        if shape.check_gpu
+        else math.inf  # on the CPU the device is the host: inputs kept there cost the same
+    )
+    host_free = hardware.host_bytes - host_margin_gib * GIB - on_device.host.total_bytes
+    offload, every = shape.activation_offload, shape.checkpoint_every
+    if not shape.check_gpu:  # "auto" on the CPU: keep every input (as the builder does)
+        offload = "off" if offload == "auto" else offload
+        every = 1 if every == "auto" else every
+    return choose_boundaries(
+        spec.num_layers,
+        input_bytes=input_bytes,
+        micro_batches=s["grad_accum"],
+        gpu_free_bytes=gpu_free,
+        host_free_bytes=host_free,
+        offload=offload,
+        every=every,
+        reserved=pinned_reserved if shape.pin_memory else (lambda n: n),
+    )
+
+
+def _pick_tier(
+    predict: Callable[[int], Estimate],
+    num_blocks: int,
+    on_gpu: bool,
+    hardware: Hardware,
+    gpu_margin_gib: float,
+    reserve: int = 0,
+) -> tuple[int, str]:
+    """The most blocks (tier order) whose GPU-tier states fit beside the run, and beside
+    `reserve` bytes next to the persistent buffers, and why.
+
+    The predicted peak grows with the count (each block adds 8-18 B/param and frees at most
+    its share of a slot), so a binary search finds the largest that fits.
+    """
+    if not on_gpu:
+        return 0, "GPU tier: none (no GPU)"
+    budget = hardware.gpu_bytes - gpu_margin_gib * GIB
+    lo, hi = 0, num_blocks  # invariant: lo fits, or lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        gpu = predict(mid).gpu
+        if gpu.peak_bytes <= budget and gpu.persistent_bytes + reserve <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    peak = predict(lo).gpu.peak_bytes
+    return lo, (
+        f"GPU tier: {lo} of {num_blocks} blocks, predicted GPU peak {gib(peak)} of "
+        f"{gib(hardware.gpu_bytes)} (margin {gpu_margin_gib:g} GiB"
+        + (f", {gib(reserve)} left for the rollout)" if reserve else ")")
+    )
+
+
+def _grad_accum_for(tokens_per_step: int, micro_batch_size: int, seq_len: int) -> int:
+    rows = tokens_per_step // seq_len
+    if rows < micro_batch_size or rows % micro_batch_size or rows * seq_len != tokens_per_step:
+        raise ValueError(
+            f"tokens per step {tokens_per_step} must be a multiple of micro_batch_size x "
+            f"seq_len = {micro_batch_size * seq_len}"
+        )
+    return rows // micro_batch_size

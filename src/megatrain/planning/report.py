@@ -1,0 +1,135 @@
+"""A human-readable table of an Estimate (what `megatrain estimate` prints)."""
+
+from __future__ import annotations
+
+from megatrain.engine.tiling import TilePolicy
+from megatrain.planning.disk import CHECKPOINT_BYTES_PER_PARAM, EXPORT_BYTES_PER_PARAM
+from megatrain.planning.estimate import Estimate
+from megatrain.planning.hardware import GIB
+
+_W = 44  # label column
+
+
+def _row(label: str, value: str, note: str = "") -> str:
+    return f"  {label:<{_W}}{value:>10}  {note}".rstrip()
+
+
+def format_estimate(est: Estimate) -> str:
+    s, hw, h, g, t = est.settings, est.hardware, est.host, est.gpu, est.time
+    bf16 = s["compute_dtype"] == "bf16"
+    peak_field = "gpu_tflops_bf16" if bf16 else "gpu_tflops_fp32"
+    layout = {"full": "full rows", "padded": "padded rows (4-D masks)", "packed": "packed rows"}[
+        s["layout"]
+    ]
+    lines = [
+        f"model  {est.model}",
+        f"setup  {s['micro_batch_size']} x {s['seq_len']} tokens x {s['grad_accum']} "
+        f"micro-batches = {s['tokens_per_step']} tokens/step; {s['compute_dtype']} compute, "
+        f"{s['num_slots']} slots, {layout}, clipping {'on' if s['clipping'] else 'off'}, "
+        f"AdamW states {s['state_dtype']}" + (", compiled layers" if s.get("compiled") else ""),
+        _ranks_line(s),
+        f"GPU tier  {s['gpu_state_blocks']} blocks (layers from the first, then embedding, head) "
+        "keep their optimizer states on the GPU: no copies, AdamW there",
+        f"long rows  {s['activations']}; {TilePolicy(s['mlp_tiles']).describe(s['seq_len'])}",
+        "",
+        f"{'host RAM':<{_W + 2}}{'GiB':>10}",
+        _row(
+            "pageable (fp32 master + Adam m, v)" if bf16 else "pageable (Adam m, v)",
+            _gib(h.pageable_bytes),
+        ),
+        _row(
+            "pinned (bf16 shadow = gradient landing)"
+            if bf16
+            else "pinned (fp32 master + gradient)",
+            _gib(h.pinned_bytes),
+            f"pinned as {_gib(h.pinned_reserved_bytes)} GiB after allocation rounding",
+        ),
+        _row(
+            "process baseline (python, torch, CUDA)",
+            _gib(h.baseline_bytes),
+            hw.source("process_baseline_bytes"),
+        ),
+        _row("tokenized data", _gib(h.data_bytes)),
+        _row("offloaded layer inputs", _gib(h.offload_bytes), "pinned, reused every step"),
+        _row(
+            "total",
+            _gib(h.total_bytes),
+            f"of {_gib(hw.host_bytes)} GiB ({hw.source('host_bytes')})",
+        ),
+        _row(
+            "peak while loading the model",
+            _gib(h.load_peak_bytes),
+            f"a node's ranks one at a time; each more at once +{_gib(h.load_extra_bytes)} GiB"
+            if h.load_extra_bytes
+            else "",
+        ),
+        "",
+        f"{'GPU peak (at: ' + g.peak_phase + ')':<{_W + 2}}{'GiB':>10}",
+        *(_row(name, _gib(n)) for name, n in g.items.items()),
+        _row(
+            "total (torch.cuda.max_memory_allocated)",
+            _gib(g.peak_bytes),
+            f"of {_gib(hw.gpu_bytes)} GiB ({hw.source('gpu_bytes')})",
+        ),
+        "",
+        f"{'step time (predicted)':<{_W + 2}}{'s':>10}",
+        _row(
+            "GPU compute (forward, recompute, backward)",
+            f"{t.compute_s:.3f}",
+            f"loss {t.loss_s:.3f} s; {t.flops / 1e12:.0f} TFLOP at "
+            f"{t.flops / max(t.compute_s, 1e-12) / 1e12:.0f} TFLOP/s achieved (peak "
+            f"{hw.source(peak_field)})",
+        ),
+        _row("H2D weights", f"{t.h2d_s:.3f}", f"{hw.h2d_gbps:.0f} GB/s ({hw.source('h2d_gbps')})"),
+        _row(
+            "D2H gradients", f"{t.d2h_s:.3f}", f"{hw.d2h_gbps:.0f} GB/s ({hw.source('d2h_gbps')})"
+        ),
+        _row(
+            "CPU optimizer",
+            f"{t.optimizer_s:.3f}",
+            f"{hw.optimizer_gparams_s:.2f} Gparams/s ({hw.source('optimizer_gparams_s')})",
+        ),
+        _row(
+            "GPU AdamW (GPU tier, on the compute stream)",
+            f"{t.gpu_optimizer_s:.3f}",
+            "assumed rate",
+        ),
+        _row("step (overlapped)", f"{t.step_s:.3f}", f"bound by {t.bound}"),
+        _row(
+            "collectives (all-gather, reduce-scatter)",
+            f"{t.collective_s:.3f}",
+            "in the rows above; assumed bus bandwidth (planning/ranks.py)",
+        ),
+        _row("tokens/s", f"{t.tokens_per_s:,.0f}", _per_gpu(s, t.tokens_per_s)),
+        _row("model TFLOPS (6 x active params x tokens/s)", f"{t.model_tflops:.1f}"),
+        "",
+        f"{'disk (training.output_dir)':<{_W + 2}}{'GiB':>10}",
+        _row(
+            "one checkpoint (fp32 master + Adam m, v)",
+            _gib(CHECKPOINT_BYTES_PER_PARAM * est.total_params),
+            "x keep_last, + 1 while the next one is written",
+        ),
+        _row("Hugging Face export (bf16)", _gib(EXPORT_BYTES_PER_PARAM["bf16"] * est.total_params)),
+        "",
+        *(f"note: {n}" for n in est.notes),
+    ]
+    return "\n".join(lines)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _ranks_line(s: dict[str, object]) -> str:
+    n, m = int(str(s["nproc_per_node"])), int(str(s["nnodes"]))
+    if n * m == 1:
+        return "ranks  one process"
+    return (
+        f"ranks  {n} per node x {m} node(s) = {n * m}: GPU numbers per rank, host per node, "
+        "step per rank (tokens/s of the job)"
+    )
+
+
+def _per_gpu(s: dict[str, object], tokens_per_s: float) -> str:
+    world = int(str(s["nproc_per_node"])) * int(str(s["nnodes"]))
+    return f"{tokens_per_s / world:,.0f} per GPU" if world > 1 else ""

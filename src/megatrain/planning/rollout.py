@@ -1,0 +1,148 @@
+"""GRPO's rollout phase: GPU memory and time of generating one batch of completions.
+
+Symbols: N sequences (prompts x generations), Lp prompt tokens, Lc completion tokens,
+P parameters (Pa active), c bytes of the compute dtype, V vocab, D hidden, I the widest MLP,
+La layers with softmax attention, Hkv key/value heads and dh their width (a sliding-window
+layer caches at most its window), Pl the largest layer, Pe + Ph embedding and head blocks.
+
+GPU, what the rollout holds at its peak (recipes/grpo/rollout.py frees all of it before training):
+- weights: resident, every parameter, P x c (one copy from the host's compute-dtype copy);
+  streamed, embedding + head + `num_slots` layer slots, (Pe + Ph + slots x Pl) x c;
+- KV cache: 2 x La x Hkv x dh x c x N x (Lp + Lc) (transformers' dynamic cache at full length);
+- sampling: the last position's logits and the sampler's fp32 scores, N x V x (c + 2 x 4);
+- prefill transient: one layer's MLP on the prompts, N x Lp x (2 I + D) x c.
+
+Time (seconds, one generation batch):
+- weight copy: resident P x c / h2d once;
+- prefill: 2 x Pa x N x Lp / FLOP rate;
+- decoding, per token: the weights read once (resident: P x c / HBM bandwidth; streamed: the
+  layers over the host link, sum(Pl) x c / h2d), or 2 x Pa x N / FLOP rate if more, plus
+  reading the KV cache at its mean length (Lp + Lc / 2), plus issuing the forward's aten ops
+  and the sampler's (`op_launch_s` each: eager decoding at small N is host-bound);
+- static decoding (recipes/grpo/decode.py, resident on CUDA): each step is one CUDA graph replay, so
+  no op is issued from the host; the kernels still run one after another on the GPU, each
+  op `DECODE_OP_S[decode]` ("graphs": eager kernels, one or more per op; "compiled": inductor's
+  fused kernels, fewer than the ops), and attention reads the whole static cache (Lp + Lc)
+  every step. The graph is captured per generation batch after one warm-up step: two eager
+  steps more. The compile itself ("compiled") is paid once per run, in the first batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatrain.planning.activations import layer_profile
+from megatrain.planning.hardware import Hardware
+from megatrain.planning.spec import ModelSpec
+
+SAMPLER_OPS = 40  # aten ops of one generate() step outside the model: logits warpers, sampling
+# GPU time per aten op of a decoding step replayed as a CUDA graph (one token per sequence),
+# beside the weight and KV reads, by decode mode: placeholders of a few microseconds (fused
+# kernels cover several ops), TO BE FITTED from H100 runs of bench/grpo_shape.py (its RESULT
+# line's op_s_fit, with grpo.compile_decode graphs and true).
+DECODE_OP_S = {"graphs": 2.0e-6, "compiled": 1.0e-6}
+DECODE_MODES = ("generate", *DECODE_OP_S)  # generate: transformers' eager generate
+
+
+@dataclass(frozen=True)
+class RolloutEstimate:
+    streamed: bool  # layers streamed per decoding step (else the whole model on the GPU)
+    sequences: int  # N
+    prompt_tokens: int  # Lp
+    completion_tokens: int  # Lc
+    gpu_items: dict[str, int]  # name -> bytes at the rollout's peak
+    weight_copy_s: float
+    prefill_s: float
+    decode_token_s: float  # one decoding step, all N sequences
+    rollout_s: float  # weight copy + prefill + capture + Lc decoding steps
+    decode: str = "generate"  # one of DECODE_MODES (recipes/grpo/decode.py)
+    decode_ops: int = 0  # aten ops of one decoding step (the model's and the sampler's)
+    capture_s: float = 0.0  # static decoding: the warm-up step and the capture, per batch
+
+    @property
+    def gpu_peak_bytes(self) -> int:
+        return sum(self.gpu_items.values())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.gpu_items["KV cache"]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the whole rollout (every sequence at full length)."""
+        return self.sequences * self.completion_tokens / self.rollout_s
+
+
+def kv_bytes_per_token(spec: ModelSpec, cached_tokens: int) -> int:
+    """Key + value bytes of one sequence holding `cached_tokens` tokens, over every layer."""
+    text = spec.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    c = spec.compute_dtype.itemsize
+    total = 0
+    for layer in spec.layers:
+        if layer.attn_heads:
+            kept = cached_tokens if layer.window is None else min(cached_tokens, layer.window)
+            total += 2 * heads * head_dim * c * kept
+    return total
+
+
+def rollout_estimate(
+    spec: ModelSpec,
+    hw: Hardware,
+    *,
+    sequences: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    streamed: bool = False,
+    num_slots: int = 2,
+    decode: str = "generate",
+) -> RolloutEstimate:
+    """Predict the rollout phase of one generation batch (see the module docstring);
+    `decode`: one of DECODE_MODES, on CUDA (the CPU runs static decoding without graphs)."""
+    c = spec.compute_dtype.itemsize
+    n, lp, lc = sequences, prompt_tokens, completion_tokens
+    layer_bytes = sum(la.params for la in spec.layers) * c
+    if streamed:
+        slots = min(num_slots, spec.num_layers)
+        weights = (spec.embed_params + spec.head_params + slots * spec.layer_params_max) * c
+    else:
+        weights = spec.total_params * c
+    text = spec.config.get_text_config()
+    width = max(getattr(text, k, 0) or 0 for k in ("intermediate_size", "moe_intermediate_size"))
+    items = {
+        "weights": weights,
+        "KV cache": n * kv_bytes_per_token(spec, lp + lc),
+        "logits + sampler scores": n * spec.vocab_size * (c + 8),
+        "prefill transient (one MLP)": n * lp * (2 * width + spec.hidden_size) * c,
+    }
+    rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
+    hbm = hw.gpu_hbm_gbps * 1e9
+    read_s = weights / hbm  # streamed: the resident embedding and head, the slots' reads
+    if streamed:
+        read_s += layer_bytes / (hw.h2d_gbps * 1e9)  # every layer over the host link
+    ops = sum(f for f, _ in layer_profile(spec, 1, 16, "padded").ops) + SAMPLER_OPS
+    assert decode in DECODE_MODES and not (streamed and decode != "generate"), decode
+    weights_s = max(read_s, 2.0 * spec.active_params * n / rate)
+    kv_read_s = n * kv_bytes_per_token(spec, lp + lc // 2) / hbm
+    eager = weights_s + kv_read_s + ops * hw.op_launch_s
+    step_s, capture_s = eager, 0.0
+    if decode in DECODE_OP_S:
+        step_s = weights_s + n * kv_bytes_per_token(spec, lp + lc) / hbm + ops * DECODE_OP_S[decode]
+        capture_s = 2 * eager
+    copy_s = 0.0 if streamed else weights / (hw.h2d_gbps * 1e9)
+    prefill_s = 2.0 * spec.active_params * n * lp / rate
+    return RolloutEstimate(
+        streamed=streamed,
+        sequences=n,
+        prompt_tokens=lp,
+        completion_tokens=lc,
+        gpu_items=items,
+        weight_copy_s=copy_s,
+        prefill_s=prefill_s,
+        decode_token_s=step_s,
+        rollout_s=copy_s + prefill_s + capture_s + lc * step_s,
+        decode=decode,
+        capture_s=capture_s,
+        decode_ops=ops,
+    )

@@ -1,0 +1,398 @@
+"""Predicted step time: per-layer costs, then a replay of the engine's schedule.
+
+Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dtype):
+- layer i forward: (2 x active params + attention) x T / F; attention per token is
+  2 x context x heads x (qk_dim + v_dim), context = the mean causal span (window-capped);
+- layer i backward: recompute forward + backward = 3 x 2 x active params + 3.5 x attention
+  (flash backward is about 2.5 forwards), so a step is 8 x params x T FLOPs plus attention;
+- loss: 6 x V x D x T (lm_head forward + backward, never recomputed);
+- copies: each layer goes to the GPU twice per step (forward, backward) except the
+  `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
+  come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
+- CPU AdamW: params / rate per block, one worker thread; the rate is the probed kernel's (the
+  run's state dtype when probed so), else scaled by STATE_DTYPE_SPEED;
+- GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
+  copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
+  after the block's backward, or with clipping after the norm sync of the step's end;
+- compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster
+  and issues COMPILED_OPS_FRACTION of the eager op count (inductor fuses the elementwise work
+  around the matmuls: norms, rotary, activation, residuals);
+- host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
+  + backward dispatch the op counts measured on meta (planning/activations.py). Small or
+  MoE layers (many small kernels) become host-bound: the GPU waits for the launches.
+
+- several ranks (planning/ranks.py): a block's copy up is the rank's shard over PCIe, then
+  the all-gather of the whole block (both on the copy path, before the layer may run); its
+  gradient a reduce-scatter on the compute stream, then the shard down; the embedding table is
+  gathered at the forward's start; AdamW updates the shard at the node's rate over its ranks.
+  A GPU-tier block is never copied nor gathered for a layer's use: its gradient is still
+  reduce-scattered, its GPU AdamW updates the shard, and an all-gather of its new weights
+  follows on the compute stream.
+  Tokens per step (and tokens/s) are the job's: per-rank tokens x world.
+
+The replay (`_Replay`) runs several steps of the engine's order of operations with three
+streams (compute, H2D, D2H), the host thread and the optimizer worker: slots are refilled
+when the layer `num_slots` earlier is done with them, the next forward waits for each block's
+update before copying it, the worker takes the landed block the next forward needs first;
+without clipping updates start as gradients land, with clipping all start after the backward
+(engine/engine.py). The last step's duration is the prediction. On the H200 run this gives
+1.47 s (measured 1.52 s) at 8k tokens per step, where the CPU optimizer bounds the step, and
+2.29 s (measured 2.21 s) at 32k, where GPU compute does; tests/test_resources.py has more
+(dense, MoE, fp32; within 11% except MoE with clipping, under-predicted by 22-26%).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.planning.hardware import Hardware
+from megatrain.planning.ranks import ONE_PROCESS, Ranks
+from megatrain.planning.spec import LayerSpec, ModelSpec
+
+_STEPS = 4  # replayed; the first ones warm the pipeline up
+STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.45}
+"""CPU AdamW rate per state dtype relative to fp32, used only where the hardware's rate is of
+another kernel (the default, or a probe of fp32): `probe(state_dtype=...)` measures the run's own
+kernel, and then the ratio is 1. bf16: the C kernels with a busy main thread beside them on the
+H100 host of docs/performance.md run 10 (4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9
+parameters, 0.41 inside a 14.8B-parameter run (run 13); 0.45 between them. The ratio depends on
+the host (fp32 is bandwidth-bound, int8 compute-bound): on the 64-vCPU host of run 19 int8 ran
+6.5 Gparams/s inside a 56.9B run where fp32 probed 5.41."""
+COMPILED_SPEEDUP = 1.2
+"""Compiled layers against eager ones, GPU time of forward, recompute and backward (fitted:
+Llama-3.1-8B and Qwen2.5-14B shapes on an H100, eager-fitted predictions 1.17x and 1.25x the
+measured compiled steps; checked again in docs/performance.md run 13)."""
+COMPILED_OPS_FRACTION = 0.3
+"""Host launches of a compiled layer against the eager op count (assumed: fused elementwise
+chains; the matmuls and attention stay separate kernels)."""
+GPU_ADAMW_GPARAMS_S = 60.0
+"""Fused AdamW on the GPU (assumed, H100): ~34 bytes per parameter through HBM (read p, g, m,
+v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float  # predicted wall clock of one optimizer step, steady state
+    compute_s: float  # GPU busy: layer forward, recompute + backward, loss
+    loss_s: float  # of which the fused loss
+    h2d_s: float  # host-to-device copy stream busy (weights)
+    d2h_s: float  # device-to-host copy stream busy (gradients)
+    optimizer_s: float  # CPU AdamW busy time per step
+    gpu_optimizer_s: float  # AdamW of the GPU tier on the compute stream (not in compute_s)
+    collective_s: float  # all-gathers and reduce-scatters of one step (ranks; 0 alone)
+    bound: str  # the resource the step waits on most
+    flops: float  # hardware FLOPs per step (forward + recompute + backward + loss)
+    tokens_per_s: float  # of the whole job (every rank)
+    model_tflops: float  # 6 x active params x tokens/s
+
+
+@dataclass(frozen=True)
+class _Costs:
+    fwd_s: list[float]  # per layer, all micro-batches
+    bwd_s: list[float]
+    loss_s: float
+    h2d_s: list[float]  # per layer
+    h2d_head_s: float  # head block, plus the whole table when tied
+    d2h_s: list[float]  # per layer
+    d2h_head_s: float
+    d2h_embed_s: float
+    opt_s: list[float]  # per block in forward order: embedding, layers, head (0: GPU tier)
+    tier_opt_s: list[float]  # per block as opt_s: AdamW on the GPU (0: host blocks)
+    fwd_call_s: list[float]  # host issue time per layer forward (all micro-batches)
+    bwd_call_s: list[float]  # per layer recompute + backward
+    loss_call_s: float
+    num_slots: int  # slots of the streamed layers (0 when all are in the GPU tier)
+    resident: int  # GPU-tier layers: the first ones
+    tier_embed: bool  # the embedding is in the GPU tier
+    tier_head: bool  # the head is in the GPU tier
+    clipping: bool
+
+
+def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
+    """Forward FLOPs of softmax attention for one token, averaged over causal positions."""
+    if layer.attn_heads == 0:
+        return 0.0
+    w = layer.window
+    span = (seq + 1) / 2 if w is None or seq <= w else (w * (w + 1) / 2 + (seq - w) * w) / seq
+    return 2.0 * span * layer.attn_heads * (layer.attn_qk_dim + layer.attn_v_dim)
+
+
+def step_time(
+    spec: ModelSpec,
+    hw: Hardware,
+    *,
+    rows: int,
+    seq: int,
+    micro_batches: int,
+    num_slots: int,
+    clipping: bool,
+    layer_ops: list[tuple[int, int]],
+    loss_ops: int,
+    gpu_state_blocks: int = 0,
+    state_dtype: str = "fp32",
+    compiled: bool = False,
+    recomputed: list[bool] | None = None,
+    ranks: Ranks = ONE_PROCESS,
+) -> StepTime:
+    """`layer_ops`: per layer (forward ops, recompute + backward ops) of one micro-batch;
+    `loss_ops`: ops of one micro-batch's loss (all its chunks); `recomputed[i]`: layer i's
+    forward runs once more in the backward (its output was not kept, engine/boundaries.py)."""
+    costs, flops = _costs(
+        spec,
+        hw,
+        rows=rows,
+        seq=seq,
+        micro_batches=micro_batches,
+        num_slots=num_slots,
+        clipping=clipping,
+        layer_ops=layer_ops,
+        loss_ops=loss_ops,
+        tier=min(gpu_state_blocks, spec.num_layers + 2),
+        state_dtype=state_dtype,
+        compiled=compiled,
+        recomputed=recomputed or [False] * spec.num_layers,
+        ranks=ranks,
+    )
+    step_s = _Replay(costs).run(_STEPS)
+    compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
+    h2d_s = sum(costs.h2d_s) * 2 - sum(costs.h2d_s[len(costs.h2d_s) - costs.num_slots :])
+    h2d_s += costs.h2d_head_s
+    d2h_s = sum(costs.d2h_s) + costs.d2h_head_s + costs.d2h_embed_s
+    optimizer_s = sum(costs.opt_s)
+    gpu_optimizer_s = sum(costs.tier_opt_s)
+    busy = {
+        "GPU compute": compute_s,
+        "CPU optimizer": optimizer_s,
+        "PCIe (H2D)": h2d_s,
+        "host (kernel launches)": sum(costs.fwd_call_s) + sum(costs.bwd_call_s),
+    }
+    tokens = rows * seq * micro_batches * ranks.world
+    return StepTime(
+        step_s=step_s,
+        compute_s=compute_s,
+        loss_s=costs.loss_s,
+        h2d_s=h2d_s,
+        d2h_s=d2h_s,
+        optimizer_s=optimizer_s,
+        gpu_optimizer_s=gpu_optimizer_s,
+        collective_s=_collectives_s(spec, ranks, costs),
+        bound=max(busy, key=lambda k: busy[k]),
+        flops=flops,
+        tokens_per_s=tokens / step_s,
+        model_tflops=6 * spec.active_params * tokens / step_s / 1e12,
+    )
+
+
+def _costs(
+    spec: ModelSpec,
+    hw: Hardware,
+    *,
+    rows: int,
+    seq: int,
+    micro_batches: int,
+    num_slots: int,
+    clipping: bool,
+    layer_ops: list[tuple[int, int]],
+    loss_ops: int,
+    tier: int,
+    state_dtype: str,
+    compiled: bool,
+    recomputed: list[bool],
+    ranks: Ranks,
+) -> tuple[_Costs, float]:
+    tokens = rows * seq * micro_batches
+    launch = hw.op_launch_s * micro_batches
+    rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
+    layer_rate = rate * (COMPILED_SPEEDUP if compiled else 1.0)
+    layer_launch = launch * (COMPILED_OPS_FRACTION if compiled else 1.0)
+    elem = torch.finfo(spec.compute_dtype).bits // 8  # weights up and gradients down
+    fwd = [
+        tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
+    ]
+    bwd = [
+        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq)) + f * again
+        for la, f, again in zip(spec.layers, fwd, recomputed, strict=True)
+    ]
+    loss = 6.0 * spec.lm_head_params * tokens
+    h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
+    probed = STATE_DTYPE_SPEED[hw.optimizer_state_dtype]  # 1 when the rate is this kernel's
+    opt_rate = hw.optimizer_gparams_s * 1e9 * STATE_DTYPE_SPEED[state_dtype] / probed
+    gpu_opt_rate = GPU_ADAMW_GPARAMS_S * 1e9
+    n, resident = spec.num_layers, min(tier, spec.num_layers)
+    # per block in forward order (embedding, layers, head): parameters the host updates
+    params = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
+    on_gpu = [tier > n, *(i < resident for i in range(n)), tier > n + 1]
+    host = [0 if gpu else p for p, gpu in zip(params, on_gpu, strict=True)]
+    shard = [ranks.shard(p) for p in host]  # what this rank copies and updates
+    tier_params = [p - h for p, h in zip(params, host, strict=True)]
+    opt_rate /= ranks.nproc_per_node if ranks.world > 1 else 1  # the node's rate, shared
+
+    def up(i: int) -> float:  # block i's weights: its shard over PCIe, then the all-gather
+        return shard[i] * elem / h2d + ranks.collective_s(host[i] * elem)
+
+    table = up(0) if spec.tied else 0.0  # a tied table is copied up unless in the tier
+    gather_table = up(0) if ranks.world > 1 else 0.0  # the forward's rows come from it
+    scatter = [ranks.collective_s(p * 4) for p in params]  # fp32 gradients, on the compute stream
+    costs = _Costs(
+        fwd_s=[f / layer_rate + (gather_table if i == 0 else 0.0) for i, f in enumerate(fwd)],
+        bwd_s=[
+            b / layer_rate + scatter[1 + i] + (scatter[0] if i == 0 else 0.0)
+            for i, b in enumerate(bwd)
+        ],
+        loss_s=loss / rate + scatter[-1],
+        h2d_s=[up(i) for i in range(1, n + 1)],
+        h2d_head_s=up(n + 1) + table,
+        d2h_s=[p * elem / d2h for p in shard[1:-1]],
+        d2h_head_s=shard[-1] * elem / d2h,
+        d2h_embed_s=shard[0] * elem / d2h,
+        opt_s=[p / opt_rate for p in shard],
+        tier_opt_s=[  # the shard's AdamW, then the all-gather of the block's new weights
+            ranks.shard(p) / gpu_opt_rate + ranks.collective_s(p * elem) if p else 0.0
+            for p in tier_params
+        ],
+        fwd_call_s=[f * layer_launch for f, _ in layer_ops],
+        bwd_call_s=[b * layer_launch for _, b in layer_ops],
+        loss_call_s=loss_ops * launch,
+        num_slots=min(num_slots, spec.num_layers - resident),
+        resident=resident,
+        tier_embed=on_gpu[0],
+        tier_head=on_gpu[-1],
+        clipping=clipping,
+    )
+    return costs, sum(fwd) + sum(bwd) + loss
+
+
+class _Replay:
+    """The engine's step as timestamps: host `t`, compute `g`, copy streams `h` and `d`."""
+
+    def __init__(self, c: _Costs) -> None:
+        self.c = c
+        n = len(c.fwd_s)
+        self.t = self.g = self.h = self.d = self.worker = 0.0
+        self.updated = [0.0] * (n + 2)  # block (forward order) -> its last update's end
+        self.slot_ready = [0.0] * c.num_slots
+        self.slot_free = [0.0] * c.num_slots
+        self.head_ready = self.head_free = 0.0
+        self.tasks: list[tuple[int, float, float]] = []  # (order, submitted, landed)
+
+    def run(self, steps: int) -> float:
+        duration = 0.0
+        for _ in range(steps):
+            start = self.t
+            self._forward()
+            self._loss()
+            self._backward()
+            self._optimizer()
+            duration = self.t - start
+        return duration
+
+    def _load(self, i: int, wait_update: bool) -> None:
+        if i < self.c.resident:
+            return  # GPU tier: never copied
+        if wait_update:
+            self.t = max(self.t, self.updated[1 + i])  # host sync point: worker.wait(block)
+        s = (i - self.c.resident) % self.c.num_slots
+        begin = max(self.t, self.h, self.slot_free[s])
+        self.h = self.slot_ready[s] = begin + self.c.h2d_s[i]
+
+    def _load_head(self) -> None:
+        self.t = max(self.t, self.updated[-1], self.updated[0])
+        self.h = self.head_ready = max(self.t, self.h, self.head_free) + self.c.h2d_head_s
+
+    def _compute(self, ready: float, seconds: float) -> float:
+        self.g = max(self.g, ready, self.t) + seconds
+        return self.g
+
+    def _slot_compute(self, i: int, ready: float, seconds: float) -> None:
+        """Layer i's compute once `ready` and its weights are in; a streamed layer's slot is
+        free again after it (a GPU-tier layer has no slot)."""
+        if i < self.c.resident:
+            self._compute(ready, seconds)
+            return
+        s = (i - self.c.resident) % self.c.num_slots
+        self.slot_free[s] = self._compute(max(ready, self.slot_ready[s]), seconds)
+
+    def _forward(self) -> None:
+        c, n, first = self.c, len(self.c.fwd_s), self.c.resident
+        self.t = max(self.t, self.updated[0])  # the embedding rows come from updated weights
+        for j in range(first, first + c.num_slots):
+            self._load(j, wait_update=True)
+        if first + c.num_slots >= n:
+            self._load_head()
+        for i in range(n):
+            self.t += c.fwd_call_s[i]
+            self._slot_compute(i, 0.0, c.fwd_s[i])
+            if i >= first and i + c.num_slots < n:
+                self._load(i + c.num_slots, wait_update=True)
+                if i + c.num_slots == n - 1:
+                    self._load_head()
+
+    def _ship(self, order: int, seconds: float) -> None:
+        self.d = max(self.d, self.g) + seconds
+        self.tasks.append((order, self.t, self.d))
+
+    def _loss(self) -> None:
+        self.t += self.c.loss_call_s
+        self.head_free = self._compute(self.head_ready, self.c.loss_s)
+        self._finish(len(self.c.fwd_s) + 1, self.c.tier_head, self.c.d2h_head_s)
+
+    def _finish(self, order: int, in_tier: bool, d2h_s: float) -> None:
+        """A head or embedding gradient is complete: shipped, or updated on the GPU."""
+        if not in_tier:
+            self._ship(order, d2h_s)
+        elif not self.c.clipping:
+            self.g += self.c.tier_opt_s[order]
+
+    def _backward(self) -> None:
+        c, n = self.c, len(self.c.fwd_s)
+        acc_free = [0.0, 0.0]  # the two gradient accumulators, free once copied out
+        for i in range(n - 1, -1, -1):
+            self.t += c.bwd_call_s[i]
+            if i < c.resident:  # GPU tier: own gradient buffer, AdamW on the compute stream
+                self._compute(0.0, c.bwd_s[i])
+                if not c.clipping:
+                    self.g += c.tier_opt_s[1 + i]
+                continue
+            self._slot_compute(i, acc_free[i % 2], c.bwd_s[i])
+            self._ship(1 + i, c.d2h_s[i])
+            acc_free[i % 2] = self.d
+            if i - c.num_slots >= c.resident:
+                self._load(i - c.num_slots, wait_update=False)
+        self._finish(0, c.tier_embed, c.d2h_embed_s)
+        self.t = max(self.t, self.g)  # sync point: the gradient norm
+        if c.clipping:  # the GPU tier's updates are queued first, then the host's
+            self.g += sum(c.tier_opt_s)
+            self.tasks = sorted((order, self.t, landed) for order, _, landed in self.tasks)
+
+    def _optimizer(self) -> None:
+        """The worker: among submitted tasks whose gradient landed, lowest forward order
+        first; with none landed, it blocks on the oldest submitted one."""
+        pending, now = list(self.tasks), self.worker
+        while pending:
+            ready = [task for task in pending if task[1] <= now]
+            if not ready:
+                now = min(task[1] for task in pending)
+                continue
+            landed = [task for task in ready if task[2] <= now]
+            task = min(landed) if landed else ready[0]
+            now = max(now, task[2]) + self.c.opt_s[task[0]]
+            self.updated[task[0]] = now
+            pending.remove(task)
+        self.worker, self.tasks = now, []
+
+
+def _collectives_s(spec: ModelSpec, ranks: Ranks, c: _Costs) -> float:
+    """Seconds of one step's collectives: every streamed layer gathered twice (forward,
+    backward; the last slots' reuse ignored), a GPU-tier block once (after its update), the
+    head and table once, a streamed embedding table once more, and every gradient
+    reduce-scattered in fp32."""
+    if ranks.world == 1:
+        return 0.0
+    elem = torch.finfo(spec.compute_dtype).bits // 8
+    layers = [la.params for la in spec.layers]
+    gathered = 2 * sum(layers[c.resident :]) + sum(layers[: c.resident]) + spec.head_params
+    gathered += spec.embed_params * (1 if c.tier_embed or not spec.tied else 2)
+    scattered = sum(layers) + spec.head_params + spec.embed_params
+    return ranks.collective_s(gathered * elem) + ranks.collective_s(scattered * 4)

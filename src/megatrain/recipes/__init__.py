@@ -1,0 +1,1 @@
+"""Recipes: what a command runs, from config to finished run (SFT/pre-training, GRPO)."""

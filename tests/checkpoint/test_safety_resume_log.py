@@ -1,0 +1,127 @@
+"""Kill and resume: metrics.jsonl and TensorBoard continue the checkpoint's history with every
+step exactly once, and Ctrl-C prints one line naming the last checkpoint and the resume key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatrain.cli import main
+from megatrain.config import load_config
+from megatrain.engine.engine import StreamingEngine
+from megatrain.metrics import truncate_metrics
+from megatrain.recipes.sft import Trainer
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
+SMALL = (
+    "{vocab_size: 512, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+    "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16, tie_word_embeddings: true}"
+)
+
+
+def _args(out: Path, *overrides: str) -> list[str]:
+    return [
+        "--training.output_dir", str(out), "--logging.progress_bar", "false",
+        "--model.config_overrides", SMALL, "--data.val_size", "0",
+        "--training.micro_batch_size", "2", "--checkpoint.export_hf", "false",
+        "--training.max_steps", "6", "--checkpoint.save_every", "3", *overrides,
+    ]  # fmt: skip
+
+
+def _interrupt_during_step(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    real, done = StreamingEngine.train_step, []
+
+    def step(self: StreamingEngine, *args: object, **kwargs: object) -> object:
+        if len(done) == n - 1:
+            raise KeyboardInterrupt
+        done.append(1)
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StreamingEngine, "train_step", step)
+
+
+def test_resume_log_has_every_step_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    straight = Trainer(load_config(DEMO, _args(tmp_path / "a")))
+    try:
+        reference = straight.train().losses
+    finally:
+        straight.close()
+    # killed during step 6 after logging 1-5; the checkpoint is step 3, so 4-5 are redone
+    with monkeypatch.context() as m:
+        _interrupt_during_step(6, m)
+        killed = Trainer(load_config(DEMO, _args(tmp_path / "b")))
+        with pytest.raises(KeyboardInterrupt, match="step-00000003"):
+            killed.train()
+        killed.close()
+    log = tmp_path / "b" / "metrics.jsonl"
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    resumed = Trainer(load_config(DEMO, _args(tmp_path / "b", "--checkpoint.resume_from", "auto")))
+    try:
+        resumed.train()
+    finally:
+        resumed.close()
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records] == reference  # resume is exact, so the log is too
+    tb_steps = _tensorboard_steps(tmp_path / "b" / "tensorboard", "train/loss")
+    if tb_steps is not None:
+        assert tb_steps == [1, 2, 3, 4, 5, 6]
+
+
+def _tensorboard_steps(folder: Path, tag: str) -> list[int] | None:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return None
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def test_truncate_keeps_steps_up_to_the_checkpoint(tmp_path: Path) -> None:
+    log = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"kind": "train", "step": s}) for s in (1, 2, 3, 4)]
+    lines.insert(2, json.dumps({"kind": "eval", "step": 2}))
+    log.write_text("\n".join(lines) + '\n{"kind": "train", "st')  # a line cut by a kill
+    assert truncate_metrics(log, 2) == 3
+    assert log.read_text().splitlines() == lines[:3]
+    assert truncate_metrics(log, 2) == 0
+
+
+def test_ctrl_c_prints_where_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _interrupt_during_step(5, monkeypatch)
+    args = _args(tmp_path, "--logging.report_to", "none")
+    assert main(["train", "--config", str(DEMO), *args]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = tmp_path / "checkpoints" / "step-00000003"
+    assert f"interrupted at step 4; the last checkpoint is {last}" in err
+    assert "--checkpoint.resume_from auto" in err
+
+
+def test_ctrl_c_before_any_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _interrupt_during_step(2, monkeypatch)
+    args = _args(tmp_path, "--logging.report_to", "none")
+    assert main(["train", "--config", str(DEMO), *args]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "no checkpoint was saved yet" in err
+
+
+def test_done_line_says_where_a_resumed_run_started(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _args(tmp_path, "--logging.report_to", "none")
+    assert main(["train", "--config", str(DEMO), *args, "--training.max_steps", "3"]) == 0
+    assert main(["train", "--config", str(DEMO), *args, "--checkpoint.resume_from", "auto"]) == 0
+    first, resumed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("done:")]
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert first.startswith(f"done: 3 steps, loss {losses[0]:.4f} -> {losses[2]:.4f};")
+    assert resumed.startswith(
+        f"done: 6 steps (resumed at step 3), loss {losses[3]:.4f} at step 4 -> {losses[5]:.4f};"
+    )

@@ -1,0 +1,158 @@
+"""What the estimate and the plan say about the GPU tier of optimizer states.
+
+Per tier parameter: 16 GPU bytes (fp32 master, m, v, gradient) + 2 (bf16 weights) in bf16
+compute, and the host store's 14 (bf16) or 16 (fp32) bytes gone; per tier layer the step loses
+two weight copies, one gradient copy and one CPU AdamW pass, and gains one GPU AdamW pass.
+"auto" takes the most first layers that still fit the GPU with the margin free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from transformers import Qwen2Config
+
+from megatrain.cli import split_overrides
+from megatrain.commands.estimate import add_arguments, run
+from megatrain.config.memory import MemoryConfig
+from megatrain.planning import Estimate, Hardware, estimate, model_spec
+from megatrain.planning.hardware import GIB
+from megatrain.planning.plan import RunShape, plan_resources
+from megatrain.planning.spec import ModelSpec
+from megatrain.planning.timing import GPU_ADAMW_GPARAMS_S
+from shapes import QWEN25_3B as QWEN3B
+
+H100 = Hardware()
+TIER_ITEM = "GPU tier (fp32 master, m, v, gradient, weights)"
+
+
+@pytest.fixture(scope="module")
+def qwen3b() -> ModelSpec:
+    return model_spec(Qwen2Config(**QWEN3B))
+
+
+def _est(spec: ModelSpec, tier: int, dtype: str = "bf16", clipping: bool = True) -> Estimate:
+    return estimate(
+        spec,
+        seq_len=4096,
+        micro_batch_size=1,
+        grad_accum=2,
+        compute_dtype=dtype,
+        padded=False,
+        clipping=clipping,
+        hardware=H100,
+        pin_memory=False,
+        gpu_state_blocks=tier,
+    )
+
+
+@pytest.mark.parametrize(("dtype", "gpu_b", "host_b"), [("bf16", 18, 14), ("fp32", 16, 16)])
+def test_tier_bytes_move_from_host_to_gpu(
+    qwen3b: ModelSpec, dtype: str, gpu_b: int, host_b: int
+) -> None:
+    base, tier = _est(qwen3b, 0, dtype), _est(qwen3b, 5, dtype)
+    params = 5 * qwen3b.layers[0].params
+    assert tier.gpu.items[TIER_ITEM] == gpu_b * params
+    assert TIER_ITEM not in base.gpu.items
+    # the streamed layers are as large as before: only the tier adds to the peak
+    assert tier.gpu.peak_bytes - base.gpu.peak_bytes == gpu_b * params
+    assert base.host.total_bytes - tier.host.total_bytes == host_b * params
+    # the store is built on the host before the tier moves: loading needs the same
+    assert tier.host.load_peak_bytes == base.host.load_peak_bytes
+    assert tier.settings["gpu_state_blocks"] == 5
+
+
+def test_all_layers_in_the_tier_need_no_slots(qwen3b: ModelSpec) -> None:
+    est = _est(qwen3b, 36)
+    assert est.settings["gpu_state_blocks"] == 36 and est.settings["num_slots"] == 0
+    items = est.gpu.items
+    assert items[TIER_ITEM] == 18 * 36 * qwen3b.layers[0].params
+    assert "weight slots" not in items and "gradient accumulators (fp32)" not in items
+
+
+def test_embedding_and_head_join_after_the_layers(qwen3b: ModelSpec) -> None:
+    layers, whole = _est(qwen3b, 36), _est(qwen3b, 99)
+    assert whole.settings["gpu_state_blocks"] == 38  # 36 layers, embedding, head
+    table, head = qwen3b.embed_params, qwen3b.head_params  # tied: the head is the final norm
+    # the tied table's bf16 copy and the fp32 gradients were on the GPU already: +12 B/param
+    assert whole.gpu.peak_phase == layers.gpu.peak_phase
+    assert whole.gpu.peak_bytes - layers.gpu.peak_bytes == 12 * (table + head)
+    for gone in ("head weights", "tied lm_head table", "head + embedding gradients (fp32)"):
+        assert gone not in whole.gpu.items
+    assert layers.host.total_bytes - whole.host.total_bytes == 14 * (table + head)
+    t = whole.time  # nothing crosses PCIe, nothing waits for the CPU
+    assert t.optimizer_s == t.h2d_s == t.d2h_s == 0.0
+    gpu_rate = GPU_ADAMW_GPARAMS_S * 1e9
+    assert t.gpu_optimizer_s == pytest.approx(qwen3b.total_params / gpu_rate)
+    assert t.step_s == pytest.approx(t.compute_s + t.gpu_optimizer_s, rel=0.05)
+
+
+@pytest.mark.parametrize("clipping", [True, False])
+def test_tier_takes_copies_and_cpu_updates_off_the_step(qwen3b: ModelSpec, clipping: bool) -> None:
+    k, layer = 8, qwen3b.layers[0].params
+    base = _est(qwen3b, 0, clipping=clipping).time
+    tier = _est(qwen3b, k, clipping=clipping).time
+    cpu_rate, link = H100.optimizer_gparams_s * 1e9, H100.h2d_gbps * 1e9
+    assert tier.optimizer_s == pytest.approx(base.optimizer_s - k * layer / cpu_rate)
+    assert tier.h2d_s == pytest.approx(base.h2d_s - 2 * k * layer * 2 / link)  # up twice
+    assert tier.d2h_s == pytest.approx(base.d2h_s - k * layer * 2 / (H100.d2h_gbps * 1e9))
+    assert tier.gpu_optimizer_s == pytest.approx(k * layer / (GPU_ADAMW_GPARAMS_S * 1e9))
+    assert base.gpu_optimizer_s == 0.0 and tier.compute_s == base.compute_s
+    # 8k tokens per step of a 3B model wait on the CPU optimizer: the tier shortens the step
+    assert base.bound == "CPU optimizer"
+    assert tier.step_s < base.step_s - 0.5 * k * layer / cpu_rate
+
+
+def _shape(tier: int | str, check_gpu: bool = True) -> RunShape:
+    return RunShape(
+        seq_len=4096,
+        num_slots=2,
+        layout="full",
+        clipping=True,
+        loss_chunk_tokens=None,
+        pin_memory=False,
+        check_gpu=check_gpu,
+        state_dtype="fp32",
+        gpu_state_blocks=tier,
+    )
+
+
+def test_auto_takes_the_most_layers_that_fit(qwen3b: ModelSpec) -> None:
+    hw = dataclasses.replace(H100, gpu_bytes=24 * GIB)
+    plan = plan_resources(
+        qwen3b, _shape("auto"), hardware=hw, micro_batch_size=1, grad_accum=2, gpu_margin_gib=2
+    )
+    k, budget = plan.gpu_state_blocks, hw.gpu_bytes - 2 * GIB
+    assert 0 < k < 36 and plan.fits
+    assert plan.estimate.gpu.peak_bytes <= budget
+    one_more = _est(qwen3b, k + 1)
+    assert one_more.gpu.peak_bytes > budget
+    assert plan.tier_reason is not None and f"GPU tier: {k} of 38 blocks" in plan.tier_reason
+    # on the CPU there is no tier; a given count is clamped to the model
+    on_cpu = plan_resources(
+        qwen3b, _shape("auto", False), hardware=hw, micro_batch_size=1, grad_accum=2
+    )
+    assert on_cpu.gpu_state_blocks == 0
+    given = plan_resources(qwen3b, _shape(99), hardware=hw, micro_batch_size=1, grad_accum=2)
+    assert given.gpu_state_blocks == 38 and given.tier_reason is None
+
+
+def test_estimate_command_reports_the_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--model-type", "llama", "--tiny", "--seq-len", "64", "--gpu-gib", "80"]
+    overrides, rest = split_overrides(argv)
+    args = parser.parse_args(rest)
+    args.overrides = overrides
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    assert "GPU tier  5 blocks" in out  # the tiny llama fits whole: 3 layers, embed, head
+    assert "auto GPU tier: 5 of 5 blocks" in out
+
+
+@pytest.mark.parametrize("value", [-1, "many", 1.5])
+def test_bad_gpu_state_blocks_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match=r"memory\.gpu_state_blocks"):
+        MemoryConfig(gpu_state_blocks=value).validate()  # type: ignore[arg-type]  # wrong on purpose

@@ -1,0 +1,105 @@
+"""What the estimate and the plan say about the GPU tier under ranks (engine/tier.py).
+
+Qwen2.5-7B shape (28 equal layers, untied), bf16 compute, fp32 states. With W ranks a tier
+block keeps, on each rank's GPU, the rank's shard of its fp32 master, m, v and gradient (16
+bytes per shard parameter; a shard is the block padded to whole W x 2048 runs, over W) and the
+whole block's bf16 weights (2 bytes per parameter); the node's host keeps nothing of it. Its
+gradient is reduce-scattered as a streamed block's, its update is the shard's GPU AdamW and an
+all-gather of the new weights; its weights are never copied up nor gathered for a layer's use.
+So the expected numbers are sums of shard sizes and the estimate's own rates, exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import Qwen2Config
+
+from megatrain.planning import Estimate, Hardware, estimate, model_spec
+from megatrain.planning.hardware import GIB
+from megatrain.planning.plan import RunShape, plan_resources
+from megatrain.planning.ranks import NCCL_GPU_GIB, Ranks
+from megatrain.planning.spec import ModelSpec
+from megatrain.planning.timing import GPU_ADAMW_GPARAMS_S
+from megatrain.store.states import QUANT_BLOCK
+from shapes import QWEN25_7B as QWEN7B
+
+HW = Hardware(host_bytes=512 * GIB)
+TIER_ITEM = "GPU tier (fp32 master, m, v, gradient, weights)"
+
+
+@pytest.fixture(scope="module")
+def qwen7b() -> ModelSpec:
+    return model_spec(Qwen2Config(**QWEN7B))
+
+
+def _est(spec: ModelSpec, ranks: Ranks, tier: int) -> Estimate:
+    return estimate(
+        spec,
+        seq_len=2048,
+        micro_batch_size=1,
+        grad_accum=4,
+        padded=False,
+        clipping=True,
+        hardware=HW,
+        pin_memory=False,
+        gpu_state_blocks=tier,
+        ranks=ranks,
+    )
+
+
+def _shard(numel: int, world: int) -> int:
+    per = world * QUANT_BLOCK
+    return -(-numel // per) * per // world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tier_states_are_sharded_and_weights_whole(qwen7b: ModelSpec, world: int) -> None:
+    k, layer = 5, qwen7b.layers[0].params
+    base, tier = _est(qwen7b, Ranks(world), 0), _est(qwen7b, Ranks(world), k)
+    assert tier.gpu.items[TIER_ITEM] == k * (2 * layer + 16 * _shard(layer, world))
+    # the shared fp32 accumulators still take every layer's gradient (tier ones included)
+    key = "gradient accumulators (fp32)"
+    assert tier.gpu.items[key] == base.gpu.items[key] == 2 * 4 * layer
+    # per node: its `world` ranks no longer hold their 14-byte shards of the tier layers
+    assert base.host.total_bytes - tier.host.total_bytes == world * k * 14 * _shard(layer, world)
+    # while loading, the tier's shards are built on the host first (moved when the engine is)
+    assert tier.host.load_peak_bytes == base.host.load_peak_bytes
+    whole = _est(qwen7b, Ranks(world), 30)  # 28 layers, embedding, head
+    assert whole.settings["num_slots"] == 0 and whole.time.optimizer_s == 0.0
+    # the tier embedding is resident: the forward gathers no table
+    assert "all-gathered embedding table (ranks)" not in whole.gpu.items
+
+
+def test_tier_under_ranks_swaps_host_updates_for_gpu_ones(qwen7b: ModelSpec) -> None:
+    ranks, k, layer = Ranks(2), 6, qwen7b.layers[0].params
+    base, tier = _est(qwen7b, ranks, 0).time, _est(qwen7b, ranks, k).time
+    shard, node_rate = _shard(layer, 2), HW.optimizer_gparams_s * 1e9 / 2  # 2 ranks share it
+    assert tier.optimizer_s == pytest.approx(base.optimizer_s - k * shard / node_rate, rel=1e-9)
+    gather = ranks.collective_s(2 * layer)  # the updated bf16 weights, once per step
+    assert tier.gpu_optimizer_s == pytest.approx(
+        k * (shard / (GPU_ADAMW_GPARAMS_S * 1e9) + gather), rel=1e-12
+    )
+    # a streamed layer is gathered twice per step, a tier layer once (after its update)
+    assert base.collective_s - tier.collective_s == pytest.approx(k * gather, rel=1e-9)
+    assert tier.step_s < base.step_s  # 8k tokens per rank wait on the CPU optimizer
+
+
+def _plan(spec: ModelSpec, world: int, tier: int | str = "auto") -> tuple[int, Estimate]:
+    shape = RunShape(2048, 2, "full", True, None, True, True, "fp32", tier, ranks=Ranks(world))
+    plan = plan_resources(spec, shape, hardware=Hardware(), micro_batch_size=4, grad_accum=1)
+    return plan.gpu_state_blocks, plan.estimate
+
+
+def test_auto_picks_a_tier_per_rank(qwen7b: ModelSpec) -> None:
+    """8k tokens per GPU on 80 GiB H100s: one process keeps some layers' states on its GPU;
+    two ranks, holding half of each tier block's states, keep more; each rank's predicted
+    peak fits with the 2 GiB margin plus NCCL's share (ranks.py NCCL_GPU_GIB), and one block
+    more would not; the optimizer split over the ranks' CPU and GPUs makes each GPU's
+    predicted tokens/s the larger."""
+    one, one_est = _plan(qwen7b, 1)
+    two, est = _plan(qwen7b, 2)
+    assert 0 < one < two < qwen7b.num_layers + 2
+    assert one_est.gpu.peak_bytes <= Hardware().gpu_bytes - 2 * GIB
+    budget = Hardware().gpu_bytes - (2 + NCCL_GPU_GIB) * GIB
+    assert est.gpu.peak_bytes <= budget < _plan(qwen7b, 2, two + 1)[1].gpu.peak_bytes
+    assert est.time.tokens_per_s / 2 > one_est.time.tokens_per_s

@@ -1,0 +1,186 @@
+"""The trainer end to end on the CPU: the demo's loss falls, resume is exact, saves are atomic,
+the Hugging Face export loads and generates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megatrain.checkpoint import saving as ckpt_mod
+from megatrain.checkpoint.saving import latest_checkpoint, list_checkpoints
+from megatrain.config import load_config
+from megatrain.recipes.sft import Trainer
+from run_helpers import crash_during_step
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
+
+
+def _run(tmp: Path, *overrides: str) -> Trainer:
+    cfg = load_config(
+        DEMO,
+        [
+            "--training.output_dir",
+            str(tmp),
+            "--logging.progress_bar",
+            "false",
+            "--logging.report_to",
+            "none",
+            *overrides,
+        ],
+    )
+    trainer = Trainer(cfg)
+    return trainer
+
+
+def _train(tmp: Path, *overrides: str) -> list[float]:
+    trainer = _run(tmp, *overrides)
+    try:
+        return trainer.train().losses
+    finally:
+        trainer.close()
+
+
+def test_demo_loss_falls_and_export_generates(tmp_path: Path) -> None:
+    trainer = _run(tmp_path, "--training.max_steps", "40")
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert summary.steps == 40
+    assert summary.losses[0] > 5.5  # ~ln(482): an untrained model
+    assert sum(summary.losses[-5:]) / 5 < 3.0
+    assert summary.eval_loss is not None and summary.eval_loss < 3.0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 41))
+    assert all(r["tokens_per_s"] > 0 and "time/compute_s" in r for r in train)
+    # the export is a Hugging Face model folder that loads and generates
+    assert summary.export_dir is not None
+    model = AutoModelForCausalLM.from_pretrained(summary.export_dir)
+    tok = AutoTokenizer.from_pretrained(summary.export_dir)
+    with trainer.store.bound(torch.float32) as ours:
+        for name, p in model.named_parameters():
+            assert torch.equal(p, ours.get_parameter(name)), name
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "reverse: a b c"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+
+
+@pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
+def test_resume_gives_identical_losses(tmp_path: Path, compute_dtype: str) -> None:
+    common = (
+        "--training.max_steps",
+        "6",
+        "--model.compute_dtype",
+        compute_dtype,
+        "--checkpoint.save_every",
+        "3",
+        "--checkpoint.export_hf",
+        "false",
+        "--data.val_size",
+        "0",
+    )
+    straight = _train(tmp_path / "a", *common)
+    # the same run, killed during step 4 (after the step-3 checkpoint), then resumed
+    crashed = _run(tmp_path / "b", *common)
+    seen = crash_during_step(crashed, 4)
+    resumed = _train(tmp_path / "b", *common, "--checkpoint.resume_from", "auto")
+    assert len(straight) == 6 and len(seen) == 3 and len(resumed) == 3
+    assert seen + resumed == straight
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = _run(
+        tmp_path,
+        "--training.max_steps",
+        "2",
+        "--checkpoint.export_hf",
+        "false",
+        "--checkpoint.keep_last",
+        "3",
+    )
+    try:
+        trainer.train()
+        good = latest_checkpoint(tmp_path)
+        assert good is not None and good.name == "step-00000002"
+        before = {p.name: p.read_bytes() for p in (good / "blocks").iterdir()}
+        calls = {"n": 0}
+        real_save = ckpt_mod.save_file
+
+        def crash_after_two(*args: object, **kwargs: object) -> None:
+            calls["n"] += 1
+            if calls["n"] > 2:
+                raise OSError("disk full (simulated)")
+            real_save(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(ckpt_mod, "save_file", crash_after_two)
+        trainer.step = 3
+        with pytest.raises(OSError, match="simulated"):
+            trainer.save()
+    finally:
+        trainer.close()
+    # the half-written checkpoint is not a checkpoint; the previous one is intact
+    assert latest_checkpoint(tmp_path) == good
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000002"]
+    assert {p.name: p.read_bytes() for p in (good / "blocks").iterdir()} == before
+    monkeypatch.undo()
+    # the next save cleans the debris and succeeds
+    trainer2 = _run(
+        tmp_path,
+        "--training.max_steps",
+        "3",
+        "--checkpoint.export_hf",
+        "false",
+        "--checkpoint.resume_from",
+        "auto",
+        "--checkpoint.keep_last",
+        "3",
+    )
+    try:
+        trainer2.train()
+    finally:
+        trainer2.close()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000002", "step-00000003"]
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path: Path) -> None:
+    _train(
+        tmp_path,
+        "--training.max_steps",
+        "4",
+        "--checkpoint.save_every",
+        "1",
+        "--checkpoint.keep_last",
+        "2",
+        "--checkpoint.export_hf",
+        "false",
+    )
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
+    saved = load_config(tmp_path / "checkpoints" / "step-00000004" / "config.yaml")
+    assert saved.checkpoint.keep_last == 2
+
+
+def test_resume_from_a_different_model_is_refused(tmp_path: Path) -> None:
+    _train(tmp_path, "--training.max_steps", "1", "--checkpoint.export_hf", "false")
+    with pytest.raises(ValueError, match="different parameters"):
+        _run(
+            tmp_path,
+            "--checkpoint.resume_from",
+            "auto",
+            "--model.config_overrides",
+            "{num_hidden_layers: 4, hidden_size: 64, "
+            "intermediate_size: 128, vocab_size: 512, num_attention_heads: 4, "
+            "num_key_value_heads: 2, head_dim: 16, tie_word_embeddings: true}",
+        )
