@@ -17,7 +17,10 @@ from pathlib import Path
 
 from common import preset_config
 
+from megatrain.engine.head import default_chunk_tokens
+from megatrain.engine.plan import EnginePlan
 from megatrain.planning import Hardware, estimate, model_spec, probe
+from megatrain.planning.setup import Setup
 
 
 def main() -> None:
@@ -46,16 +49,19 @@ def main() -> None:
         if r.get("system") != "megatrain":
             continue
         spec = model_spec(preset_config(r["preset"]), "bf16")
-        est = estimate(
-            spec,
+        plan = EnginePlan(
+            num_slots=r["num_slots"],
+            clip_norm=r["max_grad_norm"] or None,
+            loss_chunk_tokens=default_chunk_tokens(spec.vocab_size),
+        )
+        setup = Setup(
+            plan,
             seq_len=r["seq"],
             micro_batch_size=r["batch"] // r["micro"],
             grad_accum=r["micro"],
-            num_slots=r["num_slots"],
-            padded=False,
-            clipping=r["max_grad_norm"] > 0,
-            hardware=hw,
+            layout="full",
         )
+        est = estimate(spec, setup, hw)
         gpu, rss = est.gpu.peak_bytes / 2**30, est.host.total_bytes / 2**30
         step = est.time.step_s
 

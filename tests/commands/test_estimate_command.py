@@ -13,8 +13,9 @@ import torch
 from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
 from megatrain.model.tiny import tiny_config
-from megatrain.planning import Hardware, estimate, model_spec
+from megatrain.planning import Hardware, model_spec
 from megatrain.planning.hardware import GIB
+from predict import predict
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -87,7 +88,7 @@ def test_json_carries_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
     report = json.loads(out)
     assert report["fits"] is True and report["problem"] is None
     assert report["settings"]["grad_accum"] == 4 and report["settings"]["layout"] == "packed"
-    expected = estimate(
+    expected = predict(
         tiny_config("qwen3_moe"),
         seq_len=32,
         micro_batch_size=2,
@@ -245,5 +246,5 @@ def test_without_a_gpu_the_report_says_the_gpu_is_assumed(
     _, out = _run([*tiny, "--gpu-gib", "24"], capsys)
     assert "an assumed NVIDIA H100 80GB HBM3 with 24.0 GiB" in out
     found = Hardware(gpu_name="NVIDIA L4", gpu_bytes=24 * GIB, measured=("gpu_bytes", "gpu_name"))
-    notes = estimate(tiny_config("llama"), seq_len=64, micro_batch_size=1, hardware=found).notes
+    notes = predict(tiny_config("llama"), seq_len=64, micro_batch_size=1, hardware=found).notes
     assert not any("no GPU found" in n for n in notes)

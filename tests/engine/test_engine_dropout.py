@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatrain.batch import IGNORE_INDEX, Batch
 from megatrain.engine.engine import StreamingEngine
 from megatrain.engine.microbatch import shifted_targets
+from megatrain.engine.plan import EnginePlan
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
@@ -33,9 +34,8 @@ def _engine(device: str, attn: str) -> tuple[StreamingEngine, HostStore]:
     )
     structure = discover(model)
     store = HostStore(structure, compute_dtype=torch.float32, pin_memory=device == "cuda")
-    engine = StreamingEngine(
-        structure, store, CpuAdamW(AdamWHyper()), device=device, num_slots=2, max_grad_norm=1.0
-    )
+    plan = EnginePlan(num_slots=2, clip_norm=1.0, loss_chunk_tokens=64)
+    engine = StreamingEngine(structure, store, CpuAdamW(AdamWHyper()), plan, device=device)
     return engine, store
 
 

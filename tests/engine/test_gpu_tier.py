@@ -68,7 +68,7 @@ def _train(cfg: TrainConfig, steps: int) -> tuple[list[tuple[float, float]], dic
         engine.wait_updates()
     finally:
         engine.close()
-    assert len(engine.tier) == builder.gpu_state_blocks(LAYERS)
+    assert len(engine.tier) == builder.engine_plan().gpu_state_blocks
     assert engine.slots.resident == min(len(engine.tier), LAYERS)
     state = {
         (b.name, kind): getattr(b, kind).clone()
@@ -127,5 +127,5 @@ def test_tier_matches_pytorch(tier: int, clip: float, dtype: str, tied: bool) ->
 
 def test_more_blocks_than_the_model_has_means_all() -> None:
     builder = RunBuilder(_cfg(99))
-    assert builder.gpu_state_blocks(LAYERS) == LAYERS + 2
+    assert builder.engine_plan().gpu_state_blocks == LAYERS + 2
     assert builder.plan().gpu_state_blocks == LAYERS + 2

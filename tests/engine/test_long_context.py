@@ -19,6 +19,7 @@ import torch
 from megatrain.engine import tiling
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.engine import StreamingEngine
+from megatrain.engine.plan import EnginePlan
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
@@ -129,14 +130,13 @@ def test_segment_recompute_repeats_the_forward_dropout() -> None:
     )
     structure = discover(model)
     store = HostStore(structure, compute_dtype=torch.float32, pin_memory=False)
-    engine = StreamingEngine(
-        structure,
-        store,
-        CpuAdamW(AdamWHyper()),
+    plan = EnginePlan(
         num_slots=2,
-        max_grad_norm=1.0,
-        boundary_plan=BoundaryPlan.make(4, every=3, on_host=2),
+        clip_norm=1.0,
+        loss_chunk_tokens=64,
+        boundaries=BoundaryPlan.make(4, every=3, on_host=2),
     )
+    engine = StreamingEngine(structure, store, CpuAdamW(AdamWHyper()), plan)
     seen: dict[tuple[int, int], list[torch.Tensor]] = {}
     run = engine._run_layer
 

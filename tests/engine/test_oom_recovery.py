@@ -81,7 +81,7 @@ def test_out_of_memory_steps_down_and_matches_a_run_planned_small(
     trainer = _trainer(tmp_path / "recovered", 3, *dt)
     losses = _losses(trainer)
     assert raised == [1]
-    assert trainer.builder.gpu_state_blocks(4) == 0  # the CPU's "auto" tier, and below 3
+    assert trainer.builder.engine_plan().gpu_state_blocks == 0  # the CPU's "auto" tier, and below 3
     assert len(trainer.engine.tier) == 0
     if dtype == "fp32":
         assert losses == expected  # bit for bit: same AdamW, same numbers, same order

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from megatrain.engine.layout import SLOTS, BlockSizes, DeviceLayout
+from megatrain.engine.plan import EnginePlan
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy
 from megatrain.engine.transfers import Event, Transfers
 from megatrain.model.loading import load_causal_lm
@@ -73,12 +75,12 @@ class CountingTransfers(Transfers):
 
 def _slots(model: Model, num_slots: int) -> tuple[LayerSlots, CountingTransfers]:
     transfers = CountingTransfers()
+    plan = EnginePlan(num_slots=num_slots, clip_norm=None, loss_chunk_tokens=64)
+    sizes = BlockSizes.of_store(model.store, model.structure.tied)
     slots = LayerSlots(
         model.structure.layers,
         model.store.layers,
-        device=CPU,
-        dtype=torch.float32,
-        num_slots=num_slots,
+        buffers=DeviceLayout.of(plan, sizes, torch.float32).empty(SLOTS, CPU),
         transfers=transfers,
     )
     return slots, transfers

@@ -47,12 +47,15 @@ _FAKE_FLA = {
 
 _PROFILE = textwrap.dedent(
     """
+    import torch
+
+    from megatrain.distributed import Placement
     from megatrain.model.kernels import kernel_report
     from megatrain.planning.builder import PlanBuilder
     from megatrain.verify import verify_config
 
     cfg = verify_config(None, [], model_type="qwen3_5_text", tiny=True)
-    builder = PlanBuilder(cfg)
+    builder = PlanBuilder(cfg, placement=Placement(torch.device("cpu")))
     plan = builder.plan()
     print("PEAK", plan.estimate.gpu.peak_bytes)
     print("REPORT", kernel_report(builder.spec.structure))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from transformers import Qwen2Config
 
-from megatrain.planning import Hardware, estimate, model_spec
-from megatrain.planning.batch_size import pick_micro_batch
+from megatrain.planning import Hardware, model_spec
 from megatrain.planning.hardware import GIB
 from megatrain.planning.ranks import Ranks
+from predict import pick_batch, predict
 from shapes import QWEN25_7B
 
 QWEN_7B = Qwen2Config(**QWEN25_7B)
@@ -19,7 +19,7 @@ def test_auto_micro_batch_counts_the_ranks_gpu_buffers() -> None:
     common = dict(seq_len=2048, padded=False)
     roomy = Hardware(gpu_bytes=80 * GIB, host_bytes=1024 * GIB)
     peak = {
-        (b, world): estimate(
+        (b, world): predict(
             spec, micro_batch_size=b, hardware=roomy, ranks=Ranks(world, 1), **common
         ).gpu.peak_bytes
         for b in (4, 8)
@@ -29,10 +29,10 @@ def test_auto_micro_batch_counts_the_ranks_gpu_buffers() -> None:
     # A GPU on which 8 rows fit one process but not a rank (2 GiB margin)
     gpu = Hardware(gpu_bytes=(peak[(8, 1)] + peak[(8, 2)]) // 2 + 2 * GIB, host_bytes=1024 * GIB)
     target = dict(tokens_per_step=8 * 2048, hardware=gpu, **common)
-    assert pick_micro_batch(spec, **target)[0] == 8
-    b, accum, _ = pick_micro_batch(spec, ranks=Ranks(2, 1), **target)
+    assert pick_batch(spec, **target)[0] == 8
+    b, accum, _ = pick_batch(spec, ranks=Ranks(2, 1), **target)
     assert (b, accum) == (4, 2)
-    chosen = estimate(
+    chosen = predict(
         spec, micro_batch_size=b, grad_accum=accum, hardware=gpu, ranks=Ranks(2, 1), **common
     )
     assert chosen.gpu.peak_bytes <= gpu.gpu_bytes - 2 * GIB

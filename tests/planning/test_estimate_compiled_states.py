@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 from transformers import Qwen2Config
 
-from megatrain.planning import Hardware, estimate, model_spec
+from megatrain.planning import Hardware, model_spec
 from megatrain.planning.hardware import GIB
 from megatrain.planning.timing import COMPILED_SPEEDUP, STATE_DTYPE_SPEED
+from predict import predict
 
 H100 = Hardware(gpu_bytes=80 * GIB, optimizer_gparams_s=3.85)
 SHAPE = dict(
@@ -29,8 +30,8 @@ def spec() -> object:
 
 def test_compiled_layers_divide_layer_compute_only(spec: object) -> None:
     kwargs = dict(seq_len=4096, micro_batch_size=2, padded=False, hardware=H100)
-    eager = estimate(spec, **kwargs).time
-    compiled = estimate(spec, compiled=True, **kwargs).time
+    eager = predict(spec, **kwargs).time
+    compiled = predict(spec, compiled=True, **kwargs).time
     layers = eager.compute_s - eager.loss_s
     assert compiled.loss_s == eager.loss_s  # the fused loss is not a compiled layer
     assert compiled.compute_s - compiled.loss_s == pytest.approx(layers / COMPILED_SPEEDUP)
@@ -40,18 +41,18 @@ def test_compiled_layers_divide_layer_compute_only(spec: object) -> None:
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 def test_state_dtype_scales_the_cpu_optimizer_time(spec: object, dtype: str) -> None:
     kwargs = dict(seq_len=2048, micro_batch_size=1, padded=False, hardware=H100)
-    fp32 = estimate(spec, **kwargs).time
-    other = estimate(spec, state_dtype=dtype, **kwargs).time
+    fp32 = predict(spec, **kwargs).time
+    other = predict(spec, state_dtype=dtype, **kwargs).time
     assert other.optimizer_s == pytest.approx(fp32.optimizer_s / STATE_DTYPE_SPEED[dtype])
-    assert estimate(spec, state_dtype=dtype, **kwargs).settings["state_dtype"] == dtype
+    assert predict(spec, state_dtype=dtype, **kwargs).settings["state_dtype"] == dtype
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 def test_a_rate_probed_with_the_runs_kernel_is_taken_as_it_is(spec: object, dtype: str) -> None:
     kwargs = dict(seq_len=2048, micro_batch_size=1, padded=False, state_dtype=dtype)
     probed = dataclasses.replace(H100, optimizer_state_dtype=dtype)
-    fp32 = estimate(spec, **kwargs, hardware=H100).time  # the fp32 rate times the ratio
-    own = estimate(spec, **kwargs, hardware=probed).time  # the same number, this kernel's rate
+    fp32 = predict(spec, **kwargs, hardware=H100).time  # the fp32 rate times the ratio
+    own = predict(spec, **kwargs, hardware=probed).time  # the same number, this kernel's rate
     assert own.optimizer_s == pytest.approx(fp32.optimizer_s * STATE_DTYPE_SPEED[dtype])
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from megatrain.planning import Hardware, estimate, model_spec
+from megatrain.planning import Hardware, model_spec
 from megatrain.planning.hardware import GIB
 from megatrain.planning.long_context import choose_boundaries
 from megatrain.planning.plan import ResourcePlan, RunShape, plan_resources
+from predict import predict
 from shapes import LLAMA31_8B as LLAMA_8B
 
 H100_TOTAL = int(79.18 * GIB)  # what torch.cuda reports for an H100 80GB HBM3
@@ -27,7 +28,7 @@ def _plan(seq: int, host_gib: int, layout: str = "full") -> ResourcePlan:
         seq_len=seq,
         num_slots=2,
         layout=layout,
-        clipping=True,
+        clip_norm=1.0,
         loss_chunk_tokens=None,
         pin_memory=True,
         check_gpu=True,
@@ -38,7 +39,12 @@ def _plan(seq: int, host_gib: int, layout: str = "full") -> ResourcePlan:
     )
     hw = Hardware(gpu_bytes=H100_TOTAL, host_bytes=host_gib * GIB)
     return plan_resources(
-        model_spec(LlamaConfig(**LLAMA_8B)), shape, hardware=hw, micro_batch_size=1
+        model_spec(LlamaConfig(**LLAMA_8B)),
+        shape,
+        hardware=hw,
+        micro_batch_size=1,
+        gpu_margin_gib=2,
+        host_margin_gib=4,
     )
 
 
@@ -84,8 +90,8 @@ def test_nothing_fits_the_gpu_offloads_all_rather_than_recompute() -> None:
 
 def _peak(plan: ResourcePlan, tiles: int) -> int:
     """The GPU peak of the plan's own run (batch, layer inputs, tier) with `tiles` MLP tiles."""
-    shape = RunShape(plan.estimate.settings["seq_len"], 2, "full", True, None, True, True, "fp32")
-    est = estimate(
+    shape = RunShape(plan.estimate.settings["seq_len"], 2, "full", 1.0, None, True, True, "fp32")
+    est = predict(
         model_spec(LlamaConfig(**LLAMA_8B)),
         micro_batch_size=1,
         grad_accum=1,
@@ -93,7 +99,9 @@ def _peak(plan: ResourcePlan, tiles: int) -> int:
         gpu_state_blocks=plan.gpu_state_blocks,
         boundary_plan=plan.boundaries,
         mlp_tiles=tiles,
-        **shape.estimate_kwargs(),
+        seq_len=shape.seq_len,
+        padded=False,
+        pin_memory=shape.pin_memory,
     )
     return est.gpu.peak_bytes
 
@@ -106,14 +114,15 @@ def test_auto_tiles_are_the_fewest_that_fit() -> None:
     wide = _plan(65536, 256)  # 64k: the untiled 8B layer fits an H100 easily
     assert wide.mlp_tiles == 1 and wide.estimate.settings["mlp_tiles"] == 1
     assert wide.tiles_reason is not None and "untiled layer fits" in wide.tiles_reason
-    assert wide.tile_policy(65536).count(65536) == 1
+    assert wide.engine.tiles is not None and wide.engine.tiles.count(65536) == 1
     long = _plan(524288, 256)  # 512k: as many tiles as the setting allows (32)
     assert long.mlp_tiles > 1 and long.estimate.gpu.peak_bytes <= budget
     assert _peak(long, long.mlp_tiles) == long.estimate.gpu.peak_bytes  # the helper is the plan's
     if long.mlp_tiles > 2:  # one step fewer (a power of two) would not fit
         fewer = 1 << ((long.mlp_tiles - 1).bit_length() - 1)
         assert _peak(long, fewer) > budget
-    policy = long.tile_policy(524288)
+    policy = long.engine.tiles
+    assert policy is not None
     assert policy.count(524288) == long.mlp_tiles
     assert policy.count(524288 // 4) == -(-long.mlp_tiles // 4)  # shorter rows: fewer tiles
 

@@ -20,10 +20,11 @@ from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
 from megatrain.config.memory import MemoryConfig
 from megatrain.engine.boundaries import BoundaryPlan
-from megatrain.planning import Hardware, estimate, model_spec
+from megatrain.planning import Hardware, model_spec
 from megatrain.planning.activations import layer_profile
 from megatrain.planning.hardware import GIB
 from megatrain.planning.long_context import choose_boundaries, device_inputs, longest_fitting
+from predict import predict
 from shapes import LLAMA31_8B as LLAMA_8B
 
 INPUT = 4 * GIB  # one 8B layer input at 524,288 tokens, bf16
@@ -105,9 +106,9 @@ def test_estimate_counts_offloaded_inputs() -> None:
     spec = model_spec(LlamaConfig(**LLAMA_8B))
     hw = Hardware(gpu_bytes=80 * GIB, host_bytes=256 * GIB)
     kw = dict(seq_len=524288, micro_batch_size=1, padded=False, hardware=hw, mlp_tiles=32)
-    on_gpu = estimate(spec, **kw)  # type: ignore[arg-type]
+    on_gpu = predict(spec, **kw)  # type: ignore[arg-type]
     plan = BoundaryPlan.make(32, on_host=32)
-    offloaded = estimate(spec, boundary_plan=plan, **kw)  # type: ignore[arg-type]
+    offloaded = predict(spec, boundary_plan=plan, **kw)  # type: ignore[arg-type]
     assert on_gpu.gpu.items["boundary activations"] == 32 * INPUT
     assert offloaded.gpu.items["boundary activations"] == 2 * INPUT
     assert offloaded.host.offload_bytes == 32 * INPUT  # 4 GiB buffers: 2 MiB multiples

@@ -21,8 +21,8 @@ from megatrain.engine import norm_fusion, tiling
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.planning import Hardware, model_spec
 from megatrain.planning.activations import attention_workspace
-from megatrain.planning.estimate import estimate
 from megatrain.planning.hardware import GIB
+from predict import predict
 from shapes import LLAMA31_8B
 
 SEQ = 524288
@@ -45,7 +45,7 @@ def test_the_oom_run_reconstructed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tiling, "fused_call", lambda *args: None)
     monkeypatch.setattr(norm_fusion, "fused_call", lambda *args: None)
     spec = model_spec(LlamaConfig(**{**LLAMA31_8B, "num_hidden_layers": 4}))
-    est = estimate(
+    est = predict(
         spec,
         seq_len=SEQ,
         micro_batch_size=1,
@@ -78,7 +78,7 @@ def test_512k_fits_one_h100_with_256_gib() -> None:
     assert attention_workspace(spec, 1, SEQ, split_heads=True) == SEQ * 4 * BLOCK_PER_HEAD_TOKEN
     # the plan keeps inputs on the GPU up to the 2 GiB margin; offloading all of them leaves
     # the layer's own peak with the 2 inputs the backward needs: over 20 GiB of the card free
-    least = estimate(
+    least = predict(
         spec,
         seq_len=SEQ,
         micro_batch_size=1,

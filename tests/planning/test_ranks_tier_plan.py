@@ -14,13 +14,14 @@ from __future__ import annotations
 import pytest
 from transformers import Qwen2Config
 
-from megatrain.planning import Estimate, Hardware, estimate, model_spec
+from megatrain.planning import Estimate, Hardware, model_spec
 from megatrain.planning.hardware import GIB
 from megatrain.planning.plan import RunShape, plan_resources
 from megatrain.planning.ranks import NCCL_GPU_GIB, Ranks
 from megatrain.planning.spec import ModelSpec
 from megatrain.planning.timing import GPU_ADAMW_GPARAMS_S
 from megatrain.store.states import QUANT_BLOCK
+from predict import predict
 from shapes import QWEN25_7B as QWEN7B
 
 HW = Hardware(host_bytes=512 * GIB)
@@ -33,7 +34,7 @@ def qwen7b() -> ModelSpec:
 
 
 def _est(spec: ModelSpec, ranks: Ranks, tier: int) -> Estimate:
-    return estimate(
+    return predict(
         spec,
         seq_len=2048,
         micro_batch_size=1,
@@ -56,10 +57,12 @@ def _shard(numel: int, world: int) -> int:
 def test_tier_states_are_sharded_and_weights_whole(qwen7b: ModelSpec, world: int) -> None:
     k, layer = 5, qwen7b.layers[0].params
     base, tier = _est(qwen7b, Ranks(world), 0), _est(qwen7b, Ranks(world), k)
-    assert tier.gpu.items[TIER_ITEM] == k * (2 * layer + 16 * _shard(layer, world))
+    # whole weights over the padded layout (store/shard.py), states over the shard
+    padded = world * _shard(layer, world)
+    assert tier.gpu.items[TIER_ITEM] == k * (2 * padded + 16 * _shard(layer, world))
     # the shared fp32 accumulators still take every layer's gradient (tier ones included)
     key = "gradient accumulators (fp32)"
-    assert tier.gpu.items[key] == base.gpu.items[key] == 2 * 4 * layer
+    assert tier.gpu.items[key] == base.gpu.items[key] == 2 * 4 * padded
     # per node: its `world` ranks no longer hold their 14-byte shards of the tier layers
     assert base.host.total_bytes - tier.host.total_bytes == world * k * 14 * _shard(layer, world)
     # while loading, the tier's shards are built on the host first (moved when the engine is)
@@ -85,8 +88,16 @@ def test_tier_under_ranks_swaps_host_updates_for_gpu_ones(qwen7b: ModelSpec) -> 
 
 
 def _plan(spec: ModelSpec, world: int, tier: int | str = "auto") -> tuple[int, Estimate]:
-    shape = RunShape(2048, 2, "full", True, None, True, True, "fp32", tier, ranks=Ranks(world))
-    plan = plan_resources(spec, shape, hardware=Hardware(), micro_batch_size=4, grad_accum=1)
+    shape = RunShape(2048, 2, "full", 1.0, None, True, True, "fp32", tier, ranks=Ranks(world))
+    plan = plan_resources(
+        spec,
+        shape,
+        hardware=Hardware(),
+        micro_batch_size=4,
+        grad_accum=1,
+        gpu_margin_gib=2,
+        host_margin_gib=4,
+    )
     return plan.gpu_state_blocks, plan.estimate
 
 

@@ -18,14 +18,13 @@ from megatrain.planning import (
     Hardware,
     check_fits,
     detect,
-    estimate,
     model_spec,
-    pick_micro_batch,
     probe,
 )
 from megatrain.planning.activations import layer_profile, loss_chunk
 from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.timing import attention_flops_per_token
+from predict import pick_batch, predict
 from shapes import QWEN25_3B as QWEN3B
 
 # tiny llama (model/tiny.py): V=256, D=64, FF=128, L=3, 4 heads, 2 kv heads, head_dim 16
@@ -77,7 +76,7 @@ def test_moe_counts_routed_experts_at_top_k_over_experts() -> None:
 def test_host_store_bytes_per_parameter(dtype: str, per_param: int) -> None:
     spec = _llama()
     hw = Hardware(process_baseline_bytes=GIB)
-    est = estimate(
+    est = predict(
         spec, seq_len=32, micro_batch_size=2, compute_dtype=dtype, hardware=hw, data_bytes=123
     )
     host = est.host
@@ -88,7 +87,7 @@ def test_host_store_bytes_per_parameter(dtype: str, per_param: int) -> None:
     pow2 = [1 << (b - 1).bit_length() for b in pinned]  # torch's pinned caching allocator
     assert host.pinned_reserved_bytes == sum(pow2)
     assert host.total_bytes == host.pageable_bytes + sum(pow2) + GIB + 123
-    unpinned = estimate(
+    unpinned = predict(
         spec, seq_len=32, micro_batch_size=2, compute_dtype=dtype, hardware=hw, pin_memory=False
     ).host
     assert unpinned.pinned_reserved_bytes == unpinned.pinned_bytes
@@ -100,7 +99,7 @@ def test_gpu_persistent_and_boundary_bytes(dtype: str, c: int, tied: bool) -> No
     spec = _llama(tie_word_embeddings=tied)
     rows, seq, ga, slots = 2, 32, 3, 2
     tokens = rows * seq * ga
-    items = estimate(
+    items = predict(
         spec,
         seq_len=seq,
         micro_batch_size=rows,
@@ -113,7 +112,8 @@ def test_gpu_persistent_and_boundary_bytes(dtype: str, c: int, tied: bool) -> No
     assert items["gradient accumulators (fp32)"] == 2 * LAYER * 4
     assert items.get("gradient staging (bf16)", 0) == (2 * LAYER * 2 if c == 2 else 0)
     assert items.get("tied lm_head table", 0) == (EMBED * c if tied else 0)
-    assert items["head + embedding gradients (fp32)"] == (spec.head_params + EMBED) * 4
+    assert items["head gradient (fp32)"] == spec.head_params * 4
+    assert items["embedding gradient (fp32)"] == EMBED * 4
     assert items["boundary activations"] == L * tokens * D * c
     assert items["last hidden / its gradient"] == tokens * D * c
     assert items["embedding rows"] == ga * min(rows * seq, V) * D * c
@@ -144,7 +144,7 @@ def test_layer_transient_holds_the_mlp_and_grows_with_tokens() -> None:
 def test_every_tested_architecture_estimates(model_type: str) -> None:
     config = tiny_config(model_type)
     real = AutoModelForCausalLM.from_config(config)
-    est = estimate(config, seq_len=32, micro_batch_size=2, grad_accum=2, padded=True)
+    est = predict(config, seq_len=32, micro_batch_size=2, grad_accum=2, padded=True)
     assert est.total_params == sum(p.numel() for p in real.parameters())
     assert est.host.store_bytes == 14 * est.total_params
     assert est.gpu.peak_bytes > 0 and est.time.step_s > 0
@@ -179,7 +179,7 @@ def test_qwen25_3b_matches_the_h200_measurements(qwen3b: object) -> None:
     cases = [(1, 5.77, 1.52), (4, 9.33, 2.21)]  # micro-batches of 4 x 2048, full rows
     for grad_accum, gpu_gib, step_s in cases:
         # that run's engine cut the loss into 1 GiB chunks (588 tokens at this vocabulary)
-        est = estimate(
+        est = predict(
             qwen3b,
             seq_len=2048,
             micro_batch_size=4,
@@ -194,7 +194,7 @@ def test_qwen25_3b_matches_the_h200_measurements(qwen3b: object) -> None:
         assert est.time.step_s == pytest.approx(step_s, rel=0.25)
     assert est.total_params == pytest.approx(3.086e9, rel=1e-3)
     assert est.time.bound == "GPU compute"
-    one = estimate(
+    one = predict(
         qwen3b, seq_len=2048, micro_batch_size=4, padded=False, clipping=False, hardware=H200_RUN
     )
     assert one.time.bound == "CPU optimizer"
@@ -207,11 +207,11 @@ def test_qwen25_3b_matches_the_h200_measurements(qwen3b: object) -> None:
 
 def test_clipping_delays_the_optimizer_and_slows_an_optimizer_bound_step(qwen3b: object) -> None:
     kwargs = dict(seq_len=2048, micro_batch_size=4, padded=False, hardware=H200_RUN)
-    free = estimate(qwen3b, clipping=False, **kwargs).time
-    clipped = estimate(qwen3b, clipping=True, **kwargs).time
+    free = predict(qwen3b, clipping=False, **kwargs).time
+    clipped = predict(qwen3b, clipping=True, **kwargs).time
     assert clipped.step_s > free.step_s + 0.2
     fast_cpu = dataclasses.replace(H200_RUN, optimizer_gparams_s=100.0)
-    compute_bound = estimate(
+    compute_bound = predict(
         qwen3b, clipping=False, grad_accum=8, **{**kwargs, "hardware": fast_cpu}
     ).time
     assert compute_bound.step_s == pytest.approx(compute_bound.compute_s, rel=0.08)
@@ -235,24 +235,24 @@ def test_pick_micro_batch_is_monotonic_and_keeps_the_margin() -> None:
     seq, tokens = 512, 512 * 64
 
     def peak(b: int) -> int:
-        return estimate(
+        return predict(
             spec, seq_len=seq, micro_batch_size=b, grad_accum=64 // b, padded=True
         ).gpu.peak_bytes
 
     margin = 0.25
     exact = Hardware(gpu_bytes=int(peak(8) + margin * GIB))
-    b, ga, reason = pick_micro_batch(
+    b, ga, reason = pick_batch(
         spec, seq_len=seq, tokens_per_step=tokens, hardware=exact, gpu_margin_gib=margin
     )
     assert (b, ga) == (8, 8)
     assert f"predicted GPU peak {gib(peak(8))}" in reason
     assert f"16 would need {gib(peak(16))}" in reason
     short = dataclasses.replace(exact, gpu_bytes=exact.gpu_bytes - 1)
-    assert pick_micro_batch(
+    assert pick_batch(
         spec, seq_len=seq, tokens_per_step=tokens, hardware=short, gpu_margin_gib=margin
     )[:2] == (4, 16)
     picks = [
-        pick_micro_batch(
+        pick_batch(
             spec,
             seq_len=seq,
             tokens_per_step=tokens,
@@ -264,7 +264,7 @@ def test_pick_micro_batch_is_monotonic_and_keeps_the_margin() -> None:
     assert picks == sorted(picks) and picks[0] < picks[-1] == 64
     for g, b in zip((0.45, 0.6, 1.0, 1.5, 2.0), picks, strict=True):
         assert peak(b) <= (g - margin) * GIB
-    b, ga, _ = pick_micro_batch(
+    b, ga, _ = pick_batch(
         spec,
         seq_len=seq,
         grad_accum=2,
@@ -274,7 +274,7 @@ def test_pick_micro_batch_is_monotonic_and_keeps_the_margin() -> None:
     )
     assert ga == 2 and b in (1, 2, 4, 8, 16, 32)
     with pytest.raises(ValueError, match="no micro-batch size fits"):
-        pick_micro_batch(
+        pick_batch(
             spec,
             seq_len=seq,
             tokens_per_step=tokens,
@@ -284,7 +284,7 @@ def test_pick_micro_batch_is_monotonic_and_keeps_the_margin() -> None:
 
 
 def test_check_fits_names_the_numbers_and_the_fix(qwen3b: object) -> None:
-    est = estimate(qwen3b, seq_len=2048, micro_batch_size=4, padded=False, hardware=H200_RUN)
+    est = predict(qwen3b, seq_len=2048, micro_batch_size=4, padded=False, hardware=H200_RUN)
     check_fits(est, H200_RUN, host_margin_gib=4, gpu_margin_gib=2)  # fits: no error
     small = dataclasses.replace(H200_RUN, host_bytes=32 * GIB, gpu_bytes=5 * GIB)
     with pytest.raises(ValueError) as err:
@@ -294,7 +294,7 @@ def test_check_fits_names_the_numbers_and_the_fix(qwen3b: object) -> None:
     assert "14 B/param x 3.09B params" in msg and "28.0 GiB available" in msg
     assert f"predicted peak {est.gpu.peak_bytes / GIB:.1f} GiB > 3.0 GiB available" in msg
     assert "micro_batch_size" in msg and "num_slots" in msg
-    fp32 = estimate(
+    fp32 = predict(
         qwen3b, seq_len=2048, micro_batch_size=4, compute_dtype="fp32", hardware=H200_RUN
     )
     with pytest.raises(ValueError, match=r"bf16 compute \(14 instead of 16 B/param\)"):
@@ -317,6 +317,8 @@ import json, statistics, sys, time
 import psutil, torch, transformers
 from megatrain.batch import Batch
 from megatrain.engine.engine import StreamingEngine
+from megatrain.engine.head import default_chunk_tokens
+from megatrain.engine.plan import EnginePlan
 from megatrain.model.structure import discover
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.host import HostStore
@@ -330,8 +332,9 @@ model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 store = HostStore(discover(model), compute_dtype=getattr(torch, a["dtype"]), pin_memory=cuda)
 if cuda:
     torch.cuda.reset_peak_memory_stats()
-engine = StreamingEngine(store.structure, store, CpuAdamW(AdamWHyper()), device=a["device"],
-                         num_slots=2, max_grad_norm=a["max_grad_norm"] or None,
+plan = EnginePlan(num_slots=2, clip_norm=a["max_grad_norm"] or None,
+                  loss_chunk_tokens=default_chunk_tokens(cfg.vocab_size))
+engine = StreamingEngine(store.structure, store, CpuAdamW(AdamWHyper()), plan, device=a["device"],
                          threaded_optimizer=cuda)
 gen = torch.Generator().manual_seed(0)
 phases = []
@@ -400,7 +403,7 @@ def test_engine_on_cpu_uses_the_predicted_host_ram(dtype: str) -> None:
         steps=3,
         phases=[[rows, seq, micro]],
     )
-    est = estimate(
+    est = predict(
         LlamaConfig(**_SMALL_LLAMA),
         seq_len=seq,
         micro_batch_size=rows,
@@ -506,7 +509,7 @@ def test_estimate_matches_the_engine_on_this_gpu(case: tuple, probed: Hardware) 
 
     spec = model_spec(getattr(transformers, config_class)(**config), dtype)
     for (rows, seq, micro), got in zip(phases, r["phases"], strict=True):
-        est = estimate(
+        est = predict(
             spec,
             seq_len=seq,
             micro_batch_size=rows,

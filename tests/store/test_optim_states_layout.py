@@ -13,7 +13,7 @@ from megatrain.config import load_config
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.model.tiny import tiny_config
-from megatrain.planning import Hardware, estimate, host_problem, model_spec
+from megatrain.planning import Hardware, host_problem, model_spec
 from megatrain.planning.hardware import GIB
 from megatrain.store.host import HostStore
 from megatrain.store.states import (
@@ -23,6 +23,7 @@ from megatrain.store.states import (
     state_bytes_per_param,
     state_nbytes,
 )
+from predict import predict
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 # m + v bytes of one parameter: fp32 exact; bf16; int8 codes + two fp32 scales per 2048
@@ -44,7 +45,7 @@ def test_store_bytes_equal_the_estimate(state_dtype: str) -> None:
         expected += sum(2 * n + 8 * math.ceil(n / QUANT_BLOCK) for n in numels)
     assert store.host_bytes() == expected
     spec = model_spec(tiny_config("llama"))
-    est = estimate(spec, seq_len=32, micro_batch_size=1, state_dtype=state_dtype)
+    est = predict(spec, seq_len=32, micro_batch_size=1, state_dtype=state_dtype)
     assert est.host.store_bytes == store.host_bytes()
     assert est.settings["state_dtype"] == state_dtype
 
@@ -54,7 +55,7 @@ def test_bytes_per_parameter_of_a_large_model() -> None:
     spec = model_spec(tiny_config("llama", hidden_size=1024, intermediate_size=4096))
     per_param = {}
     for state_dtype in ("fp32", "bf16", "int8"):
-        est = estimate(spec, seq_len=32, micro_batch_size=1, state_dtype=state_dtype)
+        est = predict(spec, seq_len=32, micro_batch_size=1, state_dtype=state_dtype)
         per_param[state_dtype] = est.host.store_bytes / est.total_params
     assert per_param["fp32"] == 14 and per_param["bf16"] == 10
     assert 8 < per_param["int8"] <= 8 + 8 / 2048 + 1e-6  # partial blocks: at most one each
@@ -66,8 +67,8 @@ def test_fit_check_counts_the_state_dtype_and_suggests_it() -> None:
     # a host that holds the int8 store but not the fp32 one (both with a 1 GiB margin)
     hw = Hardware(host_bytes=11 * params + GIB, process_baseline_bytes=0)
     kwargs = dict(seq_len=32, micro_batch_size=1, hardware=hw, pin_memory=False)
-    fp32 = estimate(spec, state_dtype="fp32", **kwargs)  # type: ignore[arg-type]
-    int8 = estimate(spec, state_dtype="int8", **kwargs)  # type: ignore[arg-type]
+    fp32 = predict(spec, state_dtype="fp32", **kwargs)  # type: ignore[arg-type]
+    int8 = predict(spec, state_dtype="int8", **kwargs)  # type: ignore[arg-type]
     assert host_problem(int8, hw, margin_gib=1.0) is None
     problem = host_problem(fp32, hw, margin_gib=1.0)
     assert problem is not None and "14 B/param" in problem

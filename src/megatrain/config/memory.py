@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatrain.choices import OFFLOAD_CHOICES
 from megatrain.config.types import check_choice, check_int, check_number, check_types
 
 
@@ -48,7 +49,7 @@ class MemoryConfig:
 
     def validate(self) -> None:
         check_types("memory", self)
-        check_choice("memory.activation_offload", self.activation_offload, ("auto", "on", "off"))
+        check_choice("memory.activation_offload", self.activation_offload, OFFLOAD_CHOICES)
         for key in ("checkpoint_every", "mlp_tiles"):
             value = getattr(self, key)
             if (isinstance(value, str) and value != "auto") or (

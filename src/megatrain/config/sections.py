@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatrain.choices import STATE_DTYPES
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.memory import MemoryConfig
 from megatrain.config.types import check_choice, check_int, check_number, check_types
@@ -216,7 +217,7 @@ class OptimizerConfig:
         check_number("optimizer.min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
         check_choice("optimizer.impl", self.impl, OPTIMIZER_IMPLS)
         check_int("optimizer.threads", self.threads, minimum=1, optional=True)
-        check_choice("optimizer.state_dtype", self.state_dtype, ("fp32", "bf16", "int8"))
+        check_choice("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
 
     @property
     def clip_norm(self) -> float | None:

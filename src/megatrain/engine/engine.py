@@ -44,15 +44,29 @@ import torch
 
 from megatrain.batch import Batch
 from megatrain.engine.backward import BackwardPass
-from megatrain.engine.boundaries import Boundaries, BoundaryPlan
+from megatrain.engine.boundaries import Boundaries
 from megatrain.engine.collectives import Collectives
 from megatrain.engine.head import ChunkedLoss, TokenObjective
+from megatrain.engine.layout import (
+    ACCUMULATORS,
+    EMBED_GRAD,
+    GATHERED,
+    HEAD,
+    HEAD_GRAD,
+    SLOTS,
+    STAGING,
+    TABLE,
+    TIER,
+    BlockSizes,
+    DeviceLayout,
+)
 from megatrain.engine.loss import LossPass
 from megatrain.engine.microbatch import Embedder, MicroBatch
+from megatrain.engine.plan import EnginePlan
 from megatrain.engine.rng import rng_state, uses_randomness
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy, move_body_buffers
 from megatrain.engine.tier import GpuTier
-from megatrain.engine.tiling import TilePolicy, tile_per_token
+from megatrain.engine.tiling import tile_per_token, tileable, untiled_layers
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.engine.updates import UpdateWorker
@@ -62,7 +76,6 @@ from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
-from megatrain.store.shard import layout_numel
 
 
 @dataclass
@@ -96,42 +109,31 @@ class StreamingEngine(BackwardPass, LossPass):
         structure: ModelStructure,
         store: HostStore,
         optimizer: CpuAdamW,
+        plan: EnginePlan,
         *,
         device: str | torch.device = "cpu",
-        num_slots: int,
-        max_grad_norm: float | None,
-        loss_chunk_tokens: int | None = None,
         threaded_optimizer: bool = True,
-        compile_layers: bool = False,
-        gpu_state_blocks: int = 0,
-        world_size: int = 1,
-        rank: int = 0,
-        boundary_plan: BoundaryPlan | None = None,
-        mlp_tiles: TilePolicy | None = None,
     ) -> None:
-        """`gpu_state_blocks`: blocks whose states live on the device (engine/tier.py);
-        `world_size` > 1: `store` holds this rank's shards (store/shard.py), a tier's too;
-        `boundary_plan`: where layer inputs wait for the backward (engine/boundaries.py; None:
-        all on the device); `mlp_tiles`: sequence tiles of the MLPs (engine/tiling.py)."""
+        """Runs `plan` (engine/plan.py); with `plan.world_size` > 1 `store` holds this rank's
+        shards (store/shard.py). Every persistent device buffer comes from `self.layout`."""
         self.structure = structure
         self.store = store
+        self.plan = plan
         self.device = torch.device(device)
         self.dtype = store.compute_dtype
-        assert max_grad_norm is None or max_grad_norm > 0, "clipping off is None, not 0"
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm = plan.clip_norm
+        self.layout = DeviceLayout.of(plan, BlockSizes.of_store(store, structure.tied), self.dtype)
         self.transfers = Transfers(self.device)
-        self.comm = Collectives(self.transfers, world_size=world_size, rank=rank)
+        self.comm = Collectives(self.transfers, world_size=plan.world_size, rank=plan.rank)
         move_body_buffers(structure, self.device)
         self.capture = LayerCallCapture(structure)
-        self.tier = GpuTier.first_blocks(store, gpu_state_blocks, optimizer, self.comm)
+        self.tier = GpuTier.first_blocks(store, plan.gpu_state_blocks, optimizer, self.comm)
         self.slots = LayerSlots(
             structure.layers,
             store.layers,
-            device=self.device,
-            dtype=self.dtype,
-            num_slots=num_slots,
+            buffers=self.layout.empty(SLOTS, self.device),
             transfers=self.transfers,
-            compile_layers=compile_layers,
+            compile_layers=plan.compile_layers,
             resident=self.tier.num_layers,
             resident_weights=self.tier.weights,
             load=self.comm.load,
@@ -143,56 +145,43 @@ class StreamingEngine(BackwardPass, LossPass):
             self.dtype,
             table=self.tier.weights(store.embed) if store.embed in self.tier else None,
         )
-        self._build_head(loss_chunk_tokens)
+        self._build_head(plan.loss_chunk_tokens)
         # layers whose gradient accumulates in the shared accumulators (a sharded tier's too)
-        shared = [b for b in store.layers if not self.tier.owns_gradient(b)]
-        numel = max((layout_numel(b) for b in shared), default=0)
-        self._acc = [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(2)]
-        self._stage = (
-            [torch.empty(numel, dtype=torch.bfloat16, device=self.device) for _ in range(2)]
-            if self.dtype == torch.bfloat16
-            else None
-        )
+        self._acc = self.layout.empty(ACCUMULATORS, self.device)
+        self._stage = self.layout.empty(STAGING, self.device) or None
         self._acc_busy: list[Event] = [DONE, DONE]
         self.aux = RouterAux.for_model(structure)
         self.taps = (
             [RouterTap(m, self.aux) for m in self.slots.modules] if self.aux is not None else []
         )
         self.worker = UpdateWorker(optimizer, threaded=threaded_optimizer)
-        plan = boundary_plan or BoundaryPlan.on_device(len(store.layers))
-        assert plan.num_layers == len(store.layers), (plan.num_layers, len(store.layers))
-        self.boundaries = Boundaries(plan, self.device)
+        self.boundaries = Boundaries(plan.boundary_plan(len(store.layers)), self.device)
         self._preserve_rng = uses_randomness(structure)
-        # not where router logits are recorded, nor with dropout (a tile's re-run would draw
-        # other masks): engine/tiling.py
-        if mlp_tiles is not None and not self._preserve_rng:
-            skip = {i for i, tap in enumerate(self.taps) if tap.has_router}
-            tile_per_token(self.slots.modules, mlp_tiles, skip)
+        if plan.tiles is not None:
+            assert tileable(structure), "the plan tiles layers that draw random numbers"
+            assert plan.untiled == untiled_layers(structure), plan.untiled
+            tile_per_token(self.slots.modules, plan.tiles, set(plan.untiled))
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
         self._order = {b.name: i for i, b in enumerate(store.blocks)}  # forward position
 
-    def _build_head(self, loss_chunk_tokens: int | None) -> None:
-        st, store = self.structure, self.store
+    def _build_head(self, loss_chunk_tokens: int) -> None:
+        st, store, layout = self.structure, self.store, self.layout
         self.norm = device_copy(st.final_norm, self.device)
         self.lm_head = device_copy(st.lm_head, self.device)
         # GPU-tier blocks bring their own device weights and fp32 gradient
-        self.head_buf, self.head_acc = self._device_buffers(store.head)
+        self.head_buf, self.head_acc = self._device_buffers(store.head, HEAD, HEAD_GRAD)
         self.head_params = bind_module(
             {"norm": self.norm, "lm_head": self.lm_head}, store.head, self.head_buf
         )
-        self.table_buf, self.embed_acc = self._device_buffers(store.embed, st.tied)
+        self.table_buf, self.embed_acc = self._device_buffers(store.embed, TABLE, EMBED_GRAD)
         self.head_grad_views = [store.head.view(self.head_acc, e) for e in store.head.entries]
         if st.tied:  # the lm_head is the embedding table: it goes to the GPU whole for the loss
             self.head_params += bind_module({"embed": self.lm_head}, store.embed, self.table_buf)
             self.head_grad_views.append(store.embed.view(self.embed_acc, store.embed.entries[0]))
         # Sharded: no host holds the whole embedding table; it is gathered on the device
         # (unless it is resident: the GPU tier's).
-        self.embed_buf = (
-            torch.empty(layout_numel(store.embed), dtype=self.dtype, device=self.device)
-            if self.comm.sharded and store.embed not in self.tier
-            else None
-        )
+        self.embed_buf = next(iter(layout.empty(GATHERED, self.device)), None)
         self._embed_free: Event = DONE
         self.loss_fn = ChunkedLoss(st, self.norm, self.lm_head, loss_chunk_tokens)
         self._head_ready: Event = DONE
@@ -200,21 +189,43 @@ class StreamingEngine(BackwardPass, LossPass):
         self._head_busy: list[Event] = []
 
     def _device_buffers(
-        self, block: ParamBlock, weights: bool = True
+        self, block: ParamBlock, weights: str, grad: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(compute-dtype weights, fp32 gradient) of a head or embedding block on the device:
-        the GPU tier's (its gradient too unless sharded), else new buffers (weights empty if
-        not `weights`)."""
-        n = layout_numel(block)
+        the GPU tier's where it has them, else the layout's buffers `weights` and `grad` (an
+        empty weights tensor where the plan needs none: an untied embedding)."""
+        layout = self.layout
+        if block in self.tier:
+            weights_t = self.tier.weights(block)
+        else:
+            weights_t = next(iter(layout.empty(weights, self.device)), None)
+            if weights_t is None:
+                weights_t = torch.empty(0, dtype=self.dtype, device=self.device)
         if self.tier.owns_gradient(block):
             assert block.grad is not None
-            return self.tier.weights(block), block.grad
-        return (
-            self.tier.weights(block)
-            if block in self.tier
-            else torch.empty(n if weights else 0, dtype=self.dtype, device=self.device),
-            torch.zeros(n, dtype=torch.float32, device=self.device),
-        )
+            return weights_t, block.grad
+        grad_t = layout.zeros(grad, self.device)
+        assert grad_t is not None
+        return weights_t, grad_t
+
+    def device_buffers(self) -> dict[str, list[torch.Tensor]]:
+        """The persistent device tensors this engine holds, by layout name (engine/layout.py);
+        a GPU-tier block's by its states (tests compare them with the layout)."""
+        tier: list[torch.Tensor] = []
+        for block in self.tier.blocks:  # whole weights first: the shard's may be views of them
+            parts = (block.master, block.shadow, block.exp_avg, block.exp_avg_sq, block.grad)
+            tier += [self.tier.weights(block), *(t for t in parts if t is not None)]
+        return {
+            SLOTS: list(self.slots.buffers),
+            ACCUMULATORS: list(self._acc),
+            STAGING: list(self._stage or []),
+            HEAD: [] if self.store.head in self.tier else [self.head_buf],
+            TABLE: [] if self.store.embed in self.tier else [self.table_buf],
+            HEAD_GRAD: [] if self.tier.owns_gradient(self.store.head) else [self.head_acc],
+            EMBED_GRAD: [] if self.tier.owns_gradient(self.store.embed) else [self.embed_acc],
+            GATHERED: [] if self.embed_buf is None else [self.embed_buf],
+            TIER: _distinct(tier),
+        }
 
     # ---------------------------------------------------------------- public API
 
@@ -395,3 +406,14 @@ class StreamingEngine(BackwardPass, LossPass):
             assert self.aux is not None
             mb.router_stats += [self.aux.stats(lg, mb.router_weights) for lg in tap.take()]
         return out
+
+
+def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each storage once (a tier block's weights may be its master, or hold its shard's)."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            out.append(t)
+    return out

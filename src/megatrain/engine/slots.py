@@ -82,29 +82,27 @@ class LayerSlots:
         layers: nn.ModuleList,
         blocks: list[ParamBlock],
         *,
-        device: torch.device,
-        dtype: torch.dtype,
-        num_slots: int,
+        buffers: list[torch.Tensor],
         transfers: Transfers,
         compile_layers: bool = False,
         resident: int = 0,
         resident_weights: Callable[[ParamBlock], torch.Tensor] | None = None,
         load: LoadFn | None = None,
     ) -> None:
-        """`resident_weights`: a resident layer's whole device weights (engine/tier.py; default
-        its copy source); `load`: how a block's weights reach a slot
+        """`buffers`: the device slots (engine/layout.py: one per slot, each as long as the
+        largest streamed layer); `resident_weights`: a resident layer's whole device weights
+        (engine/tier.py; default its copy source); `load`: how a block's weights reach a slot
         (engine/collectives.py; default, one host-to-device copy of its copy source)."""
-        assert num_slots >= 1, num_slots  # validated with the config (memory.num_slots)
         assert 0 <= resident <= len(blocks), resident
         self.resident = resident
         streamed = blocks[resident:]
-        self.num_slots = min(num_slots, len(streamed))  # more slots than layers are never used
+        assert bool(buffers) == bool(streamed), (len(buffers), len(streamed))
+        assert all(b.numel() >= layout_numel(s) for b in buffers for s in streamed)
+        self.num_slots = len(buffers)
         self.transfers = transfers
-        numel = max((layout_numel(b) for b in streamed), default=0)
         self._copy_in = load or self._h2d
-        self.buffers = [
-            torch.empty(numel, dtype=dtype, device=device) for _ in range(self.num_slots)
-        ]
+        self.buffers = buffers
+        device = transfers.device
         self.modules: list[nn.Module] = []
         self.params: list[list[nn.Parameter]] = []
         for i, (layer, block) in enumerate(zip(layers, blocks, strict=True)):

@@ -42,16 +42,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatrain.engine.collectives import Collectives
+from megatrain.engine.plan import tier_order
 from megatrain.optim.adamw import CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.shard import ShardedBlock
-
-
-def tier_order(store: HostStore) -> list[ParamBlock]:
-    """The order blocks join the GPU tier: decoder layers, then the embedding, then the head
-    (this module's docstring says why); a tier of k blocks is the first k."""
-    return [*store.layers, store.embed, store.head]
 
 
 class GpuTier:
@@ -62,8 +57,9 @@ class GpuTier:
         cls, store: HostStore, count: int, optimizer: CpuAdamW, comm: Collectives
     ) -> GpuTier:
         """The first `count` blocks of the tier order (layers, embedding, head)."""
-        assert 0 <= count <= len(store.layers) + 2, count  # the plan clamps it
-        return cls(tier_order(store)[:count], optimizer, comm)
+        order = tier_order(store.layers, store.embed, store.head)
+        assert 0 <= count <= len(order), count  # the plan clamps it
+        return cls(order[:count], optimizer, comm)
 
     def __init__(
         self, blocks: Sequence[ParamBlock], optimizer: CpuAdamW, comm: Collectives

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,17 +45,22 @@ from megatrain.engine.norm_fusion import (
     fused_call,
     record,
 )
+from megatrain.engine.rng import uses_randomness
+from megatrain.model.router import RouterAux
+from megatrain.model.structure import ModelStructure
 
 _AUTO_TILE_TOKENS = 16384  # a tile's [T x intermediate] of an 8B model: 0.45 GiB in bf16
 
 
+@dataclass(frozen=True)
 class TilePolicy:
     """How many tiles a sequence of `seq` positions is cut into: a fixed count, or auto."""
 
-    def __init__(self, tiles: int | None, tile_tokens: int = _AUTO_TILE_TOKENS) -> None:
-        assert tiles is None or tiles >= 1
-        self.tiles = tiles
-        self.tile_tokens = tile_tokens
+    tiles: int | None
+    tile_tokens: int = _AUTO_TILE_TOKENS
+
+    def __post_init__(self) -> None:
+        assert self.tiles is None or self.tiles >= 1
 
     @classmethod
     def from_setting(cls, tiles: int | str, compiled: bool) -> TilePolicy | None:
@@ -167,6 +173,26 @@ def _is_norm(name: str) -> bool:
     return name.endswith("norm")
 
 
+def tileable(structure: ModelStructure) -> bool:
+    """Whether the model's layers may be tiled at all: not where they draw random numbers
+    (dropout, router jitter: a tile's re-run in the backward would draw other masks)."""
+    return not uses_randomness(structure)
+
+
+def untiled_layers(structure: ModelStructure) -> frozenset[int]:
+    """Layers whose per-token parts the tiles skip: those holding a router whose logits the
+    engine records for the MoE aux loss (the recorded logits must stay differentiable). The
+    same rule for the engine's real layers and the planner's meta ones."""
+    aux = RouterAux.for_model(structure)
+    if aux is None:
+        return frozenset()
+    return frozenset(
+        i
+        for i, layer in enumerate(structure.layers)
+        if any(isinstance(m, aux.router_class) for m in layer.modules())
+    )
+
+
 def tile_per_token(
     layers: list[nn.Module],
     policy: TilePolicy,
@@ -194,10 +220,13 @@ def tile_per_token(
 
 @contextlib.contextmanager
 def tiled_per_token(
-    layers: list[nn.Module], policy: TilePolicy, split_heads: bool = True
+    layers: list[nn.Module],
+    policy: TilePolicy,
+    split_heads: bool = True,
+    skip: set[int] | None = None,
 ) -> Iterator[None]:
     """`tile_per_token` for the duration of the block (the estimate's meta layers are shared)."""
-    tile_per_token(layers, policy, split_heads=split_heads)
+    tile_per_token(layers, policy, skip, split_heads=split_heads)
     try:
         yield
     finally:

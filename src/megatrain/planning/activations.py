@@ -63,6 +63,13 @@ _ATTENTION_BACKWARD = tuple(
 )
 
 
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
 class _LiveBytes(TorchDispatchMode):
     """Peak of the bytes held by storages created inside the mode (meta tensors included), and
     the most held right after a fused attention backward (its inputs and gradients live): the
@@ -83,7 +90,16 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops += 1
-        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is _GROUPED_MM and args[0].dtype != torch.bfloat16:
+            # fp32 experts on meta: the meta kernel takes bf16 only; shapes are the same. Here,
+            # at the dispatch level, also where a backward re-runs a layer's tiles.
+            dtype = args[0].dtype
+            args = tree_map(lambda t: t.bfloat16() if _is_float(t) else t, args)
+            out = tree_map(
+                lambda t: t.to(dtype) if _is_float(t) else t, func(*args, **(kwargs or {}))
+            )
+        else:
+            out = func(*args, **(kwargs or {}))
         tree_map(self._track, out)
         if func.overloadpacket in _ATTENTION_BACKWARD:
             self.attention_backward = max(self.attention_backward, self.live)
@@ -200,11 +216,13 @@ def layer_profile(
     layout: str,
     mlp_tiles: int = 1,
     split_heads: bool = True,
+    untiled: frozenset[int] = frozenset(),
 ) -> LayerProfile:
     """Measure (once per shape, layout and tiling) every layer group's recompute + backward
     on meta; with `mlp_tiles` > 1 the MLPs run tiled as the engine runs them (engine/tiling.py),
-    with `split_heads` the attention in head groups (engine/attention_heads.py)."""
-    key = ("layer", rows, seq, layout, mlp_tiles, split_heads)
+    except in the `untiled` layers, with `split_heads` the attention in head groups
+    (engine/attention_heads.py)."""
+    key = ("layer", rows, seq, layout, mlp_tiles, split_heads, untiled)
     if key not in spec.cache:
         captured, seq0, rows0 = _capture(spec, seq, layout)
         shapes = _Rescale(seq0, seq, rows0, rows)
@@ -217,8 +235,10 @@ def layer_profile(
         workspace = attention_workspace(spec, rows, seq, split_heads)
         peak, attention_peak, ops = 0, 0, [(0, 0)] * spec.num_layers
         for group in spec.structure.groups:
-            layer = spec.structure.layers[group.layer_indices[0]]
-            with tiled_per_token([layer], TilePolicy(mlp_tiles), split_heads):
+            first = group.layer_indices[0]
+            layer = spec.structure.layers[first]
+            skip = {0} if first in untiled else None
+            with tiled_per_token([layer], TilePolicy(mlp_tiles), split_heads, skip):
                 group_peak, attention, group_ops = _measure(
                     spec, calls[group.layer_indices[0]], layer, rows, seq
                 )

@@ -10,34 +10,31 @@ grows with the micro-batch size, so a binary search over the candidates finds th
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
-from transformers import PretrainedConfig
-
-from megatrain.planning.estimate import Estimate, estimate, model_spec
+from megatrain.planning.estimate import Estimate, estimate
 from megatrain.planning.fit import gpu_problem
 from megatrain.planning.hardware import GIB, Hardware, gib
+from megatrain.planning.setup import Setup
 from megatrain.planning.spec import ModelSpec
 
 
 def pick_micro_batch(
-    config: PretrainedConfig | ModelSpec,
+    spec: ModelSpec,
+    setup: Setup,
     *,
-    seq_len: int,
     tokens_per_step: int | None = None,
     grad_accum: int | None = None,
     hardware: Hardware,
-    gpu_margin_gib: float = 2.0,
-    compute_dtype: str | None = None,
+    gpu_margin_gib: float,
     max_micro_batch_size: int = 64,
-    **estimate_kwargs: Any,
 ) -> tuple[int, int, str]:
     """(micro_batch_size, grad_accum, reason). Raises ValueError, with the numbers and what to
-    change, when not even the smallest candidate fits. `estimate_kwargs` (num_slots, padded,
-    packed, clipping, ranks, mlp_tiles, ...) go to every candidate's `estimate` unchanged."""
+    change, when not even the smallest candidate fits. Every candidate is `setup` with its
+    micro-batch size and accumulation."""
+    seq_len = setup.seq_len
     if (tokens_per_step is None) == (grad_accum is None):
         raise ValueError("give exactly one of tokens_per_step and grad_accum")
-    spec = model_spec(config, compute_dtype)
     if tokens_per_step is not None:
         rows = tokens_per_step // seq_len
         if rows < 1 or rows * seq_len != tokens_per_step:
@@ -58,14 +55,7 @@ def pick_micro_batch(
 
     def predict(i: int) -> Estimate:
         b, ga = candidates[i]
-        return estimate(
-            spec,
-            seq_len=seq_len,
-            micro_batch_size=b,
-            grad_accum=ga,
-            hardware=hardware,
-            **estimate_kwargs,
-        )
+        return estimate(spec, replace(setup, micro_batch_size=b, grad_accum=ga), hardware)
 
     smallest = predict(0)
     problem = gpu_problem(smallest, hardware, gpu_margin_gib)

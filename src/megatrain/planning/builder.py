@@ -1,9 +1,11 @@
-"""The planning half of the one builder (megatrain/recipes/builder.py): config -> resource plan.
+"""The planning half of the one builder (megatrain/recipes/builder.py): config -> resolved plan.
 
-`PlanBuilder(cfg).plan()` reads the model's config alone and predicts the run (planning/plan.py);
-the engine's "auto" settings (GPU tier, where layer inputs wait, MLP tiles) are read from that
-plan here, so the run uses what the fit check saw. Under torchrun the placement is this rank's
-and the GPU tier count is the least any rank planned (distributed.least_on_ranks).
+`PlanBuilder(cfg, placement=...).plan()` reads the model's config alone and predicts the run
+(planning/plan.py); `engine_plan()` is the `EnginePlan` the engine runs (engine/plan.py), every
+"auto" setting (GPU tier, where layer inputs wait, MLP tiles) resolved by that same plan, so
+the run uses what the fit check saw. Pure: no process group, no collective; under torchrun
+the placement is this rank's and the caller agrees on one GPU-tier count over the ranks
+(recipes/builder.py).
 """
 
 from __future__ import annotations
@@ -14,16 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from megatrain.config import TrainConfig
-from megatrain.distributed import Placement, least_on_ranks, placement_here, rows_per_rank
-from megatrain.engine.boundaries import BoundaryPlan
-from megatrain.engine.tiling import TilePolicy
+from megatrain.distributed import Placement, rows_per_rank
+from megatrain.engine.plan import EnginePlan
 from megatrain.model.loading import load_config as load_hf_config
 from megatrain.planning import Hardware, ModelSpec, detect, model_spec
 from megatrain.planning.hardware import GIB, gib
-from megatrain.planning.long_context import configured_boundaries
 from megatrain.planning.plan import ResourcePlan, RunShape, plan_resources
 from megatrain.planning.ranks import Ranks
 
@@ -35,24 +33,11 @@ compiled."""
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """What the engine's GPU memory depends on that a plan resolves (the "auto" settings)."""
-
-    gpu_state_blocks: int
-    boundaries: BoundaryPlan
-    mlp_tiles: int | None  # a fixed count, None: by row length (TilePolicy), 0: not tiled
-
-    def describe(self) -> str:
-        tiles = "not tiled" if self.mlp_tiles == 0 else f"MLP tiles {self.mlp_tiles or 'auto'}"
-        return f"GPU tier {self.gpu_state_blocks} blocks, {self.boundaries.describe()}, {tiles}"
-
-
-@dataclass(frozen=True)
 class StepDown:
     """The plan after a step ran out of GPU memory, and what changed."""
 
-    before: EngineSettings
-    after: EngineSettings
+    before: EnginePlan
+    after: EnginePlan
     margin_gib: tuple[float, float]  # memory.gpu_margin_gib planned with, before and after
     peak_bytes: tuple[int, int]  # predicted GPU peak, before and after
     step_s: tuple[float, float]  # predicted step time, before and after
@@ -64,8 +49,8 @@ class StepDown:
             f"{name}{x} -> {y}"
             for name, x, y in (
                 ("memory.gpu_state_blocks ", b.gpu_state_blocks, a.gpu_state_blocks),
-                ("", b.boundaries.describe(), a.boundaries.describe()),
-                ("MLP tiles ", b.mlp_tiles, a.mlp_tiles),
+                ("", _inputs(b), _inputs(a)),
+                ("MLP tiles ", b.tile_count, a.tile_count),
             )
             if x != y
         ]
@@ -86,12 +71,16 @@ class StepDown:
         """The metrics.jsonl fields of the step-down."""
         return {
             "gpu_state_blocks": [self.before.gpu_state_blocks, self.after.gpu_state_blocks],
-            "layer_inputs": [self.before.boundaries.describe(), self.after.boundaries.describe()],
-            "mlp_tiles": [self.before.mlp_tiles, self.after.mlp_tiles],
+            "layer_inputs": [_inputs(self.before), _inputs(self.after)],
+            "mlp_tiles": [self.before.tile_count, self.after.tile_count],
             "gpu_margin_gib": list(self.margin_gib),
             "pred_gpu_peak_gib": [round(n / GIB, 2) for n in self.peak_bytes],
             "pred_step_s": [round(t, 3) for t in self.step_s],
         }
+
+
+def _inputs(plan: EnginePlan) -> str:
+    return plan.boundaries.describe() if plan.boundaries else "layer inputs on the GPU"
 
 
 class PlanBuilder:
@@ -108,18 +97,19 @@ class PlanBuilder:
         self,
         cfg: TrainConfig,
         *,
+        placement: Placement,
         hardware: Hardware | None = None,
-        placement: Placement | None = None,
     ) -> None:
-        """`placement` None: this process, alone, on `training.device` resolved here.
-        `megatrain estimate` passes the placement it plans for (a GPU it may not have)."""
+        """`placement`: where the run goes (`megatrain estimate` passes the one it plans for,
+        a GPU it may not have; a run its own, distributed.placement_here)."""
         self.cfg = cfg
-        self.placement = placement or placement_here(cfg.training.device)
+        self.placement = placement
         self._hardware = hardware
         self._gpu_reserve_bytes = 0
 
     @property
-    def device(self) -> torch.device:
+    def device(self) -> Any:
+        """torch.device of the run."""
         return self.placement.device
 
     # ---------------------------------------------------------------- plan (no weights)
@@ -155,7 +145,7 @@ class PlanBuilder:
             seq_len=cfg.seq_len,
             num_slots=cfg.memory.num_slots,
             layout=layout or cfg.layout,
-            clipping=cfg.optimizer.clip_norm is not None,
+            clip_norm=cfg.optimizer.clip_norm,
             loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
             pin_memory=self.pin_memory,
             check_gpu=p.is_cuda,
@@ -166,6 +156,7 @@ class PlanBuilder:
             activation_offload=cfg.memory.activation_offload,
             checkpoint_every=cfg.memory.checkpoint_every,
             mlp_tiles=cfg.memory.mlp_tiles,
+            rank=p.rank,
         )
 
     def plan(
@@ -235,18 +226,11 @@ class PlanBuilder:
             self._gpu_reserve_bytes = nbytes
             self.__dict__.pop("_own_plan", None)  # planned again with the reservation
 
-    def engine_settings(self, num_layers: int) -> EngineSettings:
-        """The resolved settings the engine is built with (gpu_state_blocks, boundary_plan,
-        tile_policy below)."""
-        policy = self.tile_policy()
-        tiles = 0 if policy is None else policy.tiles
-        if policy is not None and policy.tiles is None and self.placement.is_cuda:
-            tiles = self.plan().mlp_tiles if self.cfg.memory.mlp_tiles == "auto" else None
-        return EngineSettings(
-            self.gpu_state_blocks(num_layers), self.boundary_plan(num_layers), tiles
-        )
+    def engine_plan(self) -> EnginePlan:
+        """The plan the engine runs: the resource plan's (this rank's GPU-tier count)."""
+        return self.plan().engine
 
-    def step_down(self, num_layers: int, shortfall_bytes: int) -> StepDown | None:
+    def step_down(self, shortfall_bytes: int) -> StepDown | None:
         """After a step ran out of GPU memory: plan again with `shortfall_bytes` more of the GPU
         left free (at least 1 GiB more margin): the GPU tier becomes the count "auto" picks
         with that margin, and at least one block fewer while there are any; the "auto"
@@ -257,14 +241,14 @@ class PlanBuilder:
         next engine it builds, and the config a checkpoint saves, are the smaller plan's.
         """
         cfg, mem = self.cfg, self.cfg.memory
-        before, old_plan = self.engine_settings(num_layers), self.plan()
+        before, old_plan = self.engine_plan(), self.plan()
         more_gib = max(1.0, math.ceil(4 * shortfall_bytes / GIB) / 4)
         margin = mem.gpu_margin_gib + more_gib
         # a given tier count proved too large: the new margin's "auto" count, if smaller
         self._replan(dataclasses.replace(mem, gpu_margin_gib=margin, gpu_state_blocks="auto"))
-        tier = min(self.gpu_state_blocks(num_layers), max(before.gpu_state_blocks - 1, 0))
+        tier = min(self.plan().gpu_state_blocks, max(before.gpu_state_blocks - 1, 0))
         self._replan(dataclasses.replace(self.cfg.memory, gpu_state_blocks=tier))
-        after = self.engine_settings(num_layers)
+        after = self.engine_plan()
         if after == before:
             self._replan(mem, cfg)
             return None
@@ -280,32 +264,3 @@ class PlanBuilder:
     def _replan(self, memory: Any, cfg: TrainConfig | None = None) -> None:
         self.cfg = dataclasses.replace(cfg or self.cfg, memory=memory)
         self.__dict__.pop("_own_plan", None)
-
-    def tile_policy(self) -> TilePolicy | None:
-        """The MLPs' sequence tiles (engine/tiling.py): memory.mlp_tiles, or for "auto" on the
-        GPU the plan's count (the fewest whose peak fits; the plan is then computed)."""
-        mem = self.cfg.memory
-        policy = TilePolicy.from_setting(mem.mlp_tiles, self.compiled)
-        if policy is None or mem.mlp_tiles != "auto" or not self.placement.is_cuda:
-            return policy
-        return self.plan().tile_policy(self.cfg.seq_len)
-
-    def boundary_plan(self, num_layers: int) -> BoundaryPlan:
-        """Where the layers' saved inputs wait: without "auto" in memory.activation_offload
-        and memory.checkpoint_every (or on the CPU), straight from them; else the plan's."""
-        mem = self.cfg.memory
-        plan = configured_boundaries(
-            num_layers, mem.activation_offload, mem.checkpoint_every, self.placement.is_cuda
-        )
-        plan = plan or self.plan().boundaries
-        assert plan is not None
-        return plan
-
-    def gpu_state_blocks(self, num_layers: int) -> int:
-        """GPU-tier blocks (layers, then embedding, then head): the config's count (clamped to
-        the model), or the plan's for "auto" (the plan is then computed, else not needed).
-        Several ranks: the least count of any rank (each plans its own GPU; the collectives
-        of a sharded tier need one count)."""
-        blocks = self.cfg.memory.gpu_state_blocks
-        count = min(blocks, num_layers + 2) if isinstance(blocks, int) else None
-        return least_on_ranks(self.plan().gpu_state_blocks if count is None else count)

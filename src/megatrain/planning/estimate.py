@@ -52,13 +52,14 @@ from transformers import PretrainedConfig
 
 from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
-from megatrain.engine.head import default_chunk_tokens
+from megatrain.engine.layout import SLOTS, DeviceLayout
+from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.planning.activations import LayerProfile, layer_profile, loss_chunk
 from megatrain.planning.hardware import Hardware, detect, gib
 from megatrain.planning.host_memory import HostMemory, host_memory, pinned_reserved
 from megatrain.planning.long_context import device_inputs, host_input_bytes
-from megatrain.planning.ranks import ONE_PROCESS, Ranks
-from megatrain.planning.spec import ModelSpec, build_spec
+from megatrain.planning.setup import Setup
+from megatrain.planning.spec import ModelSpec, block_sizes, build_spec
 from megatrain.planning.timing import StepTime, step_time
 
 
@@ -67,23 +68,7 @@ class GpuMemory:
     items: dict[str, int]  # at the peak phase, name -> bytes; sums to peak_bytes
     peak_bytes: int
     peak_phase: str  # "layer backward", "loss" or "embedding backward"
-
-    @property
-    def persistent_bytes(self) -> int:
-        """What the engine keeps on the GPU between steps (a step's activations are freed)."""
-        return sum(self.items.get(k, 0) for k in PERSISTENT_ITEMS)
-
-
-PERSISTENT_ITEMS = (
-    "GPU tier (fp32 master, m, v, gradient, weights)",
-    "weight slots",
-    "gradient accumulators (fp32)",
-    "gradient staging (bf16)",
-    "head weights",
-    "tied lm_head table",
-    "head + embedding gradients (fp32)",
-)
-"""The GPU items of `gpu_memory` that live across steps."""
+    persistent_bytes: int  # what the engine keeps between steps (engine/layout.py)
 
 
 @dataclass(frozen=True)
@@ -125,131 +110,49 @@ def model_spec(
     return build_spec(config, dtype, attn_implementation)
 
 
-def estimate(
-    config: PretrainedConfig | ModelSpec,
-    *,
-    seq_len: int,
-    micro_batch_size: int,
-    grad_accum: int = 1,
-    compute_dtype: str | torch.dtype | None = None,
-    num_slots: int = 2,
-    padded: bool = True,
-    packed: bool = False,
-    clipping: bool = True,
-    hardware: Hardware | None = None,
-    loss_chunk_tokens: int | None = None,
-    data_bytes: int = 0,
-    pin_memory: bool = True,
-    state_dtype: str = "fp32",
-    gpu_state_blocks: int = 0,
-    compiled: bool = False,
-    boundary_plan: BoundaryPlan | None = None,
-    mlp_tiles: int = 1,
-    ranks: Ranks = ONE_PROCESS,
-) -> Estimate:
-    """Predict host RAM, GPU peak and step time of training `config` with these settings.
-
-    `boundary_plan`: where the layers' saved inputs wait (planning/long_context.py; None: all
-    on the GPU); `mlp_tiles`: sequence tiles of each layer's MLP (engine/tiling.py).
-
-    `gpu_state_blocks`: blocks kept on the GPU with their optimizer states, counted layers
-    first, then embedding, then head (engine/tier.py); more than the model has means all.
-
-    `padded`: micro-batches carry padding masks (4-D [B,1,S,S] masks under sdpa); `packed`:
-    rows of several samples (position ids restart); neither: full rows, no mask.
-    `ranks`: the processes the run is planned for (several: per-rank batch, per-rank GPU with
-    the GPU tier's states sharded, per-node host).
-    `clipping`: gradient-norm clipping on (the optimizer then starts after the backward).
-    `compute_dtype` "bf16" or "fp32"; None: the spec's, or bf16 for a config.
-    `state_dtype`: the AdamW states' layout, "fp32", "bf16" or "int8" (optimizer.state_dtype).
-    `compiled`: decoder layers run torch.compile'd (training.compile_layers).
-    """
-    for name, value in (
-        ("seq_len", seq_len),
-        ("micro_batch_size", micro_batch_size),
-        ("grad_accum", grad_accum),
-        ("num_slots", num_slots),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if padded and packed:
-        raise ValueError("a micro-batch is either padded or packed, not both")
-    spec = model_spec(config, compute_dtype)
-    tier = min(max(gpu_state_blocks, 0), spec.num_layers + 2)
-    slots = min(num_slots, spec.num_layers - min(tier, spec.num_layers))  # streamed layers only
-    hw = hardware or detect()
-    layout = "padded" if padded else "packed" if packed else "full"
-    chunk = min(
-        loss_chunk_tokens or default_chunk_tokens(spec.vocab_size), micro_batch_size * seq_len
+def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) -> Estimate:
+    """Predict host RAM, GPU peak and step time of training `spec` as `setup` says, on
+    `hardware` (None: this machine's, detected)."""
+    plan, hw = setup.engine, hardware or detect()
+    tier = min(plan.gpu_state_blocks, tier_size(spec.num_layers))
+    layout = DeviceLayout.of(plan, block_sizes(spec), spec.compute_dtype)
+    chunk = min(plan.loss_chunk_tokens, setup.tokens_mb)
+    tiles = setup.tile_count
+    # the engine splits attention heads where it tiles: not for compiled layers
+    split = tiles > 1 and not plan.compile_layers
+    profile = layer_profile(
+        spec, setup.micro_batch_size, setup.seq_len, setup.layout, tiles, split, plan.untiled
     )
-    # the engine splits attention heads where it tiles: not for compiled layers (recipes/builder.py)
-    split = mlp_tiles > 1 and not compiled
-    profile = layer_profile(spec, micro_batch_size, seq_len, layout, mlp_tiles, split)
-    plan = boundary_plan or BoundaryPlan.on_device(spec.num_layers)
-    input_bytes = micro_batch_size * seq_len * spec.hidden_size * spec.compute_dtype.itemsize
-    reserved = pinned_reserved if pin_memory else (lambda n: n)
-    gpu = gpu_memory(
-        spec,
-        profile,
-        tokens_mb=micro_batch_size * seq_len,
-        micro_batches=grad_accum,
-        num_slots=slots,
-        chunk_tokens=chunk,
-        gpu_state_blocks=tier,
-        ranks=ranks,
-        device_inputs=device_inputs(plan),
-    )
+    boundaries = plan.boundary_plan(spec.num_layers)
+    input_bytes = setup.tokens_mb * spec.hidden_size * spec.compute_dtype.itemsize
+    reserved = pinned_reserved if setup.pin_memory else (lambda n: n)
+    gpu = gpu_memory(spec, profile, setup, layout, chunk)
     host = host_memory(
         spec,
         hw,
-        data_bytes=data_bytes,
-        offload_bytes=host_input_bytes(plan, input_bytes, grad_accum, reserved),
-        pin_memory=pin_memory,
-        state_dtype=state_dtype,
+        data_bytes=setup.data_bytes,
+        offload_bytes=host_input_bytes(boundaries, input_bytes, setup.grad_accum, reserved),
+        pin_memory=setup.pin_memory,
+        state_dtype=setup.state_dtype,
         gpu_state_blocks=tier,
-        ranks=ranks,
+        ranks=setup.ranks,
     )
-    chunks_per_mb = -(-micro_batch_size * seq_len // chunk)
     timing = step_time(
         spec,
         hw,
-        rows=micro_batch_size,
-        seq=seq_len,
-        micro_batches=grad_accum,
-        num_slots=slots,
-        clipping=clipping,
-        gpu_state_blocks=tier,
-        state_dtype=state_dtype,
-        compiled=compiled,
+        setup,
+        num_slots=layout[SLOTS].count if SLOTS in layout else 0,
         layer_ops=profile.ops,
-        recomputed=[plan.places[i + 1] == "none" for i in range(spec.num_layers - 1)] + [False],
-        loss_ops=chunks_per_mb * loss_chunk(spec, chunk)[1],
-        ranks=ranks,
-    )
-    settings = dict(
-        seq_len=seq_len,
-        micro_batch_size=micro_batch_size,
-        grad_accum=grad_accum,
-        tokens_per_step=seq_len * micro_batch_size * grad_accum,
-        compute_dtype="bf16" if spec.compute_dtype == torch.bfloat16 else "fp32",
-        num_slots=slots,
-        layout=layout,
-        clipping=clipping,
-        loss_chunk_tokens=chunk,
-        state_dtype=state_dtype,
-        gpu_state_blocks=tier,
-        compiled=compiled,
-        activations=plan.describe(),
-        mlp_tiles=mlp_tiles,
-        nproc_per_node=ranks.nproc_per_node,
-        nnodes=ranks.nnodes,
+        recomputed=[boundaries.places[i + 1] == "none" for i in range(spec.num_layers - 1)]
+        + [False],
+        loss_ops=-(-setup.tokens_mb // chunk) * loss_chunk(spec, chunk)[1],
     )
     return Estimate(
         model=spec.describe(),
         total_params=spec.total_params,
         active_params=spec.active_params,
         layer_params_max=spec.layer_params_max,
-        settings=settings,
+        settings=_settings(spec, setup, layout, chunk, tier, boundaries),
         host=host,
         gpu=gpu,
         time=timing,
@@ -258,61 +161,66 @@ def estimate(
     )
 
 
-def gpu_memory(
+def _settings(
     spec: ModelSpec,
-    profile: LayerProfile,
-    *,
-    tokens_mb: int,
-    micro_batches: int,
-    num_slots: int,
-    chunk_tokens: int,
-    gpu_state_blocks: int = 0,
-    device_inputs: int | None = None,
-    ranks: Ranks = ONE_PROCESS,
+    setup: Setup,
+    layout: DeviceLayout,
+    chunk: int,
+    tier: int,
+    boundaries: BoundaryPlan,
+) -> dict[str, Any]:
+    plan = setup.engine
+    return dict(
+        seq_len=setup.seq_len,
+        micro_batch_size=setup.micro_batch_size,
+        grad_accum=setup.grad_accum,
+        tokens_per_step=setup.tokens_mb * setup.grad_accum,
+        compute_dtype="bf16" if spec.compute_dtype == torch.bfloat16 else "fp32",
+        num_slots=layout[SLOTS].count if SLOTS in layout else 0,
+        layout=setup.layout,
+        clipping=plan.clip_norm is not None,
+        loss_chunk_tokens=chunk,
+        state_dtype=setup.state_dtype,
+        gpu_state_blocks=tier,
+        compiled=plan.compile_layers,
+        activations=boundaries.describe(),
+        mlp_tiles=setup.tile_count,
+        nproc_per_node=setup.ranks.nproc_per_node,
+        nnodes=setup.ranks.nnodes,
+    )
+
+
+def gpu_memory(
+    spec: ModelSpec, profile: LayerProfile, setup: Setup, layout: DeviceLayout, chunk_tokens: int
 ) -> GpuMemory:
-    """`device_inputs`: saved layer inputs per micro-batch on the device at the backward's peak
-    (planning/long_context.py; None: every layer's)."""
-    c = torch.finfo(spec.compute_dtype).bits // 8
-    bf16 = spec.compute_dtype == torch.bfloat16
-    n = spec.num_layers
-    streamed = [la.params for la in spec.layers[gpu_state_blocks:]]
-    embed_tier, head_tier = gpu_state_blocks > n, gpu_state_blocks > n + 1
-    pl, d, table = max(streamed, default=0), spec.hidden_size, spec.embed_params
-    head = 0 if head_tier else spec.head_params  # streamed head / embedding: their buffers
-    streamed_table = 0 if embed_tier else table
-    tier_blocks = [la.params for la in spec.layers[:gpu_state_blocks]]
-    tier_blocks += [table] * embed_tier + [spec.head_params] * head_tier
-    # fp32 master (unless it is the weights), m, v, gradient: the rank's shard of each block
-    tier_states = sum(ranks.shard(p) for p in tier_blocks) * (16 if bf16 else 12)
-    sharded = ranks.world > 1  # a tier's gradients accumulate in the shared buffers
-    acc_pl = max((la.params for la in spec.layers), default=0) if sharded else pl
-    acc_head, acc_table = (spec.head_params, table) if sharded else (head, streamed_table)
-    tokens = tokens_mb * micro_batches
-    layer_peak, captured = profile.peak_bytes, profile.captured_bytes
+    """The GPU at each phase of the step: the engine's persistent buffers (`layout`) plus what
+    the phase holds; the peak phase's items."""
+    c = spec.compute_dtype.itemsize
+    d, ranks, mbs = spec.hidden_size, setup.ranks, setup.grad_accum
+    tokens_mb, tokens = setup.tokens_mb, setup.tokens_mb * setup.grad_accum
+    tier = TierSplit.of(spec.num_layers, setup.engine.gpu_state_blocks)
+    streamed_table = 0 if tier.embed else spec.embed_params
+    boundaries = setup.engine.boundary_plan(spec.num_layers)
     base = {
-        "GPU tier (fp32 master, m, v, gradient, weights)": sum(tier_blocks) * c + tier_states,
-        "weight slots": num_slots * pl * c,
-        "gradient accumulators (fp32)": 2 * acc_pl * 4,
-        "gradient staging (bf16)": 2 * acc_pl * 2 if bf16 else 0,
-        "head weights": head * c,
-        "tied lm_head table": streamed_table * c if spec.tied else 0,
-        "head + embedding gradients (fp32)": (acc_head + acc_table) * 4,
-        "embedding rows": micro_batches * min(tokens_mb, spec.vocab_size) * d * c,
-        "captured masks + rotary": micro_batches * captured,
-        "all-gathered embedding table (ranks)": streamed_table * c if sharded else 0,
-        "reduce-scatter output (ranks, fp32)": ranks.shard(pl) * 4 if ranks.world > 1 else 0,
+        **layout.bytes_by_name(),
+        "embedding rows": mbs * min(tokens_mb, spec.vocab_size) * d * c,
+        "captured masks + rotary": mbs * profile.captured_bytes,
+        "reduce-scatter output (ranks, fp32)": (
+            ranks.shard(max((la.params for la in spec.layers), default=0)) * 4
+            if ranks.world > 1
+            else 0
+        ),
     }
+    inputs = device_inputs(boundaries)
     boundary = {
-        "boundary activations": (spec.num_layers if device_inputs is None else device_inputs)
-        * tokens
-        * d
-        * c,
+        "boundary activations": (spec.num_layers if inputs is None else inputs) * tokens * d * c,
         "last hidden / its gradient": tokens * d * c,
     }
+    bf16 = spec.compute_dtype == torch.bfloat16
     phases = {
         "layer backward": {
             **boundary,
-            "one layer recompute + backward": layer_peak,
+            "one layer recompute + backward": profile.peak_bytes,
             "attention backward workspace": profile.workspace_extra_bytes,
         },
         "loss": {
@@ -326,7 +234,12 @@ def gpu_memory(
     }
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     items = {k: v for k, v in {**base, **phases[phase]}.items() if v}
-    return GpuMemory(items=items, peak_bytes=sum(items.values()), peak_phase=phase)
+    return GpuMemory(
+        items=items,
+        peak_bytes=sum(items.values()),
+        peak_phase=phase,
+        persistent_bytes=layout.total_bytes,
+    )
 
 
 def _notes(hw: Hardware) -> list[str]:

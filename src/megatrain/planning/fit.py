@@ -12,8 +12,8 @@ def check_fits(
     est: Estimate,
     hardware: Hardware | None = None,
     *,
-    host_margin_gib: float = 4.0,
-    gpu_margin_gib: float = 2.0,
+    host_margin_gib: float,
+    gpu_margin_gib: float,
 ) -> None:
     """Raise ValueError, with the numbers and what to change, when host RAM or GPU won't do."""
     hw = hardware or est.hardware

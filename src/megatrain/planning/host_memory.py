@@ -10,6 +10,7 @@ import torch
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
 from megatrain.planning.spec import ModelSpec
+from megatrain.store.memory import HUGE_PAGE_MIN_BYTES
 from megatrain.store.states import state_nbytes
 
 
@@ -38,9 +39,6 @@ class HostMemory:
         most whose peak fits, at least 1 (one at a time; the fit check reports the rest)."""
         fits = [n for n in range(1, local + 1) if self.load_peak_at_once(n) <= room]
         return max(fits, default=1)
-
-
-HOST_REGISTER_MIN_BYTES = 32 << 20
 
 
 def host_memory(
@@ -113,6 +111,6 @@ def pinned_reserved(nbytes: int) -> int:
     size rounded up to 2 MiB. Smaller ones come from torch's caching host allocator, which
     rounds up to a power of two.
     """
-    if nbytes >= HOST_REGISTER_MIN_BYTES:
+    if nbytes >= HUGE_PAGE_MIN_BYTES:
         return -(-nbytes // (2 << 20)) * (2 << 20)
     return _pow2_ceil(nbytes)

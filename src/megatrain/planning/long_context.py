@@ -19,10 +19,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from megatrain.choices import OFFLOAD_CHOICES
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.planning.hardware import gib
-
-OFFLOAD_CHOICES = ("auto", "on", "off")
 
 
 def device_inputs(plan: BoundaryPlan) -> int:

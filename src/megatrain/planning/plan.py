@@ -39,7 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain.engine.boundaries import BoundaryPlan
-from megatrain.engine.tiling import TilePolicy
+from megatrain.engine.head import default_chunk_tokens
+from megatrain.engine.plan import EnginePlan, tier_size
+from megatrain.engine.tiling import TilePolicy, tileable, untiled_layers
 from megatrain.layouts import LAYOUTS
 from megatrain.planning.batch_size import pick_micro_batch
 from megatrain.planning.estimate import Estimate, estimate
@@ -48,18 +50,19 @@ from megatrain.planning.hardware import GIB, Hardware, gib
 from megatrain.planning.host_memory import pinned_reserved
 from megatrain.planning.long_context import choose_boundaries
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
+from megatrain.planning.setup import Setup
 from megatrain.planning.spec import ModelSpec
 
 
 @dataclass(frozen=True)
 class RunShape:
-    """What the estimate needs besides the model and the batch: the run's fixed settings."""
+    """The run's fixed settings as configured ("auto" where the plan decides)."""
 
     seq_len: int
     num_slots: int
     layout: str  # "padded" rows (masks), "packed" samples, or "full" rows without mask
-    clipping: bool
-    loss_chunk_tokens: int | None
+    clip_norm: float | None  # gradient-norm clipping; None: off
+    loss_chunk_tokens: int | None  # None: the head's default for the vocabulary
     pin_memory: bool
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
     state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
@@ -69,23 +72,53 @@ class RunShape:
     checkpoint_every: int | str = 1  # one layer input kept every K layers, or "auto"
     mlp_tiles: int | str = 1  # sequence tiles of the MLPs, or "auto" (engine/tiling.py)
     ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
+    rank: int = 0  # this process's rank
 
-    @property
-    def tile_count(self) -> int:
-        policy = TilePolicy.from_setting(self.mlp_tiles, self.compiled)  # as the builder's
+    def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:
+        """The engine's tiling: none where layers draw random numbers (engine/tiling.py); for
+        "auto" on the GPU `count` tiles at seq_len (shorter rows in proportion), else the
+        setting's policy."""
+        if not tileable(spec.structure):
+            return None
+        auto_here = self.mlp_tiles == "auto" and self.check_gpu and not self.compiled
+        if auto_here and count is not None:
+            return TilePolicy(None, tile_tokens=math.ceil(self.seq_len / count))
+        return TilePolicy.from_setting(self.mlp_tiles, self.compiled)
+
+    def most_tiles(self, spec: ModelSpec) -> int:
+        """The setting's tile count at seq_len (for "auto", the most it allows)."""
+        policy = self.tile_policy(spec)
         return 1 if policy is None else policy.count(self.seq_len)
 
-    def estimate_kwargs(self) -> dict[str, Any]:
-        assert self.layout in LAYOUTS, self.layout
-        return dict(
-            seq_len=self.seq_len,
+    def engine_plan(
+        self, spec: ModelSpec, tier: int, boundaries: BoundaryPlan | None, tiles: int | None
+    ) -> EnginePlan:
+        """The engine's plan with `tier` blocks, `boundaries` and `tiles` (a count for "auto")."""
+        policy = self.tile_policy(spec, tiles)
+        return EnginePlan(
             num_slots=self.num_slots,
-            padded=self.layout == "padded",
-            packed=self.layout == "packed",
-            clipping=self.clipping,
-            loss_chunk_tokens=self.loss_chunk_tokens,
+            clip_norm=self.clip_norm,
+            loss_chunk_tokens=self.loss_chunk_tokens or default_chunk_tokens(spec.vocab_size),
+            compile_layers=self.compiled,
+            gpu_state_blocks=min(tier, tier_size(spec.num_layers)),
+            boundaries=boundaries,
+            tiles=policy,
+            untiled=untiled_layers(spec.structure) if policy is not None else frozenset(),
+            world_size=self.ranks.world,
+            rank=self.rank,
+        )
+
+    def setup(self, engine: EnginePlan, micro_batch_size: int, grad_accum: int) -> Setup:
+        assert self.layout in LAYOUTS, self.layout
+        return Setup(
+            engine,
+            seq_len=self.seq_len,
+            micro_batch_size=micro_batch_size,
+            grad_accum=grad_accum,
+            layout=self.layout,
+            state_dtype=self.state_dtype,
             pin_memory=self.pin_memory,
-            compiled=self.compiled,
+            ranks=self.ranks,
         )
 
 
@@ -96,6 +129,7 @@ class ResourcePlan:
     micro_batch_size: int
     grad_accum: int
     estimate: Estimate
+    engine: EnginePlan  # what the engine runs (this rank's tier count: the builder agrees one)
     batch_reason: str | None  # why "auto" chose this micro-batch (None: it was given)
     problems: tuple[str, ...]
     gpu_state_blocks: int = 0  # blocks (layers, embedding, head) whose states live on the GPU
@@ -104,10 +138,6 @@ class ResourcePlan:
     boundary_reason: str | None = None
     mlp_tiles: int = 1  # sequence tiles of the MLPs at seq_len (engine/tiling.py)
     tiles_reason: str | None = None  # why "auto" chose that many (None: set, or no choice)
-
-    def tile_policy(self, seq_len: int) -> TilePolicy:
-        """The engine's tiling: `mlp_tiles` tiles at seq_len, shorter rows in proportion."""
-        return TilePolicy(None, tile_tokens=math.ceil(seq_len / self.mlp_tiles))
 
     @property
     def fits(self) -> bool:
@@ -131,8 +161,8 @@ def plan_resources(
     micro_batch_size: int | str,
     grad_accum: int = 1,
     tokens_per_step: int | None = None,
-    gpu_margin_gib: float = 2.0,
-    host_margin_gib: float = 4.0,
+    gpu_margin_gib: float,
+    host_margin_gib: float,
     gpu_reserve_bytes: int = 0,
 ) -> ResourcePlan:
     """Resolve the batch ("auto" or given) and predict the run.
@@ -145,46 +175,31 @@ def plan_resources(
     """
     reason = None
     gpu_margin_gib = shape.ranks.gpu_margin_gib(gpu_margin_gib)  # NCCL's buffers under ranks
+    most_tiles = shape.most_tiles(spec)
     if micro_batch_size == "auto":
         target: dict[str, Any] = (
             {"tokens_per_step": tokens_per_step}
             if tokens_per_step is not None
             else {"grad_accum": grad_accum}
         )
+        template = shape.setup(shape.engine_plan(spec, 0, None, most_tiles), 1, 1)
         micro_batch_size, grad_accum, reason = pick_micro_batch(
-            spec,
-            hardware=hardware,
-            gpu_margin_gib=gpu_margin_gib,
-            state_dtype=shape.state_dtype,
-            mlp_tiles=shape.tile_count,
-            ranks=shape.ranks,
-            **target,
-            **shape.estimate_kwargs(),
+            spec, template, hardware=hardware, gpu_margin_gib=gpu_margin_gib, **target
         )
     elif tokens_per_step is not None:
         grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)
     assert isinstance(micro_batch_size, int)
 
     def predict(
-        tier: int, boundaries: BoundaryPlan | None = None, tiles: int = shape.tile_count
+        tier: int, boundaries: BoundaryPlan | None = None, tiles: int = most_tiles
     ) -> Estimate:
-        return estimate(
-            spec,
-            micro_batch_size=micro_batch_size,
-            grad_accum=grad_accum,
-            hardware=hardware,
-            gpu_state_blocks=tier,
-            state_dtype=shape.state_dtype,
-            boundary_plan=boundaries,
-            mlp_tiles=tiles,
-            ranks=shape.ranks,
-            **shape.estimate_kwargs(),
-        )
+        engine = shape.engine_plan(spec, tier, boundaries, tiles)
+        return estimate(spec, shape.setup(engine, micro_batch_size, grad_accum), hardware)
 
     boundaries, boundary_reason = _pick_boundaries(
         spec, shape, predict(0), hardware, gpu_margin_gib, host_margin_gib
     )
-    tiles, tiles_reason = shape.tile_count, None
+    tiles, tiles_reason = most_tiles, None
     if shape.mlp_tiles == "auto" and shape.check_gpu and tiles > 1:
         budget = hardware.gpu_bytes - gpu_margin_gib * GIB
         tiles, tiles_reason = _pick_tiles(
@@ -198,14 +213,14 @@ def plan_resources(
     elif shape.gpu_state_blocks == "auto":
         tier, tier_reason = _pick_tier(
             predict,
-            spec.num_layers + 2,
+            tier_size(spec.num_layers),
             shape.check_gpu,
             hardware,
             gpu_margin_gib,
             gpu_reserve_bytes,
         )
     else:
-        tier = min(int(shape.gpu_state_blocks), spec.num_layers + 2)
+        tier = min(int(shape.gpu_state_blocks), tier_size(spec.num_layers))
     est = predict(tier)
     problems = [host_problem(est, hardware, host_margin_gib)]
     if shape.check_gpu:
@@ -214,6 +229,7 @@ def plan_resources(
         micro_batch_size=micro_batch_size,
         grad_accum=grad_accum,
         estimate=est,
+        engine=shape.engine_plan(spec, tier, boundaries, tiles),
         batch_reason=reason,
         problems=tuple(p for p in problems if p),
         gpu_state_blocks=tier,

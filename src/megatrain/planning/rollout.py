@@ -95,7 +95,7 @@ def rollout_estimate(
     prompt_tokens: int,
     completion_tokens: int,
     streamed: bool = False,
-    num_slots: int = 2,
+    num_slots: int | None = None,
     decode: str = "generate",
 ) -> RolloutEstimate:
     """Predict the rollout phase of one generation batch (see the module docstring);
@@ -104,6 +104,7 @@ def rollout_estimate(
     n, lp, lc = sequences, prompt_tokens, completion_tokens
     layer_bytes = sum(la.params for la in spec.layers) * c
     if streamed:
+        assert num_slots is not None, "a streamed rollout needs memory.num_slots"
         slots = min(num_slots, spec.num_layers)
         weights = (spec.embed_params + spec.head_params + slots * spec.layer_params_max) * c
     else:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from megatrain.engine.layout import BlockSizes
 from megatrain.model.structure import ModelStructure, discover
 
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -223,3 +224,10 @@ def _expert_counts(text: PretrainedConfig) -> tuple[int, int] | None:
         if isinstance(num, int) and num > 0 and isinstance(top_k, int) and top_k > 0:
             return num, top_k
     return None
+
+
+def block_sizes(spec: ModelSpec) -> BlockSizes:
+    """The spec's blocks as the engine's device layout sees them (engine/layout.py)."""
+    return BlockSizes(
+        tuple(la.params for la in spec.layers), spec.embed_params, spec.head_params, spec.tied
+    )

@@ -47,8 +47,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain.engine.plan import TierSplit
 from megatrain.planning.hardware import Hardware
-from megatrain.planning.ranks import ONE_PROCESS, Ranks
+from megatrain.planning.ranks import Ranks
+from megatrain.planning.setup import Setup
 from megatrain.planning.spec import LayerSpec, ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
@@ -122,23 +124,24 @@ def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
 def step_time(
     spec: ModelSpec,
     hw: Hardware,
+    setup: Setup,
     *,
-    rows: int,
-    seq: int,
-    micro_batches: int,
     num_slots: int,
-    clipping: bool,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
-    gpu_state_blocks: int = 0,
-    state_dtype: str = "fp32",
-    compiled: bool = False,
-    recomputed: list[bool] | None = None,
-    ranks: Ranks = ONE_PROCESS,
+    recomputed: list[bool],
 ) -> StepTime:
-    """`layer_ops`: per layer (forward ops, recompute + backward ops) of one micro-batch;
-    `loss_ops`: ops of one micro-batch's loss (all its chunks); `recomputed[i]`: layer i's
-    forward runs once more in the backward (its output was not kept, engine/boundaries.py)."""
+    """`num_slots`: slots of the streamed layers; `layer_ops`: per layer (forward ops,
+    recompute + backward ops) of one micro-batch; `loss_ops`: ops of one micro-batch's loss
+    (all its chunks); `recomputed[i]`: layer i's forward runs once more in the backward (its
+    output was not kept, engine/boundaries.py)."""
+    plan = setup.engine
+    rows, seq, micro_batches, ranks = (
+        setup.micro_batch_size,
+        setup.seq_len,
+        setup.grad_accum,
+        setup.ranks,
+    )
     costs, flops = _costs(
         spec,
         hw,
@@ -146,13 +149,13 @@ def step_time(
         seq=seq,
         micro_batches=micro_batches,
         num_slots=num_slots,
-        clipping=clipping,
+        clipping=plan.clip_norm is not None,
         layer_ops=layer_ops,
         loss_ops=loss_ops,
-        tier=min(gpu_state_blocks, spec.num_layers + 2),
-        state_dtype=state_dtype,
-        compiled=compiled,
-        recomputed=recomputed or [False] * spec.num_layers,
+        tier=TierSplit.of(spec.num_layers, plan.gpu_state_blocks),
+        state_dtype=setup.state_dtype,
+        compiled=plan.compile_layers,
+        recomputed=recomputed,
         ranks=ranks,
     )
     step_s = _Replay(costs).run(_STEPS)
@@ -196,7 +199,7 @@ def _costs(
     clipping: bool,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
-    tier: int,
+    tier: TierSplit,
     state_dtype: str,
     compiled: bool,
     recomputed: list[bool],
@@ -220,10 +223,10 @@ def _costs(
     probed = STATE_DTYPE_SPEED[hw.optimizer_state_dtype]  # 1 when the rate is this kernel's
     opt_rate = hw.optimizer_gparams_s * 1e9 * STATE_DTYPE_SPEED[state_dtype] / probed
     gpu_opt_rate = GPU_ADAMW_GPARAMS_S * 1e9
-    n, resident = spec.num_layers, min(tier, spec.num_layers)
+    n, resident = spec.num_layers, tier.layers
     # per block in forward order (embedding, layers, head): parameters the host updates
     params = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
-    on_gpu = [tier > n, *(i < resident for i in range(n)), tier > n + 1]
+    on_gpu = [tier.embed, *(i < resident for i in range(n)), tier.head]
     host = [0 if gpu else p for p, gpu in zip(params, on_gpu, strict=True)]
     shard = [ranks.shard(p) for p in host]  # what this rank copies and updates
     tier_params = [p - h for p, h in zip(params, host, strict=True)]

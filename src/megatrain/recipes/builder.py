@@ -30,6 +30,7 @@ world of one. Further model roles reuse `model()` and `store()`, as `reference()
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -38,12 +39,20 @@ import torch
 
 from megatrain.checkpoint.saving import export_hf
 from megatrain.checkpoint.shards import export_sharded
-from megatrain.config import config_to_dict
+from megatrain.config import TrainConfig, config_to_dict
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.ranks import RankLoader
 from megatrain.data.sample import Sample
-from megatrain.distributed import node_turns, on_rank0, rank_max
+from megatrain.distributed import (
+    Placement,
+    least_on_ranks,
+    node_turns,
+    on_rank0,
+    placement_here,
+    rank_max,
+)
 from megatrain.engine.engine import StreamingEngine
+from megatrain.engine.plan import EnginePlan
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.kernels import fall_back_where_refused
 from megatrain.model.loading import load_causal_lm
@@ -52,7 +61,7 @@ from megatrain.model.tokenizer import load_tokenizer
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.planning.builder import PlanBuilder
-from megatrain.planning.hardware import GIB
+from megatrain.planning.hardware import GIB, Hardware
 from megatrain.store.host import HostStore
 from megatrain.store.reference import ReferenceWeights
 from megatrain.store.shard import shard_master
@@ -68,6 +77,19 @@ class RunBuilder(PlanBuilder):
     so commands that need them in several places see one object. `model()` and `store()` build
     a new model each call (a second role would need its own copy).
     """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        hardware: Hardware | None = None,
+        placement: Placement | None = None,
+    ) -> None:
+        """`placement` None: this process's, on `training.device` (under torchrun its rank's:
+        the process group is joined here, distributed.placement_here)."""
+        super().__init__(
+            cfg, placement=placement or placement_here(cfg.training.device), hardware=hardware
+        )
 
     # ---------------------------------------------------------------- data
 
@@ -195,25 +217,24 @@ class RunBuilder(PlanBuilder):
             num_threads=opt.threads or optimizer_threads(self.placement.local_world_size),
         )
 
+    def engine_plan(self) -> EnginePlan:
+        """The plan the engine runs; several ranks agree on one GPU-tier count (each planned
+        its own GPU; the collectives of a sharded tier need one count): the least."""
+        plan = super().engine_plan()
+        if self.placement.world_size == 1:
+            return plan
+        return dataclasses.replace(plan, gpu_state_blocks=least_on_ranks(plan.gpu_state_blocks))
+
     def engine(
         self, structure: ModelStructure, store: HostStore, optimizer: CpuAdamW | None = None
     ) -> StreamingEngine:
-        cfg = self.cfg
         fall_back_where_refused(structure)  # a kernel package that would stop the run
         return StreamingEngine(
             structure,
             store,
             optimizer or self.optimizer(),
+            self.engine_plan(),
             device=self.device,
-            num_slots=cfg.memory.num_slots,
-            max_grad_norm=cfg.optimizer.clip_norm,
-            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-            compile_layers=self.compiled,
-            gpu_state_blocks=self.gpu_state_blocks(len(store.layers)),
-            world_size=self.placement.world_size,
-            rank=self.placement.rank,
-            boundary_plan=self.boundary_plan(len(store.layers)),
-            mlp_tiles=self.tile_policy(),
         )
 
     def export(self, store: HostStore) -> Path:

@@ -29,7 +29,7 @@ import torch
 
 from megatrain.checkpoint.saving import rng_state, set_rng_state
 from megatrain.engine.engine import StepResult, StreamingEngine
-from megatrain.engine.tier import tier_order
+from megatrain.engine.plan import tier_order
 from megatrain.errors import GpuOutOfMemory
 from megatrain.planning.builder import PlanBuilder, StepDown
 from megatrain.planning.hardware import GIB
@@ -83,16 +83,15 @@ def step_down(
         ) from error
     store = engine.store if engine is not None else store
     assert store is not None, "step_down needs the engine or the store"
-    layers = len(store.layers)
-    change = builder.step_down(layers, shortfall_bytes(error, builder.device))
+    change = builder.step_down(shortfall_bytes(error, builder.device))
     if change is None:
         raise GpuOutOfMemory(
             f"{where} and the plan has nothing left to give up "
-            f"({builder.engine_settings(layers).describe()}). To fit, {_FIX}"
+            f"({builder.engine_plan().describe()}). To fit, {_FIX}"
         ) from error
     if engine is not None:
         engine.abandon_step()
-    for block in tier_order(store)[change.after.gpu_state_blocks :]:
+    for block in tier_order(store.layers, store.embed, store.head)[change.after.gpu_state_blocks :]:
         if block.master.device.type != "cpu":  # a tier block leaving the GPU
             block.to_host(pin=builder.pin_memory)
     return change

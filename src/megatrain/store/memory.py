@@ -22,14 +22,16 @@ import weakref
 import torch
 
 _HUGE = 2 << 20
-_MIN_BYTES = 32 << 20  # below this, huge pages cannot matter
+HUGE_PAGE_MIN_BYTES = 32 << 20
+"""Host buffers this large are huge-page mappings (page-locked with cudaHostRegister when
+pinned); smaller ones come from torch's allocators. Below this, huge pages cannot matter."""
 
 
 def host_zeros(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
     """A zero-filled 1-D host tensor: large ones on huge pages, page-locked if `pin`."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
-    if nbytes < _MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(numel, dtype=dtype, pin_memory=pin)
     size = -(-nbytes // _HUGE) * _HUGE
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

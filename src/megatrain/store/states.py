@@ -31,7 +31,8 @@ from functools import cache
 
 import torch
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
+from megatrain.choices import STATE_DTYPES
+
 QUANT_BLOCK = 2048
 _MASK32 = 0xFFFFFFFF
 

@@ -50,7 +50,7 @@ def device_model(
     device: torch.device,
     *,
     streamed: bool = False,
-    num_slots: int = 2,
+    num_slots: int | None = None,
 ) -> Iterator[Any]:
     """The HF model on `device` in the store's compute dtype, with its current weights.
 
@@ -84,7 +84,10 @@ def device_model(
                 params[entry.full_name].copy_(block.view(block.source, entry), non_blocking=True)
                 filled.add(id(params[entry.full_name]))
     assert filled == {id(p) for p in made.values()}, "every parameter lives in a store block"
-    hooks = _stream_layers(list(layers.children()), store, device, num_slots) if streamed else []
+    hooks = []
+    if streamed:
+        assert num_slots is not None, "streamed generation needs memory.num_slots"
+        hooks = _stream_layers(list(layers.children()), store, device, num_slots)
     model.eval()
     try:
         yield model

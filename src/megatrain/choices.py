@@ -1,0 +1,13 @@
+"""Choice lists of settings that several layers check (defined once; no torch import).
+
+The config validates a user's value against them (config/), the store and the planner rely on
+them (store/states.py, planning/long_context.py). The row layouts have their own module
+(layouts.py).
+"""
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+"""optimizer.state_dtype: how AdamW's m and v are kept (store/states.py)."""
+
+OFFLOAD_CHOICES = ("auto", "on", "off")
+"""memory.activation_offload: whether layer inputs wait in host memory
+(planning/long_context.py)."""

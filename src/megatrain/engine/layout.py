@@ -1,0 +1,158 @@
+"""Every persistent GPU buffer of the engine, and its bytes: one description, two users.
+
+`DeviceLayout.of(plan, blocks, compute_dtype)` lists the buffers an engine running `plan` keeps
+on its device for the whole run; the engine allocates them from it (`empty`, `zeros`), and the
+planner's GPU figure (planning/estimate.py) sums the same list, built from the model's spec
+instead of its store (`BlockSizes`). A CPU test compares the list with the tensors an engine
+really holds (tests/engine/test_device_layout.py), so the two cannot drift apart.
+
+Buffers (c = bytes of the compute dtype; "streamed" = layers outside the GPU tier):
+- weight slots: min(num_slots, streamed) x the largest streamed layer, c each;
+- gradient accumulators: 2 x the largest layer whose gradient is shared (streamed layers; with
+  ranks every layer, a tier layer's gradient is reduce-scattered from them), fp32; and their
+  bf16 staging copies (bf16 compute only);
+- head weights and the tied table (the lm_head is the table: it goes up whole), c, unless in
+  the tier; head and embedding gradients, fp32, unless the tier block owns its gradient;
+- the gathered embedding table (ranks, embedding not in the tier), c;
+- the GPU tier: per block its fp32 master (unless it is the weights), m, v and gradient over
+  the rank's shard, and its whole weights in the compute dtype (engine/tier.py).
+
+Invariant: under ranks a block's device layout is its padded length (store/shard.py
+`shard_range`), its tier states the shard's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.engine.plan import EnginePlan, tier_order
+from megatrain.store.blocks import ParamBlock
+from megatrain.store.host import HostStore
+from megatrain.store.shard import shard_range
+
+FP32 = torch.float32
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """What the layout needs of the model's blocks: parameters per block."""
+
+    layers: tuple[int, ...]
+    embed: int
+    head: int
+    tied: bool
+
+    @classmethod
+    def of_store(cls, store: HostStore, tied: bool) -> BlockSizes:
+        """The store's blocks (their full parameter counts, also when sharded)."""
+
+        def full(b: ParamBlock) -> int:
+            return int(getattr(b, "full_numel", 0) or b.numel)
+
+        return cls(tuple(full(b) for b in store.layers), full(store.embed), full(store.head), tied)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    count: int  # buffers of this shape (weight slots: one per slot)
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        return self.count * self.numel * self.dtype.itemsize
+
+
+# names, as the estimate reports them (planning/estimate.py)
+SLOTS = "weight slots"
+ACCUMULATORS = "gradient accumulators (fp32)"
+STAGING = "gradient staging (bf16)"
+HEAD = "head weights"
+TABLE = "tied lm_head table"
+HEAD_GRAD = "head gradient (fp32)"
+EMBED_GRAD = "embedding gradient (fp32)"
+GATHERED = "all-gathered embedding table (ranks)"
+TIER = "GPU tier (fp32 master, m, v, gradient, weights)"
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    buffers: tuple[Buffer, ...]
+
+    @classmethod
+    def of(cls, plan: EnginePlan, blocks: BlockSizes, compute_dtype: torch.dtype) -> DeviceLayout:
+        world, c = plan.world_size, compute_dtype
+        padded = [shard_range(n, 0, world)[0] if world > 1 else n for n in _order(blocks)]
+        *layers, embed, head = padded
+        tier = min(plan.gpu_state_blocks, len(padded))
+        in_tier = [i < tier for i in range(len(padded))]
+        *layer_tier, embed_tier, head_tier = in_tier
+        streamed = [n for n, t in zip(layers, layer_tier, strict=True) if not t]
+        shared = layers if world > 1 else streamed  # gradients through the accumulators
+        acc = max(shared, default=0)
+        slots = min(plan.num_slots, len(streamed))
+        owns = world == 1  # a tier block owns its gradient (else reduce-scattered into it)
+        out = [
+            Buffer(SLOTS, slots, max(streamed, default=0), c),
+            Buffer(ACCUMULATORS, 2, acc, FP32),
+            Buffer(STAGING, 2 if c == torch.bfloat16 else 0, acc, torch.bfloat16),
+            Buffer(HEAD, 0 if head_tier else 1, head, c),
+            Buffer(TABLE, 1 if blocks.tied and not embed_tier else 0, embed, c),
+            Buffer(HEAD_GRAD, 0 if head_tier and owns else 1, head, FP32),
+            Buffer(EMBED_GRAD, 0 if embed_tier and owns else 1, embed, FP32),
+            Buffer(GATHERED, 1 if world > 1 and not embed_tier else 0, embed, c),
+        ]
+        tier_sizes = [n for n, t in zip(padded, in_tier, strict=True) if t]
+        states = 4 if c == torch.bfloat16 else 3  # fp32 master (unless the weights), m, v, grad
+        tier_bytes = sum(n * c.itemsize + states * 4 * (n // world) for n in tier_sizes)
+        out.append(Buffer(TIER, 1, tier_bytes, torch.uint8))
+        return cls(tuple(b for b in out if b.count and b.numel))
+
+    def __getitem__(self, name: str) -> Buffer:
+        return next(b for b in self.buffers if b.name == name)
+
+    def __contains__(self, name: str) -> bool:
+        return any(b.name == name for b in self.buffers)
+
+    def numel(self, name: str) -> int:
+        """A buffer's length; 0 for one the plan does not need."""
+        return self[name].numel if name in self else 0
+
+    def empty(self, name: str, device: torch.device) -> list[torch.Tensor]:
+        """The `count` buffers of `name` (none if the plan has none), uninitialised."""
+        if name not in self:
+            return []
+        b = self[name]
+        return [torch.empty(b.numel, dtype=b.dtype, device=device) for _ in range(b.count)]
+
+    def zeros(self, name: str, device: torch.device) -> torch.Tensor | None:
+        """The one buffer of `name`, zeroed; None if the plan has none."""
+        if name not in self:
+            return None
+        b = self[name]
+        assert b.count == 1, b
+        return torch.zeros(b.numel, dtype=b.dtype, device=device)
+
+    def bytes_by_name(self) -> dict[str, int]:
+        return {b.name: b.bytes for b in self.buffers}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.bytes for b in self.buffers)
+
+
+def _order(blocks: BlockSizes) -> Sequence[int]:
+    return tier_order(blocks.layers, blocks.embed, blocks.head)
+
+
+def held_bytes(tensors: dict[str, Sequence[torch.Tensor]]) -> dict[str, int]:
+    """Bytes of an engine's real buffers by layout name (what the layout test compares)."""
+    return {
+        name: sum(t.numel() * t.element_size() for t in ts)
+        for name, ts in tensors.items()
+        if sum(t.numel() for t in ts)
+    }

@@ -1,0 +1,44 @@
+"""What one prediction is of: the engine's resolved plan and the step's batch.
+
+`Setup` is the estimate's whole input besides the model and the hardware
+(planning/estimate.py `estimate(spec, setup, hardware)`); the planner builds it from the run's
+config (planning/plan.py), tests and `megatrain estimate`'s what-if flags build their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatrain.engine.plan import EnginePlan
+from megatrain.layouts import LAYOUTS
+from megatrain.planning.ranks import ONE_PROCESS, Ranks
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training setup to predict: the engine's plan and the step's batch."""
+
+    engine: EnginePlan
+    seq_len: int
+    micro_batch_size: int
+    grad_accum: int = 1
+    layout: str = "padded"  # "padded" rows (masks), "packed" samples, "full" rows (no mask)
+    state_dtype: str = "fp32"  # AdamW m and v on the host: "fp32", "bf16" or "int8"
+    pin_memory: bool = True
+    data_bytes: int = 0  # the tokenized data in host memory
+    ranks: Ranks = ONE_PROCESS  # several: per-rank batch and GPU, per-node host
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        assert self.layout in LAYOUTS, self.layout
+
+    @property
+    def tokens_mb(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def tile_count(self) -> int:
+        tiles = self.engine.tiles
+        return 1 if tiles is None else tiles.count(self.seq_len)

@@ -1,0 +1,102 @@
+"""The estimate of a setup given as keywords (what the resource tests vary), built into the
+planner's objects: `EnginePlan` and `Setup` (planning/estimate.py takes nothing else)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.engine.head import default_chunk_tokens
+from megatrain.engine.plan import EnginePlan
+from megatrain.engine.tiling import TilePolicy, untiled_layers
+from megatrain.planning.batch_size import pick_micro_batch
+from megatrain.planning.estimate import Estimate, estimate, model_spec
+from megatrain.planning.hardware import Hardware
+from megatrain.planning.ranks import ONE_PROCESS, Ranks
+from megatrain.planning.setup import Setup
+from megatrain.planning.spec import ModelSpec
+
+
+def setup_of(
+    spec: ModelSpec,
+    *,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    grad_accum: int = 1,
+    num_slots: int = 2,
+    padded: bool = True,
+    packed: bool = False,
+    clipping: bool = True,
+    loss_chunk_tokens: int | None = None,
+    data_bytes: int = 0,
+    pin_memory: bool = True,
+    state_dtype: str = "fp32",
+    gpu_state_blocks: int = 0,
+    compiled: bool = False,
+    boundary_plan: BoundaryPlan | None = None,
+    mlp_tiles: int = 1,
+    ranks: Ranks = ONE_PROCESS,
+) -> Setup:
+    if padded and packed:
+        raise ValueError("a micro-batch is either padded or packed, not both")
+    engine = EnginePlan(
+        num_slots=num_slots,
+        clip_norm=1.0 if clipping else None,
+        loss_chunk_tokens=loss_chunk_tokens or default_chunk_tokens(spec.vocab_size),
+        compile_layers=compiled,
+        gpu_state_blocks=gpu_state_blocks,
+        boundaries=boundary_plan,
+        tiles=TilePolicy(mlp_tiles),
+        untiled=untiled_layers(spec.structure),
+        world_size=ranks.world,
+    )
+    return Setup(
+        engine,
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        layout="padded" if padded else "packed" if packed else "full",
+        state_dtype=state_dtype,
+        pin_memory=pin_memory,
+        data_bytes=data_bytes,
+        ranks=ranks,
+    )
+
+
+def predict(
+    config: PretrainedConfig | ModelSpec,
+    *,
+    compute_dtype: str | None = None,
+    hardware: Hardware | None = None,
+    **setup: Any,
+) -> Estimate:
+    """`estimate` of `config` with the setup the keywords describe (setup_of)."""
+    spec = model_spec(config, compute_dtype)
+    return estimate(spec, setup_of(spec, **setup), hardware)
+
+
+def pick_batch(
+    config: PretrainedConfig | ModelSpec,
+    *,
+    seq_len: int,
+    hardware: Hardware,
+    tokens_per_step: int | None = None,
+    grad_accum: int | None = None,
+    gpu_margin_gib: float = 2.0,
+    compute_dtype: str | None = None,
+    max_micro_batch_size: int = 64,
+    **setup: Any,
+) -> tuple[int, int, str]:
+    """`pick_micro_batch` over the setup the keywords describe."""
+    spec = model_spec(config, compute_dtype)
+    return pick_micro_batch(
+        spec,
+        setup_of(spec, seq_len=seq_len, **setup),
+        tokens_per_step=tokens_per_step,
+        grad_accum=grad_accum,
+        hardware=hardware,
+        gpu_margin_gib=gpu_margin_gib,
+        max_micro_batch_size=max_micro_batch_size,
+    )
