@@ -16,11 +16,10 @@ import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
-import megatrain
 from megatrain.layering import ALLOWED, BASE, MAX_FILE_LINES, MAX_FUNCTION_LINES, NEVER
 
-SRC = Path(megatrain.__file__).resolve().parent
-ROOT = SRC.parent
+SRC = Path(__file__).resolve().parents[1] / "src" / "megatrain"  # this checkout's, not the venv's
+REPO = SRC.parents[1]
 
 # Issue 23: functions over the limit in files other engineers are rewriting now.
 KNOWN_LONG_FUNCTIONS: set[tuple[str, str]] = {
@@ -30,7 +29,8 @@ KNOWN_LONG_FUNCTIONS: set[tuple[str, str]] = {
 }
 KNOWN_LONG_FILES: set[str] = set()  # issue 23: none today
 
-# Issue 23: imports against the table, in files being rewritten (part, imported part).
+# Issue 23: imports against the table found when it was written (part, imported part); each
+# is for the lead to fix (or, if the style guide allows it, to move into ALLOWED).
 KNOWN_IMPORTS: set[tuple[str, str]] = {
     # model/loading.py: config.loading.parse_yaml_value; model/tokenizer.py: config.ModelConfig
     ("model", "config"),
@@ -80,7 +80,7 @@ def import_edges() -> dict[tuple[str, str], list[str]]:
             if names[0] != "megatrain" or len(names) < 2 or names[1] not in parts:
                 continue
             if names[1] != part:
-                where = f"{path.relative_to(ROOT.parent)}:{line} imports {module}"
+                where = f"{path.relative_to(REPO)}:{line} imports {module}"
                 edges.setdefault((part, names[1]), []).append(where)
     return edges
 
