@@ -1,4 +1,8 @@
-"""The `megatrain` commands, one module each: parse, build (megatrain.recipes.builder), run, report.
+"""The `megatrain` commands, one module each: parse, build, run, report.
+
+A run is assembled by megatrain.recipes.builder (RunBuilder), through the recipes (train, grpo),
+verify, or directly (data, export); estimate plans with its planning half,
+megatrain.planning.builder (PlanBuilder), which reads only the model's config.
 
 Each module has `register(subparsers)`, which adds its parser and sets `run` (the function
 taking the parsed namespace and returning the exit status) and, for commands that accept

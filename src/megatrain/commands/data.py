@@ -1,4 +1,5 @@
-"""`megatrain data --config FILE --show N [--json]`: processed rows and data statistics."""
+"""`megatrain data --config FILE [--show N] [--json] [--section.key VALUE ...]`: processed rows
+and data statistics."""
 
 from __future__ import annotations
 

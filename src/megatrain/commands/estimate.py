@@ -6,9 +6,10 @@
     megatrain estimate --config examples/grpo_demo.yaml --grpo   # + the rollout phase
 
 The run is described by a config as for `train` (a YAML file, or the short flags below on the
-defaults); the builder's resource plan (megatrain.recipes.builder) is what `train` checks before
-loading, so the two agree. Only the model's config is read; the model is built on the meta
-device. The run is planned for a GPU unless training.device is cpu.
+defaults); the resource plan of megatrain.planning.builder is the one `train` checks before
+loading (its RunBuilder extends that builder), so the two agree. Only the model's config is
+read; the model is built on the meta device. The run is planned for a GPU unless
+training.device is cpu.
 `--nproc-per-node N --nnodes M` plans the torchrun job: GPU numbers per rank, host numbers per
 node, the step with its collectives (planning/ranks.py); batch flags are per rank.
 The machine is this one (`--probe` measures its rates, a few seconds), with the H100 test

@@ -1,8 +1,9 @@
 """`megatrain export --checkpoint DIR --out DIR`: a checkpoint as a Hugging Face model folder.
 
 The run is rebuilt from the checkpoint's own config.yaml (or --config) by the same builder as
-`train`: the model structure (random init: the weights come from the checkpoint), a store in
-fp32, then the checkpoint's master weights, written as safetensors with the tokenizer.
+`train`, on the CPU: the model structure (random init: the weights come from the checkpoint), a
+store in fp32, then the checkpoint's master weights, written as safetensors in
+`checkpoint.export_dtype` (`--dtype`) with the tokenizer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`megatrain train --config FILE [--section.key VALUE ...]`: SFT from a YAML config."""
+"""`megatrain train --config FILE [--section.key VALUE ...]`: SFT (`data.stage: sft`) or
+continued pre-training on raw text (`data.stage: pt`) from a YAML config (recipes/sft.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     cfg = load_config("examples/qwen3_8b.yaml", ["--optimizer.learning_rate", "2e-5"])
     cfg.model, cfg.data, cfg.training, cfg.optimizer, cfg.memory, cfg.logging, cfg.checkpoint,
-    cfg.grpo (read by `megatrain grpo` only)
+    cfg.grpo (read by `megatrain grpo` and `megatrain estimate --grpo` only)
     save_config(cfg, out_dir / "config.yaml")       # load_config(that file) == cfg
 
 Sections map one to one onto YAML mappings (`model:`, `data:`, ...); `data` is
@@ -10,16 +10,18 @@ Sections map one to one onto YAML mappings (`model:`, `data:`, ...); `data` is
 `--section.key=VALUE` (a dict field also takes `--section.key.sub VALUE`); VALUE is read as a
 YAML scalar or flow collection (`true`, `3`, `2e-5`, `[0.9, 0.95]`, `null`); when that does not
 fit the field's type but the field takes a string, the raw text is used (`--data.system_prompt
-"Note: be brief"`). Only the trainer and the CLI read this module.
+"Note: be brief"`). Read by the CLI, the commands, the recipes, verify, the planner,
+checkpoint/output_dir.py and model/ (loading, tokenizer); never by the engine
+(megatrain/layering.py).
 
 Invariants:
 - Every field has a default; every section's defaults validate except `model`, which needs
-  exactly one of `name_or_path` / `model_type`.
+  exactly one of `name_or_path` / `model_type` (and `tokenizer` with `model_type`).
 - Values are type-checked against the field annotations on load: ints widen to float fields,
   YAML lists become tuples for tuple fields, nothing else is converted.
 - Every error is a ValueError (FileNotFoundError for a missing file) that names the key as
   `section.key`, the offending value and what is allowed.
-- `load_config(save_config(cfg))` gives back an equal `TrainConfig`.
+- `load_config` of the file `save_config(cfg, path)` wrote gives back an equal `TrainConfig`.
 """
 
 from megatrain.config.grpo import GRPOConfig

@@ -1,10 +1,19 @@
-"""Resource estimate: host RAM, GPU peak and step time of a training setup, from the config.
+"""The planner: from a model's config and the hardware, what a training run needs, before it runs.
 
-spec = model_spec(hf_config, "bf16")            # meta-device model, counted once
-hw = detect()  # or probe(), or Hardware(...)
-est = estimate(spec, seq_len=2048, micro_batch_size=4, grad_accum=8, hardware=hw)
-check_fits(est, hw, host_margin_gib=4, gpu_margin_gib=2)   # ValueError if not
-b, ga, why = pick_micro_batch(spec, seq_len=2048, tokens_per_step=65536, hardware=hw)
+The resource estimate (host RAM, GPU peak, step time) and its table, the micro-batch choice and
+the fit check, exported here; plan.py joins them into one resource plan and builder.py
+(PlanBuilder) builds that plan from a TrainConfig. Beside them: disk.py (bytes a run writes),
+ranks.py (a torchrun job's per-node and per-rank arithmetic), long_context.py (where layer inputs
+wait, MLP tiles), rollout.py (GRPO's rollout phase).
+
+    spec = model_spec(hf_config, "bf16")            # meta-device model, counted once
+    hw = detect()  # or probe(), or Hardware(...)
+    est = estimate(spec, seq_len=2048, micro_batch_size=4, grad_accum=8, hardware=hw)
+    check_fits(est, hw, host_margin_gib=4, gpu_margin_gib=2)   # ValueError if not
+    print(format_estimate(est))                     # the table `megatrain estimate` prints
+    b, ga, why = pick_micro_batch(spec, seq_len=2048, tokens_per_step=65536, hardware=hw)
+
+`hf_config` is a transformers PretrainedConfig (AutoConfig, or model/tiny.py's tiny_config).
 """
 
 from megatrain.planning.batch_size import pick_micro_batch

@@ -15,13 +15,29 @@ def _row(label: str, value: str, note: str = "") -> str:
 
 
 def format_estimate(est: Estimate) -> str:
-    s, hw, h, g, t = est.settings, est.hardware, est.host, est.gpu, est.time
-    bf16 = s["compute_dtype"] == "bf16"
-    peak_field = "gpu_tflops_bf16" if bf16 else "gpu_tflops_fp32"
+    """The table: the setup, then host RAM, GPU peak, step time and disk, then the notes."""
+    lines = [
+        *_setup_lines(est),
+        "",
+        *_host_lines(est),
+        "",
+        *_gpu_lines(est),
+        "",
+        *_time_lines(est),
+        "",
+        *_disk_lines(est),
+        "",
+        *(f"note: {n}" for n in est.notes),
+    ]
+    return "\n".join(lines)
+
+
+def _setup_lines(est: Estimate) -> list[str]:
+    s = est.settings
     layout = {"full": "full rows", "padded": "padded rows (4-D masks)", "packed": "packed rows"}[
         s["layout"]
     ]
-    lines = [
+    return [
         f"model  {est.model}",
         f"setup  {s['micro_batch_size']} x {s['seq_len']} tokens x {s['grad_accum']} "
         f"micro-batches = {s['tokens_per_step']} tokens/step; {s['compute_dtype']} compute, "
@@ -31,7 +47,13 @@ def format_estimate(est: Estimate) -> str:
         f"GPU tier  {s['gpu_state_blocks']} blocks (layers from the first, then embedding, head) "
         "keep their optimizer states on the GPU: no copies, AdamW there",
         f"long rows  {s['activations']}; {TilePolicy(s['mlp_tiles']).describe(s['seq_len'])}",
-        "",
+    ]
+
+
+def _host_lines(est: Estimate) -> list[str]:
+    hw, h = est.hardware, est.host
+    bf16 = est.settings["compute_dtype"] == "bf16"
+    return [
         f"{'host RAM':<{_W + 2}}{'GiB':>10}",
         _row(
             "pageable (fp32 master + Adam m, v)" if bf16 else "pageable (Adam m, v)",
@@ -63,7 +85,12 @@ def format_estimate(est: Estimate) -> str:
             if h.load_extra_bytes
             else "",
         ),
-        "",
+    ]
+
+
+def _gpu_lines(est: Estimate) -> list[str]:
+    hw, g = est.hardware, est.gpu
+    return [
         f"{'GPU peak (at: ' + g.peak_phase + ')':<{_W + 2}}{'GiB':>10}",
         *(_row(name, _gib(n)) for name, n in g.items.items()),
         _row(
@@ -71,7 +98,13 @@ def format_estimate(est: Estimate) -> str:
             _gib(g.peak_bytes),
             f"of {_gib(hw.gpu_bytes)} GiB ({hw.source('gpu_bytes')})",
         ),
-        "",
+    ]
+
+
+def _time_lines(est: Estimate) -> list[str]:
+    s, hw, t = est.settings, est.hardware, est.time
+    peak_field = "gpu_tflops_bf16" if s["compute_dtype"] == "bf16" else "gpu_tflops_fp32"
+    return [
         f"{'step time (predicted)':<{_W + 2}}{'s':>10}",
         _row(
             "GPU compute (forward, recompute, backward)",
@@ -102,7 +135,11 @@ def format_estimate(est: Estimate) -> str:
         ),
         _row("tokens/s", f"{t.tokens_per_s:,.0f}", _per_gpu(s, t.tokens_per_s)),
         _row("model TFLOPS (6 x active params x tokens/s)", f"{t.model_tflops:.1f}"),
-        "",
+    ]
+
+
+def _disk_lines(est: Estimate) -> list[str]:
+    return [
         f"{'disk (training.output_dir)':<{_W + 2}}{'GiB':>10}",
         _row(
             "one checkpoint (fp32 master + Adam m, v)",
@@ -110,10 +147,7 @@ def format_estimate(est: Estimate) -> str:
             "x keep_last, + 1 while the next one is written",
         ),
         _row("Hugging Face export (bf16)", _gib(EXPORT_BYTES_PER_PARAM["bf16"] * est.total_params)),
-        "",
-        *(f"note: {n}" for n in est.notes),
     ]
-    return "\n".join(lines)
 
 
 def _gib(n: float) -> str:

@@ -6,9 +6,10 @@ See megatrain/verify/__init__.py for what is compared and how pass/fail is decid
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,9 @@ from megatrain.verify.judge import (
     rel_errors,
 )
 from megatrain.verify.reference import Reference, all_finite, float64, master_weights, snapshot
+
+if TYPE_CHECKING:
+    from megatrain.engine.engine import StepResult
 
 DATA_SEED_TRIES = 12
 
@@ -182,6 +186,9 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
         data_seed, margin = _tie_free_data_seed(
             cfg.training.seed, lambda: reference(exact=True), batches
         )
+    step_report = functools.partial(
+        _step_report, random_off=random_off, routing_margin=margin, data_seed=data_seed
+    )
     reports = []
     try:
         for step, micro in enumerate(batches(data_seed)):
@@ -200,26 +207,40 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
                 # (HF's mask constants): judge against fp32 PyTorch alone from here on.
                 target, noise, exact, noisy = ref, None, fp32, None
             excess, worst = judge(ours, exact, noisy, tol, per_tensor=fp32_compute)
-            reports.append(
-                StepReport(
-                    step=step + 1,
-                    loss=result.loss,
-                    ref_loss=float(fp32["loss"]["loss"]),
-                    loss_rel=max(rel_errors(ours["loss"], fp32["loss"]).values()),
-                    grad_rel=max(rel_errors(ours["grad"], fp32["grad"]).values()),
-                    weight_rel=max(rel_errors(ours["weight"], fp32["weight"]).values()),
-                    grad_norm=result.grad_norm,
-                    clipped=result.clip_coef < 1.0,
-                    excess=excess,
-                    worst=worst,
-                    random_off=random_off,
-                    routing_margin=margin,
-                    data_seed=data_seed,
-                )
-            )
+            reports.append(step_report(step + 1, result, ours, fp32, excess=excess, worst=worst))
     finally:
         engine.close()
     return reports
+
+
+def _step_report(
+    step: int,
+    result: StepResult,
+    ours: dict[str, dict[str, torch.Tensor]],
+    fp32: dict[str, dict[str, torch.Tensor]],
+    *,
+    excess: float,
+    worst: str,
+    random_off: dict[str, float],
+    routing_margin: float | None,
+    data_seed: int,
+) -> StepReport:
+    """One step's report: the engine against fp32 PyTorch, and the judged `excess`."""
+    return StepReport(
+        step=step,
+        loss=result.loss,
+        ref_loss=float(fp32["loss"]["loss"]),
+        loss_rel=max(rel_errors(ours["loss"], fp32["loss"]).values()),
+        grad_rel=max(rel_errors(ours["grad"], fp32["grad"]).values()),
+        weight_rel=max(rel_errors(ours["weight"], fp32["weight"]).values()),
+        grad_norm=result.grad_norm,
+        clipped=result.clip_coef < 1.0,
+        excess=excess,
+        worst=worst,
+        random_off=random_off,
+        routing_margin=routing_margin,
+        data_seed=data_seed,
+    )
 
 
 def _routes(config: dict[str, Any]) -> bool:
