@@ -68,6 +68,21 @@ def _grpo(*flags: str) -> tuple[str, ...]:
     return (PY, "bench/grpo_shape.py", "--preset", "qwen2.5-7b", *flags)
 
 
+def _cli(name: str, *flags: str) -> tuple[str, ...]:
+    """`megatrain train` (or grpo) as a user runs it, through bench/cli_train.py (10 steps)."""
+    return (PY, "bench/cli_train.py", "--name", name, *flags)
+
+
+_DENSE = ("--preset", "llama3.1-8b", "--seq", "2048", "--micro", "4")
+_HYBRID = ("--preset", "qwen3.5-27b", "--layers", "16", "--seq", "2048", "--rows", "32")
+_GRPO_8X8 = (
+    "--command", "grpo", "--preset", "qwen2.5-7b", "--rows", "8", "--micro", "8", "--",
+    "--model.config_overrides.vocab_size", "512", "--data.stage", "sft", "--data.dataset",
+    "demo_count", "--grpo.num_generations", "8", "--grpo.prompts_per_step", "8",
+    "--grpo.max_prompt_length", "96", "--grpo.max_completion_length", "1024",
+    "--grpo.reward_funcs", "[exact_answer]", "--grpo.compile_decode", "graphs",
+)  # fmt: skip
+
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
         "the card, driver, CPU count, memory, torch and transformers versions",
@@ -298,6 +313,51 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         ),
         timeout_s=560,
+    ),
+    "user_dense": Scenario(
+        "issue 22's rows as users run them (megatrain train, a config file, defaults, 10 "
+        "steps): Llama-3.1-8B shape at 64k tokens/step compiled, at 128k, and a Qwen3-30B-A3B "
+        "shape cut to 12 layers at 64k",
+        (
+            _cli("dense64k", *_DENSE, "--rows", "32", "--", "--training.compile_layers", "true"),
+            _cli("dense128k", *_DENSE, "--rows", "64"),
+            _cli("moe64k", "--preset", "qwen3-30b-a3b", "--layers", "12", "--rows", "32"),
+        ),
+        timeout_s=560,
+    ),
+    "user_512k": Scenario(
+        "issue 22: a Llama-3.1-8B shape cut to 2 layers, one 524,288-token row, 10 steps",
+        (
+            _cli(
+                "row512k",
+                "--preset",
+                "llama3.1-8b",
+                "--layers",
+                "2",
+                "--seq",
+                "524288",
+                "--rows",
+                "1",
+                "--micro",
+                "1",
+            ),
+        ),
+        timeout_s=590,
+    ),
+    "user_hybrid": Scenario(
+        "issue 22: a Qwen3.5-27B shape cut to 16 layers at 64k, eager (auto) and compiled",
+        (
+            _cli("hybrid64k", *_HYBRID, "--steps", "6"),
+            _cli(
+                "hybrid64k_c", *_HYBRID, "--steps", "6", "--", "--training.compile_layers", "true"
+            ),
+        ),
+        timeout_s=590,
+    ),
+    "user_grpo": Scenario(
+        "issue 22: megatrain grpo on TRL's 8 x 8 (Qwen2.5-7B shape, vocabulary 512), 10 steps",
+        (_cli("grpo7b_8x8", "--steps", "10", *_GRPO_8X8),),
+        timeout_s=590,
     ),
     "grpo_7b": Scenario(
         "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length), the "

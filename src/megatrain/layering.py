@@ -26,6 +26,7 @@ BASE: frozenset[str] = frozenset(
     {
         "allocator",
         "batch",
+        "choices",
         "device",
         "distributed",
         "dtypes",

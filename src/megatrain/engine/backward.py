@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from megatrain.engine.boundaries import Boundaries, SlotWindow
+from megatrain.engine.boundaries import Boundaries
 from megatrain.engine.microbatch import MicroBatch
 from megatrain.engine.rng import restored_rng
+from megatrain.engine.schedule import LOAD, RECOMPUTE, StepSchedule
 from megatrain.engine.timeline import ComputeTimer
 from megatrain.engine.transfers import Event
 from megatrain.store.blocks import ParamBlock
@@ -46,6 +47,7 @@ class BackwardPass:
     _landed: dict[str, Event]
     _order: dict[str, int]
     _head_busy: list[Event]
+    schedule: StepSchedule
 
     def _run_layer(
         self, i: int, module: torch.nn.Module, mb: MicroBatch, x: torch.Tensor, record: bool
@@ -56,13 +58,14 @@ class BackwardPass:
         self, mbs: list[MicroBatch], timer: ComputeTimer, lr: float
     ) -> list[torch.Tensor]:
         plan = self.boundaries.plan
-        uses = plan.backward_uses()
-        window = SlotWindow(self.slots, [i for i, _ in uses])
-        window.pump(0)  # no copy for layers still resident from the forward
         starts = plan.starts()  # segments begin there; the backward takes them last first
         before = dict(zip(starts[1:], starts[:-1], strict=True))  # the segment visited next
         self._fetch_inputs(starts[-1], mbs, wait=False)
-        for t, (i, recompute) in enumerate(uses):
+        for op in self.schedule.backward:  # engine/schedule.py
+            i, recompute = op.layer, op.kind == RECOMPUTE
+            if op.kind == LOAD:
+                self.slots.load(i)
+                continue
             if plan.places[i] != "none":
                 self._fetch_inputs(i, mbs)  # a segment begins, or it is on the device already
                 if not recompute and i in before:  # its last visit: the next input comes now,
@@ -72,7 +75,6 @@ class BackwardPass:
             else:
                 self._backward_layer(i, mbs, timer, lr)
             self.slots.release(i)
-            window.pump(t + 1)
         timer.start()
         for mb in mbs:
             self.embedder.backward(

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.engine.slots import LayerSlots
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.store.memory import host_zeros
 
@@ -154,31 +153,3 @@ class Boundaries:
         x, ready = self._fetched.pop((mb, layer))
         self.transfers.wait(ready)  # sync point (GPU side): the copy back is done
         return x
-
-
-class SlotWindow:
-    """Loads the weights of a sequence of layer visits into the slots, `num_slots` ahead.
-
-    The backward with recompute visits layers up and down (j .. e-1, then e .. j, then the
-    segment before), so two visits close together may map to the same slot. A load is issued
-    only when no earlier, still pending visit needs the layer now in that slot; otherwise it
-    waits until that visit is done (prefetch depth shrinks there, correctness never does).
-    """
-
-    def __init__(self, slots: LayerSlots, layers: list[int]) -> None:
-        self.slots = slots
-        self.layers = layers
-        self._next = 0  # visits [0, _next) have their load issued
-
-    def pump(self, done: int) -> None:
-        """Visits before `done` are finished: issue the loads that are now safe."""
-        s, resident = self.slots, self.slots.resident
-        while self._next < len(self.layers) and self._next < done + s.num_slots:
-            layer = self.layers[self._next]
-            pending = self.layers[done : self._next]
-            if layer >= resident and any(
-                m >= resident and m != layer and s.slot(m) == s.slot(layer) for m in pending
-            ):
-                return
-            s.load(layer)
-            self._next += 1

@@ -36,7 +36,6 @@ Shapes: B = rows, S = sequence, D = hidden size.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ from megatrain.batch import Batch
 from megatrain.engine.backward import BackwardPass
 from megatrain.engine.boundaries import Boundaries
 from megatrain.engine.collectives import Collectives
+from megatrain.engine.forward import ForwardPass
 from megatrain.engine.head import ChunkedLoss, TokenObjective
 from megatrain.engine.layout import (
     ACCUMULATORS,
@@ -61,9 +61,10 @@ from megatrain.engine.layout import (
     DeviceLayout,
 )
 from megatrain.engine.loss import LossPass
-from megatrain.engine.microbatch import Embedder, MicroBatch
+from megatrain.engine.microbatch import Embedder
 from megatrain.engine.plan import EnginePlan
-from megatrain.engine.rng import rng_state, uses_randomness
+from megatrain.engine.rng import uses_randomness
+from megatrain.engine.schedule import StepSchedule
 from megatrain.engine.slots import LayerSlots, bind_module, device_copy, move_body_buffers
 from megatrain.engine.tier import GpuTier
 from megatrain.engine.tiling import tile_per_token, tileable, untiled_layers
@@ -90,7 +91,7 @@ class StepResult:
     timeline: Timeline
 
 
-class StreamingEngine(BackwardPass, LossPass):
+class StreamingEngine(ForwardPass, BackwardPass, LossPass):
     """Runs optimizer steps of a model whose weights live in a HostStore, streaming layers.
 
     Owns the device side: the weight slots, the head and embedding on the device, gradient
@@ -155,7 +156,11 @@ class StreamingEngine(BackwardPass, LossPass):
             [RouterTap(m, self.aux) for m in self.slots.modules] if self.aux is not None else []
         )
         self.worker = UpdateWorker(optimizer, threaded=threaded_optimizer)
-        self.boundaries = Boundaries(plan.boundary_plan(len(store.layers)), self.device)
+        boundaries = plan.boundary_plan(len(store.layers))
+        self.boundaries = Boundaries(boundaries, self.device)
+        self.schedule = StepSchedule.of(
+            len(store.layers), self.tier.num_layers, self.slots.num_slots, boundaries
+        )
         self._preserve_rng = uses_randomness(structure)
         if plan.tiles is not None:
             assert tileable(structure), "the plan tiles layers that draw random numbers"
@@ -339,73 +344,6 @@ class StreamingEngine(BackwardPass, LossPass):
     def close(self) -> None:
         self.wait_updates()
         self.worker.close()
-
-    # ---------------------------------------------------------------- forward
-
-    def _forward(
-        self, batches: list[Batch], training: bool, timeline: Timeline, timer: ComputeTimer
-    ) -> list[MicroBatch]:
-        timeline.wait_optimizer_s += self.worker.wait(self.store.embed)
-        if self.embed_buf is not None:  # sharded: gather the table (sync point: compute waits)
-            self.transfers.wait(self.comm.load(self.store.embed, self.embed_buf, self._embed_free))
-            self.embedder.device_table = self.store.embed.view(
-                self.embed_buf, self.store.embed.entries[0]
-            )
-        mbs = [
-            self.embedder.start(b, self.capture, training, self.aux is not None) for b in batches
-        ]
-        self._embed_free = self.transfers.compute_event()
-        layers, first = self.store.layers, self.slots.resident  # first streamed layer
-        for j in range(first, first + self.slots.num_slots):
-            self._load_layer(j, timeline)
-        if first + self.slots.num_slots >= len(layers):
-            self._load_head(timeline)
-        for i in range(len(layers)):
-            timer.start(functools.partial(self.slots.acquire, i))
-            module = self.slots.modules[i]
-            for k, mb in enumerate(mbs):  # inputs kept for the backward only
-                mb.saved.append(self.boundaries.save(k, i, mb.hidden) if training else None)
-                if self._preserve_rng:
-                    mb.rng.append(rng_state(self.device))
-                with torch.no_grad():
-                    mb.hidden = self._run_layer(i, module, mb, mb.hidden, record=True)
-            timer.stop()
-            self.slots.release(i)
-            nxt = i + self.slots.num_slots
-            if i >= first and nxt < len(layers):
-                self._load_layer(nxt, timeline)
-                if nxt == len(layers) - 1:
-                    self._load_head(timeline)
-        return mbs
-
-    def _load_layer(self, i: int, timeline: Timeline) -> None:
-        timeline.wait_optimizer_s += self.worker.wait(self.store.layers[i])
-        self.slots.load(i)
-
-    def _load_head(self, timeline: Timeline) -> None:
-        if self.store.head not in self.tier:
-            timeline.wait_optimizer_s += self.worker.wait(self.store.head)
-            self._head_ready = self.comm.load(self.store.head, self.head_buf, self._head_free)
-        if self.structure.tied and self.store.embed not in self.tier:
-            timeline.wait_optimizer_s += self.worker.wait(self.store.embed)
-            self.transfers.wait(self._head_ready)
-            self._head_ready = self.comm.load(self.store.embed, self.table_buf, self._head_free)
-
-    def _run_layer(
-        self, i: int, module: torch.nn.Module, mb: MicroBatch, x: torch.Tensor, record: bool
-    ) -> torch.Tensor:
-        tap = self.taps[i] if self.taps else None
-        if tap is not None and tap.has_router:
-            tap.armed = True
-        try:
-            out = mb.calls[i].run(module, x)
-        finally:
-            if tap is not None:
-                tap.armed = False
-        if tap is not None and tap.has_router and record:
-            assert self.aux is not None
-            mb.router_stats += [self.aux.stats(lg, mb.router_weights) for lg in tap.take()]
-        return out
 
 
 def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

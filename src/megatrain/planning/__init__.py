@@ -8,10 +8,16 @@ wait, MLP tiles), rollout.py (GRPO's rollout phase).
 
     spec = model_spec(hf_config, "bf16")            # meta-device model, counted once
     hw = detect()  # or probe(), or Hardware(...)
-    est = estimate(spec, seq_len=2048, micro_batch_size=4, grad_accum=8, hardware=hw)
+    plan = EnginePlan(num_slots=2, clip_norm=1.0, loss_chunk_tokens=4096)   # engine/plan.py
+    setup = Setup(plan, seq_len=2048, micro_batch_size=4, grad_accum=8)    # setup.py
+    est = estimate(spec, setup, hw)
     check_fits(est, hw, host_margin_gib=4, gpu_margin_gib=2)   # ValueError if not
     print(format_estimate(est))                     # the table `megatrain estimate` prints
-    b, ga, why = pick_micro_batch(spec, seq_len=2048, tokens_per_step=65536, hardware=hw)
+    b, ga, why = pick_micro_batch(spec, setup, tokens_per_step=65536, hardware=hw,
+                                  gpu_margin_gib=2)
+
+A run's own plan (every "auto" setting resolved from the config) comes from builder.py:
+`PlanBuilder(cfg, placement=...).plan()` (a ResourcePlan; `.engine` is its EnginePlan).
 
 `hf_config` is a transformers PretrainedConfig (AutoConfig, or model/tiny.py's tiny_config).
 """

@@ -23,7 +23,6 @@ from megatrain.model.loading import load_config as load_hf_config
 from megatrain.planning import Hardware, ModelSpec, detect, model_spec
 from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.plan import ResourcePlan, RunShape, plan_resources
-from megatrain.planning.ranks import Ranks
 
 COMPILE_AUTO_KINDS = ("attention", "full_attention", "sliding_attention")
 """Layer kinds (model/structure.py) that compile_layers "auto" compiles: plain attention + MLP,
@@ -140,23 +139,12 @@ class PlanBuilder:
         return self.cfg.memory.pin_memory and self.placement.is_cuda
 
     def shape(self, layout: str | None = None, compiled: bool | None = None) -> RunShape:
-        cfg, p = self.cfg, self.placement
-        return RunShape(
-            seq_len=cfg.seq_len,
-            num_slots=cfg.memory.num_slots,
-            layout=layout or cfg.layout,
-            clip_norm=cfg.optimizer.clip_norm,
-            loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-            pin_memory=self.pin_memory,
-            check_gpu=p.is_cuda,
-            state_dtype=cfg.optimizer.state_dtype,
-            gpu_state_blocks=cfg.memory.gpu_state_blocks,
+        return RunShape.of(
+            self.cfg,
+            self.placement,
+            layout=layout,
             compiled=self.compiled if compiled is None else compiled,
-            ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
-            activation_offload=cfg.memory.activation_offload,
-            checkpoint_every=cfg.memory.checkpoint_every,
-            mlp_tiles=cfg.memory.mlp_tiles,
-            rank=p.rank,
+            pin_memory=self.pin_memory,
         )
 
     def plan(

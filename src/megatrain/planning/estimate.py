@@ -54,6 +54,7 @@ from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.layout import SLOTS, DeviceLayout
 from megatrain.engine.plan import TierSplit, tier_size
+from megatrain.engine.schedule import StepSchedule
 from megatrain.planning.activations import LayerProfile, layer_profile, loss_chunk
 from megatrain.planning.hardware import Hardware, detect, gib
 from megatrain.planning.host_memory import HostMemory, host_memory, pinned_reserved
@@ -137,14 +138,14 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         gpu_state_blocks=tier,
         ranks=setup.ranks,
     )
+    slots = layout[SLOTS].count if SLOTS in layout else 0
+    schedule = StepSchedule.of(spec.num_layers, min(tier, spec.num_layers), slots, boundaries)
     timing = step_time(
         spec,
         hw,
         setup,
-        num_slots=layout[SLOTS].count if SLOTS in layout else 0,
+        schedule=schedule,
         layer_ops=profile.ops,
-        recomputed=[boundaries.places[i + 1] == "none" for i in range(spec.num_layers - 1)]
-        + [False],
         loss_ops=-(-setup.tokens_mb // chunk) * loss_chunk(spec, chunk)[1],
     )
     return Estimate(

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatrain.config import TrainConfig
+from megatrain.distributed import Placement
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.head import default_chunk_tokens
 from megatrain.engine.plan import EnginePlan, tier_size
@@ -73,6 +75,37 @@ class RunShape:
     mlp_tiles: int | str = 1  # sequence tiles of the MLPs, or "auto" (engine/tiling.py)
     ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
     rank: int = 0  # this process's rank
+
+    @classmethod
+    def of(
+        cls,
+        cfg: TrainConfig,
+        placement: Placement,
+        *,
+        layout: str | None,
+        compiled: bool,
+        pin_memory: bool,
+    ) -> RunShape:
+        """The run's settings as its config gives them (`layout`: a what-if, else the run's;
+        `compiled`: training.compile_layers resolved, planning/builder.py)."""
+        mem, p = cfg.memory, placement
+        return cls(
+            seq_len=cfg.seq_len,
+            num_slots=mem.num_slots,
+            layout=layout or cfg.layout,
+            clip_norm=cfg.optimizer.clip_norm,
+            loss_chunk_tokens=mem.loss_chunk_tokens,
+            pin_memory=pin_memory,
+            check_gpu=p.is_cuda,
+            state_dtype=cfg.optimizer.state_dtype,
+            gpu_state_blocks=mem.gpu_state_blocks,
+            compiled=compiled,
+            activation_offload=mem.activation_offload,
+            checkpoint_every=mem.checkpoint_every,
+            mlp_tiles=mem.mlp_tiles,
+            ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
+            rank=p.rank,
+        )
 
     def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:
         """The engine's tiling: none where layers draw random numbers (engine/tiling.py); for
@@ -207,20 +240,7 @@ def plan_resources(
         )
     predict = functools.partial(predict, boundaries=boundaries, tiles=tiles)
 
-    tier_reason = None
-    if shape.gpu_state_blocks == "auto" and shape.state_dtype != "fp32":
-        tier, tier_reason = 0, f"GPU tier: none (state_dtype {shape.state_dtype}: fp32 only)"
-    elif shape.gpu_state_blocks == "auto":
-        tier, tier_reason = _pick_tier(
-            predict,
-            tier_size(spec.num_layers),
-            shape.check_gpu,
-            hardware,
-            gpu_margin_gib,
-            gpu_reserve_bytes,
-        )
-    else:
-        tier = min(int(shape.gpu_state_blocks), tier_size(spec.num_layers))
+    tier, tier_reason = _tier(shape, spec, predict, hardware, gpu_margin_gib, gpu_reserve_bytes)
     est = predict(tier)
     problems = [host_problem(est, hardware, host_margin_gib)]
     if shape.check_gpu:
@@ -287,6 +307,23 @@ def _pick_boundaries(
         every=every,
         reserved=pinned_reserved if shape.pin_memory else (lambda n: n),
     )
+
+
+def _tier(
+    shape: RunShape,
+    spec: ModelSpec,
+    predict: Callable[[int], Estimate],
+    hardware: Hardware,
+    gpu_margin_gib: float,
+    reserve: int,
+) -> tuple[int, str | None]:
+    """The GPU tier's block count, and why "auto" chose it (None: it was given)."""
+    blocks = tier_size(spec.num_layers)
+    if shape.gpu_state_blocks != "auto":
+        return min(int(shape.gpu_state_blocks), blocks), None
+    if shape.state_dtype != "fp32":
+        return 0, f"GPU tier: none (state_dtype {shape.state_dtype}: fp32 only)"
+    return _pick_tier(predict, blocks, shape.check_gpu, hardware, gpu_margin_gib, reserve)
 
 
 def _pick_tier(

@@ -30,7 +30,7 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   follows on the compute stream.
   Tokens per step (and tokens/s) are the job's: per-rank tokens x world.
 
-The replay (`_Replay`) runs several steps of the engine's order of operations with three
+The replay (planning/replay.py) runs several steps of the engine's order of operations with three
 streams (compute, H2D, D2H), the host thread and the optimizer worker: slots are refilled
 when the layer `num_slots` earlier is done with them, the next forward waits for each block's
 update before copying it, the worker takes the landed block the next forward needs first;
@@ -48,8 +48,10 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.engine.plan import TierSplit
+from megatrain.engine.schedule import LOAD, RECOMPUTE, StepSchedule
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.ranks import Ranks
+from megatrain.planning.replay import Costs, Replay
 from megatrain.planning.setup import Setup
 from megatrain.planning.spec import LayerSpec, ModelSpec
 
@@ -90,28 +92,6 @@ class StepTime:
     model_tflops: float  # 6 x active params x tokens/s
 
 
-@dataclass(frozen=True)
-class _Costs:
-    fwd_s: list[float]  # per layer, all micro-batches
-    bwd_s: list[float]
-    loss_s: float
-    h2d_s: list[float]  # per layer
-    h2d_head_s: float  # head block, plus the whole table when tied
-    d2h_s: list[float]  # per layer
-    d2h_head_s: float
-    d2h_embed_s: float
-    opt_s: list[float]  # per block in forward order: embedding, layers, head (0: GPU tier)
-    tier_opt_s: list[float]  # per block as opt_s: AdamW on the GPU (0: host blocks)
-    fwd_call_s: list[float]  # host issue time per layer forward (all micro-batches)
-    bwd_call_s: list[float]  # per layer recompute + backward
-    loss_call_s: float
-    num_slots: int  # slots of the streamed layers (0 when all are in the GPU tier)
-    resident: int  # GPU-tier layers: the first ones
-    tier_embed: bool  # the embedding is in the GPU tier
-    tier_head: bool  # the head is in the GPU tier
-    clipping: bool
-
-
 def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
     """Forward FLOPs of softmax attention for one token, averaged over causal positions."""
     if layer.attn_heads == 0:
@@ -126,15 +106,13 @@ def step_time(
     hw: Hardware,
     setup: Setup,
     *,
-    num_slots: int,
+    schedule: StepSchedule,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
-    recomputed: list[bool],
 ) -> StepTime:
-    """`num_slots`: slots of the streamed layers; `layer_ops`: per layer (forward ops,
-    recompute + backward ops) of one micro-batch; `loss_ops`: ops of one micro-batch's loss
-    (all its chunks); `recomputed[i]`: layer i's forward runs once more in the backward (its
-    output was not kept, engine/boundaries.py)."""
+    """`schedule`: the engine's loads and layer visits (engine/schedule.py; a recompute visit
+    runs a layer's forward again); `layer_ops`: per layer (forward ops, recompute + backward
+    ops) of one micro-batch; `loss_ops`: ops of one micro-batch's loss (all its chunks)."""
     plan = setup.engine
     rows, seq, micro_batches, ranks = (
         setup.micro_batch_size,
@@ -148,20 +126,19 @@ def step_time(
         rows=rows,
         seq=seq,
         micro_batches=micro_batches,
-        num_slots=num_slots,
+        schedule=schedule,
         clipping=plan.clip_norm is not None,
         layer_ops=layer_ops,
         loss_ops=loss_ops,
         tier=TierSplit.of(spec.num_layers, plan.gpu_state_blocks),
         state_dtype=setup.state_dtype,
         compiled=plan.compile_layers,
-        recomputed=recomputed,
         ranks=ranks,
     )
-    step_s = _Replay(costs).run(_STEPS)
+    step_s = Replay(costs).run(_STEPS)
     compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
-    h2d_s = sum(costs.h2d_s) * 2 - sum(costs.h2d_s[len(costs.h2d_s) - costs.num_slots :])
-    h2d_s += costs.h2d_head_s
+    loads = [op.layer for op in schedule.forward + schedule.backward if op.kind == LOAD]
+    h2d_s = sum(costs.h2d_s[i] for i in loads) + costs.h2d_head_s
     d2h_s = sum(costs.d2h_s) + costs.d2h_head_s + costs.d2h_embed_s
     optimizer_s = sum(costs.opt_s)
     gpu_optimizer_s = sum(costs.tier_opt_s)
@@ -195,16 +172,15 @@ def _costs(
     rows: int,
     seq: int,
     micro_batches: int,
-    num_slots: int,
+    schedule: StepSchedule,
     clipping: bool,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
     tier: TierSplit,
     state_dtype: str,
     compiled: bool,
-    recomputed: list[bool],
     ranks: Ranks,
-) -> tuple[_Costs, float]:
+) -> tuple[Costs, float]:
     tokens = rows * seq * micro_batches
     launch = hw.op_launch_s * micro_batches
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
@@ -215,9 +191,10 @@ def _costs(
         tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
     ]
     bwd = [
-        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq)) + f * again
-        for la, f, again in zip(spec.layers, fwd, recomputed, strict=True)
+        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
+        for la in spec.layers
     ]
+    recomputes = [op.layer for op in schedule.backward if op.kind == RECOMPUTE]
     loss = 6.0 * spec.lm_head_params * tokens
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
     probed = STATE_DTYPE_SPEED[hw.optimizer_state_dtype]  # 1 when the rate is this kernel's
@@ -238,7 +215,7 @@ def _costs(
     table = up(0) if spec.tied else 0.0  # a tied table is copied up unless in the tier
     gather_table = up(0) if ranks.world > 1 else 0.0  # the forward's rows come from it
     scatter = [ranks.collective_s(p * 4) for p in params]  # fp32 gradients, on the compute stream
-    costs = _Costs(
+    costs = Costs(
         fwd_s=[f / layer_rate + (gather_table if i == 0 else 0.0) for i, f in enumerate(fwd)],
         bwd_s=[
             b / layer_rate + scatter[1 + i] + (scatter[0] if i == 0 else 0.0)
@@ -258,135 +235,15 @@ def _costs(
         fwd_call_s=[f * layer_launch for f, _ in layer_ops],
         bwd_call_s=[b * layer_launch for _, b in layer_ops],
         loss_call_s=loss_ops * launch,
-        num_slots=min(num_slots, spec.num_layers - resident),
-        resident=resident,
+        schedule=schedule,
         tier_embed=on_gpu[0],
         tier_head=on_gpu[-1],
         clipping=clipping,
     )
-    return costs, sum(fwd) + sum(bwd) + loss
+    return costs, sum(fwd) + sum(bwd) + sum(fwd[i] for i in recomputes) + loss
 
 
-class _Replay:
-    """The engine's step as timestamps: host `t`, compute `g`, copy streams `h` and `d`."""
-
-    def __init__(self, c: _Costs) -> None:
-        self.c = c
-        n = len(c.fwd_s)
-        self.t = self.g = self.h = self.d = self.worker = 0.0
-        self.updated = [0.0] * (n + 2)  # block (forward order) -> its last update's end
-        self.slot_ready = [0.0] * c.num_slots
-        self.slot_free = [0.0] * c.num_slots
-        self.head_ready = self.head_free = 0.0
-        self.tasks: list[tuple[int, float, float]] = []  # (order, submitted, landed)
-
-    def run(self, steps: int) -> float:
-        duration = 0.0
-        for _ in range(steps):
-            start = self.t
-            self._forward()
-            self._loss()
-            self._backward()
-            self._optimizer()
-            duration = self.t - start
-        return duration
-
-    def _load(self, i: int, wait_update: bool) -> None:
-        if i < self.c.resident:
-            return  # GPU tier: never copied
-        if wait_update:
-            self.t = max(self.t, self.updated[1 + i])  # host sync point: worker.wait(block)
-        s = (i - self.c.resident) % self.c.num_slots
-        begin = max(self.t, self.h, self.slot_free[s])
-        self.h = self.slot_ready[s] = begin + self.c.h2d_s[i]
-
-    def _load_head(self) -> None:
-        self.t = max(self.t, self.updated[-1], self.updated[0])
-        self.h = self.head_ready = max(self.t, self.h, self.head_free) + self.c.h2d_head_s
-
-    def _compute(self, ready: float, seconds: float) -> float:
-        self.g = max(self.g, ready, self.t) + seconds
-        return self.g
-
-    def _slot_compute(self, i: int, ready: float, seconds: float) -> None:
-        """Layer i's compute once `ready` and its weights are in; a streamed layer's slot is
-        free again after it (a GPU-tier layer has no slot)."""
-        if i < self.c.resident:
-            self._compute(ready, seconds)
-            return
-        s = (i - self.c.resident) % self.c.num_slots
-        self.slot_free[s] = self._compute(max(ready, self.slot_ready[s]), seconds)
-
-    def _forward(self) -> None:
-        c, n, first = self.c, len(self.c.fwd_s), self.c.resident
-        self.t = max(self.t, self.updated[0])  # the embedding rows come from updated weights
-        for j in range(first, first + c.num_slots):
-            self._load(j, wait_update=True)
-        if first + c.num_slots >= n:
-            self._load_head()
-        for i in range(n):
-            self.t += c.fwd_call_s[i]
-            self._slot_compute(i, 0.0, c.fwd_s[i])
-            if i >= first and i + c.num_slots < n:
-                self._load(i + c.num_slots, wait_update=True)
-                if i + c.num_slots == n - 1:
-                    self._load_head()
-
-    def _ship(self, order: int, seconds: float) -> None:
-        self.d = max(self.d, self.g) + seconds
-        self.tasks.append((order, self.t, self.d))
-
-    def _loss(self) -> None:
-        self.t += self.c.loss_call_s
-        self.head_free = self._compute(self.head_ready, self.c.loss_s)
-        self._finish(len(self.c.fwd_s) + 1, self.c.tier_head, self.c.d2h_head_s)
-
-    def _finish(self, order: int, in_tier: bool, d2h_s: float) -> None:
-        """A head or embedding gradient is complete: shipped, or updated on the GPU."""
-        if not in_tier:
-            self._ship(order, d2h_s)
-        elif not self.c.clipping:
-            self.g += self.c.tier_opt_s[order]
-
-    def _backward(self) -> None:
-        c, n = self.c, len(self.c.fwd_s)
-        acc_free = [0.0, 0.0]  # the two gradient accumulators, free once copied out
-        for i in range(n - 1, -1, -1):
-            self.t += c.bwd_call_s[i]
-            if i < c.resident:  # GPU tier: own gradient buffer, AdamW on the compute stream
-                self._compute(0.0, c.bwd_s[i])
-                if not c.clipping:
-                    self.g += c.tier_opt_s[1 + i]
-                continue
-            self._slot_compute(i, acc_free[i % 2], c.bwd_s[i])
-            self._ship(1 + i, c.d2h_s[i])
-            acc_free[i % 2] = self.d
-            if i - c.num_slots >= c.resident:
-                self._load(i - c.num_slots, wait_update=False)
-        self._finish(0, c.tier_embed, c.d2h_embed_s)
-        self.t = max(self.t, self.g)  # sync point: the gradient norm
-        if c.clipping:  # the GPU tier's updates are queued first, then the host's
-            self.g += sum(c.tier_opt_s)
-            self.tasks = sorted((order, self.t, landed) for order, _, landed in self.tasks)
-
-    def _optimizer(self) -> None:
-        """The worker: among submitted tasks whose gradient landed, lowest forward order
-        first; with none landed, it blocks on the oldest submitted one."""
-        pending, now = list(self.tasks), self.worker
-        while pending:
-            ready = [task for task in pending if task[1] <= now]
-            if not ready:
-                now = min(task[1] for task in pending)
-                continue
-            landed = [task for task in ready if task[2] <= now]
-            task = min(landed) if landed else ready[0]
-            now = max(now, task[2]) + self.c.opt_s[task[0]]
-            self.updated[task[0]] = now
-            pending.remove(task)
-        self.worker, self.tasks = now, []
-
-
-def _collectives_s(spec: ModelSpec, ranks: Ranks, c: _Costs) -> float:
+def _collectives_s(spec: ModelSpec, ranks: Ranks, c: Costs) -> float:
     """Seconds of one step's collectives: every streamed layer gathered twice (forward,
     backward; the last slots' reuse ignored), a GPU-tier block once (after its update), the
     head and table once, a streamed embedding table once more, and every gradient
@@ -395,7 +252,11 @@ def _collectives_s(spec: ModelSpec, ranks: Ranks, c: _Costs) -> float:
         return 0.0
     elem = torch.finfo(spec.compute_dtype).bits // 8
     layers = [la.params for la in spec.layers]
-    gathered = 2 * sum(layers[c.resident :]) + sum(layers[: c.resident]) + spec.head_params
+    gathered = (
+        2 * sum(layers[c.schedule.resident :])
+        + sum(layers[: c.schedule.resident])
+        + spec.head_params
+    )
     gathered += spec.embed_params * (1 if c.tier_embed or not spec.tied else 2)
     scattered = sum(layers) + spec.head_params + spec.embed_params
     return ranks.collective_s(gathered * elem) + ranks.collective_s(scattered * 4)
