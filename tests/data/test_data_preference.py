@@ -202,10 +202,10 @@ def _row_is(sample: Any, ids: Any) -> bool:
 
 
 def test_stages_and_data_must_match(folder: Path, tokenizer: Any) -> None:
-    with pytest.raises(ValueError, match="holds preference pairs .* set data.stage: dpo"):
+    with pytest.raises(ValueError, match=r"holds preference pairs .* set data.stage: dpo"):
         prepare_data(DataConfig(dataset="pairs_alpaca", dataset_dir=str(folder)), tokenizer)
-    with pytest.raises(ValueError, match="holds KTO rows .* set data.stage: kto"):
+    with pytest.raises(ValueError, match=r"holds KTO rows .* set data.stage: kto"):
         cfg = DataConfig(dataset="kto_openai", dataset_dir=str(folder), stage="dpo")
         prepare_preference(cfg, tokenizer)
-    with pytest.raises(ValueError, match="data.packing=True does not apply to data.stage: dpo"):
+    with pytest.raises(ValueError, match=r"data.packing=True does not apply to data.stage: dpo"):
         DataConfig(dataset="pairs_alpaca", stage="dpo", packing=True).validate()
