@@ -18,6 +18,7 @@ import pytest
 
 from data_fixtures.helpers import demo_tokenizer, write_rows
 from megatrain.batch import IGNORE_INDEX
+from megatrain.cli import main
 from megatrain.data import DataConfig, prepare_data
 from megatrain.data.preference import PairSample
 from megatrain.data.preference_data import PairLoader, prepare_preference
@@ -209,3 +210,24 @@ def test_stages_and_data_must_match(folder: Path, tokenizer: Any) -> None:
         prepare_preference(cfg, tokenizer)
     with pytest.raises(ValueError, match=r"data.packing=True does not apply to data.stage: dpo"):
         DataConfig(dataset="pairs_alpaca", stage="dpo", packing=True).validate()
+
+
+def test_data_show_renders_prompt_chosen_and_rejected(
+    folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    demo = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
+    argv = ["--data.dataset", "pairs_sharegpt", "--data.dataset_dir", str(folder)]
+    argv += ["--data.stage", "dpo", "--data.packing", "false", "--data.val_size", "0"]
+    assert main(["data", "--config", str(demo), *argv, "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("=== pair 0 (stage dpo) ===\n--- prompt, ")
+    assert out.count("Name a colour.") == 1  # the prompt once, for both rows
+    assert "[[Red, like a ripe tomato.<|im_end|>\n]]<pad x " in out
+    assert "--- rejected, " in out and "[[No.<|im_end|>\n]]" in out
+    assert "train: 1 pairs," in out and "1 pairs = 1 micro-batches per epoch" in out
+    assert main(["data", "--config", str(demo), *argv, "--show", "1", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert first["stage"] == "dpo" and set(first) == {"stage", "chosen", "rejected"}
+    chosen, rejected = first["chosen"], first["rejected"]
+    start = chosen["labels"].index(next(x for x in chosen["labels"] if x != IGNORE_INDEX))
+    assert chosen["input_ids"][:start] == rejected["input_ids"][:start]
