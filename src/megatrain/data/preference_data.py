@@ -179,5 +179,15 @@ class PairLoader(BatchLoader):
             max_len=self.seq_len,
         )
 
+    def batch_of(self, pairs: np.ndarray) -> Batch:
+        """The micro-batch of the given pair indices (rows 2k, 2k + 1: pair pairs[k])."""
+        return self._make_batch(pairs)
+
+    def pairs_of(self, epoch: int, step: int) -> np.ndarray:
+        """The pair indices of micro-batch `step` of `epoch`, in row order (the batch's rows 2k
+        and 2k + 1 are pair [k]'s): how a step finds its pairs' precomputed reference."""
+        b = self.micro_batch_size
+        return self.epoch_order(epoch)[step * b : (step + 1) * b]
+
     def fingerprint(self) -> dict[str, Any]:
         return {**super().fingerprint(), "pairs": True}
