@@ -21,7 +21,7 @@ from megatrain.batch import IGNORE_INDEX
 from megatrain.cli import main
 from megatrain.data import DataConfig, prepare_data
 from megatrain.data.preference import PairSample
-from megatrain.data.preference_data import PairLoader, prepare_preference
+from megatrain.data.preference_data import PairLoader, kto_pairs, prepare_preference
 
 SYSTEM = "You answer briefly."
 HISTORY = [["Hi.", "Hello."]]
@@ -231,3 +231,30 @@ def test_data_show_renders_prompt_chosen_and_rejected(
     chosen, rejected = first["chosen"], first["rejected"]
     start = chosen["labels"].index(next(x for x in chosen["labels"] if x != IGNORE_INDEX))
     assert chosen["input_ids"][:start] == rejected["input_ids"][:start]
+
+
+def test_kto_rows_pair_with_their_kl_rows(tmp_path: Path, tokenizer: Any) -> None:
+    rows = []
+    for i, (label, answer) in enumerate([(True, "zero"), (False, "A"), (True, "AA")]):
+        turns = [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": answer}]
+        rows.append({"messages": turns, "label": label})
+    write_rows(tmp_path / "kto.json", rows)
+    (tmp_path / "dataset_info.json").write_text(
+        json.dumps({"k": REGISTRY["kto_openai"] | {"file_name": "kto.json"}})
+    )
+    cfg = DataConfig(dataset="k", dataset_dir=str(tmp_path), stage="kto", cutoff_len=64)
+    data = prepare_preference(cfg, tokenizer)
+    pairs, desirable = kto_pairs(data.train, cutoff_len=64)  # type: ignore[arg-type]
+    assert desirable.tolist() == [True, False, True]
+    for i, pair in enumerate(pairs):
+        prompt = [{"role": "user", "content": f"Q{i}"}]
+        answer = rows[i - 1]["messages"][1]["content"]  # the previous row's completion
+        full, start = _expected(tokenizer, prompt, answer)
+        assert pair.rejected.input_ids.tolist() == full
+        assert pair.rejected.target_mask.tolist() == [False] * start + [True] * (len(full) - start)
+        assert pair.chosen is data.train[i].sample  # type: ignore[union-attr]
+    short, _ = kto_pairs(data.train, cutoff_len=pairs[1].rejected.num_tokens - 2)  # type: ignore[arg-type]
+    assert (
+        short[1].rejected.truncated
+        and short[1].rejected.num_tokens == pairs[1].rejected.num_tokens - 2
+    )

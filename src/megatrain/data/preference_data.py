@@ -7,7 +7,8 @@ is refused by name before any row is read. The evaluation set is `eval_dataset` 
 
 Batches (`PairLoader`): a micro-batch of P pairs is one padded `Batch` of 2P rows, row 2k the
 chosen and row 2k + 1 the rejected completion of pair k, so every layer streams once per pair
-and the loss pairs rows by index. The shuffle permutes pairs, never rows.
+and the loss pairs rows by index. The shuffle permutes pairs, never rows. KTO rows ride the
+same loader (`kto_pairs`): row 2k a labelled row, row 2k + 1 its KL row (TRL's KL data set).
 
 Invariant, as for sft: every row read is kept or counted under exactly one drop reason
 (`stats.rows_read == stats.kept + stats.num_dropped`); a kept pair counts once in `kept`, its
@@ -39,7 +40,7 @@ from megatrain.data.preference import (
     encode_pair,
 )
 from megatrain.data.registry import DatasetSpec, resolve_datasets
-from megatrain.data.sample import DataStats, held_out_mask
+from megatrain.data.sample import DataStats, Sample, held_out_mask
 from megatrain.data.template import ChatEncoder
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,24 @@ def _encode_row(
         return pair if isinstance(pair, str) else encode_pair(encoder, pair)
     labelled = convert_kto(row, spec)
     return labelled if isinstance(labelled, str) else encode_kto(encoder, labelled)
+
+
+def kto_pairs(rows: list[KTOSample], *, cutoff_len: int) -> tuple[list[PairSample], np.ndarray]:
+    """KTO rows as PairLoader pairs (row i, its KL row) and the rows' labels (bool [N]).
+
+    Row i's KL row is its prompt followed by row i - 1's completion (cyclically), cut to
+    `cutoff_len`: TRL's KL data set (completions shifted by one), fixed here once so that its
+    reference log-probs can be precomputed like a pair's."""
+    out = []
+    for i, row in enumerate(rows):
+        other = rows[i - 1].sample
+        prompt_len = int(np.argmax(row.sample.target_mask))
+        completion = other.input_ids[int(np.argmax(other.target_mask)) :]
+        ids = np.concatenate([row.sample.input_ids[:prompt_len], completion])[:cutoff_len]
+        mask = np.arange(len(ids)) >= prompt_len
+        kl_row = Sample(ids, mask, truncated=len(ids) < prompt_len + len(completion))
+        out.append(PairSample(row.sample, kl_row))
+    return out, np.array([r.desirable for r in rows], dtype=np.bool_)
 
 
 class PairLoader(BatchLoader):

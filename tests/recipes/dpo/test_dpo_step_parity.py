@@ -4,7 +4,9 @@ logits, log_softmax, TRL's formulas written out here, torch AdamW.
 Per loss type: fp32 engine (CPU, two micro-batches of two pairs, rows 2k / 2k + 1 chosen /
 rejected) against a float64 reference on the whole batch at once, two optimizer steps (the
 reference log-probs stay those of the initial weights, precomputed with `engine.logprobs`).
-Checked: the loss, TRL's metrics, and every parameter's gradient. Tolerance as in `megatrain
+Checked: the loss, TRL's metrics, and every parameter's gradient. KTO: rows 2k are labelled
+rows, rows 2k + 1 their KL rows; its reference is shifted below the initial weights so that the
+reference point (TRL's kl) is positive. Tolerance as in `megatrain
 verify` and the GRPO parity test: per tensor, the relative error to float64 may be the fp32 bound
 (megatrain.verify.TOLERANCES) or NOISE_FACTOR x the error plain PyTorch makes in fp32 on the same
 step, whichever is larger.
@@ -28,8 +30,10 @@ from megatrain.verify import NOISE_FACTOR, TOLERANCES, verify_config
 
 TOL = TOLERANCES["fp32"]
 LR = 2e-3
-DESIRABLE = [True, False, False, True, True, True, False, True]  # KTO: one label per row
-KL = 0.02  # KTO's reference point, as the recipe would estimate it
+DESIRABLE = [True, False, True, True]  # KTO: rows 2k (rows 2k + 1 are their KL rows)
+# KTO: a reference below the initial weights by these (per row), so the reference point
+# kl = max(0, mean(logp - ref) over the KL rows) is positive from the first step
+KTO_REF_OFFSET = torch.tensor([0.0, 0.3, 0.1, 0.5, 0.0, 0.2, 0.4, 0.1])
 SETTINGS = {
     "sigmoid": LossSettings("sigmoid", beta=0.5, label_smoothing=0.1, rpo_alpha=0.3),
     "robust": LossSettings("robust", beta=0.5, label_smoothing=0.2),
@@ -62,6 +66,8 @@ class _Reference:
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
         with torch.no_grad():
             self.ref = self.logps()
+        if s.loss_type == "kto":
+            self.ref = self.ref - KTO_REF_OFFSET.to(dtype)
 
     def logps(self) -> torch.Tensor:
         b = self.batch
@@ -76,16 +82,17 @@ class _Reference:
         nll = -pol[0::2].sum() / counts[0::2].sum()  # cross-entropy mean over chosen tokens
         if s.loss_type in ("ipo", "orpo", "simpo"):  # TRL averages these over the completion
             pol, ref = pol / counts, ref / counts
-        if s.loss_type == "kto":
+        if s.loss_type == "kto":  # TRL KTOTrainer.kto_loss; rows 2k + 1: the KL rows
+            kl = (pol[1::2] - ref[1::2]).mean().clamp(min=0).detach()
             good = torch.tensor(DESIRABLE)
-            ratio = pol - ref
-            chosen = 1 - torch.sigmoid(s.beta * (ratio[good] - KL))
-            rejected = 1 - torch.sigmoid(s.beta * (KL - ratio[~good]))
+            ratio, lp = pol[0::2] - ref[0::2], pol[0::2].detach()
+            chosen = 1 - torch.sigmoid(s.beta * (ratio[good] - kl))
+            rejected = 1 - torch.sigmoid(s.beta * (kl - ratio[~good]))
             losses = torch.cat([s.desirable_weight * chosen, s.undesirable_weight * rejected])
-            r, lp = (s.beta * ratio).detach(), pol.detach()
+            r = (s.beta * ratio).detach()
             metrics = {"rewards/chosen": r[good].sum(), "rewards/rejected": r[~good].sum()}
             metrics.update({"logps/chosen": lp[good].sum(), "logps/rejected": lp[~good].sum()})
-            return losses.mean(), metrics
+            return losses.mean(), {**metrics, "kl": kl}
         c, r = pol[0::2], pol[1::2]
         free = s.loss_type in ("orpo", "simpo")
         logits = (c - r) - (0 if free else ref[0::2] - ref[1::2])
@@ -159,16 +166,19 @@ def test_preference_step_matches_pytorch(loss_type: str) -> None:
     kto = loss_type == "kto"
     counts = [target_mask(b).sum(-1) for b in micro]
     totals = StepTotals(
-        num_pairs=len(prompts) if kto else len(prompts) // 2,
+        num_pairs=len(prompts) // 2,  # pairs, or KTO rows (with their KL rows)
         chosen_tokens=int(sum(c[0::2].sum() for c in counts)),
     )
     free = loss_type in ("orpo", "simpo")
     ref_logps = None if free else sequence_logps(engine.logprobs(micro), micro)
-    desirable = [torch.tensor(DESIRABLE[:4]), torch.tensor(DESIRABLE[4:])] if kto else None
+    if kto:
+        assert ref_logps is not None
+        ref_logps = [r - o for r, o in zip(ref_logps, KTO_REF_OFFSET.split(4), strict=True)]
+    desirable = [torch.tensor(DESIRABLE[:2]), torch.tensor(DESIRABLE[2:])] if kto else None
     try:
         for step in range(2):
             objective = PreferenceObjective(
-                micro, settings, totals, ref_logps=ref_logps, desirable=desirable, kl=KL
+                micro, settings, totals, ref_logps=ref_logps, desirable=desirable
             )
             result = engine.train_step(micro, lr=LR, objective=objective.objective())
             engine.wait_updates()
@@ -176,6 +186,8 @@ def test_preference_step_matches_pytorch(loss_type: str) -> None:
             _, _, noise_grads = ref32.step()
             assert abs(result.loss - ref_loss) <= TOL["loss"] * abs(ref_loss), (step, result.loss)
             assert set(objective.metrics) == set(ref_metrics)
+            if kto:
+                assert ref_metrics["kl"] > 0.05  # the reference point is exercised
             for name, value in ref_metrics.items():  # sums over 4 pairs: an absolute bound
                 assert abs(objective.metrics[name] - value) <= TOL["loss"] * max(abs(value), 1.0)
             excess = {

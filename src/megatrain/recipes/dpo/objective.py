@@ -14,6 +14,10 @@ it cannot be a per-token `fn` alone. Per step, inside the engine's loss phase:
 Reference log-probs (`sequence_logps` of `StreamingEngine.logprobs` of the initial weights,
 computed once before training) enter as per-row sums; reference-free losses take None.
 
+KTO: rows 2k are the labelled rows (`desirable`: one flag per row 2k), rows 2k + 1 their KL rows
+(the same prompt, another row's completion, TRL's KL data set), whose log-probs only set the
+reference point.
+
 Invariant: a row's mask is its labels (supervised positions, the first one excluded as the
 engine shifts them), never the log-probs' zeros; rows 2k and 2k + 1 of a micro-batch are pair k.
 """
@@ -50,13 +54,11 @@ class PreferenceObjective:
         *,
         ref_logps: list[torch.Tensor] | None,
         desirable: list[torch.Tensor] | None = None,
-        kl: float = 0.0,
     ) -> None:
         self.masks = [target_mask(b) for b in batches]
         self.settings, self.totals = settings, totals
         self.ref = None if ref_logps is None else torch.cat(ref_logps).double()
         self.desirable = None if desirable is None else torch.cat(desirable).bool()
-        self.kl = kl
         self.metrics: dict[str, float] = {}
 
     def objective(self) -> TokenObjective:
@@ -70,15 +72,10 @@ class PreferenceObjective:
         counts = torch.cat([m.sum(-1) for m in self.masks]).double()
         leaf = sums.double().requires_grad_(True)
         with torch.enable_grad():
-            loss, metrics = preference_loss(
-                leaf,
-                counts,
-                self.ref,
-                self.settings,
-                self.totals,
-                desirable=self.desirable,
-                kl=self.kl,
-            )
+            if self.settings.loss_type == "kto":
+                loss, metrics = self._kto(leaf, counts)
+            else:
+                loss, metrics = preference_loss(leaf, counts, self.ref, self.settings, self.totals)
             (grad,) = torch.autograd.grad(loss, leaf)
         self.metrics = {name: float(v) for name, v in metrics.items()}  # host tensors: no sync
         out, start = [], 0
@@ -87,6 +84,25 @@ class PreferenceObjective:
             out.append({"dlogp": rows[:, None] * m})
             start += m.shape[0]
         return out, loss.detach().to(torch.float32)
+
+    def _kto(
+        self, leaf: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """KTO on rows 2k; rows 2k + 1 are their KL rows (prompt k, another row's completion):
+        TRL's reference point kl = max(0, mean over the step's KL rows of logp - ref), detached
+        (so the KL rows get no gradient)."""
+        assert self.ref is not None and self.desirable is not None
+        kl = (leaf[1::2].detach() - self.ref[1::2]).mean().clamp(min=0.0)  # host values
+        loss, metrics = preference_loss(
+            leaf[0::2],
+            counts[0::2],
+            self.ref[0::2],
+            self.settings,
+            self.totals,
+            desirable=self.desirable,
+            kl=float(kl),
+        )
+        return loss, {**metrics, "kl": kl}
 
     def __call__(self, logp_C: torch.Tensor, side: dict[str, torch.Tensor]) -> torch.Tensor:
         """The chunk's share: zero in value, gradient dlogp per token."""
