@@ -58,7 +58,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
     if cfg.stage in PREFERENCE_STAGES:
         raise ValueError(
             f"data.stage: {cfg.stage} is preference data, which `megatrain train` does not train "
-            "on; use data.stage: sft here (preference_data.prepare_preference reads dpo/kto)"
+            "on (it trains sft and pt); `megatrain data --show N` renders it as trained"
         )
     encoder = ChatEncoder(
         tokenizer,
