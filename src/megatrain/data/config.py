@@ -129,7 +129,8 @@ class DataConfig:
         if self.stage not in STAGES:
             raise ValueError(
                 f"data.stage={self.stage!r} must be one of {list(STAGES)} (sft: conversations, "
-                "pt: continued pre-training on raw text)"
+                "pt: continued pre-training on raw text, dpo: preference pairs, kto: labelled "
+                "completions)"
             )
         for name in ("dataset", "eval_dataset"):
             value = getattr(self, name)
@@ -162,10 +163,10 @@ class DataConfig:
         self._validate_val_size()
 
     def _validate_stage_options(self) -> None:
-        if self.stage == "sft" and self.neat_packing:
+        if self.stage != "pt" and self.neat_packing:
             raise ValueError(
-                "data.neat_packing=True applies to data.stage: pt; under sft, packing: true "
-                "already keeps attention within each sample"
+                f"data.neat_packing=True applies to data.stage: pt, not {self.stage}; under sft, "
+                "packing: true already keeps attention within each sample"
             )
         if self.stage in PREFERENCE_STAGES:
             for name in ("packing", "train_on_prompt"):
