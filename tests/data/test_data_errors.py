@@ -127,5 +127,6 @@ def test_pt_refuses_conversation_options(key: str, value: object) -> None:
         DataConfig(stage="pt", **{key: value}).validate()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"data.neat_packing=True applies to data.stage: pt"):
         DataConfig(neat_packing=True).validate()
-    with pytest.raises(ValueError, match=r"data.stage='cpt' must be one of \['sft', 'pt'\]"):
+    stages = r"\['sft', 'pt', 'dpo', 'kto'\]"
+    with pytest.raises(ValueError, match=rf"data.stage='cpt' must be one of {stages}"):
         DataConfig(stage="cpt").validate()

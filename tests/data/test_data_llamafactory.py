@@ -23,6 +23,7 @@ from data_fixtures.helpers import demo_tokenizer, write_rows
 from data_fixtures.pt_corpus import write_lf_corpus
 from megatrain.cli import main
 from megatrain.data import DataConfig, prepare_data
+from megatrain.data.preference_data import prepare_preference
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data_fixtures" / "llamafactory"
 INFO: dict[str, Any] = json.loads((FIXTURE / "dataset_info.json").read_text(encoding="utf-8"))
@@ -66,9 +67,7 @@ LOCAL_SFT = {  # file name in the registry: its rows
     "glaive_toolcall_zh_demo.json": GLAIVE,
 }
 LOCAL_PT = ("wiki_demo", "c4_demo")  # written by write_lf_corpus
-PREFERENCE = "preference data (ranking: true, columns.chosen, columns.rejected)"
 IMAGES = "multimodal data (columns.images)"
-KTO = "KTO data (columns.kto_tag)"
 UNSUPPORTED = {  # the entry: the feature its error names
     "mllm_demo": f"{IMAGES} is",
     "mllm_audio_demo": "multimodal data (columns.audios) is",
@@ -80,27 +79,38 @@ UNSUPPORTED = {  # the entry: the feature its error names
     },
     "pokemon_cap": f"{IMAGES} is",
     "mllm_pt_demo": f"{IMAGES} is",
-    **{
-        name: f"{PREFERENCE} is"
-        for name in ("dpo_en_demo", "dpo_zh_demo", "dpo_mix_en", "dpo_mix_zh", "coig_p")
-    },
-    "ultrafeedback": f"{PREFERENCE} is",
-    "orca_pairs": f"{PREFERENCE} is",
-    "rlhf_v": f"{PREFERENCE} and {IMAGES} are",
-    "vlfeedback": f"{PREFERENCE} and {IMAGES} are",
-    "rlaif_v": f"{PREFERENCE} and {IMAGES} are",
-    "nectar_rm": "preference data (ranking: true) is",
-    "orca_dpo_de": "preference data (ranking: true) is",
-    "kto_en_demo": f"{KTO} is",
-    "kto_mix_en": f"{KTO} is",
-    "ultrafeedback_kto": f"{KTO} is",
+    **{name: f"{IMAGES} is" for name in ("rlhf_v", "vlfeedback", "rlaif_v")},  # preference too
 }
+# preference entries (data.stage dpo) and KTO entries (kto), local or on the hub
+DPO = ("dpo_en_demo", "dpo_zh_demo", "dpo_mix_en", "dpo_mix_zh", "coig_p", "ultrafeedback")
+DPO_HUB_NO_COLUMNS = ("orca_pairs", "nectar_rm", "orca_dpo_de")
+KTO = ("kto_en_demo", "kto_mix_en", "ultrafeedback_kto")
+STAGE = {**{n: "dpo" for n in (*DPO, *DPO_HUB_NO_COLUMNS)}, **{n: "kto" for n in KTO}}
+PAIR = {
+    "conversations": [
+        {"from": "human", "value": "Name a colour."},
+        {"from": "gpt", "value": "Blue."},
+        {"from": "human", "value": "Another one?"},
+    ],
+    "chosen": {"from": "gpt", "value": "Red."},
+    "rejected": {"from": "gpt", "value": "No."},
+}
+KTO_ROW = {
+    "messages": [
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "Hi!"},
+    ],
+    "label": True,
+}
+LOCAL_PREFERENCE = {"dpo_en_demo.json": [PAIR] * 2, "dpo_zh_demo.json": [PAIR]}
+LOCAL_PREFERENCE["kto_en_demo.json"] = [KTO_ROW, {**KTO_ROW, "label": False}]
 HUB_PT = (  # raw-text corpora: tried under data.stage: pt
     *("refinedweb", "redpajama_v2", "wikipedia_en", "wikipedia_zh", "pile", "skypile"),
     *("fineweb", "fineweb_edu", "cci3_hq", "cci3_data", "cci4_base", "cci4_cot", "cci4_extra"),
     *("the_stack", "starcoder_python"),
 )
-LOCAL_NAMES = [n for n, e in INFO.items() if e.get("file_name") in LOCAL_SFT] + list(LOCAL_PT)
+LOCAL_FILES = {**LOCAL_SFT, **LOCAL_PREFERENCE}
+LOCAL_NAMES = [n for n, e in INFO.items() if e.get("file_name") in LOCAL_FILES] + list(LOCAL_PT)
 HUB = [n for n in INFO if n not in {*LOCAL_NAMES, *UNSUPPORTED, "deepctrl"}]
 
 
@@ -114,7 +124,7 @@ def lf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """LLaMA-Factory's data folder: its registry, and small files for its local entries."""
     folder = tmp_path_factory.mktemp("llamafactory") / "data"
     write_lf_corpus(folder)  # c4_demo.jsonl, wiki_demo.txt (and a registry, replaced below)
-    for file_name, rows in LOCAL_SFT.items():
+    for file_name, rows in LOCAL_FILES.items():
         write_rows(folder / file_name, rows)
     shutil.copyfile(FIXTURE / "dataset_info.json", folder / "dataset_info.json")
     return folder
@@ -128,28 +138,41 @@ def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _cfg(name: str, folder: Path) -> DataConfig:
-    stage = "pt" if name in (*LOCAL_PT, *HUB_PT) else "sft"
-    cache = str(folder.parent / "cache")
+    stage = "pt" if name in (*LOCAL_PT, *HUB_PT) else STAGE.get(name, "sft")
+    cache = str(folder.parent / "cache") if stage == "pt" else None
     return DataConfig(dataset=name, dataset_dir=str(folder), stage=stage, cache_dir=cache)
+
+
+def _prepare(cfg: DataConfig, tokenizer: Any) -> Any:
+    """prepare_data, or prepare_preference for data.stage dpo / kto."""
+    if cfg.stage in ("dpo", "kto"):
+        return prepare_preference(cfg, tokenizer)
+    return prepare_data(cfg, tokenizer)
 
 
 def test_the_fixture_is_llamafactorys_file_and_every_entry_is_classified() -> None:
     data = (FIXTURE / "dataset_info.json").read_bytes()
     assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == GIT_BLOB
     assert len(INFO) == 104
-    assert len(LOCAL_NAMES) == 7 and len(UNSUPPORTED) == 25 and len(HUB) == 71
+    assert len(LOCAL_NAMES) == 10 and len(UNSUPPORTED) == 13 and len(HUB) == 80
+    assert {n for n, e in INFO.items() if e.get("ranking")} == {
+        *DPO,
+        *DPO_HUB_NO_COLUMNS,
+        *UNSUPPORTED,
+    } - {n for n in UNSUPPORTED if not INFO[n].get("ranking")}
+    assert {n for n, e in INFO.items() if "kto_tag" in e.get("columns", {})} == set(KTO)
     assert all("hf_hub_url" in INFO[name] for name in HUB)
     assert set(HUB_PT) <= set(HUB)
 
 
 @pytest.mark.parametrize("name", LOCAL_NAMES)
 def test_every_local_entry_loads(name: str, lf_dir: Path, tokenizer: Any) -> None:
-    stats = prepare_data(_cfg(name, lf_dir), tokenizer).stats
+    stats = _prepare(_cfg(name, lf_dir), tokenizer).stats
     file_name = INFO[name]["file_name"]
     if name in LOCAL_PT:  # a document per line
         expected = len((lf_dir / file_name).read_text(encoding="utf-8").splitlines())
     else:
-        expected = len(LOCAL_SFT[file_name])
+        expected = len(LOCAL_FILES[file_name])
     assert (stats.rows_read, stats.kept, stats.dropped) == (expected, expected, {})
 
 
@@ -159,7 +182,7 @@ def test_every_hub_entry_offline_names_itself_its_id_and_the_fix(
 ) -> None:
     repo = INFO[name]["hf_hub_url"]
     with pytest.raises(FileNotFoundError) as err:
-        prepare_data(_cfg(name, lf_dir), tokenizer)
+        _prepare(_cfg(name, lf_dir), tokenizer)
     message = str(err.value)
     assert message.startswith(f"data set {name!r} (hf_hub_url {repo}): cannot download it")
     assert "the Hugging Face hub is unreachable" in message

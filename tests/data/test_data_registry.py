@@ -129,7 +129,12 @@ def test_unknown_name_lists_registry_and_file(tmp_path: Path) -> None:
     [
         ({"ms_hub_url": "org/x"}, "its only source is ms_hub_url='org/x', which megatrain"),
         ({"script_url": "s", "xx_hub_url": "o/x"}, "only source is script_url='s', xx_hub_url="),
-        ({"file_name": "x.json", "ranking": True}, "preference data (ranking: true) is not supp"),
+        ({"file_name": "x.json", "columns": {"chosen": "c"}}, """add "ranking": true"""),
+        ({"file_name": "x.json", "ranking": "yes"}, "ranking='yes' must be true or false"),
+        (
+            {"file_name": "x.json", "ranking": True, "columns": {"kto_tag": "l"}},
+            "columns.kto_tag (KTO, one labelled completion per row) and ranking: true",
+        ),
         ({"file_name": "x.json", "columns": {"images": "i"}}, "multimodal data (columns.images)"),
         ({"file_name": "x.json", "file": "y.json"}, "unsupported keys ['file']"),
         ({"file_name": "x.json", "formatting": "xml"}, "formatting='xml'"),

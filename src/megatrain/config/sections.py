@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatrain.choices import STATE_DTYPES
+from megatrain.config.dpo import DPOConfig
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.memory import MemoryConfig
 from megatrain.config.types import check_choice, check_int, check_number, check_types
@@ -303,6 +304,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def validate(self) -> None:
         """Each section's checks, then the ones that span sections."""
@@ -315,7 +317,13 @@ class TrainConfig:
         self.logging.validate()
         self.checkpoint.validate()
         self.grpo.validate()
+        self.dpo.validate()
         t, d = self.training, self.data
+        if d.stage in ("dpo", "kto") and (d.stage == "kto") != (self.dpo.loss_type == "kto"):
+            raise ValueError(
+                f"data.stage={d.stage!r} with dpo.loss_type={self.dpo.loss_type!r}: KTO rows "
+                "(data.stage: kto) train with loss_type: kto, pairs (dpo) with the others"
+            )
         if t.seq_len is not None and t.seq_len < d.cutoff_len:
             raise ValueError(
                 f"training.seq_len={t.seq_len} is shorter than data.cutoff_len={d.cutoff_len}; a "
@@ -363,5 +371,6 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
     "grpo": GRPOConfig,
+    "dpo": DPOConfig,
 }
 """YAML section name -> its dataclass, in TrainConfig's field order."""

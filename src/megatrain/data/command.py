@@ -3,6 +3,8 @@
 Prints the first N rows of the first training epoch exactly as the loader yields them (after
 chat template, masking, truncation, shuffle and packing), then a summary of the preparation.
 
+Stage dpo / kto: preference_command.py prints pairs (or labelled rows) instead.
+
 Human form: one block per row; each sample of the row is decoded with its supervised tokens
 (labels != -100) wrapped in `[[` and `]]`, and padding shown as `<pad x N>`. Stage pt rows are
 cut from the document stream: one segment per row, or one per document piece with neat_packing;
@@ -19,7 +21,7 @@ import json
 from typing import Any, TextIO
 
 from megatrain.batch import IGNORE_INDEX, Batch
-from megatrain.data.config import DataConfig
+from megatrain.data.config import PREFERENCE_STAGES, DataConfig
 from megatrain.data.loader import BatchLoader, make_loader
 from megatrain.data.pipeline import PreparedData, prepare_data
 from megatrain.data.pretrain import PretrainCorpus
@@ -43,6 +45,18 @@ def run_data_command(
     if isinstance(show, bool) or not isinstance(show, int) or show < 0:
         raise ValueError(
             f"--show {show}: the number of rows to print must be 0 or more (0: the summary only)"
+        )
+    if cfg.stage in PREFERENCE_STAGES:
+        from megatrain.data.preference_command import run_preference_command  # imports this one
+
+        return run_preference_command(
+            cfg,
+            tokenizer,
+            show=show,
+            as_json=as_json,
+            seq_len=seq_len,
+            micro_batch_size=micro_batch_size,
+            out=out,
         )
     data = prepare_data(cfg, tokenizer)
     loader = make_loader(
@@ -171,7 +185,7 @@ def _describe_summary(summary: dict[str, Any]) -> str:
     for split in ("train", "eval"):
         part = summary[split]
         if part is not None:
-            unit = "documents" if "documents" in part else "samples"
+            unit = next(iter(part))  # documents, samples, pairs or rows
             lines.append(
                 f"{split}: {part[unit]} {unit}, {part['tokens']} tokens, "
                 f"{part['supervised_tokens']} supervised tokens"
@@ -196,7 +210,7 @@ def _describe_summary(summary: dict[str, Any]) -> str:
         )
     lines.append(
         f"loader: {layout}, seq_len {ld['seq_len']}, micro-batch "
-        f"{ld['micro_batch_size']}, {ld['rows_per_epoch']} rows = "
+        f"{ld['micro_batch_size']}, {ld['rows_per_epoch']} {ld.get('unit', 'rows')} = "
         f"{ld['micro_batches_per_epoch']} micro-batches per epoch{fill}"
     )
     return "\n".join(lines) + "\n"

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 OVERFLOW_CHOICES = ("truncate", "drop")
 MULTI_TURN_CHOICES = ("per_turn", "final")
-STAGES = ("sft", "pt")
+STAGES = ("sft", "pt", "dpo", "kto")
+PREFERENCE_STAGES = ("dpo", "kto")
 # Options that shape conversations: under stage pt (raw text) each must keep its default.
 # (`packing` is not one: pt rows are always full, so either value means the same there.)
 SFT_ONLY_DEFAULTS: dict[str, object] = {
@@ -33,7 +34,11 @@ class DataConfig:
     supervised. "pt": continued pre-training on raw text, as LLaMA-Factory's `stage: pt`: one
     document per row of a text column (`columns: {prompt: <column>}`, default `text`) or per line
     of a .txt file, no template, every token supervised, an eos token after each document, the
-    documents concatenated and cut into rows of exactly `seq_len` tokens."""
+    documents concatenated and cut into rows of exactly `seq_len` tokens. "dpo": preference pairs
+    (registry `ranking: true`, columns chosen and rejected), the two rows of a pair in one
+    micro-batch, only the completions supervised. "kto": prompt + completion rows labelled
+    desirable or not (a `kto_tag` column). dpo/kto: the prompt is kept whole and completions are
+    cut to `cutoff_len` (docs/preference.md)."""
 
     dataset: str | list[str] = "demo"
     """Names registered in `dataset_dir/dataset_info.json`, or paths to data files/folders (format
@@ -124,7 +129,8 @@ class DataConfig:
         if self.stage not in STAGES:
             raise ValueError(
                 f"data.stage={self.stage!r} must be one of {list(STAGES)} (sft: conversations, "
-                "pt: continued pre-training on raw text)"
+                "pt: continued pre-training on raw text, dpo: preference pairs, kto: labelled "
+                "completions)"
             )
         for name in ("dataset", "eval_dataset"):
             value = getattr(self, name)
@@ -157,11 +163,18 @@ class DataConfig:
         self._validate_val_size()
 
     def _validate_stage_options(self) -> None:
-        if self.stage == "sft" and self.neat_packing:
+        if self.stage != "pt" and self.neat_packing:
             raise ValueError(
-                "data.neat_packing=True applies to data.stage: pt; under sft, packing: true "
-                "already keeps attention within each sample"
+                f"data.neat_packing=True applies to data.stage: pt, not {self.stage}; under sft, "
+                "packing: true already keeps attention within each sample"
             )
+        if self.stage in PREFERENCE_STAGES:
+            for name in ("packing", "train_on_prompt"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"data.{name}=True does not apply to data.stage: {self.stage} (padded "
+                        "rows, only the completions supervised); remove it"
+                    )
         if self.stage != "pt":
             return
         for name, default in SFT_ONLY_DEFAULTS.items():

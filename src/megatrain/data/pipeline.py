@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from megatrain.data.assets import demo_assets_dir
-from megatrain.data.config import DataConfig
+from megatrain.data.config import PREFERENCE_STAGES, DataConfig
 from megatrain.data.formats import MISSING_COLUMN, convert_row
+from megatrain.data.preference import check_stage
 from megatrain.data.pretrain import PretrainCorpus, load_corpus, split_corpus
 from megatrain.data.readers import download_hub_dataset, iter_rows, read_rows
 from megatrain.data.registry import DatasetSpec, resolve_datasets, sft_format_of
@@ -54,6 +55,11 @@ def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
         )
     if cfg.stage == "pt":
         return _prepare_pretrain(cfg, tokenizer, dataset_dir)
+    if cfg.stage in PREFERENCE_STAGES:
+        raise ValueError(
+            f"data.stage: {cfg.stage} is preference data, which `megatrain train` does not train "
+            "on (it trains sft and pt); `megatrain data --show N` renders it as trained"
+        )
     encoder = ChatEncoder(
         tokenizer,
         cutoff_len=cfg.cutoff_len,
@@ -65,6 +71,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
         multi_turn=cfg.multi_turn,
     )
     specs = resolve_datasets(cfg.dataset_names(), dataset_dir)
+    for spec in specs:
+        check_stage(spec, cfg.stage)
     train, stats = load_samples(specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed)
     eval_samples: list[Sample] | None = None
     eval_stats: DataStats | None = None
@@ -130,14 +138,14 @@ def load_samples(
                 samples += result
         if rows and not stats.kept and stats.dropped.get(MISSING_COLUMN) == stats.rows_read:
             _refuse_raw_text(spec, rows[0])
-        hint = _over_cutoff_hint(stats, encoder, encoder.take_longest_over_cutoff())
+        hint = over_cutoff_hint(stats, encoder, encoder.take_longest_over_cutoff())
         log = logger.warning if stats.dropped else logger.info
         log("data set %s (%s): %s%s", spec.name, spec.path, stats.describe(), hint)
         total.add(stats)
     return samples, total
 
 
-def _over_cutoff_hint(stats: DataStats, encoder: ChatEncoder, longest: int) -> str:
+def over_cutoff_hint(stats: DataStats, encoder: ChatEncoder, longest: int) -> str:
     """Why rows were dropped as not fitting data.cutoff_len, and the value that keeps them."""
     count = stats.dropped.get(OVER_CUTOFF, 0)
     if not count:

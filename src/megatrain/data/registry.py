@@ -6,8 +6,13 @@ package's "openai", which is sharegpt with OpenAI's role/content tags), optional
 `tags` that rename the fields, and `split`, `subset`, `folder`, `revision`, `num_samples`.
 LLaMA-Factory's other sources (`ms_hub_url`, `om_hub_url` or any other `*_hub_url`, `script_url`,
 `cloud_file_name`) are alternatives to those two: ignored when the entry has one of them, an
-error naming the entry otherwise. Entries of features not supported yet (`ranking: true`
-preference data, `kto_tag`, `images`/`videos`/`audios` columns) are refused by name.
+error naming the entry otherwise. Entries of features not supported yet (`images`/`videos`/
+`audios` columns) are refused by name.
+
+Preference data (data.stage dpo) is registered as LLaMA-Factory does: `"ranking": true` and
+`columns` naming `chosen` and `rejected` (alpaca: text columns; sharegpt/openai: one assistant
+turn each, the `messages` column holding the prompt turns). KTO data (data.stage kto) names a
+`kto_tag` column: a boolean per row, true for a desirable completion (the last assistant turn).
 
 A name that is not in the registry but is an existing file or folder (absolute, relative to the
 working directory, or relative to the registry folder) is read directly; its format is detected
@@ -30,8 +35,9 @@ from megatrain.data.readers import TEXT_COLUMN, iter_rows
 
 REGISTRY_FILE = "dataset_info.json"
 FORMATTINGS = ("alpaca", "sharegpt", "openai")
-ALPACA_COLUMNS = ("prompt", "query", "response", "history", "system", "tools")
-SHAREGPT_COLUMNS = ("messages", "system", "tools")
+PREFERENCE_COLUMNS = ("chosen", "rejected", "kto_tag")
+ALPACA_COLUMNS = ("prompt", "query", "response", "history", "system", "tools", *PREFERENCE_COLUMNS)
+SHAREGPT_COLUMNS = ("messages", "system", "tools", *PREFERENCE_COLUMNS)
 TAGS = (
     "role_tag",
     "content_tag",
@@ -47,9 +53,6 @@ OTHER_SOURCES = ("script_url", "cloud_file_name")
 HUB_URL_SUFFIX = "_hub_url"
 # Features of LLaMA-Factory's registry not supported yet, by the column that marks each.
 UNSUPPORTED_COLUMNS = {
-    "chosen": "preference",
-    "rejected": "preference",
-    "kto_tag": "KTO",
     "images": "multimodal",
     "videos": "multimodal",
     "audios": "multimodal",
@@ -99,6 +102,11 @@ class DatasetSpec:
     observation_tag: str = "observation"
     function_tag: str = "function_call"
     system_tag: str = "system"
+    # preference data: `ranking` pairs (chosen, rejected) or KTO rows labelled by `kto_tag`
+    ranking: bool = False
+    chosen: str | None = None
+    rejected: str | None = None
+    kto_tag: str | None = None
     # stage pt: the column of raw text (LLaMA-Factory's `columns: {prompt: <column>}`)
     text: str = TEXT_COLUMN
 
@@ -172,6 +180,7 @@ def spec_from_entry(name: str, entry: Any, dataset_dir: Path) -> DatasetSpec:
     if unknown:
         raise ValueError(f"{where}: unsupported keys {unknown}; supported: {list(ENTRY_KEYS)}")
     _refuse_unsupported_features(entry, where)
+    _check_preference(entry, where)
     formatting = entry.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
         raise ValueError(f"{where}: formatting={formatting!r}; use one of {list(FORMATTINGS)}")
@@ -189,7 +198,14 @@ def spec_from_entry(name: str, entry: Any, dataset_dir: Path) -> DatasetSpec:
         )
     else:
         raise ValueError(f"{where}: needs file_name or hf_hub_url")
-    spec = DatasetSpec(name=name, load_from=load_from, path=path, formatting=formatting)
+    spec = DatasetSpec(
+        name=name,
+        load_from=load_from,
+        path=path,
+        formatting=formatting,
+    )
+    if entry.get("ranking"):  # LLaMA-Factory's entries without columns use these names
+        spec = replace(spec, ranking=True, chosen="chosen", rejected="rejected")
     if formatting == "openai":
         spec = replace(spec, **OPENAI_DEFAULTS)
     fields: dict[str, Any] = {
@@ -214,7 +230,7 @@ def _is_other_hub(key: str) -> bool:
 def _refuse_unsupported_features(entry: dict[str, Any], where: str) -> None:
     """Name the features of the entry that are not supported yet (before any column check)."""
     columns = entry.get("columns")
-    found: dict[str, list[str]] = {"preference": ["ranking: true"]} if entry.get("ranking") else {}
+    found: dict[str, list[str]] = {}
     for column, feature in UNSUPPORTED_COLUMNS.items():
         if isinstance(columns, dict) and column in columns:
             found.setdefault(feature, []).append(f"columns.{column}")
@@ -222,8 +238,27 @@ def _refuse_unsupported_features(entry: dict[str, Any], where: str) -> None:
         listed = " and ".join(f"{name} data ({', '.join(keys)})" for name, keys in found.items())
         raise ValueError(
             f"{where}: {listed} {'is' if len(found) == 1 else 'are'} not supported yet; megatrain "
-            "trains on text conversations (data.stage: sft) and raw text (pt) only: remove the "
-            "data set from data.dataset"
+            "trains on text conversations (data.stage: sft, dpo, kto) and raw text (pt) only: "
+            "remove the data set from data.dataset"
+        )
+
+
+def _check_preference(entry: dict[str, Any], where: str) -> None:
+    """Columns chosen/rejected need `ranking: true`, which excludes kto_tag."""
+    ranking = entry.get("ranking", False)
+    if not isinstance(ranking, bool):
+        raise ValueError(f"{where}: ranking={ranking!r} must be true or false")
+    columns = entry.get("columns")
+    columns = columns if isinstance(columns, dict) else {}
+    paired = [c for c in ("chosen", "rejected") if c in columns]
+    if paired and not ranking:
+        raise ValueError(
+            f'{where}: columns {paired} name preference pairs: add "ranking": true to the entry'
+        )
+    if ranking and "kto_tag" in columns:
+        raise ValueError(
+            f"{where}: columns.kto_tag (KTO, one labelled completion per row) and ranking: true "
+            "(pairs) exclude each other; keep one"
         )
 
 

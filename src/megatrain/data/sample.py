@@ -65,6 +65,13 @@ class DataStats:
         self.num_tokens += sample.num_tokens
         self.num_target_tokens += sample.num_target_tokens
 
+    def keep_group(self, samples: list[Sample]) -> None:
+        """Count one kept row made of several samples (a preference pair): truncated if any is."""
+        self.kept += 1
+        self.truncated += int(any(s.truncated for s in samples))
+        self.num_tokens += sum(s.num_tokens for s in samples)
+        self.num_target_tokens += sum(s.num_target_tokens for s in samples)
+
     def add(self, other: DataStats) -> None:
         """Accumulate the counts of `other` (another data set or file) into these."""
         self.rows_read += other.rows_read

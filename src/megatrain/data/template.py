@@ -122,8 +122,8 @@ class ChatEncoder:
         try:
             texts = []
             for k in turns:
-                texts += [self._render(messages[:k], conv.tools, True)]
-                texts += [self._render(messages[: k + 1], conv.tools, False)]
+                texts += [self.render(messages[:k], conv.tools, True)]
+                texts += [self.render(messages[: k + 1], conv.tools, False)]
         except jinja2.TemplateSyntaxError as err:
             raise ValueError(f"chat template syntax error, line {err.lineno}: {err}") from err
         except jinja2.TemplateError:
@@ -168,7 +168,7 @@ class ChatEncoder:
             remaining = [j for j in remaining if j not in members]
         return rows[::-1]
 
-    def _render(self, messages: list[dict[str, Any]], tools: Any, generation: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: Any, generation: bool) -> str:
         text = self.tokenizer.apply_chat_template(
             messages,
             tools=tools,
@@ -178,6 +178,10 @@ class ChatEncoder:
         )
         assert isinstance(text, str)
         return text
+
+    def note_over_cutoff(self, num_tokens: int) -> None:
+        """A row of `num_tokens` was dropped as OVER_CUTOFF (for the hint of the data summary)."""
+        self._longest_over_cutoff = max(self._longest_over_cutoff, num_tokens)
 
     def take_longest_over_cutoff(self) -> int:
         """Tokens of the longest row dropped as "over_cutoff_len" since the last call (0: none):
@@ -191,7 +195,7 @@ class ChatEncoder:
         too_few = sample.num_target_tokens < self.min_target_tokens
         whole_enough = Sample(input_ids, mask).num_target_tokens >= self.min_target_tokens
         if truncated and (self.overflow == "drop" or (too_few and whole_enough)):
-            self._longest_over_cutoff = max(self._longest_over_cutoff, len(input_ids))
+            self.note_over_cutoff(len(input_ids))
             return OVER_CUTOFF
         return TOO_FEW_TARGETS if too_few else sample
 

@@ -307,13 +307,9 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
         mbs = self._forward(batches, False, timeline, timer)
         self._wait_head(timer)
-        out = []
+        out = self._label_logprobs(mbs, temperature)
         for mb in mbs:
-            shifted = self.loss_fn.logprobs(mb.hidden, mb.targets_BS, temperature)
             mb.hidden = None  # type: ignore[assignment]
-            logp = torch.zeros_like(shifted)
-            logp[:, 1:] = shifted[:, :-1]  # back to label alignment: position t+1 held by t
-            out.append(logp)
         timer.stop()
         self._head_free = self.transfers.compute_event()
         return out

@@ -45,6 +45,12 @@ A TokenFn with an `observe_logits` method is also shown each chunk's logits / te
 ([C, V], detached) in training steps, for metrics such as the policy's entropy."""
 
 
+PrepareFn = Callable[[list[torch.Tensor]], tuple[list[dict[str, torch.Tensor]], torch.Tensor]]
+"""(per micro-batch, fp32 [B, S] on the host: the log-prob of each supervised label, 0 elsewhere,
+label-aligned as `StreamingEngine.logprobs` gives them) -> (per micro-batch, more per-token
+inputs [B, S], label-aligned; the part of the step's loss they carry, a scalar)."""
+
+
 @dataclass
 class TokenObjective:
     """A step's loss as a sum over its target tokens of `fn` of their log-probs.
@@ -54,11 +60,18 @@ class TokenObjective:
     log-probs of `logits / temperature` and returns the chunk's share of the loss; every
     weighting and normalisation lives in `fn` and its inputs, so the step's loss is exactly
     the sum of what `fn` returns.
+
+    A loss that is not a sum over tokens (DPO: a non-linear function of per-sequence sums) sets
+    `prepare`: the step then first runs the head without gradients over every micro-batch for
+    the targets' log-probs, hands them to `prepare`, and merges the per-token inputs it returns
+    (d loss / d logp, typically) into `inputs` before the usual pass, whose `fn` then makes the
+    gradient; the step's loss is the value `prepare` returns plus the sum of what `fn` returns.
     """
 
     fn: TokenFn
     inputs: list[dict[str, torch.Tensor]]
     temperature: float = 1.0
+    prepare: PrepareFn | None = None
 
 
 class _StubOutput(BaseModelOutputWithPast):

@@ -3,8 +3,10 @@
 A mixin of StreamingEngine (engine/engine.py), which owns every attribute declared below; it is
 split out only to keep each file readable. The head's weights were started towards the device
 during the forward (`_load_head`); the loss waits for them, runs every micro-batch's chunks
-(forward and backward fused, engine/head.py), and ships the head's gradient. The MoE router aux
-term is the mean over every micro-batch of the step, on all ranks.
+(forward and backward fused, engine/head.py), and ships the head's gradient. An objective with
+`prepare` (a sequence-level loss) first gets every micro-batch's target log-probs from a
+gradient-free pass of the head chunks, then the fused pass runs with the inputs it returns. The
+MoE router aux term is the mean over every micro-batch of the step, on all ranks.
 """
 
 from __future__ import annotations
@@ -64,10 +66,15 @@ class LossPass:
             self.embed_acc.zero_()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         nll = torch.zeros((), dtype=torch.float32, device=self.device)
+        inputs = None if objective is None else objective.inputs
+        if objective is not None and objective.prepare is not None:
+            extra, value = objective.prepare(self._label_logprobs(mbs, objective.temperature))
+            inputs = [{**a, **b} for a, b in zip(objective.inputs, extra, strict=True)]
+            total += value.to(self.device)
         for k, mb in enumerate(mbs):
             side = None
-            if objective is not None:
-                side = {n: _shifted(t) for n, t in objective.inputs[k].items()}
+            if inputs is not None:
+                side = {n: _shifted(t) for n, t in inputs[k].items()}
             loss, mb_nll, mb.grad = self.loss_fn.run(
                 mb.hidden,
                 mb.targets_BS,
@@ -87,6 +94,17 @@ class LossPass:
         if training:
             self._sumsq = [self._finish(self.store.head, self.head_acc, lr)]
         return total, nll, aux
+
+    def _label_logprobs(self, mbs: list[MicroBatch], temperature: float) -> list[torch.Tensor]:
+        """Per micro-batch, host fp32 [B, S]: the log-prob of each supervised label (0 elsewhere),
+        label-aligned; the head's forward only (a sync point per micro-batch: copy to the host)."""
+        out = []
+        for mb in mbs:
+            shifted = self.loss_fn.logprobs(mb.hidden, mb.targets_BS, temperature)
+            logp = torch.zeros_like(shifted)
+            logp[:, 1:] = shifted[:, :-1]  # position t + 1's label is predicted at t
+            out.append(logp)
+        return out
 
     def _aux_value(self, mbs: list[MicroBatch]) -> torch.Tensor | None:
         if self.aux is None:

@@ -1,0 +1,43 @@
+"""Reference log-probs precomputed (TRL's precompute_ref_log_probs): no second model anywhere.
+
+Before the first step, the initial weights stream through the engine without gradients over
+every pair, in pair order, `micro_batches_per_pass` micro-batches per pass (each pass streams
+every layer once, as a training step's forward does); each row's sum of completion-token
+log-probs is kept: a table fp32 [num_pairs, 2] (chosen, rejected), 8 bytes per pair on the host.
+A step then looks its pairs up by index (`PairLoader.pairs_of`), whatever the shuffle.
+
+Invariant: table[i] is pair i's (chosen, rejected) under the weights the engine held when the
+table was made; a pair's value does not depend on which micro-batch computed it beyond
+floating-point rounding of the padded width (fp32: relative ~1e-6).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatrain.data.preference_data import PairLoader
+from megatrain.engine.engine import StreamingEngine
+from megatrain.recipes.dpo.objective import sequence_logps
+
+
+def precompute_reference(
+    engine: StreamingEngine, loader: PairLoader, *, micro_batches_per_pass: int
+) -> torch.Tensor:
+    """fp32 [num_pairs, 2]: each pair's (chosen, rejected) log-prob sums, in pair order."""
+    assert micro_batches_per_pass >= 1
+    num_pairs, per_batch = loader.num_rows, loader.micro_batch_size
+    table = torch.zeros(num_pairs, 2, dtype=torch.float32)
+    groups = [np.arange(s, min(s + per_batch, num_pairs)) for s in range(0, num_pairs, per_batch)]
+    for start in range(0, len(groups), micro_batches_per_pass):
+        picked = groups[start : start + micro_batches_per_pass]
+        batches = [loader.batch_of(p) for p in picked]
+        sums = sequence_logps(engine.logprobs(batches), batches)
+        for pairs, rows in zip(picked, sums, strict=True):
+            table[torch.from_numpy(pairs)] = rows.view(-1, 2)
+    return table
+
+
+def reference_rows(table: torch.Tensor, pairs: np.ndarray) -> torch.Tensor:
+    """fp32 [2P]: the rows of the micro-batch of `pairs`, interleaved (chosen, rejected)."""
+    return table[torch.from_numpy(np.asarray(pairs))].reshape(-1)
