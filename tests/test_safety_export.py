@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatrain.checkpoint.saving import EXPORT_MARKER, export_hf, save_checkpoint
+from megatrain.checkpoint.export import export_hf
+from megatrain.checkpoint.names import EXPORT_MARKER
+from megatrain.checkpoint.saving import save_checkpoint
 from megatrain.cli import main
 from megatrain.config import load_config, save_config
 from megatrain.model.loading import load_causal_lm

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from megatrain.checkpoint.saving import export_hf
-from megatrain.checkpoint.shards import export_sharded
+from megatrain.checkpoint.export import export_hf, export_sharded
+from megatrain.checkpoint.names import HF_MODEL_DIR
 from megatrain.config import config_to_dict
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.ranks import RankLoader
@@ -219,9 +219,9 @@ class RunBuilder(PlanBuilder):
     def export(self, store: HostStore) -> Path:
         """The store's weights as a Hugging Face folder, output_dir/hf_model (with all updates
         applied: the caller waits for them). Sharded: gathered to rank 0, which writes one
-        ordinary folder (checkpoint/shards.py)."""
+        ordinary folder (checkpoint/export.py)."""
         out, dtype = (
-            Path(self.cfg.training.output_dir) / "hf_model",
+            Path(self.cfg.training.output_dir) / HF_MODEL_DIR,
             self.cfg.checkpoint.export_dtype,
         )
         if self.placement.world_size > 1:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatrain.checkpoint.saving import rng_state, set_rng_state
+from megatrain.checkpoint.rng import rng_state, set_rng_state
 from megatrain.engine.engine import StepResult, StreamingEngine
 from megatrain.engine.tier import tier_order
 from megatrain.errors import GpuOutOfMemory

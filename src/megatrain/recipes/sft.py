@@ -20,7 +20,6 @@ checkpoint resumes only with the world size that wrote it.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Iterator
@@ -32,23 +31,17 @@ import psutil
 import torch
 
 from megatrain.batch import Batch
+from megatrain.checkpoint.checkpointer import Checkpointer
+from megatrain.checkpoint.names import CONFIG_FILE
 from megatrain.checkpoint.output_dir import OutputFolder, TrainingInterrupted, interrupted_message
-from megatrain.checkpoint.saving import (
-    list_checkpoints,
-    load_checkpoint,
-    resume_path,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from megatrain.checkpoint.shards import save_sharded_checkpoint
+from megatrain.checkpoint.rng import rng_state, set_rng_state
 from megatrain.config import TrainConfig, save_config
 from megatrain.distributed import Placement, on_rank0
 from megatrain.distributed import close as close_process_group
 from megatrain.engine.engine import StepResult
 from megatrain.metrics import MetricsLogger
 from megatrain.model.kernels import kernel_report
-from megatrain.planning.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
+from megatrain.planning.disk import check_run_disk, checkpoint_nbytes, run_disk_bytes
 from megatrain.planning.plan import ResourcePlan
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.oom import recovering_step
@@ -79,6 +72,11 @@ class Trainer:
         self.output_dir = Path(cfg.training.output_dir)
         self.run_id = ""  # a resumed run takes its checkpoint's (_resume)
         self.folder: OutputFolder | None = None
+        self.checkpointer = Checkpointer(
+            self.output_dir,
+            world_size=self.builder.placement.world_size,
+            keep_last=cfg.checkpoint.keep_last,
+        )
 
         def open_folder() -> None:
             tracker_names(cfg.logging.report_to)  # a tracker's missing package: before anything
@@ -100,7 +98,7 @@ class Trainer:
         self.data = b.data()
         self.plan = b.plan()
         self.plan.require_fit()  # before anything large is allocated
-        self._check_disk(b.spec.total_params)  # before training time is spent
+        self._check_disk()  # before training time is spent
         report_plan(self.plan, b.placement.is_cuda)
 
         def claim() -> None:  # the inputs are good: the folder becomes this run's
@@ -120,22 +118,27 @@ class Trainer:
         self.step = 0
         self._resume()
 
-    def _check_disk(self, num_params: int) -> None:
-        """Refuse a run whose checkpoints and export the output_dir's disk cannot hold."""
-        c = self.cfg.checkpoint
+    def _check_disk(self) -> None:
+        """Refuse a run whose checkpoints and export the output_dir's disk cannot hold: the
+        checkpoints at the bytes of the run's state dtype (planning/disk.py)."""
+        c, spec = self.cfg.checkpoint, self.builder.spec
+        blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
+        world = self.builder.placement.world_size
+        one = checkpoint_nbytes(blocks, self.cfg.optimizer.state_dtype, world=world)
         disk = run_disk_bytes(
-            num_params,
+            spec.total_params,
             save_every=c.save_every,
             save_final=c.save_final,
             keep_last=c.keep_last,
             export_hf=c.export_hf,
             export_dtype=c.export_dtype,
             total_steps=self.cfg.training.max_steps,
+            checkpoint_bytes=one,
+            state_dtype=self.cfg.optimizer.state_dtype,
         )
         # a resumed run prunes the kept checkpoints as it writes new ones
-        kept = min(len(list_checkpoints(self.output_dir)), c.keep_last) if c.resume_from else 0
-        written = kept * num_params * CHECKPOINT_BYTES_PER_PARAM
-        check_run_disk(self.output_dir, disk, already_written=written)
+        kept = min(len(self.checkpointer.checkpoints()), c.keep_last) if c.resume_from else 0
+        check_run_disk(self.output_dir, disk, already_written=kept * one)
 
     def _total_steps(self) -> int:
         t = self.cfg.training
@@ -147,18 +150,10 @@ class Trainer:
         return max(1, math.ceil(t.num_epochs * per_epoch))
 
     def _resume(self) -> None:
-        path = resume_path(self.cfg.checkpoint.resume_from, self.output_dir)
+        path = self.checkpointer.resume_path(self.cfg.checkpoint.resume_from)
         if path is None:
             return
-        world, saved = self.builder.placement.world_size, _saved_world_size(path)
-        if saved != world:
-            raise ValueError(
-                f"checkpoint {path} was written by {saved} rank(s) and this run has {world}: "
-                f"resume with the same number of processes (torchrun --nproc-per-node x "
-                f"--nnodes = {saved}), or export it (megatrain export) and start a new run "
-                "from the exported model"
-            )
-        state = load_checkpoint(path, self.store)
+        state = self.checkpointer.load(path, self.store)  # refuses another world size
         self.engine.weights_loaded()  # a sharded GPU tier gathers the loaded shards
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
@@ -248,26 +243,12 @@ class Trainer:
             "rng": rng_state(),
             "total_steps": self.total_steps,
         }
-        world = self.builder.placement.world_size
-        if world > 1:
-            return save_sharded_checkpoint(
-                self.output_dir,
-                self.step,
-                self.store,
-                state,
-                world_size=world,
-                keep_last=self.cfg.checkpoint.keep_last,
-                run_id=self.run_id,
-                write_extra=lambda d: save_config(self.cfg, d / "config.yaml"),
-            )
-        return save_checkpoint(
-            self.output_dir,
+        return self.checkpointer.save(
             self.step,
             self.store,
             state,
-            keep_last=self.cfg.checkpoint.keep_last,
             run_id=self.run_id,
-            write_extra=lambda d: save_config(self.cfg, d / "config.yaml"),
+            write_extra=lambda d: save_config(self.cfg, d / CONFIG_FILE),
         )
 
     def export(self) -> Path:
@@ -285,13 +266,6 @@ class Trainer:
     def _release_folder(self) -> None:
         if self.folder is not None:
             self.folder.release()
-
-
-def _saved_world_size(path: Path) -> int:
-    try:
-        return int(json.loads((path / "trainer_state.json").read_text()).get("world_size", 1))
-    except (OSError, ValueError):
-        return 1  # not a checkpoint: load_checkpoint says so
 
 
 def _rank_share(batches: list[Batch], placement: Placement) -> list[tuple[Batch, bool]]:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatrain.checkpoint.names import CONFIG_FILE
 from megatrain.checkpoint.output_dir import OutputFolder
 from megatrain.checkpoint.saving import load_checkpoint, resume_path, save_checkpoint
 from megatrain.config import TrainConfig, save_config
@@ -375,7 +376,7 @@ class GRPOTrainer:
         )
 
     def _write_extra(self, folder: Path) -> None:
-        save_config(self.cfg, folder / "config.yaml")
+        save_config(self.cfg, folder / CONFIG_FILE)
         if self.reference is not None:
             self.reference.save(folder)
 
