@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from megatrain.checkpoint.export import export_hf
-from megatrain.checkpoint.names import EXPORT_MARKER
 from megatrain.checkpoint.saving import save_checkpoint
 from megatrain.cli import main
 from megatrain.config import load_config, save_config
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
+from megatrain.run_files import EXPORT_MARKER
 from megatrain.store.host import HostStore
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"

@@ -32,7 +32,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from megatrain.checkpoint.names import METRICS_FILE
+from megatrain.run_files import METRICS_FILE
 from megatrain.trackers import Tracker
 
 # Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name().

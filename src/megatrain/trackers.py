@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from megatrain.checkpoint.names import CONFIG_FILE
+from megatrain.run_files import CONFIG_FILE
 
 
 @dataclass(frozen=True)

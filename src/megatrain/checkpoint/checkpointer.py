@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatrain.checkpoint.names import TRAINER_STATE_FILE
 from megatrain.checkpoint.saving import (
     list_checkpoints,
     load_checkpoint,
@@ -37,6 +36,7 @@ from megatrain.checkpoint.saving import (
     save_checkpoint,
 )
 from megatrain.checkpoint.shards import save_sharded_checkpoint
+from megatrain.run_files import TRAINER_STATE_FILE
 from megatrain.store.host import HostStore
 
 

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from megatrain.checkpoint.files import free_name, fsync, fsync_dir, write_json
-from megatrain.checkpoint.names import EXPORT_MARKER
 from megatrain.checkpoint.saving import FORMAT_VERSION
 from megatrain.distributed import on_rank0
 from megatrain.engine.collectives import all_gather
@@ -38,6 +37,7 @@ from megatrain.planning.disk import (
     disk_full_error,
     is_disk_full,
 )
+from megatrain.run_files import EXPORT_MARKER
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.shard import ShardedBlock

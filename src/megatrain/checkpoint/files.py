@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatrain.checkpoint.names import BLOCKS_DIR
+from megatrain.run_files import BLOCKS_DIR
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.shard import ShardedBlock
 

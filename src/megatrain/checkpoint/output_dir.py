@@ -51,15 +51,15 @@ from pathlib import Path
 from typing import IO
 
 from megatrain.checkpoint.export import check_export_target
-from megatrain.checkpoint.names import (
+from megatrain.checkpoint.saving import latest_checkpoint
+from megatrain.config import CONFIG_HEADER, TrainConfig, save_config
+from megatrain.run_files import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     HF_MODEL_DIR,
     LOCK_FILE,
     METRICS_FILE,
 )
-from megatrain.checkpoint.saving import latest_checkpoint
-from megatrain.config import CONFIG_HEADER, TrainConfig, save_config
 from megatrain.trackers import TRACKER_FOLDERS
 
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, *TRACKER_FOLDERS, CHECKPOINTS_DIR, HF_MODEL_DIR)

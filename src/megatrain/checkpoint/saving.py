@@ -1,6 +1,6 @@
 """Checkpoints that resume exactly: the single-process writer and the reader (one process).
 
-Layout of one checkpoint, `<output_dir>/checkpoints/step-<N>/` (names: checkpoint/names.py):
+Layout of one checkpoint, `<output_dir>/checkpoints/step-<N>/` (names: run_files.py):
     blocks/<block>.safetensors   fp32 master, exp_avg, exp_avg_sq of one store block, the states
                                  as stored (fp32, bf16, or int8 codes plus exp_avg_scale and
                                  exp_avg_sq_scale; store/states.py) (metadata: the block's
@@ -61,9 +61,9 @@ from megatrain.checkpoint.files import (
     fsync_dir,
     write_json,
 )
-from megatrain.checkpoint.names import BLOCKS_DIR, CHECKPOINTS_DIR, TRAINER_STATE_FILE, step_dir
 from megatrain.files import honour_umask
 from megatrain.planning.disk import disk_full_error, is_disk_full
+from megatrain.run_files import BLOCKS_DIR, CHECKPOINTS_DIR, TRAINER_STATE_FILE, step_dir
 from megatrain.store.host import HostStore
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatrain.checkpoint.names import BLOCKS_DIR, step_dir
 from megatrain.checkpoint.saving import (
     checkpoints_dir,
     commit,
@@ -32,6 +31,7 @@ from megatrain.checkpoint.saving import (
 )
 from megatrain.distributed import on_every_rank, on_rank0
 from megatrain.planning.disk import disk_full_error, is_disk_full
+from megatrain.run_files import BLOCKS_DIR, step_dir
 from megatrain.store.host import HostStore
 
 

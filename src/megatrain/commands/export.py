@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatrain.checkpoint.names import CONFIG_FILE
 from megatrain.config import load_config
+from megatrain.run_files import CONFIG_FILE
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from megatrain.checkpoint.export import export_hf, export_sharded
-from megatrain.checkpoint.names import HF_MODEL_DIR
 from megatrain.config import config_to_dict
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.ranks import RankLoader
@@ -53,6 +52,7 @@ from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import GIB
+from megatrain.run_files import HF_MODEL_DIR
 from megatrain.store.host import HostStore
 from megatrain.store.reference import ReferenceWeights
 from megatrain.store.shard import shard_master

@@ -32,7 +32,6 @@ import torch
 
 from megatrain.batch import Batch
 from megatrain.checkpoint.checkpointer import Checkpointer
-from megatrain.checkpoint.names import CONFIG_FILE
 from megatrain.checkpoint.output_dir import OutputFolder, TrainingInterrupted, interrupted_message
 from megatrain.checkpoint.rng import rng_state, set_rng_state
 from megatrain.config import TrainConfig, save_config
@@ -45,6 +44,7 @@ from megatrain.planning.disk import check_run_disk, checkpoint_nbytes, run_disk_
 from megatrain.planning.plan import ResourcePlan
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.oom import recovering_step
+from megatrain.run_files import CONFIG_FILE
 from megatrain.trackers import tracker_names
 
 

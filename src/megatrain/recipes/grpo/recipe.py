@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatrain.checkpoint.names import CONFIG_FILE
 from megatrain.checkpoint.output_dir import OutputFolder
 from megatrain.checkpoint.saving import load_checkpoint, resume_path, save_checkpoint
 from megatrain.config import TrainConfig, save_config
@@ -48,6 +47,7 @@ from megatrain.recipes.grpo.rollout import device_model, generate
 from megatrain.recipes.grpo.sequences import completion_mask, per_row, sequence_batches
 from megatrain.recipes.oom import recovering_step
 from megatrain.recipes.sft import report_plan, step_record
+from megatrain.run_files import CONFIG_FILE
 from megatrain.trackers import tracker_names
 
 

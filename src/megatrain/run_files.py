@@ -1,5 +1,8 @@
 """The names of what a run writes: each file and folder name is defined here once, and every
 module that reads or writes one imports it (a renamed file cannot leave a reader behind).
+The checkpoint package (checkpoint/) owns these files; their names live at the top of the
+package so that trackers.py, which checkpoint/ imports (directly and through config/), can use
+them without an import cycle (tests/test_layers.py).
 
 Layout of `training.output_dir`:
     .megatrain.lock            LOCK_FILE: the live run's lock (checkpoint/output_dir.py)
@@ -9,7 +12,7 @@ Layout of `training.output_dir`:
                                CONFIG_FILE (checkpoint/saving.py)
     hf_model/                  HF_MODEL_DIR: the end-of-run Hugging Face export
 
-This module imports nothing, so any module (metrics, trackers, config) may import it.
+This module imports nothing, so any module may import it.
 """
 
 from __future__ import annotations
