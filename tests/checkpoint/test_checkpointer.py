@@ -15,12 +15,15 @@ import torch
 
 from megatrain.checkpoint.checkpointer import Checkpointer
 from megatrain.checkpoint.saving import write_blocks
+from megatrain.config import load_config
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.planning import model_spec
-from megatrain.planning.disk import checkpoint_nbytes
+from megatrain.planning.disk import checkpoint_nbytes, run_disk_bytes
+from megatrain.recipes.sft import Trainer
 from megatrain.store.host import HostStore
 from megatrain.store.shard import shard_master
+from run_helpers import DEMO, tiny_run_args
 
 
 def tensor_bytes(folder: Path) -> int:
@@ -76,3 +79,25 @@ def test_two_ranks_write_the_predicted_bytes(tmp_path: Path, state_dtype: str) -
     written = tensor_bytes(tmp_path)
     assert written == ckpt.bytes_needed(stores[0]) == _predicted(state_dtype, world=2)
     assert written > _predicted(state_dtype, world=1)  # the padding to whole int8 blocks
+
+
+def test_the_run_checks_the_disk_for_the_checkpoints_it_writes(tmp_path: Path) -> None:
+    """A run with int8 states plans its disk for int8 checkpoints (about half of fp32's), and
+    its checkpoint holds exactly those bytes."""
+    cfg = load_config(DEMO, tiny_run_args(tmp_path, "--training.max_steps", "1",
+                                          "--optimizer.state_dtype", "int8"))  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        predicted = trainer.checkpoint_bytes()
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert summary.checkpoint is not None
+    assert tensor_bytes(summary.checkpoint) == predicted
+    params = trainer.builder.spec.total_params
+    assert 6 * params <= predicted < 7 * params
+    disk = run_disk_bytes(params, save_every=0, save_final=True, keep_last=1, export_hf=False,
+                          export_dtype="bf16", total_steps=1, checkpoint_bytes=predicted,
+                          state_dtype="int8")  # fmt: skip
+    assert disk.checkpoint_bytes == predicted
+    assert "AdamW m, v in int8" in disk.describe()
