@@ -3,7 +3,7 @@
     cfg = load_config("examples/qwen3_8b.yaml", ["--optimizer.learning_rate", "2e-5"])
     cfg.model, cfg.data, cfg.training, cfg.optimizer, cfg.memory, cfg.logging, cfg.checkpoint,
     cfg.grpo (read by `megatrain grpo` only)
-    save_config(cfg, out_dir / "config.yaml")       # load_config(that file) == cfg
+    save_config(cfg, path)                           # load_config(path) == cfg
 
 Sections map one to one onto YAML mappings (`model:`, `data:`, ...); `data` is
 `megatrain.data.config.DataConfig`. Overrides are argv tokens `--section.key VALUE` or
