@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatrain.checkpoint import export as export_mod
 from megatrain.checkpoint import saving as ckpt_mod
 from megatrain.checkpoint.saving import latest_checkpoint, list_checkpoints
 from megatrain.cli import main
@@ -167,5 +168,5 @@ def test_disk_full_during_export_removes_the_partial_export(
 
     monkeypatch.setattr(type(model), "save_pretrained", full)
     with pytest.raises(DiskFullError, match=f"the Hugging Face export hf into {tmp_path}"):
-        ckpt_mod.export_hf(store, tmp_path / "hf")
+        export_mod.export_hf(store, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []

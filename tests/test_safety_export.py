@@ -11,11 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatrain.checkpoint.saving import EXPORT_MARKER, export_hf, save_checkpoint
+from megatrain.checkpoint.export import export_hf
+from megatrain.checkpoint.saving import save_checkpoint
 from megatrain.cli import main
 from megatrain.config import load_config, save_config
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
+from megatrain.run_files import EXPORT_MARKER
 from megatrain.store.host import HostStore
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"

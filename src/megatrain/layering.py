@@ -36,6 +36,7 @@ BASE: frozenset[str] = frozenset(
         "layouts",
         "metrics",
         "native",
+        "run_files",
         "threads",
         "trackers",
     }

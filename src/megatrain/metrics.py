@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from megatrain.run_files import METRICS_FILE
 from megatrain.trackers import Tracker
 
 # Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name().
@@ -84,7 +85,7 @@ class MetricsLogger:
         self.flops_per_token = flops_per_token
         self.peak = peak_flops_per_s
         self.world_size = world_size
-        path = self.output_dir / "metrics.jsonl"
+        path = self.output_dir / METRICS_FILE
         if jsonl and path.exists():
             truncate_metrics(path, start_step)
         self._jsonl_path = path if jsonl else None

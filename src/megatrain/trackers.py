@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from megatrain.run_files import CONFIG_FILE
+
 
 @dataclass(frozen=True)
 class TrackerRun:
@@ -119,7 +121,7 @@ class MLflowTracker(Tracker):
             experiment.experiment_id if experiment else self._client.create_experiment(run.project)
         )
         self._run_id = self._client.create_run(experiment_id, run_name=run.name).info.run_id
-        self._client.log_dict(self._run_id, run.config, "config.yaml")
+        self._client.log_dict(self._run_id, run.config, CONFIG_FILE)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         now_ms = int(time.time() * 1000)

@@ -4,13 +4,20 @@ A block is one file, `blocks/<block>.safetensors`, or in a checkpoint of W ranks
 W files `blocks/<block>.rank<r>-of-<W>.safetensors`, one per rank's part. A store of the same
 world size reads its own part; a whole (one-process) store reads every part in rank order (what
 `megatrain export` does); any other mix is refused with the fix.
+
+Durable writes: `write_json`, `fsync` and `fsync_dir` are how every checkpoint and export file
+reaches the disk before the rename that commits it; `free_name` picks a name that moves a
+folder aside without replacing anything.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
+from megatrain.run_files import BLOCKS_DIR
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.shard import ShardedBlock
 
@@ -41,10 +48,10 @@ def check_block(path: Path, block: ParamBlock, meta: dict[str, str]) -> None:
 def block_files(path: Path, block: ParamBlock) -> list[Path]:
     """The files holding `block`: its own, or (a whole block from a sharded checkpoint) every
     rank's part in rank order."""
-    file = path / "blocks" / block_file(block)
+    file = path / BLOCKS_DIR / block_file(block)
     if file.is_file():
         return [file]
-    parts = sorted((path / "blocks").glob(f"{block.name}.rank*-of-*.safetensors"))
+    parts = sorted((path / BLOCKS_DIR).glob(f"{block.name}.rank*-of-*.safetensors"))
     if parts and not isinstance(block, ShardedBlock):
         return parts
     if parts or isinstance(block, ShardedBlock):
@@ -56,3 +63,32 @@ def block_files(path: Path, block: ParamBlock) -> list[Path]:
     raise FileNotFoundError(
         f"checkpoint {path} has no {file.name}: it was written for a different model"
     )
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def free_name(path: Path) -> Path:
+    """`path`, or `path.1`, `path.2`, ... whichever does not exist yet."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate

@@ -50,14 +50,20 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-from megatrain.checkpoint.saving import check_export_target, latest_checkpoint
+from megatrain.checkpoint.export import check_export_target
+from megatrain.checkpoint.saving import latest_checkpoint
 from megatrain.config import CONFIG_HEADER, TrainConfig, save_config
+from megatrain.run_files import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    HF_MODEL_DIR,
+    LOCK_FILE,
+    METRICS_FILE,
+)
 from megatrain.trackers import TRACKER_FOLDERS
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", *TRACKER_FOLDERS, "checkpoints", "hf_model")
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, *TRACKER_FOLDERS, CHECKPOINTS_DIR, HF_MODEL_DIR)
 """What a run writes at the top of its output_dir (moved aside by overwrite_output_dir)."""
-LOCK_FILE = ".megatrain.lock"
-"""The live run's lock in its output_dir (it holds the holder's pid and host)."""
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # a file system without flock
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
@@ -95,7 +101,7 @@ class OutputFolder:
         leftovers = _failed_start(out) and any((out / d).exists() for d in TRACKER_FOLDERS)
         if cfg.checkpoint.resume_from is None and (cfg.training.overwrite_output_dir or leftovers):
             _move_previous_run(out)  # a failed start's tracker logs too: moved, never deleted
-        save_config(cfg, self.path / "config.yaml")
+        save_config(cfg, self.path / CONFIG_FILE)
         self._claimed = True
         return uuid.uuid4().hex[:12]
 
@@ -135,7 +141,7 @@ def check_output_dir(
         )
     if export_hf:
         check_export_target(
-            out / "hf_model",
+            out / HF_MODEL_DIR,
             key="the export folder",
             fix="Move or rename it (the end-of-run export replaces only a previous export), "
             "or set checkpoint.export_hf: false",
@@ -169,7 +175,7 @@ def _entries(out: Path) -> list[str]:
     failed start's config.yaml."""
     if not out.is_dir():
         return []
-    skip = {LOCK_FILE} | ({"config.yaml", *TRACKER_FOLDERS} if _failed_start(out) else set())
+    skip = {LOCK_FILE} | ({CONFIG_FILE, *TRACKER_FOLDERS} if _failed_start(out) else set())
     return sorted(p.name for p in out.iterdir() if p.name not in skip)
 
 
@@ -177,9 +183,9 @@ def _failed_start(out: Path) -> bool:
     """Whether the folder holds only what a start that recorded no step leaves: a config.yaml
     that MegaTrain wrote, and the folders of trackers opened as training started."""
     present = {name for name in RUN_FILES if (out / name).exists()}
-    if "config.yaml" not in present or present - {"config.yaml", *TRACKER_FOLDERS}:
+    if CONFIG_FILE not in present or present - {CONFIG_FILE, *TRACKER_FOLDERS}:
         return False
-    with open(out / "config.yaml", encoding="utf-8", errors="replace") as f:
+    with open(out / CONFIG_FILE, encoding="utf-8", errors="replace") as f:
         return f.read(len(CONFIG_HEADER)) == CONFIG_HEADER
 
 
@@ -244,7 +250,7 @@ def _move_previous_run(out: Path) -> None:
     config.yaml is left for the new run to replace."""
     present = [n for n in RUN_FILES if (out / n).exists()]
     failed = _failed_start(out)
-    if not present or (present == ["config.yaml"] and failed):
+    if not present or (present == [CONFIG_FILE] and failed):
         return
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     dest, n = out / f"previous-{stamp}", 0

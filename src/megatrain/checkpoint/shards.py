@@ -7,7 +7,8 @@
 4. rank 0 writes trainer_state.json (with the world size) and config.yaml, renames the
    directory into place and prunes, exactly as a single-process save (checkpoint.commit).
 
-Export: the blocks are all-gathered and rank 0 writes one ordinary Hugging Face folder.
+Export (checkpoint/export.py `export_sharded`): the blocks are all-gathered and rank 0 writes
+one ordinary Hugging Face folder.
 
 The output folder must be one file system every rank sees (on several nodes, a shared one).
 A crash before step 4 leaves only the temporary directory, removed by the next save.
@@ -20,24 +21,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from megatrain.checkpoint.saving import (
-    checkpoint_bytes,
     checkpoints_dir,
     commit,
-    export_hf,
+    part_bytes,
     remove_stale_temporaries,
     write_blocks,
     write_state,
 )
 from megatrain.distributed import on_every_rank, on_rank0
-from megatrain.engine.collectives import all_gather
 from megatrain.planning.disk import disk_full_error, is_disk_full
-from megatrain.store.blocks import ParamBlock
+from megatrain.run_files import BLOCKS_DIR, step_dir
 from megatrain.store.host import HostStore
-from megatrain.store.shard import ShardedBlock
 
 
 def save_sharded_checkpoint(
@@ -53,20 +48,20 @@ def save_sharded_checkpoint(
 ) -> Path:
     """Write checkpoint `step` of lineage `run_id` from every rank; returns its directory."""
     root = checkpoints_dir(output_dir)
-    final = root / f"step-{step:08d}"
+    final = root / step_dir(step)
     tmp = root / f".step-{step:08d}.tmp-ranks"
 
     def start() -> None:
         root.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(root)
-        (tmp / "blocks").mkdir(parents=True)
+        (tmp / BLOCKS_DIR).mkdir(parents=True)
 
     def write_part() -> None:
         try:
             write_blocks(tmp, store)
         except BaseException as e:
             if is_disk_full(e):
-                needed = checkpoint_bytes(store)
+                needed = world_size * part_bytes(store)  # every rank's part is alike
                 raise disk_full_error(root, f"checkpoint step {step}", needed) from e
             raise
 
@@ -85,39 +80,3 @@ def save_sharded_checkpoint(
     on_every_rank(write_part)  # the barrier: every rank's part is durable, or none commits
     on_rank0(finish)
     return final
-
-
-def export_sharded(
-    store: HostStore,
-    out_dir: str | Path,
-    *,
-    device: torch.device,
-    dtype: str,
-    tokenizer: Any | None,
-) -> Path:
-    """Write one ordinary Hugging Face folder from a sharded store: every rank's part of each
-    block is all-gathered (through `device`: NCCL reduces device tensors), rank 0 writes."""
-    main = dist.get_rank() == 0
-    whole: list[ParamBlock] = []
-    for block in store.blocks:
-        assert isinstance(block, ShardedBlock)
-        full = torch.empty(block.padded_numel, dtype=torch.float32, device=device)
-        all_gather(full, block.master.to(device))
-        if main:
-            master = full[: block.full_numel].cpu()
-            empty = torch.empty(0)
-            whole.append(
-                ParamBlock(block.name, block.entries, block.full_numel, 0, master, empty, empty)
-            )
-    out = Path(out_dir)
-
-    def write() -> None:
-        sharded = (store.embed, store.layers, store.head)
-        store.embed, store.layers, store.head = whole[0], whole[1:-1], whole[-1]
-        try:
-            export_hf(store, out, dtype=dtype, tokenizer=tokenizer)
-        finally:
-            store.embed, store.layers, store.head = sharded
-
-    on_rank0(write)
-    return out

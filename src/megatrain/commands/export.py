@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from megatrain.config import load_config
+from megatrain.run_files import CONFIG_FILE
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     ckpt = Path(args.checkpoint)
-    config = Path(args.config) if args.config else ckpt / "config.yaml"
+    config = Path(args.config) if args.config else ckpt / CONFIG_FILE
     if not ckpt.is_dir() or not config.is_file():
         raise FileNotFoundError(
             f"{ckpt} is not a checkpoint folder with a config.yaml; give one of the "
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(config, [*args.overrides, *dtype])
     import torch  # after the checks above: a usage error answers without loading torch
 
-    from megatrain.checkpoint.saving import export_hf, load_checkpoint
+    from megatrain.checkpoint.export import export_hf
+    from megatrain.checkpoint.saving import load_checkpoint  # any world size: read whole
     from megatrain.distributed import Placement
     from megatrain.recipes.builder import RunBuilder
 

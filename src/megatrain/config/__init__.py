@@ -2,8 +2,8 @@
 
     cfg = load_config("examples/qwen3_8b.yaml", ["--optimizer.learning_rate", "2e-5"])
     cfg.model, cfg.data, cfg.training, cfg.optimizer, cfg.memory, cfg.logging, cfg.checkpoint,
-    cfg.grpo (read by `megatrain grpo` and `megatrain estimate --grpo` only)
-    save_config(cfg, out_dir / "config.yaml")       # load_config(that file) == cfg
+    cfg.grpo (read by `megatrain grpo` and `megatrain estimate --grpo` only), cfg.dpo
+    save_config(cfg, path)                           # load_config(path) == cfg
 
 Sections map one to one onto YAML mappings (`model:`, `data:`, ...); `data` is
 `megatrain.data.config.DataConfig`. Overrides are argv tokens `--section.key VALUE` or

@@ -320,6 +320,11 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         self.slots.invalidate()
         self.tier.refresh()
 
+    def weights_swapped(self) -> None:
+        """The store's blocks serve other weights for the next passes, or their own again
+        (GRPO's KL reference swapped in or out): the layers the device slots hold are stale."""
+        self.slots.invalidate()
+
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""
         self.worker.wait_all(self.store.blocks)

@@ -1,7 +1,11 @@
-"""Disk a training run writes (byte arithmetic from the parameter count); the free-space check.
+"""Disk a training run writes (byte arithmetic from the parameter counts); the free-space check.
 
 What a run writes under `training.output_dir`:
-    checkpoint    12 bytes per parameter (fp32 master weights, AdamW exp_avg and exp_avg_sq) plus
+    checkpoint    `checkpoint_nbytes`: per store block its fp32 master (4 bytes per parameter)
+                  and AdamW exp_avg, exp_avg_sq at the run's optimizer.state_dtype (8 fp32, 4
+                  bf16, 2 + the int8 scales; store/states.py), every rank's padded part when
+                  sharded: 12, 8 or ~6 bytes per parameter. The checkpoint writer writes
+                  exactly these bytes of tensors (checkpoint/saving.py `part_bytes`), plus
                   small files (trainer_state.json with the RNG states, config.yaml);
                   `keep_last` of them are kept, and while the next one is written (into a
                   temporary folder, before the oldest is pruned) keep_last + 1 exist at once
@@ -19,10 +23,14 @@ from __future__ import annotations
 
 import errno
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master + AdamW m + v
+from megatrain.store.shard import shard_range
+from megatrain.store.states import state_bytes_per_param, state_nbytes
+
+MASTER_BYTES_PER_PARAM = 4  # the fp32 master weights a checkpoint holds
 EXPORT_BYTES_PER_PARAM = {"bf16": 2, "fp32": 4}
 SMALL_FILES_BYTES = 64 * 2**20  # tokenizer, configs, trainer_state.json, safetensors headers
 METRICS_BYTES_PER_STEP = 2048  # a train record (~1 KiB with the timeline) and an eval record
@@ -50,13 +58,14 @@ class RunDisk:
     export_bytes: int  # 0 without an export
     metrics_bytes: int
     peak_bytes: int
+    state_dtype: str = "fp32"  # the AdamW states' dtype in the checkpoints
 
     def describe(self) -> str:
         parts = []
         if self.checkpoints_at_peak:
             parts.append(
                 f"{self.checkpoints_at_peak} checkpoint(s) of {_gib(self.checkpoint_bytes)} GiB "
-                f"({CHECKPOINT_BYTES_PER_PARAM} bytes per parameter: fp32 weights and AdamW m, v)"
+                f"(fp32 weights and AdamW m, v in {self.state_dtype})"
             )
         if self.export_bytes:
             kept = f" written while {self.checkpoints_kept} checkpoint(s) are kept"
@@ -77,9 +86,15 @@ def run_disk_bytes(
     export_hf: bool,
     export_dtype: str,
     total_steps: int | None,
+    checkpoint_bytes: int | None = None,
+    state_dtype: str = "fp32",
 ) -> RunDisk:
-    """Peak bytes a run writes to output_dir. `total_steps` None: unknown, assume many saves."""
-    ckpt = num_params * CHECKPOINT_BYTES_PER_PARAM
+    """Peak bytes a run writes to output_dir. `total_steps` None: unknown, assume many saves.
+    `checkpoint_bytes`: one checkpoint's (`checkpoint_nbytes` of the run's blocks); None: the
+    `num_params` as one block with `state_dtype` states."""
+    ckpt = checkpoint_bytes
+    if ckpt is None:
+        ckpt = checkpoint_nbytes([num_params], state_dtype)
     if total_steps is None:
         saves = keep_last + 1 if save_every else int(save_final)
     else:
@@ -91,7 +106,23 @@ def run_disk_bytes(
     export = num_params * EXPORT_BYTES_PER_PARAM[export_dtype] if export_hf else 0
     metrics = METRICS_BYTES_PER_STEP * (total_steps if total_steps is not None else 100_000)
     peak = max(at_peak * ckpt, kept * ckpt + export) + metrics + SMALL_FILES_BYTES
-    return RunDisk(ckpt, at_peak, kept, export, metrics, peak)
+    return RunDisk(ckpt, at_peak, kept, export, metrics, peak, state_dtype)
+
+
+def checkpoint_nbytes(block_numels: Iterable[int], state_dtype: str, *, world: int = 1) -> int:
+    """Bytes of the tensors of one checkpoint of store blocks of `block_numels` parameters:
+    each block's fp32 master and AdamW states in `state_dtype`; with `world` ranks, every
+    rank's part of the block, padded as store/shard.py pads it."""
+    total = 0
+    for numel in block_numels:
+        part = numel if world == 1 else shard_range(numel, 0, world)[2]
+        total += world * (MASTER_BYTES_PER_PARAM * part + state_nbytes(part, state_dtype))
+    return total
+
+
+def checkpoint_bytes_per_param(state_dtype: str) -> float:
+    """A checkpoint's bytes per parameter: 12 (fp32 states), 8 (bf16), ~6 (int8)."""
+    return MASTER_BYTES_PER_PARAM + state_bytes_per_param(state_dtype)
 
 
 def free_bytes(folder: str | Path) -> int:

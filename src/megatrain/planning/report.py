@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatrain.engine.tiling import TilePolicy
-from megatrain.planning.disk import CHECKPOINT_BYTES_PER_PARAM, EXPORT_BYTES_PER_PARAM
+from megatrain.planning.disk import EXPORT_BYTES_PER_PARAM, checkpoint_bytes_per_param
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB
 
@@ -143,7 +143,7 @@ def _disk_lines(est: Estimate) -> list[str]:
         f"{'disk (training.output_dir)':<{_W + 2}}{'GiB':>10}",
         _row(
             "one checkpoint (fp32 master + Adam m, v)",
-            _gib(CHECKPOINT_BYTES_PER_PARAM * est.total_params),
+            _gib(checkpoint_bytes_per_param(est.settings["state_dtype"]) * est.total_params),
             "x keep_last, + 1 while the next one is written",
         ),
         _row("Hugging Face export (bf16)", _gib(EXPORT_BYTES_PER_PARAM["bf16"] * est.total_params)),

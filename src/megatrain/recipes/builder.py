@@ -5,27 +5,33 @@ Every command builds what it needs here and nowhere else:
     b = RunBuilder(cfg)                  # device resolved, nothing loaded yet
     plan = b.plan()                      # resource plan: estimate, fit check input, batch
     tok = b.tokenizer(); data = b.data()
-    structure = b.model(); store = b.store(structure)
+    structure, store = b.model_and_store()  # or b.model(), then b.store(structure)
     engine = b.engine(structure, store)  # with b.optimizer() unless one is given
-    loader = b.loader(data.train)
+    loader = b.loader(data.train); schedule = b.schedule(total_steps)
+    metrics = b.metrics(total_steps=..., start_step=...); b.export(store)
 
-`train` uses all of it, `verify` the model, store and engine (its reference is plain PyTorch),
-`estimate` only the plan (`PlanBuilder`, planning/builder.py, which RunBuilder extends), `export`
-the model and store, `data` the tokenizer and data.
+The recipes (recipes/base.py, which `train` and `grpo` run) use all of it, `verify` the model,
+store and engine (its reference is plain PyTorch), `estimate` only the plan (`PlanBuilder`,
+planning/builder.py, which RunBuilder extends), `export` the model and store, `data` the
+tokenizer and data.
 
 Invariants:
-- Every setting is read from the config (or one of its derived properties) exactly once here:
-  the compute dtype (`cfg.model.torch_dtype`), clipping (`cfg.optimizer.clip_norm`), the row
-  length (`cfg.seq_len`), the slot count (`cfg.memory.num_slots`) and the batch (`plan()`).
+- The engine's settings are read from the config (or one of its derived properties) here and
+  nowhere else: the compute dtype (`cfg.model.torch_dtype`), clipping (`cfg.optimizer.
+  clip_norm`), the row length (`cfg.seq_len`), the slot count (`cfg.memory.num_slots`) and the
+  batch (`batch()`: the config's, or the plan's when "auto").
 - The resource plan is computed before anything large is allocated, from the model's config
-  alone (meta device); `plan()` is cached, so the batch the run uses is the one that was checked.
+  alone (meta device); the run's own plan is cached, so the batch the run uses is the one that
+  was checked. It is planned again only by `reserve_gpu` (before the engine is built: GRPO's
+  rollout room) and `step_down` (a step that ran out of GPU memory, recipes/oom.py).
 - Components receive plain keyword arguments, never the config (STYLE: only the recipe reads it).
 
 Ranks: under torchrun (megatrain/distributed.py) the placement is this rank's (cuda:LOCAL_RANK,
 the process group joined), the store is built sharded (store/shard.py), the training loader
 reads this rank's rows (data/ranks.py), a GPU tier is sharded over the ranks' GPUs (one count
 on every rank: the least any rank planned), metrics and trackers from rank 0. A plain run is a
-world of one. Further model roles reuse `model()` and `store()`, as `reference()` does.
+world of one. `reference()` is a frozen host copy of the store's weights (GRPO's KL
+reference), not a second model.
 """
 
 from __future__ import annotations
@@ -37,8 +43,7 @@ from typing import Any
 
 import torch
 
-from megatrain.checkpoint.saving import export_hf
-from megatrain.checkpoint.shards import export_sharded
+from megatrain.checkpoint.export import export_hf, export_sharded
 from megatrain.config import TrainConfig, config_to_dict
 from megatrain.data import BatchLoader, PreparedData, PretrainCorpus, make_loader, prepare_data
 from megatrain.data.ranks import RankLoader
@@ -62,6 +67,7 @@ from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import GIB, Hardware
+from megatrain.run_files import HF_MODEL_DIR
 from megatrain.store.host import HostStore
 from megatrain.store.reference import ReferenceWeights
 from megatrain.store.shard import shard_master
@@ -240,9 +246,9 @@ class RunBuilder(PlanBuilder):
     def export(self, store: HostStore) -> Path:
         """The store's weights as a Hugging Face folder, output_dir/hf_model (with all updates
         applied: the caller waits for them). Sharded: gathered to rank 0, which writes one
-        ordinary folder (checkpoint/shards.py)."""
+        ordinary folder (checkpoint/export.py)."""
         out, dtype = (
-            Path(self.cfg.training.output_dir) / "hf_model",
+            Path(self.cfg.training.output_dir) / HF_MODEL_DIR,
             self.cfg.checkpoint.export_dtype,
         )
         if self.placement.world_size > 1:

@@ -5,9 +5,9 @@ architecture's kernels, the allocator's own slack) must not end a run hours in. 
 raises torch's OutOfMemoryError before any of its optimizer updates began (with clipping, the
 default, updates start only after the whole backward), nothing of it is applied: the engine
 waits for its copies, puts back the bf16 weights that the shipped gradients overwrote in the
-host shadows (from the untouched fp32 master) and closes; `recovering_step` (the loop that
-`megatrain train` and `megatrain grpo` run their steps through) restores the RNG state and runs
-the same micro-batches again on an engine built from the next smaller plan
+host shadows (from the untouched fp32 master) and closes; `recovering_step` (what every
+recipe runs its steps through: recipes/base.py `optimizer_step`) restores the RNG state and
+runs the same micro-batches again on an engine built from the next smaller plan
 (`PlanBuilder.step_down`: at least one GPU-tier block fewer while there are any, planned with
 the missing bytes added to the margin, so "auto" layer-input and tile choices follow). Tier
 blocks leaving the GPU move their master and AdamW states back to the host unchanged.
@@ -23,17 +23,20 @@ from __future__ import annotations
 import gc
 import re
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatrain.checkpoint.saving import rng_state, set_rng_state
+from megatrain.checkpoint.rng import rng_state, set_rng_state
 from megatrain.engine.engine import StepResult, StreamingEngine
 from megatrain.engine.plan import tier_order
 from megatrain.errors import GpuOutOfMemory
 from megatrain.planning.builder import PlanBuilder, StepDown
 from megatrain.planning.hardware import GIB
 from megatrain.store.host import HostStore
+
+if TYPE_CHECKING:  # the base recipe imports this module
+    from megatrain.recipes.base import Recipe
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _TRIED = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
@@ -97,23 +100,14 @@ def step_down(
     return change
 
 
-class Recipe(Protocol):
-    """What `recovering_step` needs of a recipe (Trainer, GRPOTrainer): its builder and the
-    parts it builds the engine from; `engine` and `cfg` are replaced on a step-down."""
-
-    cfg: Any
-    builder: Any  # RunBuilder
-    engine: StreamingEngine
-    structure: Any
-    store: HostStore
-
-
 def recovering_step(
     recipe: Recipe, step: int, run: Callable[[StreamingEngine], StepResult], metrics: Any
 ) -> StepResult:
     """`run(recipe.engine)`, optimizer step `step`; out of GPU memory, undone, the plan stepped
-    down, the engine rebuilt and the step run again. Each change is reported once: a
-    paragraph on the console and a `plan_step_down` record in `metrics` (MetricsLogger)."""
+    down, the engine rebuilt from `recipe.builder` (recipes/base.py; its `structure` and
+    `store`) and the step run again; the recipe's `engine` and `cfg` are replaced. Each
+    change is reported once: a paragraph on the console and a `plan_step_down` record in
+    `metrics` (MetricsLogger)."""
 
     def report(change: StepDown) -> None:
         message = f"step {step} ran out of GPU memory and is run again: {change.describe()}"

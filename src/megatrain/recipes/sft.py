@@ -1,26 +1,26 @@
-"""The training recipe: the only module that reads the whole config and wires the parts.
+"""Supervised fine-tuning and pre-training (`megatrain train`): the base recipe's lifecycle
+(recipes/base.py: output folder, plan and fit, disk check, build, resume, checkpoints, export,
+Ctrl-C) with this recipe's data, step and metrics.
 
-setup (tokenizer, data, model, host store, engine, loader, schedule, resume) -> train (steps,
-eval, checkpoints) -> finish (final eval, checkpoint, Hugging Face export) -> close.
+What differs from the base: the data are the prepared datasets (data/pipeline.py; chat
+samples, or a pre-training corpus whose rows are full `cutoff_len` rows); one optimizer step is
+`grad_accum` micro-batches from the shuffled loader at the planned micro-batch size; an eval
+(every `training.eval_every` steps and at the end, before the final checkpoint) averages the
+loss over the eval set; the steps follow `training.max_steps`, or `training.num_epochs` over
+the loader.
 
 Exact resume: a checkpoint holds the store (fp32 master, AdamW states, per-block step), the
 data loader's position, the RNG states and the step; the learning rate is a pure function of
 the step. So `train 6 steps` and `train 3, resume, train 3` see identical batches, weights and
 learning rates, and produce identical losses.
 
-The output folder (checkpoint/output_dir.py) is locked before anything is loaded and claimed
-(config.yaml
-written) only once the inputs are validated: tokenizer, data, model config, memory and disk.
-
-Several ranks (torchrun; docs/multi_gpu.md): rank 0 alone holds the output folder (its lock),
-writes metrics and the export; each rank writes its part of every checkpoint
-(checkpoint/shards.py); eval batches are split over the ranks and their sums all-reduced. A
-checkpoint resumes only with the world size that wrote it.
+Several ranks (torchrun; docs/multi_gpu.md): the training loader reads this rank's rows
+(data/ranks.py); eval batches are split over the ranks and their sums all-reduced; rank 0
+alone writes the folder, metrics and export, every rank its part of each checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Iterator
@@ -28,31 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-import torch
-
 from megatrain.batch import Batch
-from megatrain.checkpoint.output_dir import OutputFolder, TrainingInterrupted, interrupted_message
-from megatrain.checkpoint.saving import (
-    list_checkpoints,
-    load_checkpoint,
-    resume_path,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from megatrain.checkpoint.shards import save_sharded_checkpoint
-from megatrain.config import TrainConfig, save_config
-from megatrain.distributed import Placement, on_rank0
-from megatrain.distributed import close as close_process_group
-from megatrain.engine.engine import StepResult
+from megatrain.checkpoint.rng import rng_state, set_rng_state
+from megatrain.distributed import Placement
 from megatrain.metrics import MetricsLogger
-from megatrain.model.kernels import kernel_report
-from megatrain.planning.disk import CHECKPOINT_BYTES_PER_PARAM, check_run_disk, run_disk_bytes
-from megatrain.planning.plan import ResourcePlan
-from megatrain.recipes.builder import RunBuilder
-from megatrain.recipes.oom import recovering_step
-from megatrain.trackers import tracker_names
+from megatrain.recipes.base import Recipe
+from megatrain.recipes.records import step_record
 
 
 @dataclass
@@ -64,80 +45,23 @@ class TrainSummary:
     export_dir: Path | None
 
 
-class Trainer:
-    """One training run: owns the run's parts (built by RunBuilder) and its step counter.
+class Trainer(Recipe):
+    """One SFT or pre-training run (recipes/base.py has the lifecycle and its invariants).
 
-    Invariants: `step` counts completed optimizer steps; the store, loader position and RNG
-    state after step N are exactly what a checkpoint of step N holds, so resuming from it
-    continues bit for bit. Only this class writes into `output_dir`.
+    Invariant: the loader position and RNG state after step N are what a checkpoint of step N
+    holds, so resuming from it continues bit for bit.
     """
 
-    def __init__(self, cfg: TrainConfig, builder: RunBuilder | None = None) -> None:
-        self.cfg = cfg
-        self.builder = builder or RunBuilder(cfg)
-        self.device = self.builder.device
-        self.output_dir = Path(cfg.training.output_dir)
-        self.run_id = ""  # a resumed run takes its checkpoint's (_resume)
-        self.folder: OutputFolder | None = None
+    loss_fix = "lower optimizer.learning_rate, keep optimizer.max_grad_norm > 0, or check the data"
 
-        def open_folder() -> None:
-            tracker_names(cfg.logging.report_to)  # a tracker's missing package: before anything
-            self.folder = OutputFolder(cfg)
+    def build_data(self) -> None:
+        self.data = self.builder.data()
 
-        on_rank0(open_folder)  # several ranks: rank 0 alone holds the folder and writes it
-        try:
-            self._setup()
-        except BaseException:
-            self._release_folder()
-            raise
-
-    # ------------------------------------------------------------------ setup
-
-    def _setup(self) -> None:
-        cfg, b = self.cfg, self.builder
-        torch.manual_seed(cfg.training.seed)
-        self.tokenizer = b.tokenizer()
-        self.data = b.data()
-        self.plan = b.plan()
-        self.plan.require_fit()  # before anything large is allocated
-        self._check_disk(b.spec.total_params)  # before training time is spent
-        report_plan(self.plan, b.placement.is_cuda)
-
-        def claim() -> None:  # the inputs are good: the folder becomes this run's
-            assert self.folder is not None
-            self.run_id = self.folder.claim()
-
-        on_rank0(claim)
+    def build_parts(self) -> None:
         self.micro_batch_size, self.grad_accum = self.plan.micro_batch_size, self.plan.grad_accum
-        self.structure, self.store = b.model_and_store()
-        print(f"model: {self.structure.describe()}", flush=True)
-        for line in kernel_report(self.structure):
-            print(f"kernels: {line}", flush=True)
-        self.engine = b.engine(self.structure, self.store)
-        self.loader = b.loader(self.data.train)
-        self.total_steps = self._total_steps()
-        self.schedule = b.schedule(self.total_steps)
-        self.step = 0
-        self._resume()
+        self.loader = self.builder.loader(self.data.train)
 
-    def _check_disk(self, num_params: int) -> None:
-        """Refuse a run whose checkpoints and export the output_dir's disk cannot hold."""
-        c = self.cfg.checkpoint
-        disk = run_disk_bytes(
-            num_params,
-            save_every=c.save_every,
-            save_final=c.save_final,
-            keep_last=c.keep_last,
-            export_hf=c.export_hf,
-            export_dtype=c.export_dtype,
-            total_steps=self.cfg.training.max_steps,
-        )
-        # a resumed run prunes the kept checkpoints as it writes new ones
-        kept = min(len(list_checkpoints(self.output_dir)), c.keep_last) if c.resume_from else 0
-        written = kept * num_params * CHECKPOINT_BYTES_PER_PARAM
-        check_run_disk(self.output_dir, disk, already_written=written)
-
-    def _total_steps(self) -> int:
+    def count_steps(self) -> int:
         t = self.cfg.training
         if t.max_steps is not None:
             return t.max_steps
@@ -146,86 +70,51 @@ class Trainer:
         per_epoch = len(self.loader) / (self.grad_accum * self.builder.placement.world_size)
         return max(1, math.ceil(t.num_epochs * per_epoch))
 
-    def _resume(self) -> None:
-        path = resume_path(self.cfg.checkpoint.resume_from, self.output_dir)
-        if path is None:
-            return
-        world, saved = self.builder.placement.world_size, _saved_world_size(path)
-        if saved != world:
-            raise ValueError(
-                f"checkpoint {path} was written by {saved} rank(s) and this run has {world}: "
-                f"resume with the same number of processes (torchrun --nproc-per-node x "
-                f"--nnodes = {saved}), or export it (megatrain export) and start a new run "
-                "from the exported model"
-            )
-        state = load_checkpoint(path, self.store)
-        self.engine.weights_loaded()  # a sharded GPU tier gathers the loaded shards
+    def load_state(self, state: dict[str, Any], path: Path) -> None:
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
-        self.step = int(state["step"])
-        self.run_id = state.get("run_id") or self.run_id
-        print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict(), "rng": rng_state()}
 
     # ------------------------------------------------------------------ training
+
+    def train(self) -> TrainSummary:
+        self.losses: list[float] = []
+        self.eval_loss: float | None = None
+        self._stream = self._micro_batches()
+        end = self.run()
+        return TrainSummary(
+            steps=self.step,
+            losses=self.losses,
+            eval_loss=self.eval_loss,
+            checkpoint=end.checkpoint,
+            export_dir=end.export_dir,
+        )
 
     def _micro_batches(self) -> Iterator[Batch]:
         while True:
             yield from self.loader
 
-    def train(self) -> TrainSummary:
+    def advance(self, metrics: MetricsLogger) -> None:
+        """One optimizer step of `grad_accum` micro-batches; an eval when one is due."""
         cfg = self.cfg
-        metrics = self.builder.metrics(total_steps=self.total_steps, start_step=self.step)
-        losses: list[float] = []
-        stream = self._micro_batches()
-        ga = self.grad_accum
-        checkpoint = None
-        eval_loss = None
-        try:
-            while self.step < self.total_steps:
-                micro = [next(stream) for _ in range(ga)]
-                lr = self.schedule.lr_at(self.step)
-                t0 = time.perf_counter()
-                result = self._train_step(micro, lr, metrics)
-                step_s = time.perf_counter() - t0
-                self.step += 1
-                if not math.isfinite(result.loss):
-                    raise FloatingPointError(
-                        f"loss is {result.loss} at step {self.step}: lower "
-                        "optimizer.learning_rate, keep optimizer.max_grad_norm > 0, or check "
-                        "the data"
-                    )
-                losses.append(result.loss)
-                metrics.log_step(self.step, step_record(result, lr, step_s, self.device))
-                if cfg.logging.timeline:
-                    metrics.console(f"step {self.step}: {result.timeline.summary()}")
-                if cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
-                    eval_loss = self._evaluate(metrics)
-                if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
-                    checkpoint = self.save()
-            if self.data.eval:
-                eval_loss = self._evaluate(metrics)
-            every = cfg.checkpoint.save_every
-            if cfg.checkpoint.save_final and (not every or self.step % every):
-                checkpoint = self.save()
-            export_dir = self.export() if cfg.checkpoint.export_hf else None
-        except KeyboardInterrupt as e:
-            raise TrainingInterrupted(interrupted_message(self.output_dir, self.step)) from e
-        finally:
-            metrics.close()
-        return TrainSummary(
-            steps=self.step,
-            losses=losses,
-            eval_loss=eval_loss,
-            checkpoint=checkpoint,
-            export_dir=export_dir,
-        )
+        micro = [next(self._stream) for _ in range(self.grad_accum)]
+        lr = self.schedule.lr_at(self.step)
+        t0 = time.perf_counter()
+        # out of GPU memory: undone and run again on a smaller plan (megatrain/recipes/oom.py)
+        result = self.optimizer_step(lambda engine: engine.train_step(micro, lr=lr), metrics)
+        step_s = time.perf_counter() - t0
+        self.losses.append(result.loss)
+        metrics.log_step(self.step, step_record(result, lr, step_s, self.device))
+        if cfg.logging.timeline:
+            metrics.console(f"step {self.step}: {result.timeline.summary()}")
+        if cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
+            self.eval_loss = self._evaluate(metrics)
 
-    def _train_step(self, micro: list[Batch], lr: float, metrics: MetricsLogger) -> StepResult:
-        """One optimizer step; out of GPU memory, undone and run again on a smaller plan
-        (megatrain/recipes/oom.py), which the run reports once per change."""
-        return recovering_step(
-            self, self.step + 1, lambda engine: engine.train_step(micro, lr=lr), metrics
-        )
+    def finish(self, metrics: MetricsLogger) -> None:
+        if self.data.eval:
+            self.eval_loss = self._evaluate(metrics)
 
     def _evaluate(self, metrics: MetricsLogger) -> float | None:
         if not self.data.eval:
@@ -241,58 +130,6 @@ class Trainer:
         metrics.log_eval(self.step, loss, tokens)
         return loss
 
-    def save(self) -> Path:
-        self.engine.wait_updates()  # every update applied: master and shadow are consistent
-        state: dict[str, Any] = {
-            "loader": self.loader.state_dict(),
-            "rng": rng_state(),
-            "total_steps": self.total_steps,
-        }
-        world = self.builder.placement.world_size
-        if world > 1:
-            return save_sharded_checkpoint(
-                self.output_dir,
-                self.step,
-                self.store,
-                state,
-                world_size=world,
-                keep_last=self.cfg.checkpoint.keep_last,
-                run_id=self.run_id,
-                write_extra=lambda d: save_config(self.cfg, d / "config.yaml"),
-            )
-        return save_checkpoint(
-            self.output_dir,
-            self.step,
-            self.store,
-            state,
-            keep_last=self.cfg.checkpoint.keep_last,
-            run_id=self.run_id,
-            write_extra=lambda d: save_config(self.cfg, d / "config.yaml"),
-        )
-
-    def export(self) -> Path:
-        self.engine.wait_updates()  # every update applied: the master is the trained model
-        return self.builder.export(self.store)
-
-    def close(self) -> None:
-        try:
-            if self.engine is not None:  # None: a step-down's engine rebuild failed
-                self.engine.close()
-            close_process_group()
-        finally:
-            self._release_folder()
-
-    def _release_folder(self) -> None:
-        if self.folder is not None:
-            self.folder.release()
-
-
-def _saved_world_size(path: Path) -> int:
-    try:
-        return int(json.loads((path / "trainer_state.json").read_text()).get("world_size", 1))
-    except (OSError, ValueError):
-        return 1  # not a checkpoint: load_checkpoint says so
-
 
 def _rank_share(batches: list[Batch], placement: Placement) -> list[tuple[Batch, bool]]:
     """This rank's eval batches (every world-th), each with whether it counts: every rank runs
@@ -301,61 +138,3 @@ def _rank_share(batches: list[Batch], placement: Placement) -> list[tuple[Batch,
     mine = [(b, True) for b in batches[rank::world]]
     rounds = -(-len(batches) // world)
     return mine + [(batches[0], False)] * (rounds - len(mine))
-
-
-def report_plan(plan: ResourcePlan, gpu: bool) -> None:
-    if plan.batch_reason:
-        print(
-            f"micro_batch_size auto: {plan.batch_reason}; gradient accumulation {plan.grad_accum}",
-            flush=True,
-        )
-    if plan.tier_reason and plan.gpu_state_blocks:
-        print(f"memory.gpu_state_blocks auto: {plan.tier_reason}", flush=True)
-    if plan.tiles_reason:
-        print(f"memory.mlp_tiles auto: {plan.tiles_reason}", flush=True)
-    est = plan.estimate
-    print(
-        f"resources: host {est.host.total_bytes / 2**30:.1f} GiB"
-        + (
-            f", GPU peak {est.gpu.peak_bytes / 2**30:.1f} GiB, step {est.time.step_s:.2f} s"
-            if gpu
-            else ""
-        )
-        + " (predicted)",
-        flush=True,
-    )
-
-
-def step_record(
-    result: StepResult, lr: float, step_s: float, device: torch.device | None = None
-) -> dict[str, Any]:
-    """The metrics record of one optimizer step (what MetricsLogger.log_step takes), with the
-    memory the step used (`memory_record`) when `device` is given."""
-    record: dict[str, Any] = {
-        "loss": result.loss,
-        "ce_loss": result.ce_loss,
-        "grad_norm": result.grad_norm,
-        "clip_coef": result.clip_coef,
-        "lr": lr,
-        "tokens": result.tokens,
-        "target_tokens": result.target_tokens,
-        "step_s": round(step_s, 4),
-    }
-    if result.aux_loss is not None:
-        record["aux_loss"] = result.aux_loss
-    record.update({f"time/{k}": v for k, v in result.timeline.as_dict().items()})
-    if device is not None:
-        record.update(memory_record(device))
-    return record
-
-
-def memory_record(device: torch.device) -> dict[str, float]:
-    """This process's host RSS now and, on CUDA, the most GPU memory the allocator held
-    (`gpu_peak_gib`, reserved: what the card must have) and handed out (`gpu_alloc_peak_gib`)
-    since the previous record; the peaks then start again. No sync point (host counters)."""
-    record = {"host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2)}
-    if device.type == "cuda":
-        record["gpu_peak_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
-        record["gpu_alloc_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        torch.cuda.reset_peak_memory_stats(device)
-    return record

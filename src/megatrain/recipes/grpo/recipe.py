@@ -1,10 +1,12 @@
-"""The GRPO recipe: the only GRPO module that reads the config and wires the parts.
+"""The GRPO recipe (`megatrain grpo`): the base recipe's lifecycle (recipes/base.py: output
+folder, plan and fit, disk check, build, resume incl. the world-size check, checkpoints, export,
+Ctrl-C) with GRPO's data, step and metrics. The only GRPO module that reads the config.
 
-setup (output folder locked; tokenizer, prompts, rewards, plan; folder claimed; model, store,
-engine, reference, schedule, resume) -> train (generation batches of `prompts_per_step` prompts
-x `num_generations` completions, each trained for `num_iterations` optimizer steps) -> finish
-(checkpoint, Hugging Face export) -> close (folder released). checkpoint/output_dir.py has the
-rules.
+What differs from the base: the data are prompts and reward functions; the plan covers both
+phases, rollout and training (plan.py); one unit of training is a generation batch of
+`prompts_per_step` prompts x `num_generations` completions, trained for `num_iterations`
+optimizer steps; checkpoints also hold the KL reference (grpo.beta > 0), and the disk check
+counts it.
 
 One generation batch: sample completions with the current weights (rollout.py), score them
 (rewards.py), group-normalise the rewards into advantages (advantages.py), lay the sequences
@@ -12,7 +14,8 @@ out as micro-batches (sequences.py); with num_iterations > 1 keep their log-prob
 current weights (the "old" policy), with beta > 0 their log-probs under the reference weights;
 then take num_iterations engine steps on the GRPO objective (loss.py).
 
-Exact resume: checkpoints are written at generation-batch boundaries only; the prompts of
+Exact resume: checkpoints are written at generation-batch boundaries only (the base saves when
+the step crosses a multiple of save_every, and a batch's steps are one unit); the prompts of
 batch g and its sampling seed are pure functions of (grpo.seed, g), so a resumed run draws the
 same prompts and, from the same weights, the same completions.
 """
@@ -29,25 +32,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatrain.checkpoint.output_dir import OutputFolder
-from megatrain.checkpoint.saving import load_checkpoint, resume_path, save_checkpoint
-from megatrain.config import TrainConfig, save_config
+from megatrain.config import TrainConfig
 from megatrain.data import demo_assets_dir
 from megatrain.data.pipeline import pad_token_id_of
 from megatrain.engine.head import TokenObjective
 from megatrain.metrics import MetricsLogger
-from megatrain.recipes.builder import RunBuilder
+from megatrain.recipes.base import Recipe
 from megatrain.recipes.grpo.advantages import group_advantages
 from megatrain.recipes.grpo.decode import static_generate
 from megatrain.recipes.grpo.loss import GRPOLoss, token_weights
-from megatrain.recipes.grpo.plan import decode_mode, format_rollout, grpo_plan
+from megatrain.recipes.grpo.plan import GRPOPlan, decode_mode, format_rollout, grpo_plan
 from megatrain.recipes.grpo.prompts import Prompt, load_prompts
 from megatrain.recipes.grpo.rewards import load_reward
-from megatrain.recipes.grpo.rollout import device_model, generate
+from megatrain.recipes.grpo.rollout import Rollout, device_model, generate
 from megatrain.recipes.grpo.sequences import completion_mask, per_row, sequence_batches
-from megatrain.recipes.oom import recovering_step
-from megatrain.recipes.sft import report_plan, step_record
-from megatrain.trackers import tracker_names
+from megatrain.recipes.records import report_plan, step_record
 
 
 class _PhasePeak:
@@ -81,40 +80,29 @@ class _Generation:
     record: dict[str, Any]  # its rollout metrics
 
 
-class GRPOTrainer:
-    """One GRPO run: owns the run's parts (built by RunBuilder) and its step counter.
+class GRPOTrainer(Recipe):
+    """One GRPO run (recipes/base.py has the lifecycle and its invariants).
 
-    Invariants: `step` counts optimizer steps and is a multiple of num_iterations between
-    generation batches; only this class writes into `output_dir`.
+    Invariant: `step` is a multiple of num_iterations between generation batches.
     """
 
-    def __init__(self, cfg: TrainConfig, builder: RunBuilder | None = None) -> None:
+    loss_name = "GRPO loss"
+
+    def prepare_config(self, cfg: TrainConfig) -> TrainConfig:
         if cfg.training.compile_layers == "auto":  # rows of every length: eager layers
             cfg = dataclasses.replace(
                 cfg, training=dataclasses.replace(cfg.training, compile_layers=False)
             )
-        self.cfg = cfg
-        self.builder = builder or RunBuilder(cfg)
         if not isinstance(cfg.training.micro_batch_size, int):
             raise ValueError(
                 "training.micro_batch_size='auto' is not available for megatrain grpo yet; set "
                 "the rows per micro-batch (a divisor of grpo.prompts_per_step x "
                 "grpo.num_generations keeps micro-batches equal)"
             )
-        self.output_dir = Path(cfg.training.output_dir)
-        tracker_names(cfg.logging.report_to)  # a tracker's missing package: before anything
-        self.folder = OutputFolder(cfg)  # locked; claimed once the inputs are validated
-        try:
-            self._setup()
-        except BaseException:
-            self.folder.release()
-            raise
+        return cfg
 
-    def _setup(self) -> None:
-        cfg, g, b = self.cfg, self.cfg.grpo, self.builder
-        torch.manual_seed(cfg.training.seed)
-        self.tokenizer = b.tokenizer()
-        d = cfg.data
+    def build_data(self) -> None:
+        d, g = self.cfg.data, self.cfg.grpo
         self.prompts = load_prompts(
             d.dataset_names(),
             Path(d.dataset_dir).expanduser() if d.dataset_dir else demo_assets_dir(),
@@ -126,26 +114,23 @@ class GRPOTrainer:
             seed=d.seed,
         )
         self.rewards = [load_reward(n, format_pattern=g.format_pattern) for n in g.reward_funcs]
-        plan = grpo_plan(b)
-        plan.require_fit()  # both phases; before anything large is allocated
-        report_plan(plan.training, b.placement.is_cuda)
+
+    def plan_run(self) -> GRPOPlan:
+        return grpo_plan(self.builder)  # both phases: the fit check covers the rollout too
+
+    def report_plan(self, plan: GRPOPlan) -> None:
+        report_plan(plan.training, self.builder.placement.is_cuda)
         print(format_rollout(plan), flush=True)
-        self.run_id = self.folder.claim()  # a resumed run takes its checkpoint's (_resume)
-        self.structure = b.model()
-        print(f"model: {self.structure.describe()}", flush=True)
-        self.store = b.store(self.structure)
-        self.engine = b.engine(self.structure, self.store)
-        self.reference = b.reference(self.store) if g.beta > 0 else None
+
+    def build_parts(self) -> None:
+        b = self.builder
+        self.reference = b.reference(self.store) if self.cfg.grpo.beta > 0 else None
         self.pad_id = pad_token_id_of(self.tokenizer)
         self.eos_ids = [self.tokenizer.eos_token_id]
         self.min_completion_tokens = 0  # bench/grpo_shape.py: max_completion_length (full length)
         self.decode = decode_mode(b)[0]  # how resident rollouts decode (recipes/grpo/decode.py)
-        self.total_steps = self._total_steps()
-        self.schedule = b.schedule(self.total_steps)
-        self.step = 0
-        self._resume()
 
-    def _total_steps(self) -> int:
+    def count_steps(self) -> int:
         t, g = self.cfg.training, self.cfg.grpo
         if t.max_steps is not None:
             if t.max_steps % g.num_iterations:
@@ -158,19 +143,20 @@ class GRPOTrainer:
         batches = math.ceil(t.num_epochs * len(self.prompts) / g.prompts_per_step)
         return max(1, batches) * g.num_iterations
 
-    def _resume(self) -> None:
-        path = resume_path(self.cfg.checkpoint.resume_from, self.output_dir)
-        if path is None:
-            return
-        state = load_checkpoint(path, self.store)
-        self.engine.weights_loaded()  # a sharded GPU tier gathers the loaded shards
+    def load_state(self, state: dict[str, Any], path: Path) -> None:
         if self.reference is not None:  # the reference is the run's initial weights
             self.reference.load(path)
-        self.step = int(state["step"])
-        self.run_id = state.get("run_id") or self.run_id
-        print(f"resumed from {path} at step {self.step}", flush=True)
 
-    # ------------------------------------------------------------------ prompts
+    def write_checkpoint_files(self, folder: Path) -> None:
+        if self.reference is not None:
+            self.reference.save(folder)
+
+    def extra_checkpoint_bytes(self) -> int:
+        """The KL reference: a copy of what the engine streams, in the compute dtype."""
+        if self.cfg.grpo.beta <= 0:
+            return 0
+        spec = self.builder.spec
+        return spec.total_params * spec.compute_dtype.itemsize
 
     def batch_prompts(self, index: int) -> list[Prompt]:
         """Generation batch `index`: the next prompts of a seeded permutation per epoch."""
@@ -185,29 +171,67 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ training
 
     def train(self) -> GRPOSummary:
-        cfg, g = self.cfg, self.cfg.grpo
-        metrics = self.builder.metrics(total_steps=self.total_steps, start_step=self.step)
-        rewards: list[float] = []
-        checkpoint, saved_at = None, -1
-        try:
-            while self.step < self.total_steps:
-                gen = self._generation(self.step // g.num_iterations)
-                for it in range(g.num_iterations):
-                    record = self._train_step(gen, metrics, it)
-                    rewards.append(record["reward"])
-                every = cfg.checkpoint.save_every
-                if every and self.step % every < g.num_iterations:  # crossed a multiple
-                    checkpoint, saved_at = self.save(), self.step
-            if cfg.checkpoint.save_final and saved_at != self.step:
-                checkpoint = self.save()
-            export_dir = self.export() if cfg.checkpoint.export_hf else None
-        finally:
-            metrics.close()
-        return GRPOSummary(self.step, rewards, checkpoint, export_dir)
+        self.step_rewards: list[float] = []
+        end = self.run()
+        return GRPOSummary(self.step, self.step_rewards, end.checkpoint, end.export_dir)
+
+    def advance(self, metrics: MetricsLogger) -> None:
+        """One generation batch and its num_iterations optimizer steps."""
+        g = self.cfg.grpo
+        gen = self._generation(self.step // g.num_iterations)
+        for it in range(g.num_iterations):
+            record = self._train_step(gen, metrics, it)
+            self.step_rewards.append(record["reward"])
 
     def _generation(self, index: int) -> _Generation:
-        g, b = self.cfg.grpo, self.builder
+        """Generation batch `index`: sampled, scored, laid out as micro-batches, with the
+        per-token inputs of the GRPO objective."""
+        g = self.cfg.grpo
         prompts = [p for p in self.batch_prompts(index) for _ in range(g.num_generations)]
+        rollout, timing = self._rollout(prompts, index)
+        scores, record = self._score(prompts, rollout.completions)
+        adv = group_advantages(
+            scores,
+            torch.tensor(g.weights),
+            num_generations=g.num_generations,
+            scaling=g.reward_scaling,
+        )
+        batches = sequence_batches(
+            [p.prompt_ids for p in prompts],
+            rollout.completions,
+            micro_batch_size=int(self.cfg.training.micro_batch_size),
+            pad_token_id=self.pad_id,
+            pad_to_multiple_of=self.cfg.data.pad_to_multiple_of,
+        )
+        masks = [completion_mask(x) for x in batches]
+        weights = token_weights(
+            masks, loss_type=g.loss_type, max_completion_length=g.max_completion_length
+        )
+        inputs = [
+            {"advantages": a, "weights": w}
+            for a, w in zip(per_row(adv.advantages, batches), weights, strict=True)
+        ]
+        t1 = time.perf_counter()
+        self._add_logprobs(batches, inputs)
+        lengths = [len(c) for c in rollout.completions]
+        total = torch.tensor(adv.rewards)
+        record |= {
+            "reward": float(torch.nanmean(total)),
+            "reward_std": float(total[~torch.isnan(total)].std()) if total.numel() > 1 else 0.0,
+            "completion_length": float(np.mean(lengths)),
+            "completion_length_max": max(lengths),
+            "clipped_share": float(np.mean(rollout.clipped)),
+            "std_zero_share": adv.std_zero_share,
+            "time/generation_s": timing.pop("time/generation_s"),
+            "time/logprob_s": round(time.perf_counter() - t1, 4),
+            **timing,
+        }
+        return _Generation(batches, inputs, record)
+
+    def _rollout(self, prompts: list[Prompt], index: int) -> tuple[Rollout, dict[str, Any]]:
+        """Completions of `prompts` sampled with the current weights, and the rollout's
+        timing and memory record."""
+        g, b = self.cfg.grpo, self.builder
         t0 = time.perf_counter()
         self.engine.wait_updates()  # the store holds the current weights
         streamed = self._streamed_generation()
@@ -238,60 +262,31 @@ class GRPOTrainer:
                 **static,
             )
         gen_s = time.perf_counter() - t0
-        rollout_peak = peak.gib()
-        scores, record = self._score(prompts, rollout.completions)
-        adv = group_advantages(
-            scores,
-            torch.tensor(g.weights),
-            num_generations=g.num_generations,
-            scaling=g.reward_scaling,
-        )
-        batches = sequence_batches(
-            [p.prompt_ids for p in prompts],
-            rollout.completions,
-            micro_batch_size=int(self.cfg.training.micro_batch_size),
-            pad_token_id=self.pad_id,
-            pad_to_multiple_of=self.cfg.data.pad_to_multiple_of,
-        )
-        masks = [completion_mask(x) for x in batches]
-        weights = token_weights(
-            masks, loss_type=g.loss_type, max_completion_length=g.max_completion_length
-        )
-        inputs = [
-            {"advantages": a, "weights": w}
-            for a, w in zip(per_row(adv.advantages, batches), weights, strict=True)
-        ]
-        t1 = time.perf_counter()
-        if g.num_iterations > 1:
-            for k, logp in enumerate(self.engine.logprobs(batches, temperature=g.temperature)):
-                inputs[k]["old_logps"] = logp
-        if self.reference is not None:
-            self.engine.slots.invalidate()  # layers resident on the device are the policy's
-            with self.reference.swapped_in():
-                ref = self.engine.logprobs(batches, temperature=g.temperature)
-            self.engine.slots.invalidate()
-            for k, logp in enumerate(ref):
-                inputs[k]["ref_logps"] = logp
-        lengths = [len(c) for c in rollout.completions]
-        total = torch.tensor(adv.rewards)
-        record |= {
-            "reward": float(torch.nanmean(total)),
-            "reward_std": float(total[~torch.isnan(total)].std()) if total.numel() > 1 else 0.0,
-            "completion_length": float(np.mean(lengths)),
-            "completion_length_max": max(lengths),
-            "clipped_share": float(np.mean(rollout.clipped)),
-            "std_zero_share": adv.std_zero_share,
+        record: dict[str, Any] = {
             "time/generation_s": round(gen_s, 4),
-            "time/logprob_s": round(time.perf_counter() - t1, 4),
             "generation_tokens_per_s": round(rollout.generated_tokens / max(gen_s, 1e-9), 1),
             "rollout_streamed": int(streamed),
         }
-        if rollout_peak is not None:
+        if (rollout_peak := peak.gib()) is not None:
             record["gpu_peak_gib/rollout"] = rollout_peak
         if rollout.decode_steps:  # the static path times its phases (recipes/grpo/decode.py)
             record["time/prefill_capture_s"] = round(rollout.prefill_s, 4)
             record["time/decode_step_ms"] = round(1e3 * rollout.decode_s / rollout.decode_steps, 3)
-        return _Generation(batches, inputs, record)
+        return rollout, record
+
+    def _add_logprobs(self, batches: list[Any], inputs: list[dict[str, torch.Tensor]]) -> None:
+        """The old policy's log-probs (num_iterations > 1) and the reference's (beta > 0)."""
+        g = self.cfg.grpo
+        if g.num_iterations > 1:
+            for k, logp in enumerate(self.engine.logprobs(batches, temperature=g.temperature)):
+                inputs[k]["old_logps"] = logp
+        if self.reference is not None:
+            self.engine.weights_swapped()  # layers resident on the device are the policy's
+            with self.reference.swapped_in():
+                ref = self.engine.logprobs(batches, temperature=g.temperature)
+            self.engine.weights_swapped()
+            for k, logp in enumerate(ref):
+                inputs[k]["ref_logps"] = logp
 
     def _streamed_generation(self) -> bool:
         """The path the plan picks for the memory free now (recipes/grpo/plan.py). The training
@@ -335,20 +330,11 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         peak = _PhasePeak(self.builder.device)
         objective = TokenObjective(fn, gen.inputs, temperature=g.temperature)
-        result = recovering_step(  # out of GPU memory: run again on a smaller plan (recipes/oom.py)
-            self,
-            self.step + 1,
-            lambda engine: engine.train_step(gen.batches, lr=lr, objective=objective),
-            metrics,
+        result = self.optimizer_step(  # out of GPU memory: a smaller plan (recipes/oom.py)
+            lambda engine: engine.train_step(gen.batches, lr=lr, objective=objective), metrics
         )
         step_s = time.perf_counter() - t0
         train_peak = peak.gib()
-        self.step += 1
-        if not math.isfinite(result.loss):
-            raise FloatingPointError(
-                f"GRPO loss is {result.loss} at step {self.step}: lower "
-                "optimizer.learning_rate or keep optimizer.max_grad_norm > 0"
-            )
         record = step_record(result, lr, step_s, self.builder.device) | gen.record
         record["time/train_s"] = round(step_s, 4)
         record["kl"] = fn.stats.kl
@@ -359,32 +345,3 @@ class GRPOTrainer:
             record["gpu_peak_gib/train"] = train_peak
         metrics.log_step(self.step, record)
         return record
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save(self) -> Path:
-        self.engine.wait_updates()
-        return save_checkpoint(
-            self.output_dir,
-            self.step,
-            self.store,
-            {"total_steps": self.total_steps},
-            keep_last=self.cfg.checkpoint.keep_last,
-            run_id=self.run_id,
-            write_extra=self._write_extra,
-        )
-
-    def _write_extra(self, folder: Path) -> None:
-        save_config(self.cfg, folder / "config.yaml")
-        if self.reference is not None:
-            self.reference.save(folder)
-
-    def export(self) -> Path:
-        self.engine.wait_updates()  # every update applied: the master is the trained model
-        return self.builder.export(self.store)
-
-    def close(self) -> None:
-        try:
-            self.engine.close()
-        finally:
-            self.folder.release()
