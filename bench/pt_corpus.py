@@ -78,7 +78,8 @@ class CountingTokenizer:
 def phase_prepare(folder: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from megatrain.data import demo_tokenizer_dir, prepare_data
+    from megatrain.data import prepare_data
+    from megatrain.package_assets import demo_tokenizer_dir
 
     tokenizer = CountingTokenizer(AutoTokenizer.from_pretrained(str(demo_tokenizer_dir())))
     start = time.perf_counter()

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from common import result
 
-from megatrain.data.assets import demo_assets_dir
 from megatrain.data.demo_assets import make_conversation, to_openai
+from megatrain.package_assets import demo_assets_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_YAML = ROOT / "examples" / "demo.yaml"

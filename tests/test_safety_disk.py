@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatrain import disk_space
 from megatrain.checkpoint import export as export_mod
 from megatrain.checkpoint import saving as ckpt_mod
 from megatrain.checkpoint.saving import latest_checkpoint, list_checkpoints
 from megatrain.cli import main
 from megatrain.config import load_config
+from megatrain.disk_space import DiskFullError
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
-from megatrain.planning import disk
-from megatrain.planning.disk import DiskFullError, run_disk_bytes
+from megatrain.planning.disk import run_disk_bytes
 from megatrain.recipes.sft import Trainer
 from megatrain.store.host import HostStore
 
@@ -70,7 +71,9 @@ def test_run_bytes_of_an_8b_model() -> None:
 def test_run_the_disk_cannot_hold_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: _Usage(2**30, 2**30 - 2**20, 2**20))
+    monkeypatch.setattr(
+        disk_space.shutil, "disk_usage", lambda p: _Usage(2**30, 2**30 - 2**20, 2**20)
+    )
     code = main(["train", "--config", str(DEMO), *_args(tmp_path, "--training.max_steps", "1")])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
@@ -114,8 +117,8 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(
 
 def test_safetensors_disk_full_text_is_recognised(tmp_path: Path) -> None:
     # the Rust writer reports ENOSPC as text, not as an OSError
-    assert disk.is_disk_full(RuntimeError("No space left on device (os error 28)"))
-    assert not disk.is_disk_full(OSError(errno.EACCES, "Permission denied"))
+    assert disk_space.is_disk_full(RuntimeError("No space left on device (os error 28)"))
+    assert not disk_space.is_disk_full(OSError(errno.EACCES, "Permission denied"))
 
 
 def test_save_final_false_writes_only_the_export(tmp_path: Path) -> None:
@@ -139,8 +142,10 @@ def test_free_bytes_of_a_folder_not_yet_created(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     asked: list[Path] = []
-    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: asked.append(p) or _Usage(9, 2, 7))
-    assert disk.free_bytes(tmp_path / "a" / "b") == 7
+    monkeypatch.setattr(
+        disk_space.shutil, "disk_usage", lambda p: asked.append(p) or _Usage(9, 2, 7)
+    )
+    assert disk_space.free_bytes(tmp_path / "a" / "b") == 7
     assert asked == [tmp_path.resolve()]
 
 

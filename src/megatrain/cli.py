@@ -100,7 +100,7 @@ def _may_need_traceback(e: Exception) -> bool:
     """An OSError other than a missing file or a full disk: its message may not say enough."""
     if not isinstance(e, OSError) or isinstance(e, FileNotFoundError):
         return False
-    from megatrain.planning.disk import DiskFullError  # here: megatrain.planning loads torch
+    from megatrain.disk_space import DiskFullError
 
     return not isinstance(e, DiskFullError)
 

@@ -24,6 +24,9 @@ import torch.distributed as dist
 
 from megatrain.device import resolve_device
 
+# all_gather_into_tensor under the name newer torch gives it (the engine's gathers, the export's)
+all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
 DEFAULT_TIMEOUT_S = 600.0
 T = TypeVar("T")
 

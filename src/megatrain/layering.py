@@ -28,6 +28,7 @@ BASE: frozenset[str] = frozenset(
         "batch",
         "choices",
         "device",
+        "disk_space",
         "distributed",
         "dtypes",
         "errors",
@@ -36,9 +37,11 @@ BASE: frozenset[str] = frozenset(
         "layouts",
         "metrics",
         "native",
+        "package_assets",
         "run_files",
         "threads",
         "trackers",
+        "yaml_values",
     }
 )
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from megatrain.data import DataConfig, demo_assets_dir, demo_tokenizer_dir, prepare_data
+from megatrain.data import DataConfig, prepare_data
 from megatrain.data.demo_assets import NUM_CONVERSATIONS, UPPER_SYSTEM, generate
+from megatrain.package_assets import demo_assets_dir, demo_tokenizer_dir
 
 
 def _files(root: Path) -> dict[str, bytes]:

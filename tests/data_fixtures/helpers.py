@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
-from megatrain.data import Sample, demo_tokenizer_dir
+from megatrain.data import Sample
+from megatrain.package_assets import demo_tokenizer_dir
 
 
 def demo_tokenizer() -> Any:

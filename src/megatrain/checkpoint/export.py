@@ -28,15 +28,14 @@ import torch.distributed as dist
 
 from megatrain.checkpoint.files import free_name, fsync, fsync_dir, write_json
 from megatrain.checkpoint.saving import FORMAT_VERSION
-from megatrain.distributed import on_rank0
-from megatrain.engine.collectives import all_gather
-from megatrain.files import honour_umask
-from megatrain.planning.disk import (
+from megatrain.disk_space import (
     AFTER_EXPORT,
     EXPORT_BYTES_PER_PARAM,
     disk_full_error,
     is_disk_full,
 )
+from megatrain.distributed import all_gather, on_rank0
+from megatrain.files import honour_umask
 from megatrain.run_files import EXPORT_MARKER
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore

@@ -61,8 +61,8 @@ from megatrain.checkpoint.files import (
     fsync_dir,
     write_json,
 )
+from megatrain.disk_space import disk_full_error, is_disk_full
 from megatrain.files import honour_umask
-from megatrain.planning.disk import disk_full_error, is_disk_full
 from megatrain.run_files import BLOCKS_DIR, CHECKPOINTS_DIR, TRAINER_STATE_FILE, step_dir
 from megatrain.store.host import HostStore
 

@@ -29,8 +29,8 @@ from megatrain.checkpoint.saving import (
     write_blocks,
     write_state,
 )
+from megatrain.disk_space import disk_full_error, is_disk_full
 from megatrain.distributed import on_every_rank, on_rank0
-from megatrain.planning.disk import disk_full_error, is_disk_full
 from megatrain.run_files import BLOCKS_DIR, step_dir
 from megatrain.store.host import HostStore
 

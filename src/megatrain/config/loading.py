@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
@@ -16,20 +15,10 @@ import yaml
 from megatrain.config.sections import SECTIONS, TrainConfig
 from megatrain.config.types import MISMATCH, coerce, convert, field_types
 from megatrain.files import umask_mode
+from megatrain.yaml_values import YamlLoader
 
 CONFIG_HEADER = "# Resolved MegaTrain config: megatrain train --config <this file>\n"
 """The first line of every config.yaml MegaTrain writes (how a run's own config is told apart)."""
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`; 1.2 does not)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+.0123456789"),
-)
 
 
 def load_config(
@@ -108,7 +97,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             "file, e.g. examples/demo.yaml"
         )
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=YamlLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -149,16 +138,10 @@ def _apply_override(raw: dict[str, Any], name: str, text: str) -> None:
         raise ValueError(f"override --{name}: {section}.{key} has no sub-key {sub!r}")
 
 
-def parse_yaml_value(text: str) -> Any:
-    """A command-line value as an override reads it (YAML: `false`, `False`, `1e-5`, `[1, 2]`),
-    for fields of any type (model config keys)."""
-    return _parse_value(text, Any)
-
-
 def _parse_value(text: str, tp: Any) -> Any:
     """`text` read as YAML; the raw text instead if only that fits a string field."""
     try:
-        value = yaml.load(text, Loader=_Loader)
+        value = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError:
         return text
     if convert(value, tp) is MISMATCH and convert(text, tp) is not MISMATCH:

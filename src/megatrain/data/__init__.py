@@ -45,8 +45,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "demo_assets_dir": "assets",
-    "demo_tokenizer_dir": "assets",
     "run_data_command": "command",
     "DataConfig": "config",
     "Conversation": "formats",
@@ -77,8 +75,6 @@ __all__ = [
     "PretrainCorpus",
     "Sample",
     "convert_row",
-    "demo_assets_dir",
-    "demo_tokenizer_dir",
     "make_loader",
     "pack_rows",
     "pad_token_id_of",
@@ -98,7 +94,6 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:  # the same names, for type checkers
-    from megatrain.data.assets import demo_assets_dir, demo_tokenizer_dir
     from megatrain.data.command import run_data_command
     from megatrain.data.config import DataConfig
     from megatrain.data.formats import Conversation, convert_row

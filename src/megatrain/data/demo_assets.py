@@ -31,7 +31,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from megatrain.data.assets import demo_assets_dir
+from megatrain.package_assets import demo_assets_dir
 
 SEED = 1234
 NUM_CONVERSATIONS = 3000

@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from megatrain.data.assets import demo_assets_dir
 from megatrain.data.config import PREFERENCE_STAGES, DataConfig
 from megatrain.data.formats import MISSING_COLUMN, convert_row
 from megatrain.data.preference import check_stage
@@ -31,6 +30,7 @@ from megatrain.data.readers import download_hub_dataset, iter_rows, read_rows
 from megatrain.data.registry import DatasetSpec, resolve_datasets, sft_format_of
 from megatrain.data.sample import DataStats, Sample, held_out_mask
 from megatrain.data.template import OVER_CUTOFF, ChatEncoder
+from megatrain.package_assets import demo_assets_dir
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from megatrain.batch import Batch
-from megatrain.data.assets import demo_assets_dir
 from megatrain.data.config import DataConfig
 from megatrain.data.loader import BatchLoader
 from megatrain.data.packing import padded_batch
@@ -42,6 +41,7 @@ from megatrain.data.preference import (
 from megatrain.data.registry import DatasetSpec, resolve_datasets
 from megatrain.data.sample import DataStats, Sample, held_out_mask
 from megatrain.data.template import ChatEncoder
+from megatrain.package_assets import demo_assets_dir
 
 logger = logging.getLogger(__name__)
 

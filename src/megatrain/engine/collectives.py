@@ -24,12 +24,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatrain.distributed import all_gather
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.shard import ShardedBlock, layout_numel
 
-# all_gather_into_tensor / reduce_scatter_tensor, under the names newer torch gives them
-all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+# reduce_scatter_tensor under the name newer torch gives it (all_gather: distributed.py)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 

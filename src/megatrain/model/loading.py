@@ -22,9 +22,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.initialization import no_init_weights
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from megatrain.config.loading import parse_yaml_value
 from megatrain.model.random_init import init_on_device
 from megatrain.model.tiny import tiny_config
+from megatrain.yaml_values import parse_yaml_value
 
 _WEIGHT_FILES = (
     "model.safetensors",

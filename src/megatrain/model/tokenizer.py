@@ -10,15 +10,12 @@ the value and the fix. Nothing else about loading changes: `AutoTokenizer.from_p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import AutoTokenizer
 
-from megatrain.data.assets import demo_tokenizer_dir
 from megatrain.model.loading import hub_error, looks_like_path
-
-if TYPE_CHECKING:
-    from megatrain.config import ModelConfig
+from megatrain.package_assets import demo_tokenizer_dir
 
 # Any of these in a folder makes it a tokenizer folder AutoTokenizer can read.
 _TOKENIZER_FILES = (
@@ -32,10 +29,13 @@ _TOKENIZER_FILES = (
 )
 
 
-def load_tokenizer(model_cfg: ModelConfig) -> Any:
-    """The tokenizer of the run's model config; ValueError/FileNotFoundError with the fix."""
-    key = "model.tokenizer" if model_cfg.tokenizer else "model.name_or_path"
-    source = model_cfg.tokenizer or model_cfg.name_or_path
+def load_tokenizer(
+    tokenizer: str | None, name_or_path: str | None, *, trust_remote_code: bool
+) -> Any:
+    """The run's tokenizer: `tokenizer` (model.tokenizer), else the model's own folder or hub
+    id (model.name_or_path); ValueError/FileNotFoundError naming the key and the fix."""
+    key = "model.tokenizer" if tokenizer else "model.name_or_path"
+    source = tokenizer or name_or_path
     if source is None:
         raise ValueError(
             "model.tokenizer is required with model.model_type (a hub id, a "
@@ -53,7 +53,7 @@ def load_tokenizer(model_cfg: ModelConfig) -> Any:
             "(tokenizer.json or tokenizer_config.json), a hub id like Qwen/Qwen3-8B, or 'demo'"
         )
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as e:
         if path.is_dir():
             raise

@@ -21,31 +21,17 @@ estimate): one paragraph naming the folder, the bytes needed and free, and the f
 
 from __future__ import annotations
 
-import errno
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain.disk_space import EXPORT_BYTES_PER_PARAM, GIB, free_bytes
 from megatrain.store.shard import shard_range
 from megatrain.store.states import state_bytes_per_param, state_nbytes
 
 MASTER_BYTES_PER_PARAM = 4  # the fp32 master weights a checkpoint holds
-EXPORT_BYTES_PER_PARAM = {"bf16": 2, "fp32": 4}
 SMALL_FILES_BYTES = 64 * 2**20  # tokenizer, configs, trainer_state.json, safetensors headers
 METRICS_BYTES_PER_STEP = 2048  # a train record (~1 KiB with the timeline) and an eval record
-GIB = 2**30
-
-
-class DiskFullError(OSError):
-    """A save ran out of disk space; str() is the user-facing paragraph."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(errno.ENOSPC, message)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 @dataclass(frozen=True)
@@ -125,14 +111,6 @@ def checkpoint_bytes_per_param(state_dtype: str) -> float:
     return MASTER_BYTES_PER_PARAM + state_bytes_per_param(state_dtype)
 
 
-def free_bytes(folder: str | Path) -> int:
-    """Free bytes of the filesystem that holds `folder` (or its nearest existing parent)."""
-    path = Path(folder).resolve()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
 def check_run_disk(output_dir: str | Path, disk: RunDisk, *, already_written: int = 0) -> None:
     """Refuse, with the numbers and what to change, a run the output_dir's disk cannot hold.
 
@@ -150,40 +128,6 @@ def check_run_disk(output_dir: str | Path, disk: RunDisk, *, already_written: in
         "write less: lower checkpoint.keep_last, set checkpoint.save_final: false (no "
         "resumable checkpoint at the end, only the Hugging Face export), raise "
         "checkpoint.save_every or set checkpoint.export_dtype: bf16"
-    )
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC as an OSError, or as the safetensors writer's error text ("os error 28")."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    text = str(exc)
-    return "No space left on device" in text or "os error 28" in text
-
-
-_AFTER_CHECKPOINT = (
-    "The partial files were removed and the previous checkpoint is intact. Free space there (or "
-    "choose a training.output_dir on a larger disk) and resume with --checkpoint.resume_from "
-    "auto; to write less, lower checkpoint.keep_last or set checkpoint.save_final: false"
-)
-AFTER_EXPORT = (
-    "The partial export was removed; checkpoints are untouched. Free space there (or choose "
-    "another folder) and export the last checkpoint with megatrain export --checkpoint DIR --out "
-    "DIR"
-)
-
-
-def disk_full_error(
-    folder: str | Path, what: str, needed_bytes: int, *, fix: str = _AFTER_CHECKPOINT
-) -> DiskFullError:
-    """The paragraph for a save that ran out of space in `folder`."""
-    try:
-        free = f"{_gib(free_bytes(folder))} GiB"
-    except OSError:
-        free = "an unknown amount"
-    return DiskFullError(
-        f"the disk filled while writing {what} into {folder}: it needs about "
-        f"{_gib(needed_bytes)} GiB and {free} is free now. " + fix
     )
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from megatrain.disk_space import EXPORT_BYTES_PER_PARAM
 from megatrain.engine.tiling import TilePolicy
-from megatrain.planning.disk import EXPORT_BYTES_PER_PARAM, checkpoint_bytes_per_param
+from megatrain.planning.disk import checkpoint_bytes_per_param
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB
 

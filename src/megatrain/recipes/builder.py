@@ -101,7 +101,10 @@ class RunBuilder(PlanBuilder):
 
     @functools.cached_property
     def _tokenizer(self) -> Any:
-        tokenizer = load_tokenizer(self.cfg.model)
+        m = self.cfg.model
+        tokenizer = load_tokenizer(
+            m.tokenizer, m.name_or_path, trust_remote_code=m.trust_remote_code
+        )
         vocab = self.hf_config.get_text_config().vocab_size
         if len(tokenizer) > vocab:
             raise ValueError(

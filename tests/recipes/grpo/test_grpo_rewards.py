@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from megatrain.data import demo_assets_dir, demo_tokenizer_dir
+from megatrain.package_assets import demo_assets_dir, demo_tokenizer_dir
 from megatrain.recipes.grpo.advantages import group_advantages
 from megatrain.recipes.grpo.prompts import load_prompts
 from megatrain.recipes.grpo.rewards import load_reward, math_answer

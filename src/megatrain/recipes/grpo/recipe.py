@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from megatrain.config import TrainConfig
-from megatrain.data import demo_assets_dir
 from megatrain.data.pipeline import pad_token_id_of
 from megatrain.engine.head import TokenObjective
 from megatrain.metrics import MetricsLogger
+from megatrain.package_assets import demo_assets_dir
 from megatrain.recipes.base import Recipe
 from megatrain.recipes.grpo.advantages import group_advantages
 from megatrain.recipes.grpo.decode import static_generate

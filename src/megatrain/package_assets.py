@@ -11,7 +11,7 @@ from pathlib import Path
 
 def demo_assets_dir() -> Path:
     """The folder holding the demo data, its dataset_info.json and `tokenizer/`."""
-    return Path(__file__).resolve().parent.parent / "assets" / "demo"
+    return Path(__file__).resolve().parent / "assets" / "demo"
 
 
 def demo_tokenizer_dir() -> Path:
