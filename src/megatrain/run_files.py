@@ -2,7 +2,7 @@
 module that reads or writes one imports it (a renamed file cannot leave a reader behind).
 The checkpoint package (checkpoint/) owns these files; their names live at the top of the
 package so that trackers.py, which checkpoint/ imports (directly and through config/), can use
-them without an import cycle (tests/test_layers.py).
+them without an import cycle (tests/test_layout.py).
 
 Layout of `training.output_dir`:
     .megatrain.lock            LOCK_FILE: the live run's lock (checkpoint/output_dir.py)

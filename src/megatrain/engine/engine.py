@@ -1,5 +1,9 @@
 """The streaming engine: one optimizer step over several micro-batches, layer-major.
 
+It runs an `EnginePlan` (engine/plan.py), allocates every persistent device buffer from its
+`DeviceLayout` (engine/layout.py) and issues loads and layer visits in the order of its
+`StepSchedule` (engine/schedule.py), the lists the planner's timing model replays.
+
 Step schedule (docs/architecture.md, "One optimizer step"):
 1. Forward without autograd. Embedding rows gathered per micro-batch; then for each layer i:
    wait for its weights, run it over every micro-batch, keep its input (boundary activation:
