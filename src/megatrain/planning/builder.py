@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain.config import TrainConfig
-from megatrain.distributed import Placement, rows_per_rank
+from megatrain.distributed import Placement
 from megatrain.engine.plan import EnginePlan
 from megatrain.model.loading import load_config as load_hf_config
 from megatrain.planning import Hardware, ModelSpec, detect, model_spec
 from megatrain.planning.hardware import GIB, gib
-from megatrain.planning.plan import ResourcePlan, RunShape, plan_resources
+from megatrain.planning.plan import ResourcePlan, RunShape, resolve
 
 COMPILE_AUTO_KINDS = ("attention", "full_attention", "sliding_attention")
 """Layer kinds (model/structure.py) that compile_layers "auto" compiles: plain attention + MLP,
@@ -190,19 +190,12 @@ class PlanBuilder:
     def _plan(
         self, tokens_per_step: int | None, layout: str | None, compiled: bool | None = None
     ) -> ResourcePlan:
-        t, mem = self.cfg.training, self.cfg.memory
-        if tokens_per_step is None and t.global_batch_size and t.micro_batch_size == "auto":
-            rows = rows_per_rank(t.global_batch_size, self.placement.world_size)
-            tokens_per_step = rows * self.cfg.seq_len
-        return plan_resources(
+        return resolve(
+            self.cfg,
             self.spec,
+            self.hardware,
             self.shape(layout, compiled),
-            hardware=self.hardware,
-            micro_batch_size=t.micro_batch_size,
-            grad_accum=t.gradient_accumulation_steps,
             tokens_per_step=tokens_per_step,
-            gpu_margin_gib=mem.gpu_margin_gib,
-            host_margin_gib=mem.host_margin_gib,
             gpu_reserve_bytes=self._gpu_reserve_bytes,
         )
 

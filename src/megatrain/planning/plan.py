@@ -1,15 +1,13 @@
-"""A run's resource plan: batch choice, estimate and fit check, all from one set of inputs.
+"""A run's resolved plan: batch choice, estimate, fit check and the EnginePlan, from one input.
 
-    shape = builder.shape()     # RunShape: seq_len, num_slots, layout, clipping, ... of the run
-    plan = plan_resources(spec, shape, hardware=hw, micro_batch_size="auto", grad_accum=1,
-                          tokens_per_step=65536)
+    shape = RunShape.of(cfg, placement, layout=None, compiled=False, pin_memory=True)
+    plan = resolve(cfg, spec, hardware, shape)   # pure; plan.engine is what the engine runs
     plan.require_fit()          # ValueError naming what does not fit and what to change
 
 Invariant: the automatic micro-batch is chosen against exactly the estimate that the fit check
 then judges (same shape, same loss chunk, same pinning), so "auto" never picks a batch the check
-refuses for a reason it did not see. The builder (megatrain.recipes.builder) derives the shape from
-the
-run config once; `megatrain estimate` and `megatrain train` both read the plan from there.
+refuses for a reason it did not see; the engine runs the EnginePlan that estimate measured.
+`megatrain estimate` and `megatrain train` both read the plan from planning/builder.py.
 
 The GPU tier of optimizer states (engine/tier.py) is chosen after the batch: the run's
 activations come first, and "auto" (`memory.gpu_state_blocks`) gives the tier the largest
@@ -39,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain.config import TrainConfig
-from megatrain.distributed import Placement
+from megatrain.distributed import Placement, rows_per_rank
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.head import default_chunk_tokens
 from megatrain.engine.plan import EnginePlan, tier_size
@@ -184,6 +182,35 @@ class ResourcePlan:
         """Raise ValueError with the numbers and what to change when the run does not fit."""
         if self.problems:
             raise ValueError("this run does not fit: " + "; ".join(self.problems))
+
+
+def resolve(
+    cfg: TrainConfig,
+    spec: ModelSpec,
+    hardware: Hardware,
+    shape: RunShape,
+    *,
+    tokens_per_step: int | None = None,
+    gpu_reserve_bytes: int = 0,
+) -> ResourcePlan:
+    """The run's plan from its config (pure: no process group, nothing allocated): the batch
+    of training.micro_batch_size / gradient_accumulation_steps / global_batch_size (per rank),
+    every "auto" memory setting resolved, the fit judged with memory's margins; its `engine`
+    is the EnginePlan the engine runs. `shape`: `RunShape.of(cfg, placement, ...)`."""
+    t, mem = cfg.training, cfg.memory
+    if tokens_per_step is None and t.global_batch_size and t.micro_batch_size == "auto":
+        tokens_per_step = rows_per_rank(t.global_batch_size, shape.ranks.world) * cfg.seq_len
+    return plan_resources(
+        spec,
+        shape,
+        hardware=hardware,
+        micro_batch_size=t.micro_batch_size,
+        grad_accum=t.gradient_accumulation_steps,
+        tokens_per_step=tokens_per_step,
+        gpu_margin_gib=mem.gpu_margin_gib,
+        host_margin_gib=mem.host_margin_gib,
+        gpu_reserve_bytes=gpu_reserve_bytes,
+    )
 
 
 def plan_resources(
