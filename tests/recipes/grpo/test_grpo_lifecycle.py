@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from test_grpo_command import DEMO, TINY, _reward_file
 
+from megatrain import disk_space
 from megatrain.checkpoint.output_dir import TrainingInterrupted
 from megatrain.config import load_config
-from megatrain.planning import disk
 from megatrain.recipes.grpo.recipe import GRPOTrainer
 
 _Usage = namedtuple("_Usage", "total used free")
@@ -50,7 +50,8 @@ def test_disk_check_counts_the_reference_and_matches_the_checkpoint(tmp_path: Pa
 def test_a_disk_too_small_is_refused_before_the_claim(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: _Usage(2**30, 2**30 - 2**20, 2**20))
+    usage = _Usage(2**30, 2**30 - 2**20, 2**20)
+    monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda p: usage)
     out = tmp_path / "o"
     with pytest.raises(ValueError, match="not enough disk for this run") as caught:
         _trainer(out, tmp_path, "--training.max_steps", "2")
