@@ -12,6 +12,7 @@ import pytest
 
 from megatrain.cli import main
 from megatrain.config import load_config
+from megatrain.data import demo_assets_dir
 from megatrain.recipes.dpo import recipe as dpo_recipe
 from megatrain.recipes.dpo.recipe import REFERENCE_FILE, DPOTrainer
 from run_helpers import DEMO, crash_during_step, tiny_run_args
@@ -102,3 +103,28 @@ def test_bad_settings_are_refused_naming_the_key(
     assert err.startswith("megatrain dpo: error: ") and named in err
     assert "\n" not in err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_kto_runs_through_the_command(tmp_path: Path) -> None:
+    """KTO rows (demo_dpo's answers, chosen desirable, rejected not, alternately): TRL's KTO
+    metrics (no accuracies: the rows are not pairs), and the loss falls."""
+    pairs = [json.loads(line) for line in (demo_assets_dir() / "demo_dpo.jsonl").open()][:24]
+    data = tmp_path / "data"
+    data.mkdir()
+    with (data / "kto.jsonl").open("w") as f:
+        for i, p in enumerate(pairs):
+            good = i % 2 == 0
+            row = {"instruction": p["instruction"], "input": p["input"], "label": good}
+            f.write(json.dumps(row | {"output": p["chosen" if good else "rejected"]}) + "\n")
+    columns = {"prompt": "instruction", "query": "input", "response": "output", "kto_tag": "label"}
+    info = {"kto": {"file_name": "kto.jsonl", "columns": columns}}
+    (data / "dataset_info.json").write_text(json.dumps(info))
+    out = tmp_path / "run"
+    kto = ("--data.dataset", "kto", "--data.dataset_dir", str(data), "--data.stage", "kto")
+    args = _args(out, *kto, "--dpo.loss_type", "kto", "--training.num_epochs", "4")
+    assert main(["dpo", "--config", str(DEMO), *args]) == 0
+    train = _records(out)
+    assert len(train) == 4 * 6
+    assert all("rewards/accuracies" not in r and "kl" in r and "rewards/chosen" in r for r in train)
+    assert train[0]["loss"] == pytest.approx(0.5, abs=1e-4)  # 1 - s(0): the policy is the reference
+    assert sum(r["loss"] for r in train[-6:]) / 6 < 0.4
