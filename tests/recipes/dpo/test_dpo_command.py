@@ -128,3 +128,13 @@ def test_kto_runs_through_the_command(tmp_path: Path) -> None:
     assert all("rewards/accuracies" not in r and "kl" in r and "rewards/chosen" in r for r in train)
     assert train[0]["loss"] == pytest.approx(0.5, abs=1e-4)  # 1 - s(0): the policy is the reference
     assert sum(r["loss"] for r in train[-6:]) / 6 < 0.4
+
+
+def test_kto_on_several_ranks_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    kto = ("--data.stage", "kto", "--dpo.loss_type", "kto")
+    assert main(["dpo", "--config", str(DEMO), *_args(tmp_path, *kto)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "dpo.loss_type='kto'" in err and "WORLD_SIZE=2" in err and "\n" not in err

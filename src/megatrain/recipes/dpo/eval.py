@@ -39,16 +39,16 @@ def evaluate_pairs(
     loss, sums = 0.0, dict[str, float]()
     for start in range(0, len(groups), per_pass):
         job = groups[start : start + per_pass]
-        mine, counted = job[rank::world_size], True
-        if not mine:
-            mine, counted = job[:1], False
+        mine = job[rank::world_size]
+        counted = bool(mine)
+        if not counted:
+            mine = job[:1]
         step = StepPairs([loader.batch_of(p) for p in mine], mine, totals, np.concatenate(mine))
         pref = objective_of(step)
         _, value = pref.prepare(engine.logprobs(step.batches))
-        if not counted:
-            continue
-        loss += float(value)
+        weight = 1.0 if counted else 0.0  # every rank sums the same keys
+        loss += weight * float(value)
         for k, v in pref.metrics.items():
-            sums[k] = sums.get(k, 0.0) + v if k != "kl" else v
+            sums[k] = sums.get(k, 0.0) + weight * v if k != "kl" else v
     (loss,) = rank_sums([loss])
     return loss, sums, every
