@@ -127,7 +127,13 @@ class DPOTrainer(Recipe):
         return tables
 
     def _table(self, loader: PairLoader) -> torch.Tensor:
-        return precompute_reference(self.engine, loader, micro_batches_per_pass=self.grad_accum)
+        return precompute_reference(
+            self.engine,
+            loader,
+            micro_batches_per_pass=self.grad_accum,
+            rank=self.rank,
+            world_size=self.world,
+        )
 
     def load_state(self, state: dict[str, Any], path: Path) -> None:
         self.loader.load_state_dict(state["loader"])
