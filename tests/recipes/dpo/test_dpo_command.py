@@ -138,3 +138,12 @@ def test_kto_on_several_ranks_is_refused(
     assert main(["dpo", "--config", str(DEMO), *_args(tmp_path, *kto)]) == 2
     err = capsys.readouterr().err.strip()
     assert "dpo.loss_type='kto'" in err and "WORLD_SIZE=2" in err and "\n" not in err
+
+
+def test_data_show_batches_pairs_as_dpo_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """training.micro_batch_size 8 rows: 4 pairs a micro-batch, 6 of them over 24 pairs (the
+    6 steps an epoch of test_dpo_command_learns_the_preferences)."""
+    assert main(["data", "--config", str(DEMO), *_args(tmp_path), "--show", "0"]) == 0
+    assert "micro-batch 4, 24 pairs = 6 micro-batches per epoch" in capsys.readouterr().out
