@@ -147,3 +147,21 @@ def test_data_show_batches_pairs_as_dpo_does(
     6 steps an epoch of test_dpo_command_learns_the_preferences)."""
     assert main(["data", "--config", str(DEMO), *_args(tmp_path), "--show", "0"]) == 0
     assert "micro-batch 4, 24 pairs = 6 micro-batches per epoch" in capsys.readouterr().out
+
+
+def test_resume_without_a_reference_table_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reference-free run's checkpoint holds no table: resuming it with a reference loss would
+    have to compute the reference from trained weights, so it is refused, naming the file."""
+    steps = ("--training.max_steps", "2", "--checkpoint.save_every", "2")
+    assert (
+        main(["dpo", "--config", str(DEMO), *_args(tmp_path, *steps, "--dpo.loss_type", "orpo")])
+        == 0
+    )
+    assert not (tmp_path / "checkpoints" / "step-00000002" / REFERENCE_FILE).exists()
+    capsys.readouterr()
+    resume = ("--checkpoint.resume_from", "auto", "--training.max_steps", "4")
+    assert main(["dpo", "--config", str(DEMO), *_args(tmp_path, *resume)]) == 2
+    err = capsys.readouterr().err
+    assert f"step-00000002/{REFERENCE_FILE}: missing" in err and "loss_type='sigmoid'" in err
