@@ -19,13 +19,18 @@ CASES = [
     ["--help"],
     ["--version"],
     ["nonsense"],
-    *([command, "--help"] for command in ("train", "grpo", "verify", "estimate", "data", "export")),
+    *(
+        [command, "--help"]
+        for command in ("train", "grpo", "dpo", "verify", "estimate", "data", "export")
+    ),
     ["estimate", "--bad-flag"],
     ["verify", "--steps", "x"],
     ["train", "--optimizer.learning_rate", "1e-3", "--bad-flag"],
     ["train", "--config", "/nonexistent/run.yaml"],
     ["train", "--model.model_type", "llama", "--optimizer.lerning_rate", "1e-3"],
     ["grpo", "--optimizer.learning_rate", "-1"],
+    ["dpo", "--dpo.beta", "0"],
+    ["dpo", "--model.model_type", "llama", "--data.stage", "sft"],
     ["data", "--training.micro_batch_size", "0"],
     ["export", "--checkpoint", "/nonexistent", "--out", "/nonexistent/hf"],
 ]

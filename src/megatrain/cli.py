@@ -2,6 +2,7 @@
 
     megatrain train    --config FILE [--section.key VALUE ...]
     megatrain grpo     --config FILE [--section.key VALUE ...]
+    megatrain dpo      --config FILE [--section.key VALUE ...]
     megatrain verify   --config FILE | MODEL | --model-type NAME --tiny  [--steps N] [...]
     megatrain estimate --config FILE | --model MODEL --seq-len N [...]
     megatrain data     --config FILE --show N [--json]
@@ -13,7 +14,7 @@ where the last checkpoint is and exits 130. MEGATRAIN_DEBUG=1 shows the tracebac
 
 Invariant: parsing imports neither torch nor transformers (the commands import them when they
 run), so `--help`, `--version` and usage errors answer in a fraction of a second, and so do
-config errors of train, grpo, data and export (tests/test_cli_startup.py; bench/cli_startup.py
+config errors of train, grpo, dpo, data and export (tests/test_cli_startup.py; bench/cli_startup.py
 times it).
 """
 

@@ -164,6 +164,15 @@ def rank_max(value: int) -> int:
     return int(t.item())  # sync point
 
 
+def rank_sums(values: list[float]) -> list[float]:
+    """Each of `values` summed over the ranks, in float64 (every rank gets the sums)."""
+    if not dist.is_initialized() or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return t.tolist()  # sync point
+
+
 def node_turns(build: Callable[[], T], placement: Placement, *, at_once: int) -> T:
     """`build()` on every rank, `at_once` of each node's ranks at a time (local ranks 0 to
     at_once - 1 first, and so on), each of them with its share of the node's cores: one at a

@@ -110,7 +110,7 @@ class MetricsLogger:
     def log_step(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
         record = dict(record, step=step) | self._speed(record["tokens"], record["step_s"])
         self._write(record, "train")
-        shown = self._speed_postfix(record) | _grpo_postfix(record)
+        shown = self._speed_postfix(record) | _grpo_postfix(record) | _dpo_postfix(record)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix({"loss": f"{record['loss']:.4f}"} | shown, refresh=False)
@@ -233,6 +233,16 @@ def truncate_metrics(path: Path, last_step: int) -> int:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     return dropped
+
+
+def _dpo_postfix(record: dict[str, Any]) -> dict[str, str]:
+    """A preference step's share of pairs ranked right and reward margin (empty otherwise)."""
+    if "rewards/accuracies" not in record:
+        return {}
+    return {
+        "acc": f"{record['rewards/accuracies']:.3f}",
+        "margin": f"{record['rewards/margins']:.3f}",
+    }
 
 
 def _grpo_postfix(record: dict[str, Any]) -> dict[str, str]:

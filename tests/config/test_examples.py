@@ -43,8 +43,10 @@ def test_readme_lists_every_example() -> None:
 def test_example_loads_and_is_headed_by_its_command(path: Path) -> None:
     cfg = load_config(path)
     command = "grpo" if path.name.startswith("grpo") else "train"
+    if path.stem == "dpo_demo" or path.stem.endswith("_dpo"):
+        command = "dpo"
     assert f"megatrain {command} --config examples/{path.name}" in _header(path)
-    if path.name == "demo.yaml":
+    if path.name in ("demo.yaml", "dpo_demo.yaml"):
         assert cfg.model.model_type is not None and cfg.model.tiny
         return
     if path.name == "grpo_demo.yaml":  # starts from the export of the demo's warm start

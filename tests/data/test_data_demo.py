@@ -29,6 +29,7 @@ def test_committed_assets_equal_a_fresh_generation(tmp_path: Path) -> None:
         "demo.jsonl",
         "demo_alpaca.jsonl",
         "demo_count.jsonl",
+        "demo_dpo.jsonl",
         "demo_text.txt",
         "tokenizer/tokenizer.json",
         "tokenizer/tokenizer_config.json",
@@ -89,3 +90,22 @@ def test_demo_and_demo_alpaca_render_identically() -> None:
     for a, b in zip(openai.train, alpaca.train, strict=True):
         assert a.input_ids.tolist() == b.input_ids.tolist()
         assert a.target_mask.tolist() == b.target_mask.tolist()
+
+
+def test_demo_dpo_pairs_prefer_the_correct_answer() -> None:
+    """demo_dpo: the chosen answer solves the task, the rejected one differs from it."""
+    rows = [json.loads(line) for line in (demo_assets_dir() / "demo_dpo.jsonl").open()]
+    for row in rows:
+        assert row["rejected"] != row["chosen"]
+        if row["instruction"] == "Add the numbers.":
+            a, b = row["input"].split(" + ")
+            assert row["chosen"] == str(int(a) + int(b))
+        elif row["instruction"] == "Count the letters.":
+            assert row["chosen"] == str(len(row["input"].split()))
+        else:
+            letters = row["input"].split()
+            ordered = (
+                sorted(letters) if row["instruction"] == "Sort the letters." else letters[::-1]
+            )
+            text = " ".join(ordered)
+            assert row["chosen"] == (text.upper() if row.get("system") == UPPER_SYSTEM else text)

@@ -49,3 +49,21 @@ class DPOConfig:
         check_number("dpo.label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_open=True)
         for name in ("rpo_alpha", "simpo_gamma", "desirable_weight", "undesirable_weight"):
             check_number(f"dpo.{name}", getattr(self, name), low=0.0)
+
+
+def check_preference_run(stage: str, micro_batch_size: int | str) -> None:
+    """Refuse what `megatrain dpo` cannot run (before anything loads): data that are not
+    preference data, and micro-batches that would split a pair."""
+    if stage not in ("dpo", "kto"):
+        raise ValueError(
+            f"data.stage={stage!r}: megatrain dpo trains preference data; set data.stage: dpo "
+            "(pairs: a dataset_info.json entry with ranking: true and chosen/rejected columns) "
+            "or kto (rows with a kto_tag label, with dpo.loss_type: kto); sft and pt data train "
+            "with megatrain train"
+        )
+    if isinstance(micro_batch_size, int) and (micro_batch_size < 2 or micro_batch_size % 2):
+        raise ValueError(
+            f"training.micro_batch_size={micro_batch_size} rows: megatrain dpo puts a pair's two "
+            "rows (chosen and rejected; KTO: a row and its KL row) in one micro-batch, so it "
+            f"must be even and >= 2; set {max(2, micro_batch_size + micro_batch_size % 2)}"
+        )

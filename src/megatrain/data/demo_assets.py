@@ -12,6 +12,9 @@ as package data) so that `megatrain train` and the tests run with no download:
     demo_text.txt         the same conversations as plain text, one document per line
     demo_count.jsonl      NUM_COUNT_PROMPTS prompts of the counting task in TRL's prompt format
                           (`prompt`, `answer`): the verifiable task of the GRPO demo
+    demo_dpo.jsonl        NUM_PAIRS preference pairs of the same tasks, alpaca format with
+                          `chosen` (the correct answer) and `rejected` (a corrupted one):
+                          registered `demo_dpo` with `ranking: true` (the DPO demo)
     tokenizer/            byte-level BPE (VOCAB_SIZE tokens) + ChatML chat template
 
 The task is deterministic and learnable by a tiny model in minutes on a CPU: reverse, sort or
@@ -36,6 +39,7 @@ from megatrain.package_assets import demo_assets_dir
 SEED = 1234
 NUM_CONVERSATIONS = 3000
 NUM_COUNT_PROMPTS = 500
+NUM_PAIRS = 1000
 VOCAB_SIZE = 512
 LETTERS = "abcdefgh"
 UPPER_SYSTEM = "Answer in upper case."
@@ -138,6 +142,17 @@ DATASET_INFO = {
     },
     "demo_text": {"file_name": "demo_text.txt", "columns": {"prompt": "text"}},
     "demo_count": {"file_name": "demo_count.jsonl", "columns": {"prompt": "prompt"}},
+    "demo_dpo": {
+        "file_name": "demo_dpo.jsonl",
+        "ranking": True,
+        "columns": {
+            "prompt": "instruction",
+            "query": "input",
+            "chosen": "chosen",
+            "rejected": "rejected",
+            "system": "system",
+        },
+    },
 }
 
 
@@ -149,6 +164,34 @@ def count_prompts(rng: random.Random, num: int) -> list[dict[str, str]]:
         rows.append(
             {"prompt": "Count the letters.\n" + " ".join(letters), "answer": str(len(letters))}
         )
+    return rows
+
+
+def corrupt(rng: random.Random, query: str, answer: str) -> str:
+    """A wrong answer to the task of `query`: a sum written as the two numbers side by side
+    ("16 + 33" -> "1633"), a count too large by 4-6, letters in the wrong case for the system
+    prompt, or the input letters as given (the task not done; another one when they are the
+    answer already)."""
+    if "+" in query:
+        return query.replace(" + ", "")
+    if answer.isdigit():
+        return str(int(answer) + rng.randint(4, 6))
+    if rng.random() < 0.5:
+        return answer.lower() if answer.isupper() else answer.upper()
+    letters = query.upper() if answer.isupper() else query
+    return letters if letters != answer else answer.swapcase()
+
+
+def preference_pairs(rng: random.Random, num: int) -> list[dict[str, str]]:
+    """DPO pairs of the demo tasks (alpaca columns): the correct answer chosen, a corrupted one
+    (`corrupt`) rejected; a quarter carry UPPER_SYSTEM."""
+    rows = []
+    for _ in range(num):
+        upper = rng.random() < 0.25
+        instruction, query, answer = make_task(rng, upper=upper)
+        row = {"instruction": instruction, "input": query}
+        row |= {"chosen": answer, "rejected": corrupt(rng, query, answer)}
+        rows.append(row | ({"system": UPPER_SYSTEM} if upper else {}))
     return rows
 
 
@@ -211,6 +254,7 @@ def generate(out_dir: Path, seed: int = SEED, num_conversations: int = NUM_CONVE
     _write_jsonl(
         out_dir / "demo_count.jsonl", count_prompts(random.Random(seed + 1), NUM_COUNT_PROMPTS)
     )
+    _write_jsonl(out_dir / "demo_dpo.jsonl", preference_pairs(random.Random(seed + 2), NUM_PAIRS))
     (out_dir / "dataset_info.json").write_text(json.dumps(DATASET_INFO, indent=2) + "\n")
     train_tokenizer(_corpus(conversations), out_dir / "tokenizer")
 

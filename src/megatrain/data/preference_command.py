@@ -34,8 +34,10 @@ def run_preference_command(
 ) -> int:
     """Print `show` pairs (rows for kto) of epoch 0 and the data summary to `out`."""
     data = prepare_preference(cfg, tokenizer)
+    # micro_batch_size counts rows, as `megatrain dpo` reads it: half of them are pairs (dpo), or
+    # labelled rows (kto; the other half their KL rows)
     options: dict[str, Any] = dict(
-        micro_batch_size=micro_batch_size,
+        micro_batch_size=max(1, micro_batch_size // 2),
         seq_len=seq_len,
         pad_token_id=data.pad_token_id,
         shuffle=cfg.shuffle,

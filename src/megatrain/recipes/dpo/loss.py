@@ -132,7 +132,7 @@ def _kto(
         s.undesirable_weight * (1 - torch.sigmoid(s.beta * (kl - ratio))),
     )
     rewards = s.beta * ratio
-    metrics = _metrics(rewards[good], rewards[~good], policy[good], policy[~good])
+    metrics = _metrics(rewards[good], rewards[~good], policy[good], policy[~good], pairs=False)
     return losses.sum() / totals.num_pairs, metrics
 
 
@@ -141,15 +141,18 @@ def _metrics(
     rejected_rewards: torch.Tensor,
     chosen: torch.Tensor,
     rejected: torch.Tensor,
+    *,
+    pairs: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Sums (the recipe divides by the step's pairs or rows): TRL's metric names."""
+    """Sums (the recipe divides by the step's pairs or rows): TRL's metric names; accuracies
+    and margins of pairs only (KTO's desirable and undesirable rows are not pairs)."""
     out = {
         "rewards/chosen": chosen_rewards.detach().sum(),
         "rewards/rejected": rejected_rewards.detach().sum(),
         "logps/chosen": chosen.detach().sum(),
         "logps/rejected": rejected.detach().sum(),
     }
-    if chosen_rewards.shape == rejected_rewards.shape:  # pairs
+    if pairs:
         margin = (chosen_rewards - rejected_rewards).detach()
         out["rewards/accuracies"] = (margin > 0).to(margin.dtype).sum()
         out["rewards/margins"] = margin.sum()

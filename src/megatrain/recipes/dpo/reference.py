@@ -6,6 +6,12 @@ every layer once, as a training step's forward does); each row's sum of completi
 log-probs is kept: a table fp32 [num_pairs, 2] (chosen, rejected), 8 bytes per pair on the host.
 A step then looks its pairs up by index (`PairLoader.pairs_of`), whatever the shuffle.
 
+Several ranks share the work: each pass covers `micro_batches_per_pass x world_size`
+micro-batches, rank r computing every world-th; each rank's rows of the table are then summed
+over the ranks (a row is computed on one rank and zero on the others, so the sum is exact). A
+rank with no micro-batch in the last pass repeats one uncounted: every rank runs as many
+forwards, which hold collectives.
+
 Invariant: table[i] is pair i's (chosen, rejected) under the weights the engine held when the
 table was made; a pair's value does not depend on which micro-batch computed it beyond
 floating-point rounding of the padded width (fp32: relative ~1e-6).
@@ -17,24 +23,38 @@ import numpy as np
 import torch
 
 from megatrain.data.preference_data import PairLoader
+from megatrain.distributed import rank_sums
 from megatrain.engine.engine import StreamingEngine
 from megatrain.recipes.dpo.objective import sequence_logps
 
 
 def precompute_reference(
-    engine: StreamingEngine, loader: PairLoader, *, micro_batches_per_pass: int
+    engine: StreamingEngine,
+    loader: PairLoader,
+    *,
+    micro_batches_per_pass: int,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> torch.Tensor:
-    """fp32 [num_pairs, 2]: each pair's (chosen, rejected) log-prob sums, in pair order."""
+    """fp32 [num_pairs, 2]: each pair's (chosen, rejected) log-prob sums, in pair order (every
+    rank gets the whole table)."""
     assert micro_batches_per_pass >= 1
     num_pairs, per_batch = loader.num_rows, loader.micro_batch_size
     table = torch.zeros(num_pairs, 2, dtype=torch.float32)
     groups = [np.arange(s, min(s + per_batch, num_pairs)) for s in range(0, num_pairs, per_batch)]
-    for start in range(0, len(groups), micro_batches_per_pass):
-        picked = groups[start : start + micro_batches_per_pass]
+    per_pass = micro_batches_per_pass * world_size
+    for start in range(0, len(groups), per_pass):
+        picked = groups[start : start + per_pass][rank::world_size]
+        counted = bool(picked)
+        picked = picked or groups[start : start + 1]
         batches = [loader.batch_of(p) for p in picked]
         sums = sequence_logps(engine.logprobs(batches), batches)
         for pairs, rows in zip(picked, sums, strict=True):
-            table[torch.from_numpy(pairs)] = rows.view(-1, 2)
+            if counted:
+                table[torch.from_numpy(pairs)] = rows.view(-1, 2)
+    if world_size > 1:
+        table = torch.tensor(rank_sums(table.view(-1).tolist()), dtype=torch.float32)
+        table = table.view(num_pairs, 2)
     return table
 
 

@@ -1,0 +1,79 @@
+"""`megatrain dpo` on two ranks on the CPU (gloo, torchrun) against one process with the same
+global batch: each rank takes every other micro-batch of the step (recipes/dpo/steps.py), the
+step's totals (pairs, chosen tokens) are the job's on every rank, the metric sums and the eval
+are summed over the ranks, and rank 0 writes the reference table into each checkpoint.
+
+Tolerance (fp32), as tests/distributed/test_distributed_ranks.py derives it: the runs differ
+only in the order of fp32 sums (gradients summed over the step's micro-batches in another
+order, other thread counts), at most 5 K u relative in the log-probs with K = 64 (the
+intermediate size) and u = 2^-24; the sigmoid loss is 1-Lipschitz in beta x the log-prob
+margin (beta 0.1), so the loss agrees to that bound too. A rank that divided by its own pairs
+or skipped the all-reduce would be off by a factor of 2 in the loss's deviation from log 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "dpo_demo.yaml"
+SMALL = (
+    "{vocab_size: 512, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+    "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16, tie_word_embeddings: true}"
+)
+K, U = 64, 2.0**-24
+LOSS_RTOL = 5 * K * U
+COMMON = [
+    "--config", str(DEMO), "--training.device", "cpu", "--model.config_overrides", SMALL,
+    "--data.max_samples", "40", "--data.val_size", "0.2", "--data.cutoff_len", "64",
+    "--training.micro_batch_size", "4", "--training.num_epochs", "2",
+    "--optimizer.learning_rate", "3e-3", "--checkpoint.save_every", "4",
+    "--checkpoint.keep_last", "2", "--checkpoint.export_hf", "false",
+    "--logging.progress_bar", "false", "--logging.report_to", "none", "--logging.log_every", "1",
+]  # fmt: skip
+
+
+def _run(out: Path, ranks: int) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), MEGATRAIN_COLLECTIVE_TIMEOUT_S="120")
+    env.pop("WORLD_SIZE", None)
+    launch = [sys.executable, "-m", "megatrain"]
+    if ranks > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+        launch += ["--standalone", "-m", "megatrain"]
+    accum = str(4 // ranks)  # 4 micro-batches of 2 pairs per step either way
+    cmd = [*launch, "dpo", *COMMON, "--training.output_dir", str(out)]
+    cmd += ["--training.gradient_accumulation_steps", accum]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_ranks_match_one_process(tmp_path: Path) -> None:
+    _run(tmp_path / "two", 2)
+    _run(tmp_path / "one", 1)
+    two, one = _records(tmp_path / "two"), _records(tmp_path / "one")
+    assert [r["kind"] for r in two] == [r["kind"] for r in one] == ["train"] * 8 + ["eval"]
+    key = {"train": "loss", "eval": "eval_loss"}
+    torch.testing.assert_close(
+        torch.tensor([r[key[r["kind"]]] for r in two], dtype=torch.float64),
+        torch.tensor([r[key[r["kind"]]] for r in one], dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0.0,
+    )
+    assert [r["tokens"] for r in two[:8]] == [r["tokens"] for r in one[:8]]  # the same rows
+    acc = "rewards/accuracies"
+    assert [r[acc] for r in two[:8]] == [r[acc] for r in one[:8]]  # summed over the ranks
+    assert two[-1]["eval_" + acc] == one[-1]["eval_" + acc]
+    for step in (4, 8):
+        assert (
+            tmp_path / "two" / "checkpoints" / f"step-{step:08d}" / "reference_logps.pt"
+        ).is_file()
