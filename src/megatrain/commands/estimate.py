@@ -175,6 +175,10 @@ def _builder(cfg: TrainConfig, args: argparse.Namespace) -> PlanBuilder:
     device = "cpu" if cfg.training.device == "cpu" else "cuda"
     ranks = Ranks(args.nproc_per_node, args.nnodes)  # ValueError for a count < 1
     placement = Placement(torch.device(device), 0, ranks.world, 0, ranks.nproc_per_node)
+    if args.grpo:  # the GPU tier leaves the resident rollout its room, as megatrain grpo does
+        from megatrain.recipes.grpo.plan import rollout_reserve
+
+        return PlanBuilder(cfg, hardware=hardware, placement=placement, gpu_reserve=rollout_reserve)
     return PlanBuilder(cfg, hardware=hardware, placement=placement)
 
 

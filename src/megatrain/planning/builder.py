@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,13 +99,17 @@ class PlanBuilder:
         *,
         placement: Placement,
         hardware: Hardware | None = None,
+        gpu_reserve: Callable[[PlanBuilder], int] | None = None,
     ) -> None:
         """`placement`: where the run goes (`megatrain estimate` passes the one it plans for,
-        a GPU it may not have; a run its own, distributed.placement_here)."""
+        a GPU it may not have; a run its own, distributed.placement_here). `gpu_reserve`:
+        the GPU bytes another phase of the run needs beside the engine's persistent buffers,
+        from this builder's spec and hardware (GRPO's resident rollout: recipes/grpo/plan.py);
+        the automatic GPU tier leaves them free."""
         self.cfg = cfg
         self.placement = placement
         self._hardware = hardware
-        self._gpu_reserve_bytes = 0
+        self._gpu_reserve = gpu_reserve
 
     @property
     def device(self) -> Any:
@@ -196,16 +201,13 @@ class PlanBuilder:
             self.hardware,
             self.shape(layout, compiled),
             tokens_per_step=tokens_per_step,
-            gpu_reserve_bytes=self._gpu_reserve_bytes,
+            gpu_reserve_bytes=self.gpu_reserve_bytes,
         )
 
-    def reserve_gpu(self, nbytes: int) -> None:
-        """Leave `nbytes` of GPU memory beside the engine's persistent buffers for another
-        phase of the run (GRPO's rollout): the automatic GPU tier is chosen around it. Call
-        before the engine is built (it takes the tier from the plan)."""
-        if nbytes != self._gpu_reserve_bytes:
-            self._gpu_reserve_bytes = nbytes
-            self.__dict__.pop("_own_plan", None)  # planned again with the reservation
+    @functools.cached_property
+    def gpu_reserve_bytes(self) -> int:
+        """What `gpu_reserve` leaves free beside the engine (0 without one)."""
+        return self._gpu_reserve(self) if self._gpu_reserve is not None else 0
 
     def engine_plan(self) -> EnginePlan:
         """The plan the engine runs: the resource plan's (this rank's GPU-tier count)."""

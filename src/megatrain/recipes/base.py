@@ -99,7 +99,7 @@ class Recipe:
     def __init__(self, cfg: TrainConfig, builder: RunBuilder | None = None) -> None:
         cfg = self.prepare_config(cfg)
         self.cfg = cfg
-        self.builder = builder or RunBuilder(cfg)
+        self.builder = builder or self.make_builder(cfg)
         self.device = self.builder.device
         self.output_dir = Path(cfg.training.output_dir)
         self.checkpointer = Checkpointer(
@@ -128,6 +128,10 @@ class Recipe:
     def prepare_config(self, cfg: TrainConfig) -> TrainConfig:
         """The config this recipe runs (a recipe's own defaults); refuse what it cannot run."""
         return cfg
+
+    def make_builder(self, cfg: TrainConfig) -> RunBuilder:
+        """The run's builder (a recipe whose other phases need GPU room passes `gpu_reserve`)."""
+        return RunBuilder(cfg)
 
     def build_data(self) -> None:
         """Load the recipe's data (the tokenizer is `self.tokenizer`); before the plan."""

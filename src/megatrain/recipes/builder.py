@@ -22,8 +22,9 @@ Invariants:
   batch (`batch()`: the config's, or the plan's when "auto").
 - The resource plan is computed before anything large is allocated, from the model's config
   alone (meta device); the run's own plan is cached, so the batch the run uses is the one that
-  was checked. It is planned again only by `reserve_gpu` (before the engine is built: GRPO's
-  rollout room) and `step_down` (a step that ran out of GPU memory, recipes/oom.py).
+  was checked. A recipe whose other phases need GPU room gives `gpu_reserve` at construction
+  (GRPO's rollout); the plan changes only by `step_down` (a step that ran out of GPU memory,
+  recipes/oom.py).
 - Components receive plain keyword arguments, never the config (STYLE: only the recipe reads it).
 
 Ranks: under torchrun (megatrain/distributed.py) the placement is this rank's (cuda:LOCAL_RANK,
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +92,15 @@ class RunBuilder(PlanBuilder):
         *,
         hardware: Hardware | None = None,
         placement: Placement | None = None,
+        gpu_reserve: Callable[[PlanBuilder], int] | None = None,
     ) -> None:
         """`placement` None: this process's, on `training.device` (under torchrun its rank's:
         the process group is joined here, distributed.placement_here)."""
         super().__init__(
-            cfg, placement=placement or placement_here(cfg.training.device), hardware=hardware
+            cfg,
+            placement=placement or placement_here(cfg.training.device),
+            hardware=hardware,
+            gpu_reserve=gpu_reserve,
         )
 
     # ---------------------------------------------------------------- data

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from megatrain.planning.activations import layer_profile
 from megatrain.planning.hardware import GIB
 from megatrain.planning.rollout import SAMPLER_OPS, rollout_estimate
 from megatrain.recipes.builder import RunBuilder
-from megatrain.recipes.grpo.plan import grpo_plan
+from megatrain.recipes.grpo.plan import grpo_plan, rollout_reserve
 
 # Qwen2 shape: 3 layers, 4 query heads, 2 key/value heads of width 16 (hidden 64).
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, MLP, VOCAB = 3, 2, 16, 64, 96, 512
@@ -40,9 +41,10 @@ GRPO = [
 N, LP, LC = 12, 40, 24
 
 
-def _builder(hw: Hardware, *extra: str) -> RunBuilder:
+def _builder(hw: Hardware, *extra: str, reserve: Any = None) -> RunBuilder:
     cfg = load_config(None, [*MODEL, *GRPO, *extra])
-    return RunBuilder(cfg, hardware=hw, placement=Placement(torch.device("cuda")))
+    placement = Placement(torch.device("cuda"))
+    return RunBuilder(cfg, hardware=hw, placement=placement, gpu_reserve=reserve)
 
 
 def test_rollout_bytes_and_seconds_follow_their_formulas() -> None:
@@ -144,16 +146,15 @@ def test_auto_gpu_tier_leaves_the_resident_rollout_its_room() -> None:
     for left in (0.0, 0.3, 0.6):  # of a full tier's persistent bytes, taken by the reserve
         full = whole.estimate.gpu.persistent_bytes
         reserve = budget - full + int(left * full)
-        b = _builder(hw, *auto)
-        b.reserve_gpu(reserve)
-        plan = b.plan()
+        plan = _builder(hw, *auto, reserve=lambda b, n=reserve: n).plan()
         assert plan.estimate.gpu.persistent_bytes + reserve <= budget
         assert "left for the rollout" in (plan.tier_reason or "")
         tiers.append(plan.gpu_state_blocks)
     assert tiers[0] == LAYERS + 2 and tiers[-1] < LAYERS + 2
     assert tiers == sorted(tiers, reverse=True)
-    # grpo_plan reserves the resident rollout when the tier is automatic
-    b = _builder(hw, *auto)
+    # a GRPO run's builder reserves the resident rollout when the tier is automatic
+    b = _builder(hw, *auto, reserve=rollout_reserve)
     plan = grpo_plan(b)
     assert not plan.rollout.streamed
-    assert b._gpu_reserve_bytes == plan.rollout.gpu_peak_bytes
+    assert b.gpu_reserve_bytes == plan.rollout.gpu_peak_bytes
+    assert "left for the rollout" in (plan.training.tier_reason or "")

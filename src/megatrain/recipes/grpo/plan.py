@@ -6,11 +6,11 @@ prompts_per_step x num_generations sequences of `training.seq_len` tokens in mic
 max_prompt_length + max_completion_length tokens, resident when that fits in the GPU memory left
 beside the engine's persistent buffers (weight slots, gradient accumulators, head, GPU tier),
 else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to leave the
-resident rollout its room (PlanBuilder.reserve_gpu), so the tier never pushes generation onto
-the streamed path. `grpo.generation: resident | streamed` forces a path; on the CPU it is resident.
-A resident rollout decodes on the static path (recipes/grpo/decode.py: static KV cache, CUDA graphs,
-the forward compiled or not) when `grpo.compile_decode` asks for it and the model allows it
-(`decode_mode`).
+resident rollout its room (`rollout_reserve`, the builder's gpu_reserve), so the tier never
+pushes generation onto the streamed path. `grpo.generation: resident | streamed` forces a path;
+on the CPU it is resident. A resident rollout decodes on the static path (recipes/grpo/decode.py:
+static KV cache, CUDA graphs, the forward compiled or not) when `grpo.compile_decode` asks for it
+and the model allows it (`decode_mode`).
 
 Invariant: the recipe generates on the path this plan chooses (recipes/grpo/recipe.py asks it with
 the
@@ -52,6 +52,26 @@ class GRPOPlan:
             raise ValueError("this GRPO run does not fit: " + "; ".join(self.problems))
 
 
+def rollout_reserve(builder: PlanBuilder) -> int:
+    """GPU bytes the automatic GPU tier leaves for the resident rollout (the builder's
+    `gpu_reserve` of a GRPO run): its predicted peak where it may run resident, else 0."""
+    cfg, g = builder.cfg, builder.cfg.grpo
+    if not builder.placement.is_cuda or g.generation == "streamed":
+        return 0
+    if cfg.memory.gpu_state_blocks != "auto":
+        return 0
+    prompt = g.max_prompt_length or max(cfg.seq_len - g.max_completion_length, 1)
+    decode, _ = decode_mode(builder)
+    return rollout_estimate(
+        builder.spec,
+        builder.hardware,
+        sequences=g.prompts_per_step * g.num_generations,
+        prompt_tokens=prompt,
+        completion_tokens=g.max_completion_length,
+        decode=decode,
+    ).gpu_peak_bytes
+
+
 def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRPOPlan:
     """Plan both phases; `free_gpu_bytes`: what the device reports free now (None: the GPU's
     size less the engine's persistent buffers, as predicted)."""
@@ -85,8 +105,6 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
 
     resident = rollout(False)
     on_gpu = builder.placement.is_cuda
-    if on_gpu and g.generation != "streamed" and cfg.memory.gpu_state_blocks == "auto":
-        builder.reserve_gpu(resident.gpu_peak_bytes)  # the GPU tier leaves the rollout room
     training = builder.plan(tokens_per_step=rows * cfg.seq_len)
     if free_gpu_bytes is None:
         free_gpu_bytes = hw.gpu_bytes - training.estimate.gpu.persistent_bytes

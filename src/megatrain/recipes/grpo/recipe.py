@@ -38,10 +38,17 @@ from megatrain.engine.head import TokenObjective
 from megatrain.metrics import MetricsLogger
 from megatrain.package_assets import demo_assets_dir
 from megatrain.recipes.base import Recipe
+from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.advantages import group_advantages
 from megatrain.recipes.grpo.decode import static_generate
 from megatrain.recipes.grpo.loss import GRPOLoss, token_weights
-from megatrain.recipes.grpo.plan import GRPOPlan, decode_mode, format_rollout, grpo_plan
+from megatrain.recipes.grpo.plan import (
+    GRPOPlan,
+    decode_mode,
+    format_rollout,
+    grpo_plan,
+    rollout_reserve,
+)
 from megatrain.recipes.grpo.prompts import Prompt, load_prompts
 from megatrain.recipes.grpo.rewards import load_reward
 from megatrain.recipes.grpo.rollout import Rollout, device_model, generate
@@ -87,6 +94,9 @@ class GRPOTrainer(Recipe):
     """
 
     loss_name = "GRPO loss"
+
+    def make_builder(self, cfg: TrainConfig) -> RunBuilder:
+        return RunBuilder(cfg, gpu_reserve=rollout_reserve)  # the GPU tier leaves it room
 
     def prepare_config(self, cfg: TrainConfig) -> TrainConfig:
         if cfg.training.compile_layers == "auto":  # rows of every length: eager layers
