@@ -12,7 +12,7 @@ import pytest
 
 from megatrain.cli import main
 from megatrain.config import load_config
-from megatrain.data import demo_assets_dir
+from megatrain.package_assets import demo_assets_dir
 from megatrain.recipes.dpo import recipe as dpo_recipe
 from megatrain.recipes.dpo.recipe import REFERENCE_FILE, DPOTrainer
 from run_helpers import DEMO, crash_during_step, tiny_run_args
