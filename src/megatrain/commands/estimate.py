@@ -4,6 +4,7 @@
     megatrain estimate --model Qwen/Qwen2.5-7B --seq-len 4096 --micro-batch-size 4 --grad-accum 8
     megatrain estimate --model-type qwen3 --tiny --seq-len 256 --tokens-per-step 4096 --json
     megatrain estimate --config examples/grpo_demo.yaml --grpo   # + the rollout phase
+    megatrain estimate --config examples/dpo_demo.yaml --pairs 20000   # + the DPO reference
 
 The run is described by a config as for `train` (a YAML file, or the short flags below on the
 defaults); the resource plan of megatrain.planning.builder is the one `train` checks before
@@ -12,6 +13,9 @@ read; the model is built on the meta device. The run is planned for a GPU unless
 training.device is cpu.
 `--nproc-per-node N --nnodes M` plans the torchrun job: GPU numbers per rank, host numbers per
 node, the step with its collectives (planning/ranks.py); batch flags are per rank.
+A preference config (data.stage dpo or kto: a `megatrain dpo` run) adds what its reference
+costs (recipes/dpo/plan.py, per dpo.reference): the one-off pass over `--pairs` pairs (default
+data.max_samples, else 1000) and its table, or the weights' host copy and the pass per step.
 The machine is this one (`--probe` measures its rates, a few seconds), with the H100 test
 host's numbers for what is not measured (on a machine without a GPU the GPU itself: a note
 says so); `--gpu-gib` / `--host-gib` set the memory sizes.
@@ -35,6 +39,8 @@ from megatrain.layouts import LAYOUTS
 if TYPE_CHECKING:
     from megatrain.distributed import Placement
     from megatrain.planning.builder import PlanBuilder
+    from megatrain.planning.plan import ResourcePlan
+    from megatrain.recipes.dpo.plan import ReferencePlan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -99,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a megatrain grpo run: add its rollout phase (the config's grpo: section)",
     )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        help="a preference run (data.stage dpo/kto): pairs (train + eval) the reference covers "
+        "(default data.max_samples, else 1000)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -113,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
     plan = (
         grpo.training if grpo else builder.plan(tokens_per_step=args.tokens_per_step, layout=layout)
     )
+    ref = _reference(cfg, plan, builder, args.pairs)
+    if ref is not None:
+        from megatrain.recipes.dpo.plan import with_reference
+
+        plan = with_reference(plan, ref, builder.hardware, cfg.memory.host_margin_gib)
     est, mem = plan.estimate, cfg.memory
     problems = grpo.problems if grpo else plan.problems
     fits = not problems
@@ -122,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         report = {**est.to_dict(), "fits": fits, "problem": problem}
         if grpo:
             report["grpo"] = rollout_dict(grpo)
+        if ref is not None:
+            report["reference"] = dataclasses.asdict(ref)
         reasons = {
             "micro_batch_reason": plan.batch_reason,
             "gpu_tier_reason": plan.tier_reason,
@@ -134,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_estimate(est))
     if grpo:
         print(format_rollout(grpo))
+    if ref is not None:
+        from megatrain.recipes.dpo.plan import format_reference
+
+        print(format_reference(ref))
     if plan.batch_reason:
         print(f"auto micro-batch: {plan.batch_reason}")
     if plan.tier_reason:
@@ -150,6 +173,33 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(problem)
     return 0 if fits else 1
+
+
+def _reference(
+    cfg: TrainConfig, plan: ResourcePlan, builder: PlanBuilder, pairs: int | None
+) -> ReferencePlan | None:
+    """What the reference of a preference run costs (None: not a preference run)."""
+    if cfg.data.stage not in ("dpo", "kto"):
+        if pairs is not None:
+            raise ValueError(
+                f"--pairs {pairs}: data.stage={cfg.data.stage!r} is no preference run; --pairs "
+                "is for a config with data.stage: dpo or kto (megatrain dpo)"
+            )
+        return None
+    from megatrain.recipes.dpo.plan import reference_plan
+
+    if pairs is None:
+        pairs = cfg.data.max_samples or 1000
+    if pairs < 1:
+        raise ValueError(f"--pairs {pairs}: give the number of preference pairs, >= 1")
+    return reference_plan(
+        plan,
+        builder.spec,
+        loss_type=cfg.dpo.loss_type,
+        reference=cfg.dpo.reference,
+        pairs=(pairs,),
+        world_size=builder.placement.world_size,
+    )
 
 
 def _builder(cfg: TrainConfig, args: argparse.Namespace) -> PlanBuilder:

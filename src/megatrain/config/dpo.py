@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from megatrain.config.types import check_choice, check_number, check_types
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "orpo", "simpo", "kto")
+REFERENCES = ("precomputed", "weights")
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,15 @@ class DPOConfig:
     """"sigmoid" (DPO), "ipo", "hinge", "robust" (label-noise robust DPO) need the reference
     log-probs; "orpo" and "simpo" are reference-free (no reference pass); "kto" trains on
     data.stage: kto rows. Formulas: docs/preference.md, recipes/dpo/loss.py."""
+
+    reference: str = "precomputed"
+    """Where the reference log-probs of a reference loss come from. "precomputed": one streamed
+    pass of the initial weights over every pair before step 1 (TRL's precompute_ref_log_probs),
+    a table of 8 bytes per pair kept on the host and in each checkpoint. "weights": a copy of the
+    initial weights in host RAM (2 bytes per parameter in bf16 compute, 4 in fp32; saved with
+    each checkpoint, as GRPO's KL reference) and one forward-only pass of them per step, on the
+    step's own micro-batches. Both give the same losses; "weights" avoids the up-front pass on a
+    large data set at the price of a forward per step. Unused by orpo and simpo."""
 
     beta: float = 0.1
     """Strength of the preference term (TRL's beta; LLaMA-Factory's pref_beta); ORPO's lambda."""
@@ -45,6 +55,7 @@ class DPOConfig:
     def validate(self) -> None:
         check_types("dpo", self)
         check_choice("dpo.loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("dpo.reference", self.reference, REFERENCES)
         check_number("dpo.beta", self.beta, low=0.0, low_open=True)
         check_number("dpo.label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_open=True)
         for name in ("rpo_alpha", "simpo_gamma", "desirable_weight", "undesirable_weight"):

@@ -6,6 +6,8 @@ refilled when the visit `num_slots` earlier is done with them, the next forward 
 block's update before copying it, the worker takes the landed block the next forward needs
 first; without clipping updates start as gradients land, with clipping all start after the
 backward (engine/engine.py). planning/timing.py builds the costs and reads the last step.
+`forward_passes(passes)` replays forward-only passes (log-probs without gradients: DPO's
+reference pass) the same way, without backward and optimizer.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class Costs:
     fwd_s: list[float]  # per layer, all micro-batches
     bwd_s: list[float]
     loss_s: float
+    head_fwd_s: float  # the head's forward alone (a log-prob pass): 2 of the loss's 6 x V x D x T
     h2d_s: list[float]  # per layer
     h2d_head_s: float  # head block, plus the whole table when tied
     d2h_s: list[float]  # per layer
@@ -57,6 +60,20 @@ class Replay:
             self._loss()
             self._backward()
             self._optimizer()
+            duration = self.t - start
+        return duration
+
+    def forward_passes(self, passes: int) -> float:
+        """Forward-only passes (engine.logprobs: a reference pass), back to back: the step's
+        forward visits and loads, the head's forward, no backward and no optimizer; each pass
+        ends on the host's read of its log-probs (a sync point). The last pass's duration."""
+        duration = 0.0
+        for _ in range(passes):
+            start = self.t
+            self._forward()
+            self.t += self.c.loss_call_s
+            self.head_free = self._compute(self.head_ready, self.c.head_fwd_s)
+            self.t = max(self.t, self.g)  # sync point: the log-probs come to the host
             duration = self.t - start
         return duration
 

@@ -6,6 +6,9 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - layer i backward: recompute forward + backward = 3 x 2 x active params + 3.5 x attention
   (flash backward is about 2.5 forwards), so a step is 8 x params x T FLOPs plus attention;
 - loss: 6 x V x D x T (lm_head forward + backward, never recomputed);
+- a forward-only pass (engine.logprobs: DPO's reference pass): the forward's loads and layer
+  visits, the head's forward 2 x V x D x T, no backward, gradient copies or optimizer; its
+  launches counted as the loss's (which include the backward's: an upper bound);
 - copies: each layer goes to the GPU twice per step (forward, backward) except the
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
@@ -88,6 +91,8 @@ class StepTime:
     collective_s: float  # all-gathers and reduce-scatters of one step (ranks; 0 alone)
     bound: str  # the resource the step waits on most
     flops: float  # hardware FLOPs per step (forward + recompute + backward + loss)
+    forward_s: float  # one forward-only pass over the step's micro-batches (log-probs, no
+    # gradient: the engine's forward visits and loads, the head's forward; Replay.forward_passes)
     tokens_per_s: float  # of the whole job (every rank)
     model_tflops: float  # 6 x active params x tokens/s
 
@@ -136,6 +141,7 @@ def step_time(
         ranks=ranks,
     )
     step_s = Replay(costs).run(_STEPS)
+    forward_s = Replay(costs).forward_passes(_STEPS)
     compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
     loads = [op.layer for op in schedule.forward + schedule.backward if op.kind == LOAD]
     h2d_s = sum(costs.h2d_s[i] for i in loads) + costs.h2d_head_s
@@ -160,6 +166,7 @@ def step_time(
         collective_s=_collectives_s(spec, ranks, costs),
         bound=max(busy, key=lambda k: busy[k]),
         flops=flops,
+        forward_s=forward_s,
         tokens_per_s=tokens / step_s,
         model_tflops=6 * spec.active_params * tokens / step_s / 1e12,
     )
@@ -222,6 +229,7 @@ def _costs(
             for i, b in enumerate(bwd)
         ],
         loss_s=loss / rate + scatter[-1],
+        head_fwd_s=loss / 3.0 / rate,
         h2d_s=[up(i) for i in range(1, n + 1)],
         h2d_head_s=up(n + 1) + table,
         d2h_s=[p * elem / d2h for p in shard[1:-1]],

@@ -34,13 +34,15 @@ from megatrain.config.dpo import check_preference_run
 from megatrain.data.preference_data import PairLoader, kto_pairs, prepare_preference
 from megatrain.distributed import rank_sums
 from megatrain.metrics import MetricsLogger
+from megatrain.planning.plan import ResourcePlan
 from megatrain.recipes.base import Recipe
 from megatrain.recipes.dpo.eval import evaluate_pairs
 from megatrain.recipes.dpo.loss import REFERENCE_FREE, LossSettings
 from megatrain.recipes.dpo.objective import PreferenceObjective
+from megatrain.recipes.dpo.plan import format_reference, reference_plan, with_reference
 from megatrain.recipes.dpo.reference import precompute_reference, reference_rows
 from megatrain.recipes.dpo.steps import StepPairs, step_pairs
-from megatrain.recipes.records import step_record
+from megatrain.recipes.records import report_plan, step_record
 
 REFERENCE_FILE = "reference_logps.pt"
 
@@ -69,8 +71,29 @@ class DPOTrainer(Recipe):
         return cfg
 
     def build_data(self) -> None:
-        self.settings = LossSettings(**vars(self.cfg.dpo))
+        settings = {k: v for k, v in vars(self.cfg.dpo).items() if k != "reference"}
+        self.settings = LossSettings(**settings)
         self.data = prepare_preference(self.cfg.data, self.tokenizer)
+
+    def plan_run(self) -> ResourcePlan:
+        """The builder's plan, refused where the reference's host bytes do not fit beside it."""
+        b, plan = self.builder, self.builder.plan()
+        self.reference_plan = reference_plan(
+            plan,
+            b.spec,
+            loss_type=self.settings.loss_type,
+            reference=self.cfg.dpo.reference,
+            pairs=(len(self.data.train), len(self.data.eval or [])),
+            world_size=b.placement.world_size,
+        )
+        return with_reference(
+            plan, self.reference_plan, b.hardware, self.cfg.memory.host_margin_gib
+        )
+
+    def report_plan(self, plan: ResourcePlan) -> None:
+        gpu = self.builder.placement.is_cuda
+        report_plan(plan, gpu)
+        print(format_reference(self.reference_plan, timed=gpu) + " (predicted)", flush=True)
 
     def build_parts(self) -> None:
         rows, self.grad_accum = self.plan.micro_batch_size, self.plan.grad_accum

@@ -1,0 +1,107 @@
+"""What the DPO reference costs before a run: the planner's forward-only pass (compute-bound:
+the forward's FLOPs and the head's forward; copy-bound: every block up once), the passes of the
+one-off precomputed pass over N pairs and its 8-byte-per-pair table, the weights' host copy and
+its pass per step, and the host check that counts the copy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from megatrain.cli import split_overrides
+from megatrain.commands.estimate import add_arguments, run
+from megatrain.model.tiny import tiny_config
+from megatrain.planning import Hardware, model_spec
+from megatrain.planning.hardware import GIB
+from megatrain.planning.timing import attention_flops_per_token
+from predict import predict
+
+SEQ, ROWS, ACCUM = 64, 8, 3
+
+
+def _estimate(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    overrides, rest = split_overrides(argv)
+    args = parser.parse_args(rest)
+    args.overrides = overrides
+    status = run(args)
+    return status, json.loads(capsys.readouterr().out)
+
+
+def _dpo(*extra: str) -> list[str]:
+    return [
+        "--model-type", "llama", "--tiny", "--seq-len", str(SEQ),
+        "--micro-batch-size", str(ROWS), "--grad-accum", str(ACCUM),
+        "--memory.gpu_state_blocks", "0", "--data.stage", "dpo", "--json", *extra,
+    ]  # fmt: skip
+
+
+def test_forward_pass_is_the_forward_flops_when_compute_bound() -> None:
+    spec = model_spec(tiny_config("llama"), "bf16")
+    hw = Hardware(op_launch_s=0.0, h2d_gbps=1e9, d2h_gbps=1e9)  # copies and launches ~free
+    est = predict(spec, seq_len=SEQ, micro_batch_size=ROWS, grad_accum=ACCUM, hardware=hw)
+    tokens = SEQ * ROWS * ACCUM
+    layers = sum(2.0 * la.active_params + attention_flops_per_token(la, SEQ) for la in spec.layers)
+    flops = tokens * (layers + 2.0 * spec.lm_head_params)
+    expected = flops / hw.flops_per_s(torch.bfloat16, spec.hidden_size)
+    assert est.time.forward_s == pytest.approx(expected, rel=1e-3)
+    # the step adds recompute + backward (3x the forward's matmuls) and the head's backward
+    assert est.time.step_s > 3.5 * est.time.forward_s
+
+
+def test_forward_pass_copies_every_block_once_when_copy_bound() -> None:
+    spec = model_spec(tiny_config("llama"), "bf16")
+    hw = Hardware(op_launch_s=0.0, h2d_gbps=1e-3, gpu_tflops_bf16=1e9)  # compute ~free
+    est = predict(spec, seq_len=SEQ, micro_batch_size=ROWS, grad_accum=ACCUM, hardware=hw)
+    blocks = sum(la.params for la in spec.layers) + spec.head_params
+    blocks += spec.embed_params if spec.tied else 0
+    assert est.time.forward_s == pytest.approx(blocks * 2 / (hw.h2d_gbps * 1e9), rel=1e-3)
+
+
+def test_precomputed_reference_counts_its_passes_and_table(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, report = _estimate(_dpo("--pairs", "100"), capsys)
+    assert status == 0
+    ref, forward_s = report["reference"], report["time"]["forward_s"]
+    # 4 pairs per micro-batch: 25 micro-batches, 3 per pass
+    assert ref["mode"] == "precomputed" and ref["passes"] == math.ceil(25 / 3) == 9
+    assert ref["reference_s"] == pytest.approx(9 * forward_s) and forward_s > 0
+    assert ref["host_bytes"] == ref["checkpoint_bytes"] == 800 and ref["step_extra_s"] == 0
+
+
+def test_weights_reference_counts_the_copy_and_a_pass_per_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, report = _estimate(_dpo("--dpo.reference", "weights"), capsys)
+    assert status == 0
+    ref = report["reference"]
+    assert ref["host_bytes"] == 2 * report["total_params"]  # bf16 copies of every block
+    assert ref["step_extra_s"] == report["time"]["forward_s"] and ref["reference_s"] == 0
+    status, report = _estimate(_dpo("--dpo.loss_type", "orpo"), capsys)
+    assert report["reference"]["mode"] == "none" and report["reference"]["host_bytes"] == 0
+    # a host with room for training but not for the copy: refused, naming the setting
+    margin = 4.0
+    host = report["host"]  # room between the load's peak and training + the copy
+    room = (host["load_peak_bytes"] + host["total_bytes"] + ref["host_bytes"]) / 2
+    assert host["load_peak_bytes"] < room < host["total_bytes"] + ref["host_bytes"]
+    host_gib = room / GIB + margin
+    args = ("--dpo.reference", "weights", "--host-gib", str(host_gib))
+    status, report = _estimate(_dpo(*args, "--host-margin-gib", str(margin)), capsys)
+    assert status == 1 and "dpo.reference: weights" in report["problem"]
+    status, report = _estimate(_dpo("--host-gib", str(host_gib), "--host-margin-gib", "4"), capsys)
+    assert status == 0, report["problem"]  # the table (8 bytes per pair) fits
+
+
+def test_pairs_on_a_run_without_preference_data_is_refused() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model-type", "llama", "--tiny", "--seq-len", "64"])
+    args.overrides, args.pairs = [], 10
+    with pytest.raises(ValueError, match="--pairs 10"):
+        run(args)
