@@ -4,18 +4,20 @@ data, the preference objective and TRL's metrics. The only DPO module that reads
 
 What differs from the base: the data are pairs (data.stage dpo) or KTO rows with their KL rows
 (data.stage kto; data/preference_data.py), `training.micro_batch_size` rows = half as many pairs
-per micro-batch; before the first step the reference log-probs of every pair (and eval pair) are
-computed in one streamed pass of the initial weights (reference.py; not for the reference-free
-losses orpo and simpo); one optimizer step is `grad_accum` micro-batches per rank (steps.py) on
-`PreferenceObjective` (objective.py); the step's metrics are TRL's (rewards/chosen,
+per micro-batch; the reference log-probs (not for the reference-free losses orpo and simpo) are,
+per dpo.reference, precomputed for every pair (and eval pair) in one streamed pass of the initial
+weights before the first step, or computed per step from a host copy of the initial weights
+(ReferenceWeights, a forward-only pass over the step's micro-batches; reference.py); one
+optimizer step is `grad_accum` micro-batches per rank (steps.py) on `PreferenceObjective`
+(objective.py); the step's metrics are TRL's (rewards/chosen,
 rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected; KTO: kl)
 over the step's pairs; an eval (every training.eval_every steps and at the end) is the same loss
 and metrics over the eval pairs, without gradients.
 
-Exact resume: a checkpoint holds the store, the loader's position and the reference table
-(REFERENCE_FILE, 8 bytes per pair); a resumed run loads the table rather than recomputing it from
-trained weights, so `dpo 6 steps` and `dpo 3, resume, dpo 3` see the same pairs, references,
-weights and learning rates, and produce identical losses.
+Exact resume: a checkpoint holds the store, the loader's position and the reference: the table
+(REFERENCE_FILE, 8 bytes per pair) or the initial weights (ReferenceWeights.FILE); a resumed run
+loads it rather than recomputing it from trained weights, so `dpo 6 steps` and `dpo 3, resume,
+dpo 3` see the same pairs, references, weights and learning rates, and produce identical losses.
 """
 
 from __future__ import annotations
@@ -39,10 +41,20 @@ from megatrain.recipes.base import Recipe
 from megatrain.recipes.dpo.eval import evaluate_pairs
 from megatrain.recipes.dpo.loss import REFERENCE_FREE, LossSettings
 from megatrain.recipes.dpo.objective import PreferenceObjective
-from megatrain.recipes.dpo.plan import format_reference, reference_plan, with_reference
-from megatrain.recipes.dpo.reference import precompute_reference, reference_rows
+from megatrain.recipes.dpo.plan import (
+    format_reference,
+    reference_config,
+    reference_plan,
+    with_reference,
+)
+from megatrain.recipes.dpo.reference import (
+    precompute_reference,
+    reference_rows,
+    weights_reference,
+)
 from megatrain.recipes.dpo.steps import StepPairs, step_pairs
 from megatrain.recipes.records import report_plan, step_record
+from megatrain.store.reference import ReferenceWeights
 
 REFERENCE_FILE = "reference_logps.pt"
 
@@ -68,7 +80,7 @@ class DPOTrainer(Recipe):
 
     def prepare_config(self, cfg: TrainConfig) -> TrainConfig:
         check_preference_run(cfg.data.stage, cfg.training.micro_batch_size)
-        return cfg
+        return reference_config(cfg)  # dpo.reference: weights plans no GPU tier
 
     def build_data(self) -> None:
         settings = {k: v for k, v in vars(self.cfg.dpo).items() if k != "reference"}
@@ -78,6 +90,12 @@ class DPOTrainer(Recipe):
     def plan_run(self) -> ResourcePlan:
         """The builder's plan, refused where the reference's host bytes do not fit beside it."""
         b, plan = self.builder, self.builder.plan()
+        if self.uses_weights and b.placement.world_size > 1:
+            raise ValueError(
+                "dpo.reference: weights under torchrun: not available yet (each rank's copy is "
+                "its shard, and a checkpoint holds rank 0's files only); set dpo.reference: "
+                "precomputed"
+            )
         self.reference_plan = reference_plan(
             plan,
             b.spec,
@@ -106,6 +124,9 @@ class DPOTrainer(Recipe):
         if self.data.eval:
             self.eval_loader = self._pair_loader("eval", self.data.eval, shuffle=False)
         self.reference: dict[str, torch.Tensor] | None = None
+        self.weights: ReferenceWeights | None = None
+        if self.uses_weights:  # the engine holds the initial weights now (a resume reloads them)
+            self.weights = self.builder.reference(self.store)
 
     def _pair_loader(self, split: str, rows: list[Any], *, shuffle: bool) -> PairLoader:
         d = self.cfg.data
@@ -135,6 +156,16 @@ class DPOTrainer(Recipe):
     def needs_reference(self) -> bool:
         return self.settings.loss_type not in REFERENCE_FREE
 
+    @property
+    def uses_weights(self) -> bool:
+        """The reference comes from the initial weights kept in host RAM, per step."""
+        return self.needs_reference and self.cfg.dpo.reference == "weights"
+
+    @property
+    def needs_table(self) -> bool:
+        """The precomputed table is still to be made (before the first step or eval)."""
+        return self.needs_reference and not self.uses_weights and self.reference is None
+
     def _reference_pass(self) -> dict[str, torch.Tensor]:
         """Both tables, from the weights the engine holds now (the run's initial weights)."""
         t0 = time.perf_counter()
@@ -160,6 +191,9 @@ class DPOTrainer(Recipe):
 
     def load_state(self, state: dict[str, Any], path: Path) -> None:
         self.loader.load_state_dict(state["loader"])
+        if self.weights is not None:
+            self._load_weights(path)
+            return
         if not self.needs_reference:
             return
         file = path / REFERENCE_FILE
@@ -183,19 +217,33 @@ class DPOTrainer(Recipe):
         self.reference = tables
         print(f"reference: log-probs of the initial weights loaded from {file}", flush=True)
 
+    def _load_weights(self, path: Path) -> None:
+        """The reference weights of the checkpoint's run (its initial weights, not the loaded)."""
+        assert self.weights is not None
+        if not (path / ReferenceWeights.FILE).is_file():
+            raise FileNotFoundError(
+                f"{path / ReferenceWeights.FILE}: missing; a dpo.reference: weights run resumes "
+                "with the initial weights saved with each checkpoint; resume this checkpoint "
+                "with the dpo.reference of its run (precomputed, or a reference-free loss), or "
+                "start a new run (another training.output_dir)"
+            )
+        self.weights.load(path)
+        print(f"reference: initial weights loaded from {path}", flush=True)
+
     def checkpoint_state(self) -> dict[str, Any]:
         return {"loader": self.loader.state_dict()}
 
     def write_checkpoint_files(self, folder: Path) -> None:
         if self.reference is not None:
             torch.save(self.reference, folder / REFERENCE_FILE)
+        if self.weights is not None:
+            self.weights.save(folder)
 
     def extra_checkpoint_bytes(self) -> int:
-        """The reference table: 2 fp32 per pair (and eval pair), plus the file's framing."""
-        if not self.needs_reference:
-            return 0
-        pairs = len(self.data.train) + len(self.data.eval or [])
-        return 8 * pairs + 4096
+        """The reference (table: 8 bytes per pair and eval pair; or the weights' copy), plus
+        its file's framing."""
+        ref = self.reference_plan
+        return ref.checkpoint_bytes + 4096 if ref.checkpoint_bytes else 0
 
     # ------------------------------------------------------------------ training
 
@@ -208,7 +256,7 @@ class DPOTrainer(Recipe):
 
     def advance(self, metrics: MetricsLogger) -> None:
         """One optimizer step on the preference objective; an eval when one is due."""
-        if self.needs_reference and self.reference is None:  # before step 1 (not on resume)
+        if self.needs_table:  # before step 1 (not on resume)
             self.reference = self._reference_pass()
         step = step_pairs(
             self.loader, grad_accum=self.grad_accum, rank=self.rank, world_size=self.world
@@ -233,7 +281,9 @@ class DPOTrainer(Recipe):
 
     def _objective(self, step: StepPairs, split: str) -> PreferenceObjective:
         refs = None
-        if self.reference is not None:
+        if self.weights is not None:  # one forward-only pass of the initial weights
+            refs = weights_reference(self.engine, self.weights, step.batches)
+        elif self.reference is not None:
             refs = [reference_rows(self.reference[split], p) for p in step.pairs]
         desirable = None
         if self.settings.loss_type == "kto":
@@ -265,7 +315,7 @@ class DPOTrainer(Recipe):
         """The preference loss and TRL's metrics over the eval pairs (no gradients)."""
         if self.eval_loader is None:
             return
-        if self.needs_reference and self.reference is None:
+        if self.needs_table:
             self.reference = self._reference_pass()
         loss, sums, pairs = evaluate_pairs(
             self.engine,

@@ -1,4 +1,7 @@
-"""Reference log-probs precomputed (TRL's precompute_ref_log_probs): no second model anywhere.
+"""The reference log-probs, without a second model anywhere: precomputed (dpo.reference:
+precomputed, TRL's precompute_ref_log_probs) or from a host copy of the initial weights per step
+(dpo.reference: weights, `weights_reference`: GRPO's ReferenceWeights swapped into the store for
+one forward-only pass over the step's own micro-batches).
 
 Before the first step, the initial weights stream through the engine without gradients over
 every pair, in pair order, `micro_batches_per_pass` micro-batches per pass (each pass streams
@@ -22,10 +25,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatrain.batch import Batch
 from megatrain.data.preference_data import PairLoader
 from megatrain.distributed import rank_sums
 from megatrain.engine.engine import StreamingEngine
 from megatrain.recipes.dpo.objective import sequence_logps
+from megatrain.store.reference import ReferenceWeights
 
 
 def precompute_reference(
@@ -61,3 +66,20 @@ def precompute_reference(
 def reference_rows(table: torch.Tensor, pairs: np.ndarray) -> torch.Tensor:
     """fp32 [2P]: the rows of the micro-batch of `pairs`, interleaved (chosen, rejected)."""
     return table[torch.from_numpy(np.asarray(pairs))].reshape(-1)
+
+
+def weights_reference(
+    engine: StreamingEngine, weights: ReferenceWeights, batches: list[Batch]
+) -> list[torch.Tensor]:
+    """Per micro-batch, fp32 [2P]: its rows' log-prob sums under `weights` (dpo.reference:
+    weights), interleaved (chosen, rejected) as `reference_rows` gives them.
+
+    Every pending optimizer update is waited for first (a sync point): an update in flight
+    would write the store's new weights into whatever its block serves then, the reference
+    copy included; and the device's slots are marked stale on the way in and out."""
+    engine.wait_updates()
+    engine.weights_swapped()  # the layers the device slots hold are the policy's
+    with weights.swapped_in():
+        logps = engine.logprobs(batches)
+    engine.weights_swapped()
+    return [rows.float() for rows in sequence_logps(logps, batches)]
