@@ -4,7 +4,6 @@ variants, ORPO/SimPO without a reference, KTO) on data.stage dpo / kto (recipes/
 from __future__ import annotations
 
 import argparse
-import os
 
 from megatrain.config import load_config
 from megatrain.config.dpo import check_preference_run
@@ -24,13 +23,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # config errors before torch loads
     check_preference_run(cfg.data.stage, cfg.training.micro_batch_size)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and cfg.dpo.loss_type == "kto":
-        raise ValueError(
-            f"dpo.loss_type='kto' was started as {world} processes (torchrun, WORLD_SIZE="
-            f"{world}); KTO's reference point (the KL rows' mean) is not yet averaged over "
-            "ranks: run KTO in one process, `megatrain dpo --config FILE`"
-        )
     from megatrain.recipes.dpo.recipe import DPOTrainer
     from megatrain.threads import use_compute_threads
 

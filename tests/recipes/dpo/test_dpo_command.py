@@ -130,16 +130,6 @@ def test_kto_runs_through_the_command(tmp_path: Path) -> None:
     assert sum(r["loss"] for r in train[-6:]) / 6 < 0.4
 
 
-def test_kto_on_several_ranks_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    kto = ("--data.stage", "kto", "--dpo.loss_type", "kto")
-    assert main(["dpo", "--config", str(DEMO), *_args(tmp_path, *kto)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "dpo.loss_type='kto'" in err and "WORLD_SIZE=2" in err and "\n" not in err
-
-
 def test_data_show_batches_pairs_as_dpo_does(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

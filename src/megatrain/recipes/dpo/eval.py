@@ -4,7 +4,8 @@ The eval pairs go through the engine in loader order, `grad_accum x world` micro
 pass (rank r takes every world-th; a rank with none repeats the pass's first micro-batch
 uncounted, so every rank runs as many forwards, which hold collectives); each pass's share of the
 loss divides by the whole set's totals (loss.py's invariant), so the sum over passes and ranks is
-the loss of the whole eval set at once. KTO's reference point (kl) is each pass's own.
+the loss of the whole eval set at once. KTO's reference point (kl) is each pass's own (its KL
+rows on every rank).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def evaluate_pairs(
             mine = job[:1]
         step = StepPairs([loader.batch_of(p) for p in mine], mine, totals, np.concatenate(mine))
         pref = objective_of(step)
+        pref.counted = counted  # a repeated pass adds nothing to KTO's reference point
         _, value = pref.prepare(engine.logprobs(step.batches))
         weight = 1.0 if counted else 0.0  # every rank sums the same keys
         loss += weight * float(value)

@@ -16,7 +16,10 @@ computed once before training) enter as per-row sums; reference-free losses take
 
 KTO: rows 2k are the labelled rows (`desirable`: one flag per row 2k), rows 2k + 1 their KL rows
 (the same prompt, another row's completion, TRL's KL data set), whose log-probs only set the
-reference point.
+reference point: the mean over the step's KL rows, every rank's (the sum and the count of each
+rank's summed over the ranks in `prepare`, a collective every rank reaches once per step or eval
+pass), so several ranks give one process's kl. A rank whose pass is a repeat (eval: `counted`
+False) adds nothing to it.
 
 Invariant: a row's mask is its labels (supervised positions, the first one excluded as the
 engine shifts them), never the log-probs' zeros; rows 2k and 2k + 1 of a micro-batch are pair k.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from megatrain.batch import IGNORE_INDEX, Batch
+from megatrain.distributed import rank_sums
 from megatrain.engine.head import TokenObjective
 from megatrain.recipes.dpo.loss import LossSettings, StepTotals, preference_loss
 
@@ -60,6 +64,7 @@ class PreferenceObjective:
         self.ref = None if ref_logps is None else torch.cat(ref_logps).double()
         self.desirable = None if desirable is None else torch.cat(desirable).bool()
         self.metrics: dict[str, float] = {}
+        self.counted = True  # KTO: this rank's KL rows count in the step's reference point
 
     def objective(self) -> TokenObjective:
         return TokenObjective(self, [{} for _ in self.masks], prepare=self.prepare)
@@ -90,9 +95,12 @@ class PreferenceObjective:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """KTO on rows 2k; rows 2k + 1 are their KL rows (prompt k, another row's completion):
         TRL's reference point kl = max(0, mean over the step's KL rows of logp - ref), detached
-        (so the KL rows get no gradient)."""
+        (so the KL rows get no gradient); the step's rows are every rank's."""
         assert self.ref is not None and self.desirable is not None
-        kl = (leaf[1::2].detach() - self.ref[1::2]).mean().clamp(min=0.0)  # host values
+        gaps = leaf[1::2].detach() - self.ref[1::2]  # host values
+        weight = 1.0 if self.counted else 0.0
+        total, rows = rank_sums([weight * float(gaps.sum()), weight * len(gaps)])  # sync point
+        kl = torch.tensor(total / rows, dtype=torch.float64).clamp(min=0.0)
         loss, metrics = preference_loss(
             leaf[0::2],
             counts[0::2],

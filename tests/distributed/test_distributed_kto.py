@@ -1,0 +1,91 @@
+"""KTO (`megatrain dpo`, dpo.loss_type kto) on two ranks on the CPU (gloo, torchrun) against one
+process with the same global batch: KTO's reference point kl, the mean of (logp - ref) over the
+step's KL rows, is the whole step's (each rank's sum and count summed over the ranks,
+recipes/dpo/objective.py), so every step's kl, loss and metrics, and the eval's, are one
+process's.
+
+Tolerance (fp32), as tests/distributed/test_distributed_dpo.py derives it: the runs differ only
+in the order of fp32 sums, at most 5 K u relative in a row's log-prob sum (K = 64, the
+intermediate size; u = 2^-24), i.e. 5 K u L absolute with L the largest |log-prob sum| of a row.
+kl is a mean of such differences (policy minus reference: 2 x 5 K u L), and the loss, a weighted
+mean of 1 - sigmoid(beta (r - kl)), moves by at most beta / 4 per unit of r - kl (sigmoid' <=
+1/4; r and kl each within 2 x 5 K u L): beta x 5 K u L. L is bounded by twice the largest
+|logps/...| mean logged (a row's sum against the mean over rows). A rank that used its own KL
+rows' mean would log its own kl, not the step's, once training moves the policy (kl > 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrain.package_assets import demo_assets_dir
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "dpo_demo.yaml"
+SMALL = (
+    "{vocab_size: 512, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+    "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16, tie_word_embeddings: true}"
+)
+K, U, BETA = 64, 2.0**-24, 0.1
+
+
+def _kto_data(folder: Path) -> Path:
+    """demo_dpo's answers as KTO rows: chosen desirable, rejected not, alternately."""
+    pairs = [json.loads(line) for line in (demo_assets_dir() / "demo_dpo.jsonl").open()][:40]
+    folder.mkdir()
+    with (folder / "kto.jsonl").open("w") as f:
+        for i, p in enumerate(pairs):
+            good = i % 2 == 0
+            row = {"instruction": p["instruction"], "input": p["input"], "label": good}
+            f.write(json.dumps(row | {"output": p["chosen" if good else "rejected"]}) + "\n")
+    columns = {"prompt": "instruction", "query": "input", "response": "output", "kto_tag": "label"}
+    info = {"kto": {"file_name": "kto.jsonl", "columns": columns}}
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    return folder
+
+
+def _run(out: Path, data: Path, ranks: int) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), MEGATRAIN_COLLECTIVE_TIMEOUT_S="120")
+    env.pop("WORLD_SIZE", None)
+    launch = [sys.executable, "-m", "megatrain"]
+    if ranks > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+        launch += ["--standalone", "-m", "megatrain"]
+    cmd = [
+        *launch, "dpo", "--config", str(DEMO), "--training.device", "cpu",
+        "--model.config_overrides", SMALL, "--data.dataset", "kto", "--data.dataset_dir",
+        str(data), "--data.stage", "kto", "--dpo.loss_type", "kto", "--dpo.beta", str(BETA),
+        "--data.val_size", "0.2", "--data.cutoff_len", "64",
+        "--training.micro_batch_size", "4", "--training.num_epochs", "2",
+        "--training.gradient_accumulation_steps", str(4 // ranks),  # 8 rows per step either way
+        "--optimizer.learning_rate", "3e-3", "--checkpoint.save_every", "0",
+        "--checkpoint.export_hf", "false", "--logging.progress_bar", "false",
+        "--logging.report_to", "none", "--logging.log_every", "1",
+        "--training.output_dir", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_kto_two_ranks_match_one_process(tmp_path: Path) -> None:
+    data = _kto_data(tmp_path / "data")
+    two, one = _run(tmp_path / "two", data, 2), _run(tmp_path / "one", data, 1)
+    assert [r["kind"] for r in two] == [r["kind"] for r in one] == ["train"] * 8 + ["eval"]
+    prefix = {"train": "", "eval": "eval_"}
+    logps = [abs(r[prefix[r["kind"]] + k]) for r in one for k in ("logps/chosen", "logps/rejected")]
+    row_sum = 2 * max(logps)  # L
+    loss_atol, kl_atol = BETA * 5 * K * U * row_sum, 2 * 5 * K * U * row_sum
+    for a, b in zip(two, one, strict=True):
+        p = prefix[a["kind"]]
+        assert a[p + "kl"] == pytest.approx(b[p + "kl"], abs=kl_atol, rel=0)
+        assert a[p + "loss"] == pytest.approx(b[p + "loss"], abs=loss_atol, rel=0)
+        assert a[p + "rewards/chosen"] == pytest.approx(b[p + "rewards/chosen"], abs=kl_atol)
+    assert max(r["kl"] for r in one[:8]) > 100 * kl_atol  # trained: kl tells the ranks apart
