@@ -108,8 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pairs",
         type=int,
-        help="a preference run (data.stage dpo/kto): pairs (train + eval) the reference covers "
-        "(default data.max_samples, else 1000)",
+        help="a preference run (data.stage dpo/kto): pairs (train + eval; KTO: rows) the "
+        "reference covers (default data.max_samples, else 1000)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 

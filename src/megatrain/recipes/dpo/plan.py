@@ -11,7 +11,8 @@ half as many pairs, per micro-batch). The reference adds, per `dpo.reference`:
   host and in each checkpoint.
 - "weights": a copy of what the engine streams (compute dtype: 2 bytes per parameter in bf16,
   4 in fp32) in host RAM and in each checkpoint, and one forward-only pass per optimizer step
-  (forward_s), on that step's micro-batches.
+  (forward_s), on that step's micro-batches. Not counted: the overlap the step loses as the
+  pass first waits for the previous step's updates (recipes/dpo/reference.py).
 - reference-free losses (orpo, simpo): nothing.
 
 The weights' copy is swapped into the host store for its pass, which blocks of a GPU tier do
@@ -40,7 +41,7 @@ PAIR_TABLE_BYTES = 8  # (chosen, rejected) fp32 per pair
 @dataclass(frozen=True)
 class ReferencePlan:
     mode: str  # "precomputed", "weights" or "none" (a reference-free loss)
-    pairs: int  # train + eval pairs the table holds (precomputed)
+    pairs: int  # train + eval pairs the table holds (precomputed; KTO: rows, each with its KL row)
     passes: int  # forward-only passes of the one-off reference pass (precomputed)
     pass_s: float  # one forward-only pass over a step's micro-batches (planning/timing.py)
     reference_s: float  # the one-off pass before step 1 (precomputed; else 0)
