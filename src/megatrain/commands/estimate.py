@@ -119,10 +119,6 @@ def run(args: argparse.Namespace) -> int:
     from megatrain.recipes.grpo.plan import format_rollout, grpo_plan, rollout_dict
 
     cfg = _config(args)
-    if cfg.data.stage in ("dpo", "kto"):  # planned as megatrain dpo plans it
-        from megatrain.recipes.dpo.plan import reference_config
-
-        cfg = reference_config(cfg)
     builder = _builder(cfg, args)
     layout = "full" if args.layout == "full" else None
     grpo = grpo_plan(builder) if args.grpo else None

@@ -40,7 +40,9 @@ Shapes: B = rows, S = sequence, D = hidden size.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +83,7 @@ from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
+from megatrain.store.reference import ReferenceWeights
 
 
 @dataclass
@@ -324,10 +327,24 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         self.slots.invalidate()
         self.tier.refresh()
 
-    def weights_swapped(self) -> None:
-        """The store's blocks serve other weights for the next passes, or their own again
-        (GRPO's KL reference swapped in or out): the layers the device slots hold are stale."""
-        self.slots.invalidate()
+    @contextlib.contextmanager
+    def serving(self, reference: ReferenceWeights) -> Iterator[None]:
+        """The passes inside (`logprobs`) run on `reference`'s weights: its copies are swapped
+        into the store, and a GPU tier's device weights (never streamed from the store) are
+        overwritten with them, their own kept on the host and put back after. GRPO's KL
+        reference, DPO's `dpo.reference: weights`. The caller waits for the updates first."""
+        assert not (self.comm.sharded and self.tier.blocks), "a sharded tier's reference"
+        kept = [self.tier.weights(b).to("cpu", copy=True) for b in self.tier.blocks]
+        for block in self.tier.blocks:
+            self.tier.weights(block).copy_(reference.copy_of(block))
+        self.slots.invalidate()  # the layers the device slots hold are the policy's
+        try:
+            with reference.swapped_in():
+                yield
+        finally:
+            self.slots.invalidate()
+            for block, own in zip(self.tier.blocks, kept, strict=True):
+                self.tier.weights(block).copy_(own)
 
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""

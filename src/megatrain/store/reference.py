@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.memory import host_zeros
 
@@ -50,6 +51,10 @@ class ReferenceWeights:
         with safe_open(str(file), framework="pt") as f:
             for block, copy in zip(self.store.blocks, self.copies, strict=True):
                 copy.copy_(f.get_tensor(block.name))
+
+    def copy_of(self, block: ParamBlock) -> torch.Tensor:
+        """The reference copy of `block` (what the engine copies to the device for it)."""
+        return self.copies[self.store.blocks.index(block)]
 
     def host_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.copies)

@@ -15,9 +15,8 @@ half as many pairs, per micro-batch). The reference adds, per `dpo.reference`:
   pass first waits for the previous step's updates (recipes/dpo/reference.py).
 - reference-free losses (orpo, simpo): nothing.
 
-The weights' copy is swapped into the host store for its pass, which blocks of a GPU tier do
-not stream from (engine/tier.py): `reference_config` plans such a run without a tier ("auto"
--> 0) and refuses a tier asked for.
+The weights' copy is swapped in for its pass (StreamingEngine.serving: the host store's
+blocks, and a GPU tier's device weights, kept on the host meanwhile and put back after).
 
 Invariant: the host bytes a reference adds are judged with the training plan's host RAM (the
 same margin), so a run that fits its training but not its reference is refused before loading.
@@ -29,7 +28,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatrain.config import TrainConfig
 from megatrain.planning.hardware import GIB, Hardware, gib
 from megatrain.planning.plan import ResourcePlan
 from megatrain.planning.spec import ModelSpec
@@ -48,23 +46,6 @@ class ReferencePlan:
     step_extra_s: float  # added to every optimizer step (weights; else 0)
     host_bytes: int  # the table, or the copy of the weights
     checkpoint_bytes: int  # what each checkpoint holds of it (the same bytes)
-
-
-def reference_config(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` as a preference run plans it: with dpo.reference: weights (and a reference loss),
-    no GPU tier (its blocks would stay the policy's in the reference pass)."""
-    if cfg.dpo.reference != "weights" or cfg.dpo.loss_type in REFERENCE_FREE:
-        return cfg
-    blocks = cfg.memory.gpu_state_blocks
-    if blocks == "auto":
-        return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, gpu_state_blocks=0))
-    if blocks:
-        raise ValueError(
-            f"memory.gpu_state_blocks={blocks} with dpo.reference: weights: the reference "
-            "weights are swapped into the host store, which GPU-tier blocks do not stream "
-            "from; set memory.gpu_state_blocks: 0 (or auto), or dpo.reference: precomputed"
-        )
-    return cfg
 
 
 def reference_plan(

@@ -43,7 +43,6 @@ from megatrain.recipes.dpo.loss import REFERENCE_FREE, LossSettings
 from megatrain.recipes.dpo.objective import PreferenceObjective
 from megatrain.recipes.dpo.plan import (
     format_reference,
-    reference_config,
     reference_plan,
     with_reference,
 )
@@ -80,7 +79,7 @@ class DPOTrainer(Recipe):
 
     def prepare_config(self, cfg: TrainConfig) -> TrainConfig:
         check_preference_run(cfg.data.stage, cfg.training.micro_batch_size)
-        return reference_config(cfg)  # dpo.reference: weights plans no GPU tier
+        return cfg
 
     def build_data(self) -> None:
         settings = {k: v for k, v in vars(self.cfg.dpo).items() if k != "reference"}

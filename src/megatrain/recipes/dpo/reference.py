@@ -76,10 +76,8 @@ def weights_reference(
 
     Every pending optimizer update is waited for first (a sync point): an update in flight
     would write the store's new weights into whatever its block serves then, the reference
-    copy included; and the device's slots are marked stale on the way in and out."""
+    copy included (StreamingEngine.serving swaps the weights in, the GPU tier's too)."""
     engine.wait_updates()
-    engine.weights_swapped()  # the layers the device slots hold are the policy's
-    with weights.swapped_in():
+    with engine.serving(weights):
         logps = engine.logprobs(batches)
-    engine.weights_swapped()
     return [rows.float() for rows in sequence_logps(logps, batches)]

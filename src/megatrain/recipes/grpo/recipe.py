@@ -291,10 +291,8 @@ class GRPOTrainer(Recipe):
             for k, logp in enumerate(self.engine.logprobs(batches, temperature=g.temperature)):
                 inputs[k]["old_logps"] = logp
         if self.reference is not None:
-            self.engine.weights_swapped()  # layers resident on the device are the policy's
-            with self.reference.swapped_in():
+            with self.engine.serving(self.reference):
                 ref = self.engine.logprobs(batches, temperature=g.temperature)
-            self.engine.weights_swapped()
             for k, logp in enumerate(ref):
                 inputs[k]["ref_logps"] = logp
 
