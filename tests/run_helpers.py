@@ -1,12 +1,18 @@
-"""Shared by the run tests: the demo config shrunk to a tiny model (`tiny_run_args`), and a run
-interrupted inside a given optimizer step (`crash_during_step`)."""
+"""Shared by the run tests: the demo config shrunk to a tiny model (`tiny_run_args`), a run
+interrupted inside a given optimizer step (`crash_during_step`), the gradients an engine ships
+(`grad_snapshot`, `rel_error`) and KTO rows from the demo's preference pairs (`kto_folder`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+from megatrain.package_assets import demo_assets_dir
+from megatrain.store.blocks import ParamBlock
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
 SMALL = (
@@ -43,3 +49,34 @@ def crash_during_step(trainer: Any, step: int) -> list[float]:
         trainer.train()
     trainer.close()
     return seen
+
+
+def grad_snapshot(block: ParamBlock, out: dict[str, torch.Tensor]) -> None:
+    """The block's landed gradient (an engine's `worker.on_landed`), by parameter name."""
+    flat = block.grad_landing.float()
+    for e in block.entries:
+        out[e.full_name] = block.view(flat, e).clone()
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| in float64 (|b| floored at 1e-30)."""
+    b = b.double()
+    return float(
+        torch.linalg.vector_norm(a.double() - b) / torch.linalg.vector_norm(b).clamp(min=1e-30)
+    )
+
+
+def kto_folder(folder: Path, rows: int) -> Path:
+    """A data folder of `rows` KTO rows from demo_dpo's pairs: chosen desirable, rejected not,
+    alternately; its dataset_info.json registers them as `kto`."""
+    pairs = [json.loads(line) for line in (demo_assets_dir() / "demo_dpo.jsonl").open()][:rows]
+    folder.mkdir()
+    with (folder / "kto.jsonl").open("w") as f:
+        for i, p in enumerate(pairs):
+            good = i % 2 == 0
+            row = {"instruction": p["instruction"], "input": p["input"], "label": good}
+            f.write(json.dumps(row | {"output": p["chosen" if good else "rejected"]}) + "\n")
+    columns = {"prompt": "instruction", "query": "input", "response": "output", "kto_tag": "label"}
+    info = {"kto": {"file_name": "kto.jsonl", "columns": columns}}
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    return folder

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.package_assets import demo_assets_dir
+from run_helpers import kto_folder
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "dpo_demo.yaml"
@@ -33,21 +33,6 @@ SMALL = (
     "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16, tie_word_embeddings: true}"
 )
 K, U, BETA = 64, 2.0**-24, 0.1
-
-
-def _kto_data(folder: Path) -> Path:
-    """demo_dpo's answers as KTO rows: chosen desirable, rejected not, alternately."""
-    pairs = [json.loads(line) for line in (demo_assets_dir() / "demo_dpo.jsonl").open()][:40]
-    folder.mkdir()
-    with (folder / "kto.jsonl").open("w") as f:
-        for i, p in enumerate(pairs):
-            good = i % 2 == 0
-            row = {"instruction": p["instruction"], "input": p["input"], "label": good}
-            f.write(json.dumps(row | {"output": p["chosen" if good else "rejected"]}) + "\n")
-    columns = {"prompt": "instruction", "query": "input", "response": "output", "kto_tag": "label"}
-    info = {"kto": {"file_name": "kto.jsonl", "columns": columns}}
-    (folder / "dataset_info.json").write_text(json.dumps(info))
-    return folder
 
 
 def _run(out: Path, data: Path, ranks: int) -> list[dict]:
@@ -76,7 +61,7 @@ def _run(out: Path, data: Path, ranks: int) -> list[dict]:
 
 
 def test_kto_two_ranks_match_one_process(tmp_path: Path) -> None:
-    data = _kto_data(tmp_path / "data")
+    data = kto_folder(tmp_path / "data", 40)
     two, one = _run(tmp_path / "two", data, 2), _run(tmp_path / "one", data, 1)
     assert [r["kind"] for r in two] == [r["kind"] for r in one] == ["train"] * 8 + ["eval"]
     prefix = {"train": "", "eval": "eval_"}

@@ -12,10 +12,9 @@ import pytest
 
 from megatrain.cli import main
 from megatrain.config import load_config
-from megatrain.package_assets import demo_assets_dir
 from megatrain.recipes.dpo import recipe as dpo_recipe
 from megatrain.recipes.dpo.recipe import REFERENCE_FILE, DPOTrainer
-from run_helpers import DEMO, crash_during_step, tiny_run_args
+from run_helpers import DEMO, crash_during_step, kto_folder, tiny_run_args
 
 TRL_METRICS = (
     "rewards/chosen",
@@ -108,17 +107,7 @@ def test_bad_settings_are_refused_naming_the_key(
 def test_kto_runs_through_the_command(tmp_path: Path) -> None:
     """KTO rows (demo_dpo's answers, chosen desirable, rejected not, alternately): TRL's KTO
     metrics (no accuracies: the rows are not pairs), and the loss falls."""
-    pairs = [json.loads(line) for line in (demo_assets_dir() / "demo_dpo.jsonl").open()][:24]
-    data = tmp_path / "data"
-    data.mkdir()
-    with (data / "kto.jsonl").open("w") as f:
-        for i, p in enumerate(pairs):
-            good = i % 2 == 0
-            row = {"instruction": p["instruction"], "input": p["input"], "label": good}
-            f.write(json.dumps(row | {"output": p["chosen" if good else "rejected"]}) + "\n")
-    columns = {"prompt": "instruction", "query": "input", "response": "output", "kto_tag": "label"}
-    info = {"kto": {"file_name": "kto.jsonl", "columns": columns}}
-    (data / "dataset_info.json").write_text(json.dumps(info))
+    data = kto_folder(tmp_path / "data", 24)
     out = tmp_path / "run"
     kto = ("--data.dataset", "kto", "--data.dataset_dir", str(data), "--data.stage", "kto")
     args = _args(out, *kto, "--dpo.loss_type", "kto", "--training.num_epochs", "4")

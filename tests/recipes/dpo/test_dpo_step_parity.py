@@ -25,8 +25,8 @@ from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.dpo.loss import LossSettings, StepTotals
 from megatrain.recipes.dpo.objective import PreferenceObjective, sequence_logps, target_mask
 from megatrain.recipes.grpo.sequences import sequence_batches
-from megatrain.store.blocks import ParamBlock
 from megatrain.verify import NOISE_FACTOR, TOLERANCES, verify_config
+from run_helpers import grad_snapshot, rel_error
 
 TOL = TOLERANCES["fp32"]
 LR = 2e-3
@@ -134,19 +134,6 @@ class _Reference:
         return float(loss.detach()), {k: float(v) for k, v in metrics.items()}, grads
 
 
-def _snapshot(block: ParamBlock, out: dict[str, torch.Tensor]) -> None:
-    flat = block.grad_landing.float()
-    for e in block.entries:
-        out[e.full_name] = block.view(flat, e).clone()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    b = b.double()
-    return float(
-        torch.linalg.vector_norm(a.double() - b) / torch.linalg.vector_norm(b).clamp(min=1e-30)
-    )
-
-
 @pytest.mark.parametrize("loss_type", list(SETTINGS))
 def test_preference_step_matches_pytorch(loss_type: str) -> None:
     settings = SETTINGS[loss_type]
@@ -157,7 +144,7 @@ def test_preference_step_matches_pytorch(loss_type: str) -> None:
     store = builder.store(structure)
     engine = builder.engine(structure, store)
     landed: dict[str, torch.Tensor] = {}
-    engine.worker.on_landed = lambda block: _snapshot(block, landed)
+    engine.worker.on_landed = lambda block: grad_snapshot(block, landed)
     prompts, completions = _rows(structure.causal_lm.config.vocab_size)
     micro = sequence_batches(prompts, completions, micro_batch_size=4, pad_token_id=0)
     whole = sequence_batches(prompts, completions, micro_batch_size=8, pad_token_id=0)[0]
@@ -191,7 +178,8 @@ def test_preference_step_matches_pytorch(loss_type: str) -> None:
             for name, value in ref_metrics.items():  # sums over 4 pairs: an absolute bound
                 assert abs(objective.metrics[name] - value) <= TOL["loss"] * max(abs(value), 1.0)
             excess = {
-                n: _rel(landed[n], g) / max(TOL["grad"], NOISE_FACTOR * _rel(noise_grads[n], g))
+                n: rel_error(landed[n], g)
+                / max(TOL["grad"], NOISE_FACTOR * rel_error(noise_grads[n], g))
                 for n, g in ref_grads.items()
             }
             worst = max(excess, key=excess.__getitem__)

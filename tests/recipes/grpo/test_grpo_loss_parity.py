@@ -22,8 +22,8 @@ from megatrain.engine.head import TokenObjective
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.loss import GRPOLoss, token_weights
 from megatrain.recipes.grpo.sequences import completion_mask, per_row, sequence_batches
-from megatrain.store.blocks import ParamBlock
 from megatrain.verify import NOISE_FACTOR, TOLERANCES, verify_config
+from run_helpers import grad_snapshot, rel_error
 
 TOL = TOLERANCES["fp32"]
 MAX_COMPLETION = 9
@@ -94,19 +94,6 @@ class _Reference:
         return float(loss.detach()), grads
 
 
-def _snapshot(block: ParamBlock, out: dict[str, torch.Tensor]) -> None:
-    flat = block.grad_landing.float()
-    for e in block.entries:
-        out[e.full_name] = block.view(flat, e).clone()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    b = b.double()
-    return float(
-        torch.linalg.vector_norm(a.double() - b) / torch.linalg.vector_norm(b).clamp(min=1e-30)
-    )
-
-
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("num_iterations", [1, 2])
@@ -118,7 +105,7 @@ def test_grpo_step_matches_pytorch(loss_type: str, beta: float, num_iterations: 
     store = builder.store(structure)
     engine = builder.engine(structure, store)
     landed: dict[str, torch.Tensor] = {}
-    engine.worker.on_landed = lambda block: _snapshot(block, landed)
+    engine.worker.on_landed = lambda block: grad_snapshot(block, landed)
     vocab = structure.causal_lm.config.vocab_size
     prompts, completions, advantages = _sequences(vocab)
     micro = sequence_batches(prompts, completions, micro_batch_size=2, pad_token_id=0)
@@ -148,7 +135,8 @@ def test_grpo_step_matches_pytorch(loss_type: str, beta: float, num_iterations: 
             _, noise_grads = ref32.step(loss_type, ref32.initial if old else None)
             assert abs(result.loss - ref_loss) <= TOL["loss"] * abs(ref_loss), (it, result.loss)
             excess = {
-                n: _rel(landed[n], g) / max(TOL["grad"], NOISE_FACTOR * _rel(noise_grads[n], g))
+                n: rel_error(landed[n], g)
+                / max(TOL["grad"], NOISE_FACTOR * rel_error(noise_grads[n], g))
                 for n, g in ref_grads.items()
             }
             worst = max(excess, key=excess.__getitem__)
