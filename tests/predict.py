@@ -100,3 +100,20 @@ def pick_batch(
         gpu_margin_gib=gpu_margin_gib,
         max_micro_batch_size=max_micro_batch_size,
     )
+
+
+def ranks_estimate(spec: ModelSpec, ranks: Ranks, hardware: Hardware, tier: int = 0) -> Estimate:
+    """The ranks tests' setup: 4 micro-batches of one 2048-token row per rank, full rows,
+    clipping on, nothing pinned, `tier` GPU-tier blocks."""
+    return predict(
+        spec,
+        seq_len=2048,
+        micro_batch_size=1,
+        grad_accum=4,
+        padded=False,
+        clipping=True,
+        hardware=hardware,
+        pin_memory=False,
+        gpu_state_blocks=tier,
+        ranks=ranks,
+    )

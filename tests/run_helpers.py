@@ -1,6 +1,7 @@
 """Shared by the run tests: the demo config shrunk to a tiny model (`tiny_run_args`), a run
 interrupted inside a given optimizer step (`crash_during_step`), the gradients an engine ships
-(`grad_snapshot`, `rel_error`) and KTO rows from the demo's preference pairs (`kto_folder`)."""
+(`parity_engine`, `grad_snapshot`, `rel_error`) and KTO rows from the demo's preference pairs
+(`kto_folder`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,25 @@ def crash_during_step(trainer: Any, step: int) -> list[float]:
         trainer.train()
     trainer.close()
     return seen
+
+
+def parity_engine(lr: float) -> tuple[Any, Any, Any, dict[str, torch.Tensor]]:
+    """A tiny fp32 qwen3 for a loss's parity against plain PyTorch (no clipping, no decay):
+    (structure, an untouched copy of its HF model for the reference, the engine, the dict
+    each shipped gradient lands in by parameter name)."""
+    import copy
+
+    from megatrain.recipes.builder import RunBuilder
+    from megatrain.verify import verify_config
+
+    cfg = verify_config(model_type="qwen3", tiny=True, max_grad_norm=0.0, weight_decay=0.0, lr=lr)
+    builder = RunBuilder(cfg)
+    structure = builder.model()
+    reference_model = copy.deepcopy(structure.causal_lm)
+    engine = builder.engine(structure, builder.store(structure))
+    landed: dict[str, torch.Tensor] = {}
+    engine.worker.on_landed = lambda block: grad_snapshot(block, landed)
+    return structure, reference_model, engine, landed
 
 
 def grad_snapshot(block: ParamBlock, out: dict[str, torch.Tensor]) -> None:

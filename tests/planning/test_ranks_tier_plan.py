@@ -21,7 +21,7 @@ from megatrain.planning.ranks import NCCL_GPU_GIB, Ranks
 from megatrain.planning.spec import ModelSpec
 from megatrain.planning.timing import GPU_ADAMW_GPARAMS_S
 from megatrain.store.states import QUANT_BLOCK
-from predict import predict
+from predict import ranks_estimate
 from shapes import QWEN25_7B as QWEN7B
 
 HW = Hardware(host_bytes=512 * GIB)
@@ -34,18 +34,7 @@ def qwen7b() -> ModelSpec:
 
 
 def _est(spec: ModelSpec, ranks: Ranks, tier: int) -> Estimate:
-    return predict(
-        spec,
-        seq_len=2048,
-        micro_batch_size=1,
-        grad_accum=4,
-        padded=False,
-        clipping=True,
-        hardware=HW,
-        pin_memory=False,
-        gpu_state_blocks=tier,
-        ranks=ranks,
-    )
+    return ranks_estimate(spec, ranks, HW, tier)
 
 
 def _shard(numel: int, world: int) -> int:

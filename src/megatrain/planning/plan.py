@@ -9,16 +9,12 @@ then judges (same shape, same loss chunk, same pinning), so "auto" never picks a
 refuses for a reason it did not see; the engine runs the EnginePlan that estimate measured.
 `megatrain estimate` and `megatrain train` both read the plan from planning/builder.py.
 
-The GPU tier of optimizer states (engine/tier.py) is chosen after the batch: the run's
-activations come first, and "auto" (`memory.gpu_state_blocks`) gives the tier the largest
-number of blocks (layers from the first, then embedding, then head) whose predicted GPU peak
-still fits with `gpu_margin_gib` free; on the CPU "auto" is 0. A given count is clamped to the
-model's blocks, like `num_slots`.
-
-Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host,
-so the fit check refuses a node that cannot hold its ranks' shards, before loading; the GPU
-tier is picked against one rank's GPU (its blocks' states sharded over the ranks, their
-weights whole on every GPU: planning/estimate.py).
+The GPU tier (engine/tier.py) is chosen after the batch: "auto" (`memory.gpu_state_blocks`)
+gives it the most blocks (engine/plan.py `tier_order`) whose predicted GPU peak still fits with
+`gpu_margin_gib` free; on the CPU "auto" is 0; a given count is clamped to the model's blocks.
+Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host
+(a node that cannot hold its ranks' shards is refused before loading); the tier is picked
+against one rank's GPU (states sharded, weights whole: planning/estimate.py).
 Long rows: where the layer inputs wait (GPU, host, or recomputed every K layers) is chosen
 first, with the MLPs over the most sequence tiles `memory.mlp_tiles: auto` allows (the least
 memory); then, on the GPU, "auto" keeps the fewest tiles (1, 2, 4, ...) whose predicted peak
@@ -163,12 +159,20 @@ class ResourcePlan:
     engine: EnginePlan  # what the engine runs (this rank's tier count: the builder agrees one)
     batch_reason: str | None  # why "auto" chose this micro-batch (None: it was given)
     problems: tuple[str, ...]
-    gpu_state_blocks: int = 0  # blocks (layers, embedding, head) whose states live on the GPU
-    tier_reason: str | None = None  # why "auto" chose that many (None: it was given)
-    boundaries: BoundaryPlan | None = None  # where layer inputs wait (None: all on the GPU)
+    tier_reason: str | None = None  # why "auto" chose the GPU tier (None: it was given)
     boundary_reason: str | None = None
     mlp_tiles: int = 1  # sequence tiles of the MLPs at seq_len (engine/tiling.py)
     tiles_reason: str | None = None  # why "auto" chose that many (None: set, or no choice)
+
+    @property
+    def gpu_state_blocks(self) -> int:
+        """Blocks (layers, embedding, head) whose states live on the GPU: the engine's."""
+        return self.engine.gpu_state_blocks
+
+    @property
+    def boundaries(self) -> BoundaryPlan | None:
+        """Where layer inputs wait (None: all on the GPU): the engine's."""
+        return self.engine.boundaries
 
     @property
     def fits(self) -> bool:
@@ -279,9 +283,7 @@ def plan_resources(
         engine=shape.engine_plan(spec, tier, boundaries, tiles),
         batch_reason=reason,
         problems=tuple(p for p in problems if p),
-        gpu_state_blocks=tier,
         tier_reason=tier_reason,
-        boundaries=boundaries,
         boundary_reason=boundary_reason,
         mlp_tiles=tiles,
         tiles_reason=tiles_reason,

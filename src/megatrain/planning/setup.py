@@ -2,7 +2,8 @@
 
 `Setup` is the estimate's whole input besides the model and the hardware
 (planning/estimate.py `estimate(spec, setup, hardware)`); the planner builds it from the run's
-config (planning/plan.py), tests and `megatrain estimate`'s what-if flags build their own.
+config (planning/plan.py `RunShape.setup`), tests and `megatrain estimate`'s what-if flags
+build their own.
 """
 
 from __future__ import annotations

@@ -21,12 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.dpo.loss import LossSettings, StepTotals
 from megatrain.recipes.dpo.objective import PreferenceObjective, sequence_logps, target_mask
 from megatrain.recipes.grpo.sequences import sequence_batches
-from megatrain.verify import NOISE_FACTOR, TOLERANCES, verify_config
-from run_helpers import grad_snapshot, rel_error
+from megatrain.verify import NOISE_FACTOR, TOLERANCES
+from run_helpers import parity_engine, rel_error
 
 TOL = TOLERANCES["fp32"]
 LR = 2e-3
@@ -137,14 +136,7 @@ class _Reference:
 @pytest.mark.parametrize("loss_type", list(SETTINGS))
 def test_preference_step_matches_pytorch(loss_type: str) -> None:
     settings = SETTINGS[loss_type]
-    cfg = verify_config(model_type="qwen3", tiny=True, max_grad_norm=0.0, weight_decay=0.0, lr=LR)
-    builder = RunBuilder(cfg)
-    structure = builder.model()
-    reference_model = copy.deepcopy(structure.causal_lm)
-    store = builder.store(structure)
-    engine = builder.engine(structure, store)
-    landed: dict[str, torch.Tensor] = {}
-    engine.worker.on_landed = lambda block: grad_snapshot(block, landed)
+    structure, reference_model, engine, landed = parity_engine(LR)
     prompts, completions = _rows(structure.causal_lm.config.vocab_size)
     micro = sequence_batches(prompts, completions, micro_batch_size=4, pad_token_id=0)
     whole = sequence_batches(prompts, completions, micro_batch_size=8, pad_token_id=0)[0]

@@ -19,11 +19,10 @@ import pytest
 import torch
 
 from megatrain.engine.head import TokenObjective
-from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.loss import GRPOLoss, token_weights
 from megatrain.recipes.grpo.sequences import completion_mask, per_row, sequence_batches
-from megatrain.verify import NOISE_FACTOR, TOLERANCES, verify_config
-from run_helpers import grad_snapshot, rel_error
+from megatrain.verify import NOISE_FACTOR, TOLERANCES
+from run_helpers import parity_engine, rel_error
 
 TOL = TOLERANCES["fp32"]
 MAX_COMPLETION = 9
@@ -98,14 +97,7 @@ class _Reference:
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_grpo_step_matches_pytorch(loss_type: str, beta: float, num_iterations: int) -> None:
-    cfg = verify_config(model_type="qwen3", tiny=True, max_grad_norm=0.0, weight_decay=0.0, lr=LR)
-    builder = RunBuilder(cfg)
-    structure = builder.model()
-    reference_model = copy.deepcopy(structure.causal_lm)
-    store = builder.store(structure)
-    engine = builder.engine(structure, store)
-    landed: dict[str, torch.Tensor] = {}
-    engine.worker.on_landed = lambda block: grad_snapshot(block, landed)
+    structure, reference_model, engine, landed = parity_engine(LR)
     vocab = structure.causal_lm.config.vocab_size
     prompts, completions, advantages = _sequences(vocab)
     micro = sequence_batches(prompts, completions, micro_batch_size=2, pad_token_id=0)
