@@ -60,16 +60,24 @@ def rollout_reserve(builder: PlanBuilder) -> int:
         return 0
     if cfg.memory.gpu_state_blocks != "auto":
         return 0
-    prompt = g.max_prompt_length or max(cfg.seq_len - g.max_completion_length, 1)
+    return rollout_of(builder, streamed=False).gpu_peak_bytes
+
+
+def rollout_of(builder: PlanBuilder, *, streamed: bool) -> RolloutEstimate:
+    """The rollout phase of one generation batch, resident or `streamed` (planning/rollout.py),
+    decoding as the recipe will (decode_mode; the streamed path and the CPU: generate)."""
+    cfg, g = builder.cfg, builder.cfg.grpo
     decode, _ = decode_mode(builder)
     return rollout_estimate(
         builder.spec,
         builder.hardware,
         sequences=g.prompts_per_step * g.num_generations,
-        prompt_tokens=prompt,
+        prompt_tokens=g.max_prompt_length or max(cfg.seq_len - g.max_completion_length, 1),
         completion_tokens=g.max_completion_length,
-        decode=decode,
-    ).gpu_peak_bytes
+        streamed=streamed,
+        num_slots=cfg.memory.num_slots,
+        decode="generate" if streamed or not builder.placement.is_cuda else decode,
+    )
 
 
 def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRPOPlan:
@@ -85,25 +93,9 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
             "grpo.num_generations keeps micro-batches equal)"
         )
     rows = -(-sequences // micro) * micro
-    completion = g.max_completion_length
-    prompt = g.max_prompt_length or max(cfg.seq_len - completion, 1)
     hw, margin = builder.hardware, cfg.memory.gpu_margin_gib * GIB
-
-    decode, decode_reason = decode_mode(builder)
-
-    def rollout(streamed: bool) -> RolloutEstimate:
-        return rollout_estimate(
-            builder.spec,
-            hw,
-            sequences=sequences,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            streamed=streamed,
-            num_slots=cfg.memory.num_slots,
-            decode="generate" if streamed or not builder.placement.is_cuda else decode,
-        )
-
-    resident = rollout(False)
+    _, decode_reason = decode_mode(builder)
+    resident = rollout_of(builder, streamed=False)
     on_gpu = builder.placement.is_cuda
     training = builder.plan(tokens_per_step=rows * cfg.seq_len)
     if free_gpu_bytes is None:
@@ -120,13 +112,14 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
             f"{gib(max(budget, 0))} free beside the engine (margin "
             f"{cfg.memory.gpu_margin_gib:g} GiB)"
         )
-    chosen = rollout(True) if streamed else resident
+    chosen = rollout_of(builder, streamed=True) if streamed else resident
     problems = list(training.problems)
     if on_gpu and chosen.gpu_peak_bytes > budget:
         problems.append(
             f"the rollout phase needs {gib(chosen.gpu_peak_bytes)} on the GPU "
             f"(KV cache {gib(chosen.kv_cache_bytes)} for {sequences} sequences of "
-            f"{prompt} + {completion} tokens) but {gib(max(budget, 0))} are free beside "
+            f"{chosen.prompt_tokens} + {chosen.completion_tokens} tokens) but "
+            f"{gib(max(budget, 0))} are free beside "
             "the engine: lower grpo.prompts_per_step, grpo.num_generations or "
             "grpo.max_completion_length"
             + ("" if streamed else ", or set grpo.generation: streamed")
