@@ -25,6 +25,10 @@ class Batch:
     labels: torch.Tensor  # [B, S] int64, IGNORE_INDEX where not supervised
     attention_mask: torch.Tensor | None = None  # [B, S] int64, None for packed rows
     position_ids: torch.Tensor | None = None  # [B, S] int64, restarting per packed sample
+    # vision-language rows: the image processor's per-image outputs (pixel_values, Qwen's
+    # image_grid_thw, ...), concatenated over the micro-batch's images in the order of their
+    # placeholder tokens, row by row; input_ids hold each image's placeholders expanded
+    images: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -57,4 +61,7 @@ class Batch:
             labels=self.labels.to(device, non_blocking=True),
             attention_mask=move(self.attention_mask),
             position_ids=move(self.position_ids),
+            images=None
+            if self.images is None
+            else {k: v.to(device, non_blocking=True) for k, v in self.images.items()},
         )

@@ -31,7 +31,8 @@ from megatrain.store.host import HostStore
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.yaml"
-MODELS = ["llama", "qwen3_moe", "qwen3_next", "qwen3"]  # dense, MoE, hybrid, tied (tiny qwen3)
+MODELS = ["llama", "qwen3_moe", "qwen3_next", "qwen3", "qwen2_5_vl"]  # dense, MoE, hybrid, tied
+# (tiny qwen3), vision-language (the vision modules resident, frozen)
 
 
 def _plan(num_layers: int, tier: int, tiles: int | None, untiled: frozenset[int]) -> EnginePlan:

@@ -60,6 +60,7 @@ from megatrain.engine.layout import (
     HEAD,
     HEAD_GRAD,
     SLOTS,
+    VISION,
     STAGING,
     TABLE,
     TIER,
@@ -78,6 +79,7 @@ from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.engine.updates import UpdateWorker
 from megatrain.model.capture import LayerCallCapture
+from megatrain.model.multimodal import vision_on_device
 from megatrain.model.router import RouterAux, RouterTap
 from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
@@ -134,7 +136,10 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         self.transfers = Transfers(self.device)
         self.comm = Collectives(self.transfers, world_size=plan.world_size, rank=plan.rank)
         move_body_buffers(structure, self.device)
-        self.capture = LayerCallCapture(structure)
+        self.vision = vision_on_device(
+            structure, next(iter(self.layout.empty(VISION, self.device)), None)
+        )
+        self.capture = LayerCallCapture(structure, self.vision)
         self.tier = GpuTier.first_blocks(store, plan.gpu_state_blocks, optimizer, self.comm)
         self.slots = LayerSlots(
             structure.layers,
@@ -236,6 +241,7 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
             HEAD_GRAD: [] if self.tier.owns_gradient(self.store.head) else [self.head_acc],
             EMBED_GRAD: [] if self.tier.owns_gradient(self.store.embed) else [self.embed_acc],
             GATHERED: [] if self.embed_buf is None else [self.embed_buf],
+            VISION: [p for m in self.vision.values() for p in m.parameters()],
             TIER: _distinct(tier),
         }
 

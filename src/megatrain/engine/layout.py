@@ -14,6 +14,7 @@ Buffers (c = bytes of the compute dtype; "streamed" = layers outside the GPU tie
 - head weights and the tied table (the lm_head is the table: it goes up whole), c, unless in
   the tier; head and embedding gradients, fp32, unless the tier block owns its gradient;
 - the gathered embedding table (ranks, embedding not in the tier), c;
+- a vision-language model's vision modules (tower, projector: frozen, resident), c;
 - the GPU tier: per block its fp32 master (unless it is the weights), m, v and gradient over
   the rank's shard, and its whole weights in the compute dtype (engine/tier.py).
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.engine.plan import EnginePlan, tier_order
+from megatrain.model.multimodal import vision_numel
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.shard import shard_range
@@ -44,6 +46,7 @@ class BlockSizes:
     embed: int
     head: int
     tied: bool
+    vision: int = 0  # a vision-language model's vision modules (frozen, on the device)
 
     @classmethod
     def of_store(cls, store: HostStore, tied: bool) -> BlockSizes:
@@ -52,7 +55,9 @@ class BlockSizes:
         def full(b: ParamBlock) -> int:
             return int(getattr(b, "full_numel", 0) or b.numel)
 
-        return cls(tuple(full(b) for b in store.layers), full(store.embed), full(store.head), tied)
+        layers = tuple(full(b) for b in store.layers)
+        vision = vision_numel(store.structure)
+        return cls(layers, full(store.embed), full(store.head), tied, vision)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ TABLE = "tied lm_head table"
 HEAD_GRAD = "head gradient (fp32)"
 EMBED_GRAD = "embedding gradient (fp32)"
 GATHERED = "all-gathered embedding table (ranks)"
+VISION = "vision modules (frozen)"
 TIER = "GPU tier (fp32 master, m, v, gradient, weights)"
 
 
@@ -105,6 +111,7 @@ class DeviceLayout:
             Buffer(HEAD_GRAD, 0 if head_tier and owns else 1, head, FP32),
             Buffer(EMBED_GRAD, 0 if embed_tier and owns else 1, embed, FP32),
             Buffer(GATHERED, 1 if world > 1 and not embed_tier else 0, embed, c),
+            Buffer(VISION, 1, blocks.vision, c),
         ]
         tier_sizes = [n for n, t in zip(padded, in_tier, strict=True) if t]
         states = 4 if c == torch.bfloat16 else 3  # fp32 master (unless the weights), m, v, grad

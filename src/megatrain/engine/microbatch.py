@@ -99,7 +99,13 @@ class Embedder:
             self.module.padding_idx = int(hit[0, 0]) if hit.numel() else None
         with torch.set_grad_enabled(training):
             embeds = self.module(inverse.to(device, non_blocking=True))
-            captured = capture.capture(embeds, dev.attention_mask, dev.position_ids)
+            captured = capture.capture(
+                embeds,
+                dev.attention_mask,
+                dev.position_ids,
+                input_ids=dev.input_ids,
+                images=dev.images,
+            )
         self.module.weight = None
         weights = None
         if with_router_weights and dev.attention_mask is not None:

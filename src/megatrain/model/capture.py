@@ -10,7 +10,13 @@ the final norm (whose weights are not there) never runs.
 Invariants:
 - The stand-in for layer i+1 must receive exactly the object layer i returned. If it does not,
   the body transforms hidden states between layers in a way the engine cannot reproduce, and
-  capture raises instead of silently running the wrong computation.
+  capture raises instead of silently running the wrong computation. One exception, for
+  vision-language models only: an additive injection (Qwen3-VL's deepstack adds image features
+  at the image positions after the first layers) is recorded as the layer's `after` and checked
+  additive once per model, by a second capture whose stand-ins shift what they return.
+- Vision-language models (model/multimodal.py): the multimodal body runs instead of the language
+  model, with the ids, the images and the engine's embeddings standing in for its embedding
+  lookup, and `vision` (the vision modules on the device) swapped in for the host's.
 - The hidden state handed to layer 0 stays connected (autograd) to `inputs_embeds`, so body
   code between the embedding and the first layer (e.g. Gemma's sqrt(hidden) scaling) is
   differentiated exactly. No recorded kwarg may depend on `inputs_embeds` through autograd.
@@ -18,12 +24,15 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from megatrain.model.multimodal import EmbeddingStandIn, MultimodalInputs
 from megatrain.model.structure import ModelStructure
 
 
@@ -34,13 +43,15 @@ class LayerCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     hidden_as_kwarg: bool
+    after: torch.Tensor | None = None  # added to the layer's output (a VLM's deepstack)
 
     def run(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         if self.hidden_as_kwarg:
             out = layer(*self.args, hidden_states=hidden, **self.kwargs)
         else:
             out = layer(hidden, *self.args, **self.kwargs)
-        return out[0] if isinstance(out, (tuple, list)) else out
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out if self.after is None else out + self.after
 
 
 @dataclass
@@ -79,8 +90,16 @@ class _Recorder(nn.Module):
 class LayerCallCapture:
     """Runs the body with recording stand-ins; one instance per model, reused every step."""
 
-    def __init__(self, structure: ModelStructure) -> None:
+    def __init__(
+        self, structure: ModelStructure, vision: dict[str, nn.Module] | None = None
+    ) -> None:
+        """`vision`: the vision modules of a vision-language model as they run (device copies
+        in the compute dtype), by attribute of the multimodal body; None: the host's."""
         self.structure = structure
+        self.vision = vision or {}
+        self._inputs = MultimodalInputs(structure.front) if structure.front is not None else None
+        self._additive_checked = False
+        self._shift = 0.0  # what the stand-ins add to what they return (the additivity check)
         self._tuple_mode: bool | None = None  # whether layers return tuples; found on first use
         self._calls: list[LayerCall] = []
         self._first: torch.Tensor | None = None
@@ -92,15 +111,27 @@ class LayerCallCapture:
         inputs_embeds: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> CapturedCalls:
+        """`input_ids` and `images` (Batch.images): a vision-language model's, on the device."""
+        if self._inputs is not None:
+            assert input_ids is not None, "a vision-language model's capture needs the ids"
+            kwargs = self._inputs.kwargs(input_ids, attention_mask, position_ids, images)
+        else:
+            kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
+            kwargs["use_cache"] = False
         modes = [self._tuple_mode] if self._tuple_mode is not None else [False, True]
         for tuple_mode in modes:
             self._trying_tuple = tuple_mode
             try:
-                result = self._run_body(inputs_embeds, attention_mask, position_ids)
+                result = self._run_body(inputs_embeds, kwargs)
             except _Mismatch:
                 continue
             self._tuple_mode = tuple_mode
+            if not self._additive_checked and any(c.after is not None for c in result.calls):
+                self._check_additive(inputs_embeds, kwargs, result)
             return result
         name = type(self.structure.body).__name__
         raise ValueError(
@@ -108,24 +139,40 @@ class LayerCallCapture:
             "receive what layer i returned); this architecture is not supported"
         )
 
-    def _run_body(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-    ) -> CapturedCalls:
+    def _check_additive(
+        self, inputs_embeds: torch.Tensor, kwargs: dict[str, Any], result: CapturedCalls
+    ) -> None:
+        """The injections between layers do not depend on the hidden states they are added to:
+        capture again with the stand-ins' outputs shifted; the differences must not move."""
+        self._shift = 1.0
+        try:
+            shifted = self._run_body(inputs_embeds, kwargs)
+        finally:
+            self._shift = 0.0
+        for i, (a, b) in enumerate(zip(result.calls, shifted.calls, strict=True)):
+            if (a.after is None) != (b.after is None):
+                raise ValueError(_between_layers_error(self.structure, i))
+            if a.after is None or b.after is None:
+                continue
+            scale = float(a.after.abs().max()) + float(inputs_embeds.detach().abs().max()) + 2.0
+            tol = 8 * torch.finfo(a.after.dtype).eps * scale
+            if float((a.after - b.after).abs().max()) > tol:
+                raise ValueError(_between_layers_error(self.structure, i))
+        self._additive_checked = True
+
+    def _run_body(self, inputs_embeds: torch.Tensor, kwargs: dict[str, Any]) -> CapturedCalls:
         self._calls, self._first, self._last_out = [], None, None
         layers = self.structure.layers
         originals = list(layers)
         for i, layer in enumerate(originals):
             layers[i] = _Recorder(i, layer, self)
         try:
-            self.structure.body(
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            )
+            if self._inputs is None:
+                self.structure.body(inputs_embeds=inputs_embeds, **kwargs)
+            else:
+                with self._front_swapped(inputs_embeds):
+                    assert self.structure.front is not None
+                    self.structure.front(**kwargs)
         except _Stop:
             pass
         finally:
@@ -138,6 +185,21 @@ class LayerCallCapture:
             )
         return CapturedCalls(first_hidden=self._first, calls=self._calls)
 
+    @contextmanager
+    def _front_swapped(self, inputs_embeds: torch.Tensor) -> Iterator[None]:
+        """The multimodal body with the engine's embeddings and the running vision modules."""
+        st = self.structure
+        assert st.front is not None
+        embed_attr = next(n for n, m in st.body.named_children() if m is st.embed)
+        saved = {n: st.front._modules[n] for n in self.vision}
+        st.body._modules[embed_attr] = EmbeddingStandIn(inputs_embeds)
+        st.front._modules.update(self.vision)
+        try:
+            yield
+        finally:
+            st.body._modules[embed_attr] = st.embed
+            st.front._modules.update(saved)
+
     def _record(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         kwargs = dict(kwargs)
         if "hidden_states" in kwargs:
@@ -147,15 +209,29 @@ class LayerCallCapture:
         if index == 0:
             self._first = hidden
         elif hidden is not self._last_out:
-            raise _Mismatch()
+            last = self._last_out
+            if self._inputs is None or not isinstance(hidden, torch.Tensor):
+                raise _Mismatch()
+            if not isinstance(last, torch.Tensor) or hidden.shape != last.shape:
+                raise _Mismatch()
+            self._calls[-1].after = (hidden - last).detach()
         _check_no_grad_kwargs(args, kwargs, index)
         self._calls.append(
             LayerCall(args=tuple(args), kwargs=kwargs, hidden_as_kwarg=hidden_as_kwarg)
         )
         if index == len(self.structure.layers) - 1:
             raise _Stop()
-        self._last_out = hidden
-        return (hidden,) if self._trying_tuple else hidden
+        out = hidden + self._shift if self._shift else hidden
+        self._last_out = out
+        return (out,) if self._trying_tuple else out
+
+
+def _between_layers_error(structure: ModelStructure, index: int) -> str:
+    return (
+        f"{type(structure.front).__name__}: between decoder layers {index} and {index + 1} the "
+        "body changes the hidden states in a way that depends on them (not an addition); this "
+        "architecture is not supported"
+    )
 
 
 def _check_no_grad_kwargs(args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> None:

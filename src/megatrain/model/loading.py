@@ -18,12 +18,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.initialization import no_init_weights
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from megatrain.model.random_init import init_on_device
 from megatrain.model.tiny import tiny_config
+from megatrain.model.tiny_vision import VLM_MODEL_TYPES, tiny_vlm_config
 from megatrain.yaml_values import parse_yaml_value
 
 _WEIGHT_FILES = (
@@ -46,7 +56,9 @@ def load_config(
     if model_type is not None:
         if source is not None:
             raise ValueError("give either model.name_or_path or model.model_type, not both")
-        if tiny:
+        if tiny and model_type in VLM_MODEL_TYPES:
+            config = tiny_vlm_config(model_type, **(overrides or {}))
+        elif tiny:
             config = tiny_config(model_type, **(overrides or {}))
         else:
             config = AutoConfig.for_model(model_type, **(overrides or {}))
@@ -81,8 +93,24 @@ def parse_config_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """An image-text-to-text model (vision tower + projector + a decoder language model)."""
+    return (
+        getattr(config, "vision_config", None) is not None
+        and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    )
+
+
+def model_class(config: PretrainedConfig) -> Any:
+    """The auto class that builds the whole model: image-text-to-text for vision-language
+    models (their language part is what streams), else the causal LM."""
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def check_decoder_only(config: PretrainedConfig, where: str) -> None:
     """Refuse encoder-decoder and non-causal-LM configs with the reason and the model's name."""
+    if is_vision_language(config) and not getattr(config, "is_encoder_decoder", False):
+        return
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
             f"{where}: model type {config.model_type!r} is an encoder-decoder model; MegaTrain "
@@ -130,19 +158,19 @@ def load_causal_lm(
     if source is not None and not random_init and _has_weights(source):
         resolved = _resolve(source)
         try:
-            model = AutoModelForCausalLM.from_pretrained(resolved, config=config, **kwargs)
+            model = model_class(config).from_pretrained(resolved, config=config, **kwargs)
         except OSError as e:
             if Path(resolved).is_dir():
                 raise
             raise hub_error("model.name_or_path", source, e, what="model weights") from e
     elif init_device is not None and init_device.type != "cpu":
         with no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            model = model_class(config).from_config(config, **kwargs)
         torch.manual_seed(seed)
         init_on_device(model, init_device)
     else:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model = model_class(config).from_config(config, **kwargs)
     model.train()
     return model
 

@@ -39,6 +39,15 @@ class ModelStructure:
     lm_head_attr: str
     tied: bool
     groups: list[LayerGroup] = field(default_factory=list)
+    # vision-language models (model/multimodal.py): the multimodal body that merges image
+    # features into the embeddings and calls `body` (its language model), and its vision modules
+    # (tower, projector) by attribute name; None / empty for a text-only causal LM
+    front: nn.Module | None = None
+    vision: dict[str, nn.Module] = field(default_factory=dict)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.front is not None
 
     @property
     def num_layers(self) -> int:
@@ -70,14 +79,17 @@ def discover(causal_lm: PreTrainedModel) -> ModelStructure:
             f"{causal_lm.base_model_prefix!r} and 'model')"
         )
     body = children[body_attr]
+    front, vision = None, {}
+    if isinstance(getattr(body, "language_model", None), nn.Module):  # a vision-language model
+        front, body, vision = body, body.language_model, vision_modules(body)
     embed = causal_lm.get_input_embeddings()
     lm_head = causal_lm.get_output_embeddings()
     if embed is None or lm_head is None or not hasattr(lm_head, "weight"):
         raise ValueError(f"{name}: needs an input embedding and an lm_head with a weight")
-    layers = _find_layers(body, causal_lm.config.num_hidden_layers, name)
+    layers = _find_layers(body, causal_lm.config.get_text_config().num_hidden_layers, name)
     final_norm = _find_final_norm(body, embed, layers, name)
     lm_head_attr = next(k for k, m in causal_lm.named_children() if m is lm_head)
-    _check_no_other_params(causal_lm, body, embed, layers, final_norm, lm_head, name)
+    _check_no_other_params(causal_lm, [embed, layers, final_norm, lm_head, *vision.values()], name)
     _check_no_shared_params(layers, name)
     structure = ModelStructure(
         causal_lm=causal_lm,
@@ -89,6 +101,8 @@ def discover(causal_lm: PreTrainedModel) -> ModelStructure:
         lm_head=lm_head,
         lm_head_attr=lm_head_attr,
         tied=lm_head.weight is embed.weight,
+        front=front,
+        vision=vision,
     )
     structure.groups = group_layers(structure)
     return structure
@@ -118,22 +132,25 @@ def _find_final_norm(
     )
 
 
-def _check_no_other_params(
-    causal_lm: nn.Module,
-    body: nn.Module,
-    embed: nn.Module,
-    layers: nn.ModuleList,
-    final_norm: nn.Module,
-    lm_head: nn.Module,
-    name: str,
-) -> None:
-    known = {id(p) for m in (embed, layers, final_norm, lm_head) for p in m.parameters()}
+def _check_no_other_params(causal_lm: nn.Module, parts: list[nn.Module], name: str) -> None:
+    known = {id(p) for m in parts for p in m.parameters()}
     extra = [n for n, p in causal_lm.named_parameters() if id(p) not in known]
     if extra:
         raise ValueError(
-            f"{name}: parameters outside the embedding, decoder layers, final norm and lm_head "
-            f"are not supported: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}"
+            f"{name}: parameters outside the embedding, decoder layers, final norm, lm_head and "
+            "(vision-language models) the modules beside the language model are not supported: "
+            f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}"
         )
+
+
+def vision_modules(front: nn.Module) -> dict[str, nn.Module]:
+    """The multimodal body's children other than its language model, by attribute name (the
+    vision tower, the projector): what turns pixels into embeddings."""
+    return {
+        n: m
+        for n, m in front.named_children()
+        if m is not front.language_model and any(True for _ in m.parameters())
+    }
 
 
 def _check_no_shared_params(layers: nn.ModuleList, name: str) -> None:

@@ -94,7 +94,8 @@ TESTED_MODEL_TYPES = (
 )
 
 # Friendly names users type for the text-only variants.
-_ALIASES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text"}
+# (`gemma3` is Gemma 3's vision-language model: model/tiny_vision.py)
+_ALIASES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:

@@ -338,8 +338,9 @@ def _run_capture(spec: ModelSpec, seq: int, layout: str) -> tuple[CapturedCalls,
     elif layout == "packed":  # two samples per row: position ids restart mid-row
         half = seq0 // 2
         positions = torch.cat([torch.arange(half), torch.arange(seq0 - half)]).expand(rows0, -1)
+    ids = torch.zeros(rows0, seq0, dtype=torch.long)  # a VLM's: text rows (images: front)
     captured = LayerCallCapture(spec.structure).capture(
-        embeds.expand(rows0, seq0, -1), mask, positions
+        embeds.expand(rows0, seq0, -1), mask, positions, input_ids=ids
     )
     return captured, seq0, rows0
 

@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from megatrain.engine.layout import BlockSizes
+from megatrain.model.loading import model_class
+from megatrain.model.multimodal import vision_numel
 from megatrain.model.structure import ModelStructure, discover
 
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -116,13 +118,13 @@ def build_spec(
     attn = attn_implementation or getattr(config, "_attn_implementation", None)
     with _params_on_meta():
         try:
-            model = AutoModelForCausalLM.from_config(
+            model = model_class(config).from_config(
                 config,
                 dtype=compute_dtype,
                 attn_implementation="eager" if attn == "eager" else "sdpa",
             )
         except ValueError:  # "does not support ... scaled_dot_product_attention"
-            model = AutoModelForCausalLM.from_config(
+            model = model_class(config).from_config(
                 config, dtype=compute_dtype, attn_implementation="eager"
             )
     structure = discover(model)
@@ -229,5 +231,9 @@ def _expert_counts(text: PretrainedConfig) -> tuple[int, int] | None:
 def block_sizes(spec: ModelSpec) -> BlockSizes:
     """The spec's blocks as the engine's device layout sees them (engine/layout.py)."""
     return BlockSizes(
-        tuple(la.params for la in spec.layers), spec.embed_params, spec.head_params, spec.tied
+        tuple(la.params for la in spec.layers),
+        spec.embed_params,
+        spec.head_params,
+        spec.tied,
+        vision_numel(spec.structure),
     )

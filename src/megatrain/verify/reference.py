@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from megatrain.batch import IGNORE_INDEX, Batch
 from megatrain.engine.microbatch import shifted_targets
+from megatrain.model.multimodal import MultimodalInputs
 from megatrain.optim.adamw import AdamWHyper
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
@@ -59,7 +60,12 @@ class Reference:
     ) -> None:
         self.model: Any = model.to(device)
         self.device, self.clip_norm = device, clip_norm
-        self.named = dict(model.named_parameters())
+        self.named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.inputs = (
+            MultimodalInputs(model.model)
+            if hasattr(getattr(model, "model", None), "language_model")
+            else None
+        )
         self.master = dict(self.named)
         if bf16_master:
             self.master = {n: torch.nn.Parameter(p.detach().clone()) for n, p in self.named.items()}
@@ -79,12 +85,16 @@ class Reference:
         total = 0.0
         for batch in micro:
             b = batch.to(self.device)
-            out = model(
-                input_ids=b.input_ids,
-                attention_mask=b.attention_mask,
-                position_ids=b.position_ids,
-                use_cache=False,
-            )
+            if self.inputs is not None:  # a vision-language model: its images and positions
+                kwargs = self.inputs.kwargs(b.input_ids, b.attention_mask, b.position_ids, b.images)
+            else:
+                kwargs = {
+                    "input_ids": b.input_ids,
+                    "attention_mask": b.attention_mask,
+                    "position_ids": b.position_ids,
+                    "use_cache": False,
+                }
+            out = model(**kwargs)
             logits = out.logits if out.logits.dtype == torch.float64 else out.logits.float()
             loss = (
                 F.cross_entropy(

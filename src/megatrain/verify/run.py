@@ -19,6 +19,7 @@ from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.engine.rng import random_config_keys
 from megatrain.model.router import RoutingMargins
 from megatrain.recipes.builder import RunBuilder
+from megatrain.verify.images import vision_modules_of, with_images
 from megatrain.verify.judge import (
     MIN_ROUTING_MARGIN,
     TOLERANCES,
@@ -157,6 +158,8 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
 
     def reference(bf16_master: bool = False, exact: bool = False) -> Reference:
         model = builder.model().causal_lm
+        for module in vision_modules_of(model):  # frozen, as the engine runs them
+            module.requires_grad_(False)
         return Reference(
             float64(model) if exact else model,
             decay,
@@ -179,7 +182,10 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
     pad_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
 
     def batches(data_seed: int) -> list[list[Batch]]:
-        return make_batches(cfg, steps, config.vocab_size, pad_id, mbs, grad_accum, data_seed)
+        out = make_batches(cfg, steps, config.vocab_size, pad_id, mbs, grad_accum, data_seed)
+        if structure.is_multimodal:
+            out = [[with_images(b, ref.model.config, data_seed) for b in m] for m in out]
+        return out
 
     data_seed, margin = cfg.training.seed, None
     if judged and fp32_compute and _routes(config.to_dict()):

@@ -1,0 +1,181 @@
+"""Vision-language models: what the multimodal body needs besides the embeddings, per micro-batch.
+
+A vision-language model (`...ForConditionalGeneration` with a multimodal body holding a
+`language_model`; model/structure.py) runs its own code to merge images: the body embeds the ids,
+runs the vision tower and projector on the pixel inputs, scatters the features into the image
+placeholder positions, builds the masks (Gemma 3's bidirectional attention over an image's
+tokens from `token_type_ids`) and calls its language model. The engine keeps all of that: capture
+(model/capture.py) runs the multimodal body with the kwargs made here and the engine's own
+embeddings in place of the body's embedding lookup.
+
+Made here, and nowhere per family:
+- the token type ids the body's forward takes (`token_type_ids` / `mm_token_type_ids`: 1 at
+  image tokens), from `input_ids == image token id`;
+- Qwen's 3-D rotary positions (M-RoPE: temporal, height, width), per packed sample, from the
+  body's own `get_rope_index`, with the text positions as a fourth row so the language model
+  builds the packed-sequence mask (no attention across samples): [4, B, S]. A sample without
+  images has its text positions in all three rows, as `get_rope_index` gives them.
+
+Invariant: the images of a micro-batch (`Batch.images`) are in the order of their placeholder
+tokens, row by row; a packed sample's images are the next ones in that order.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+
+def image_token_id(config: PretrainedConfig) -> int:
+    """The placeholder id image features replace (`image_token_id` or `image_token_index`)."""
+    value = getattr(config, "image_token_id", None)
+    if value is None:
+        value = getattr(config, "image_token_index", None)
+    if not isinstance(value, int):
+        raise ValueError(f"{config.model_type}: the config names no image token id")
+    return value
+
+
+class MultimodalInputs:
+    """The multimodal body's forward kwargs for one micro-batch (besides the embeddings)."""
+
+    def __init__(self, front: nn.Module) -> None:
+        self.front = front
+        self.image_id = image_token_id(front.config)
+        params = inspect.signature(type(front).forward).parameters
+        self._type_keys = [k for k in ("token_type_ids", "mm_token_type_ids") if k in params]
+        self._rope = getattr(front, "get_rope_index", None)
+        self._rope_params = set(inspect.signature(self._rope).parameters) if self._rope else set()
+        vision = getattr(front.config, "vision_config", None)
+        self._merge = getattr(vision, "spatial_merge_size", 1)
+
+    def kwargs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        images: dict[str, torch.Tensor] | None,
+    ) -> dict[str, Any]:
+        is_image = input_ids == self.image_id
+        out: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "use_cache": False,
+            **(images or {}),
+        }
+        for key in self._type_keys:
+            out[key] = is_image.to(torch.int64 if key == "token_type_ids" else torch.int32)
+        if self._rope is not None:
+            out["position_ids"] = self.rope_positions(input_ids, position_ids, images)
+        else:
+            out["position_ids"] = position_ids
+        if images is None:
+            _check_no_placeholders(is_image, self.image_id)
+        return out
+
+    def rope_positions(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        images: dict[str, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """[4, B, S]: the text positions, then M-RoPE's three rows, per packed sample."""
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        grids = [] if not images or "image_grid_thw" not in images else images["image_grid_thw"]
+        pending = [tuple(g) for g in torch.as_tensor(grids).tolist()]
+        rows = torch.empty(3, B, S, dtype=torch.int64, device=input_ids.device)
+        starts = (position_ids == 0).cpu()
+        counts = (input_ids == self.image_id).cumsum(1).cpu()
+        for b in range(B):
+            bounds = [*torch.nonzero(starts[b]).flatten().tolist(), S]
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+                tokens = int(counts[b, e - 1]) - (int(counts[b, s - 1]) if s else 0)
+                taken = []
+                while tokens > 0:
+                    if not pending:
+                        raise ValueError(
+                            "a micro-batch has more image placeholder tokens than its images' "
+                            "grids account for (Batch.images['image_grid_thw'])"
+                        )
+                    grid = pending.pop(0)
+                    taken.append(grid)
+                    tokens -= grid[0] * grid[1] * grid[2] // (self._merge**2)
+                rows[:, b, s:e] = self._sample_rope(input_ids[b, s:e], taken, position_ids[b, s:e])
+        return torch.cat([position_ids[None].to(torch.int64), rows])
+
+    def _sample_rope(
+        self, ids: torch.Tensor, grids: list[tuple[int, ...]], text: torch.Tensor
+    ) -> torch.Tensor:
+        if not grids:
+            return text[None].expand(3, -1)
+        kwargs: dict[str, Any] = {
+            "input_ids": ids[None],
+            "image_grid_thw": torch.tensor(grids, device=ids.device),
+        }
+        if "attention_mask" in self._rope_params:
+            kwargs["attention_mask"] = torch.ones_like(ids)[None]
+        if "mm_token_type_ids" in self._rope_params:
+            kwargs["mm_token_type_ids"] = (ids == self.image_id).to(torch.int32)[None]
+        assert self._rope is not None
+        positions, _ = self._rope(**kwargs)
+        return positions[:, 0, :]
+
+
+def _check_no_placeholders(is_image: torch.Tensor, image_id: int) -> None:
+    if bool(is_image.any()):
+        raise ValueError(
+            f"a micro-batch holds image placeholder tokens (id {image_id}) but no images; "
+            "image rows need their images (data: an `images` column)"
+        )
+
+
+class EmbeddingStandIn(nn.Module):
+    """Stands in for the language model's embedding during capture: returns the engine's
+    embeddings (already computed, autograd-connected to the gathered rows) for the ids."""
+
+    def __init__(self, embeds: torch.Tensor) -> None:
+        super().__init__()
+        self.embeds = embeds
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert tuple(input_ids.shape) == tuple(self.embeds.shape[:2]), (
+            input_ids.shape,
+            self.embeds.shape,
+        )
+        return self.embeds
+
+
+def vision_numel(structure: Any) -> int:
+    """Parameters of a vision-language model's vision modules (0 for a text-only model)."""
+    return sum(p.numel() for m in structure.vision.values() for p in m.parameters())
+
+
+def vision_on_device(structure: Any, flat: torch.Tensor | None) -> dict[str, nn.Module]:
+    """The vision modules of a vision-language model as they run: copies whose parameters are
+    views of `flat` (the device layout's buffer, compute dtype), frozen, in eval mode. The host
+    keeps the fp32 originals, exported as loaded; buffers (rotary tables) go to the device."""
+    if not structure.vision:
+        return {}
+    assert flat is not None and flat.numel() == vision_numel(structure)
+    out, offset = {}, 0
+    for name, module in structure.vision.items():
+        memo: dict[int, Any] = {}
+        for p in module.parameters():
+            view = flat[offset : offset + p.numel()].view(p.shape)
+            view.copy_(p.detach())
+            memo[id(p)] = nn.Parameter(view, requires_grad=False)
+            offset += p.numel()
+        clone = copy.deepcopy(module, memo)
+        for sub in clone.modules():
+            for key, buf in list(sub._buffers.items()):
+                if buf is not None:
+                    sub._buffers[key] = buf.to(flat.device)
+        out[name] = clone.eval()
+    return out

@@ -1,0 +1,147 @@
+"""Tiny random configs of real Hugging Face vision-language models, for `verify --tiny`, the
+tests and the VLM demo.
+
+The language part is the tiny text config of model/tiny.py (every structural feature of the
+family kept); the vision tower is shrunk to two blocks of width 32 on 16-32 pixel images, with
+the family's own features (Qwen's windowed and full blocks, patch merging and M-RoPE, Qwen3-VL's
+deepstack taps, Gemma 3's pooled SigLIP tokens, LLaVA's CLIP feature layer). Image-token ids are
+placed inside the tiny vocabulary (its last ids), so a tokenizer of that size can address them.
+
+`image_inputs(config, n)` makes pixel inputs of the right shapes for `n` images and says how many
+placeholder tokens each one takes: what the family's processor would produce, without a
+processor (tests of the engine need no tokenizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from megatrain.model.multimodal import image_token_id  # noqa: F401 (re-exported)
+from megatrain.model.tiny import tiny_config
+
+VOCAB = 256
+# the last ids of the tiny vocabulary: image, video, vision start / begin-of-image, end
+IMAGE_ID, VIDEO_ID, START_ID, END_ID = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
+
+_QWEN_VISION = {
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 64,
+}
+
+# family -> (text model type, vision config, token ids of the top-level config)
+_FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "qwen2_5_vl": (
+        "qwen2_5_vl_text",
+        {**_QWEN_VISION, "window_size": 16, "fullatt_block_indexes": [1]},
+        {},
+    ),
+    "qwen2_vl": (
+        "qwen2_vl_text",
+        {k: v for k, v in _QWEN_VISION.items() if k not in ("out_hidden_size", "num_heads")}
+        | {"embed_dim": 32, "num_heads": 2, "mlp_ratio": 2},
+        {},
+    ),
+    "qwen3_vl": (
+        "qwen3_vl_text",
+        {**_QWEN_VISION, "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]},
+        {},
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 4,
+        },
+        {"mm_tokens_per_image": 16},
+    ),
+    "llava": (
+        "llama",
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 16,
+            "patch_size": 4,
+            "projection_dim": 32,
+        },
+        {"image_seq_length": 16},
+    ),
+}
+
+VLM_MODEL_TYPES = tuple(_FAMILIES)
+
+
+def tiny_vlm_config(model_type: str, **text_overrides: Any) -> PretrainedConfig:
+    """A small random-init config of the vision-language `model_type`."""
+    if model_type not in _FAMILIES:
+        raise ValueError(
+            f"no tiny vision-language config for model type {model_type!r}; "
+            f"known: {', '.join(VLM_MODEL_TYPES)}"
+        )
+    text_type, vision, top = _FAMILIES[model_type]
+    text = tiny_config(text_type, vocab_size=VOCAB, **text_overrides).to_dict()
+    if model_type.startswith("qwen"):
+        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        quarter = head_dim // 8  # M-RoPE sections (temporal, height, width) of head_dim / 2
+        section = [head_dim // 2 - 2 * (quarter + quarter // 2), quarter, quarter]
+        section[1] += quarter // 2
+        section[2] += quarter // 2
+        text["rope_parameters"] = {**text.get("rope_parameters", {}), "mrope_section": section}
+        ids = {
+            "image_token_id": IMAGE_ID,
+            "video_token_id": VIDEO_ID,
+            "vision_start_token_id": START_ID,
+            "vision_end_token_id": END_ID,
+        }
+        out = "hidden_size" if model_type == "qwen2_vl" else "out_hidden_size"
+        vision = {**vision, out: text["hidden_size"]}
+    elif model_type == "gemma3":
+        ids = {
+            "image_token_index": IMAGE_ID,
+            "boi_token_index": START_ID,
+            "eoi_token_index": END_ID,
+        }
+    else:
+        ids = {"image_token_index": IMAGE_ID}
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(text.get(key), int) and text[key] >= IMAGE_ID:
+            text[key] = 0
+    text.pop("model_type", None)
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids, **top)
+
+
+def image_inputs(
+    config: PretrainedConfig, sizes: list[tuple[int, int]], *, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Random pixel inputs for images of `sizes` (height, width in pixels; the fixed-size
+    families ignore them) as the family's processor shapes them, and each image's token count."""
+    gen = torch.Generator().manual_seed(seed)
+    vision = config.vision_config
+    if hasattr(vision, "spatial_merge_size"):  # Qwen: flattened patches + (t, h, w) grids
+        p, t, m = vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size
+        grids = [(1, h // p, w // p) for h, w in sizes]
+        patches = sum(a * b * c for a, b, c in grids)
+        pixels = torch.randn(patches, 3 * t * p * p, generator=gen)
+        counts = [a * b * c // (m * m) for a, b, c in grids]
+        return {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}, counts
+    side = vision.image_size
+    pixels = torch.randn(len(sizes), 3, side, side, generator=gen)
+    per_image = getattr(config, "mm_tokens_per_image", None) or getattr(
+        config, "image_seq_length", None
+    )
+    assert isinstance(per_image, int), config.model_type
+    return {"pixel_values": pixels}, [per_image] * len(sizes)
