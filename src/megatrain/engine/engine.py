@@ -60,10 +60,10 @@ from megatrain.engine.layout import (
     HEAD,
     HEAD_GRAD,
     SLOTS,
-    VISION,
     STAGING,
     TABLE,
     TIER,
+    VISION,
     BlockSizes,
     DeviceLayout,
 )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ class MultimodalInputs:
         counts = (input_ids == self.image_id).cumsum(1).cpu()
         for b in range(B):
             bounds = [*torch.nonzero(starts[b]).flatten().tolist(), S]
-            for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+            for s, e in itertools.pairwise(bounds):
                 tokens = int(counts[b, e - 1]) - (int(counts[b, s - 1]) if s else 0)
                 taken = []
                 while tokens > 0:
