@@ -5,6 +5,12 @@
 
 `--rows` are per rank (`--nproc N`: torchrun, each rank's micro-batches are its own).
 
+`--command dpo`: preference pairs instead of the corpus (bench/pairs_data.py: demo text, each
+row a few tokens under `--seq`), `--rows/2` pairs per rank per step for the steps and a few
+more, data.stage dpo, the dpo section's defaults (sigmoid, reference precomputed). `--command
+train --sft-of-pairs`: the same pairs as SFT rows (two a pair, padded, one sample per row), so
+its step trains on the same rows' tokens as a DPO step on `--rows/2` pairs.
+
 Writes what a user would have: a model folder holding only the shape's config.json
 (`model.random_init: true`), a pre-training text corpus (the demo's lines, repeated), and a YAML
 config with the default settings except the shape, the batch and the run length (clipping on,
@@ -14,7 +20,8 @@ allocator or other variable set here), its output into $OUT/<name>/train.log, an
 $OUT/<name>/run/metrics.jsonl: the median step time over the steps after the first two
 (compiling, warm-up), tokens/s of the job and per GPU, MFU and model TFLOPS per GPU, the
 GPU allocator's peak (reserved: what the card must hold) and host RSS, any step-down of the
-plan, beside the prediction the run printed. One RESULT line.
+plan, beside the prediction the run printed; for dpo, the reference pass (its
+"reference_pass" record: seconds, tokens/s). One RESULT line.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,6 +40,7 @@ from typing import Any
 
 import yaml
 from common import log, preset_values, result
+from pairs_data import make_pairs, write_data
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TEXT = ROOT / "src" / "megatrain" / "assets" / "demo" / "demo_text.txt"
@@ -54,6 +63,19 @@ def corpus(path: Path, chars: int) -> Path:
     return path
 
 
+def data_section(a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The config's `data`: the pt corpus, or the pairs (dpo) or their rows (--sft-of-pairs)."""
+    if a.command != "dpo" and not a.sft_of_pairs:
+        text = corpus(out.parent / "corpus.txt", max(4 * a.seq, 4_000_000))
+        return {"stage": "pt", "dataset": str(text), "cutoff_len": a.seq}
+    count = a.rows // 2 * a.nproc * a.steps + 4
+    pairs, longest = make_pairs(count, a.seq)
+    log(f"{a.name}: {count} pairs, rows of up to {longest} tokens")
+    sft = a.command != "dpo"
+    stage = {"stage": "sft", "packing": False} if sft else {"stage": "dpo"}
+    return {**stage, **write_data(out / "data", pairs, sft=sft), "cutoff_len": a.seq}
+
+
 def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
     extra = {"num_hidden_layers": a.layers} if a.layers else {}
     model_type, values = preset_values(a.preset, **extra)
@@ -61,10 +83,9 @@ def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
 
     model_dir = out / "model"
     AutoConfig.for_model(model_type, **values).save_pretrained(model_dir)
-    text = corpus(out.parent / "corpus.txt", max(4 * a.seq, 4_000_000))
     cfg: dict[str, Any] = {
         "model": {"name_or_path": str(model_dir), "random_init": True, "tokenizer": "demo"},
-        "data": {"stage": "pt", "dataset": str(text), "cutoff_len": a.seq},
+        "data": data_section(a, out),
         "training": {
             "output_dir": str(out / "run"),
             "micro_batch_size": a.micro,
@@ -100,6 +121,7 @@ def summarize(name: str, out: Path, rc: int, log_text: str) -> dict[str, Any]:
         summary |= {
             "step_s": round(step_s, 3),
             "tokens_per_s": round(tokens / step_s),
+            "step_tokens": tokens,
             "first_step_s": train[0]["step_s"],
         }
         for key in ("mfu", "tokens_per_s_per_gpu", "tflops_per_gpu"):  # per GPU: docs/metrics.md
@@ -111,6 +133,12 @@ def summarize(name: str, out: Path, rc: int, log_text: str) -> dict[str, Any]:
             if values:
                 summary[key] = max(values)
         summary["loss"] = [round(train[0]["loss"], 3), round(train[-1]["loss"], 3)]
+    for ref in (r for r in records if r["kind"] == "reference_pass"):  # dpo: one, before step 1
+        summary |= {
+            "ref_pairs": ref["pairs"],
+            "ref_s": ref["seconds"],
+            "ref_tokens_per_s": round(ref["tokens_per_s"]),
+        }
     downs = [r for r in records if r["kind"] == "plan_step_down"]
     if downs:
         summary["step_downs"] = downs
@@ -139,15 +167,23 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1, help="ranks: torchrun --nproc-per-node N")
     ap.add_argument(
         "--command",
-        choices=["train", "grpo"],
+        choices=["train", "grpo", "dpo"],
         default="train",
-        help="grpo: give the prompts and the grpo keys as overrides",
+        help="grpo: give the prompts and the grpo keys as overrides; dpo: preference pairs",
+    )
+    ap.add_argument(
+        "--sft-of-pairs",
+        action="store_true",
+        help="train: dpo's pairs as SFT rows (prompt + chosen, prompt + rejected)",
     )
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     a, overrides = ap.parse_args(argv[:split]), argv[split + 1 :]
+    if a.sft_of_pairs and a.command != "train":
+        ap.error("--sft-of-pairs is for --command train")
     out = Path(os.environ.get("OUT", "/tmp/out")) / a.name
     out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "run", ignore_errors=True)  # a rerun of the name starts afresh
     config = write_run(a, overrides, out)
     launch = [sys.executable]
     if a.nproc > 1:  # as docs/multi_gpu.md launches it
@@ -162,7 +198,9 @@ def main() -> None:
             ).returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    result(**summarize(a.name, out, rc, logfile.read_text()))
+    summary = summarize(a.name, out, rc, logfile.read_text())
+    data = "pairs as sft rows" if a.sft_of_pairs else "pairs" if a.command == "dpo" else "corpus"
+    result(**{"name": a.name, "command": a.command, "nproc": a.nproc, "data": data, **summary})
 
 
 if __name__ == "__main__":

@@ -73,6 +73,12 @@ def _cli(name: str, *flags: str) -> tuple[str, ...]:
     return (PY, "bench/cli_train.py", "--name", name, *flags)
 
 
+def _table(base: str, run: str) -> tuple[str, ...]:
+    """bench/cli_table.py: the two _cli runs' RESULT lines as a table, tokens/s per GPU of
+    `run` over `base`."""
+    return (PY, "bench/cli_table.py", "--names", f"{base},{run}", "--ratio", f"{run}/{base}")
+
+
 _DENSE = ("--preset", "llama3.1-8b", "--seq", "2048", "--micro", "4")
 _HYBRID = ("--preset", "qwen3.5-27b", "--layers", "16", "--seq", "2048", "--rows", "32")
 _GRPO_8X8 = (
@@ -82,6 +88,21 @@ _GRPO_8X8 = (
     "--grpo.max_prompt_length", "96", "--grpo.max_completion_length", "1024",
     "--grpo.reward_funcs", "[exact_answer]", "--grpo.compile_decode", "graphs",
 )  # fmt: skip
+# issue 25: 16 pairs (32 rows of ~2040 tokens, 64k tokens) per step, 2 pairs per micro-batch, 8
+# steps: the pairs as SFT rows (megatrain train), then megatrain dpo (sigmoid, the reference
+# precomputed: one forward-only pass over the 132 pairs before step 1); --timeout: each run's
+# share of the device command's 600 s (the runner's own timeout a backstop above it)
+_DPO = (*_DENSE, "--rows", "32", "--steps", "8")
+_DPO_RUNS = (
+    _cli("dpo8b_sft", *_DPO, "--sft-of-pairs", "--timeout", "270"),
+    _cli("dpo8b", *_DPO, "--command", "dpo", "--timeout", "270"),
+    _table("dpo8b_sft", "dpo8b"),
+)
+_DPO_RANKS = (
+    _cli("dpo8b_1gpu", *_DPO, "--command", "dpo", "--timeout", "250"),
+    _cli("dpo8b_2ranks", *_DPO, "--command", "dpo", "--nproc", "2", "--timeout", "320"),
+    _table("dpo8b_1gpu", "dpo8b_2ranks"),
+)
 
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
@@ -358,6 +379,19 @@ SCENARIOS: dict[str, Scenario] = {
         "issue 22: megatrain grpo on TRL's 8 x 8 (Qwen2.5-7B shape, vocabulary 512), 10 steps",
         (_cli("grpo7b_8x8", "--steps", "10", *_GRPO_8X8),),
         timeout_s=590,
+    ),
+    "user_dpo": Scenario(
+        "issue 25: megatrain dpo as users run it, Llama-3.1-8B shape, 16 pairs (32 rows of "
+        "~2k tokens) per step, 8 steps, beside megatrain train on the same pairs as 32 SFT "
+        "rows; step time, tokens/s, the reference pass (seconds, tokens/s); a table last",
+        _DPO_RUNS,
+        timeout_s=285,
+    ),
+    "user_dpo_ranks": Scenario(
+        "issue 25: user_dpo's DPO run on one GPU and on 2 ranks (--nproc 2, 16 pairs per "
+        "rank): the bar, tokens/s per GPU on 2 ranks >= 0.9x one GPU; a table last",
+        _DPO_RANKS,
+        timeout_s=330,
     ),
     "grpo_7b": Scenario(
         "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length), the "

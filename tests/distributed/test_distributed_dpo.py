@@ -61,6 +61,10 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     _run(tmp_path / "two", 2)
     _run(tmp_path / "one", 1)
     two, one = _records(tmp_path / "two"), _records(tmp_path / "one")
+    ref_two, ref_one = two.pop(0), one.pop(0)  # the reference pass, before step 1
+    assert ref_two["kind"] == ref_one["kind"] == "reference_pass"
+    for key in ("pairs", "tokens"):  # every rank's share counted once
+        assert ref_two[key] == ref_one[key]
     assert [r["kind"] for r in two] == [r["kind"] for r in one] == ["train"] * 8 + ["eval"]
     key = {"train": "loss", "eval": "eval_loss"}
     torch.testing.assert_close(

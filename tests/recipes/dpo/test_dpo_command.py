@@ -62,6 +62,23 @@ def test_dpo_command_learns_the_preferences(tmp_path: Path) -> None:
     assert (tmp_path / "checkpoints" / "step-00000048" / REFERENCE_FILE).is_file()
 
 
+def test_reference_pass_is_a_metrics_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The precomputed reference's one pass: a "reference_pass" record before step 1 (its pairs,
+    time and tokens: 24 pairs = 6 micro-batches of 8 padded rows) and the printed line."""
+    args = _args(tmp_path, "--training.max_steps", "1")
+    assert main(["dpo", "--config", str(DEMO), *args]) == 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["kind"] for r in records] == ["reference_pass", "train"]
+    ref = records[0]
+    assert ref["step"] == 0 and ref["pairs"] == 24 and ref["seconds"] > 0
+    assert 48 * 8 <= ref["tokens"] <= 48 * 64  # 48 rows, padded within cutoff_len 64
+    assert ref["tokens"] / ref["tokens_per_s"] == pytest.approx(ref["seconds"], abs=6e-4)
+    assert "reference: log-probs of 24 pairs precomputed in" in capsys.readouterr().err
+
+
 def test_resume_is_exact_and_loads_the_reference(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

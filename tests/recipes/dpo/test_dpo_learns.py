@@ -45,7 +45,7 @@ def test_sigmoid_dpo_learns_the_preferences() -> None:
     )  # fmt: skip
     settings = LossSettings("sigmoid", beta=0.5)
     try:
-        table = precompute_reference(engine, loader, micro_batches_per_pass=3)
+        table = precompute_reference(engine, loader, micro_batches_per_pass=3).table
         history = []
         for _ in range(STEPS):  # one epoch (3 micro-batches of 2 pairs) per step
             epoch = loader.epoch

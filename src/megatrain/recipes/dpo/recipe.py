@@ -47,6 +47,7 @@ from megatrain.recipes.dpo.plan import (
     with_reference,
 )
 from megatrain.recipes.dpo.reference import (
+    ReferenceTable,
     precompute_reference,
     reference_rows,
     weights_reference,
@@ -165,21 +166,28 @@ class DPOTrainer(Recipe):
         """The precomputed table is still to be made (before the first step or eval)."""
         return self.needs_reference and not self.uses_weights and self.reference is None
 
-    def _reference_pass(self) -> dict[str, torch.Tensor]:
-        """Both tables, from the weights the engine holds now (the run's initial weights)."""
+    def _reference_pass(self, metrics: MetricsLogger) -> dict[str, torch.Tensor]:
+        """Both tables, from the weights the engine holds now (the run's initial weights); the
+        pass's pairs, time and tokens to metrics.jsonl (a "reference_pass" record)."""
         t0 = time.perf_counter()
-        tables = {"train": self._table(self.loader)}
+        passes = {"train": self._table(self.loader)}
         if self.eval_loader is not None:
-            tables["eval"] = self._table(self.eval_loader)
-        pairs = sum(len(t) for t in tables.values())
-        print(
-            f"reference: log-probs of {pairs} pairs precomputed in "
-            f"{time.perf_counter() - t0:.1f} s (one streamed pass of the initial weights)",
-            flush=True,
+            passes["eval"] = self._table(self.eval_loader)
+        seconds = time.perf_counter() - t0
+        pairs = sum(len(p.table) for p in passes.values())
+        tokens = sum(p.tokens for p in passes.values())
+        record = {"pairs": pairs, "seconds": round(seconds, 3), "tokens": tokens}
+        record["tokens_per_s"] = round(tokens / seconds, 1) if seconds > 0 else 0.0
+        metrics.log_event(
+            self.step,
+            "reference_pass",
+            record,
+            f"reference: log-probs of {pairs} pairs precomputed in {seconds:.1f} s (one "
+            "streamed pass of the initial weights)",
         )
-        return tables
+        return {split: p.table for split, p in passes.items()}
 
-    def _table(self, loader: PairLoader) -> torch.Tensor:
+    def _table(self, loader: PairLoader) -> ReferenceTable:
         return precompute_reference(
             self.engine,
             loader,
@@ -256,7 +264,7 @@ class DPOTrainer(Recipe):
     def advance(self, metrics: MetricsLogger) -> None:
         """One optimizer step on the preference objective; an eval when one is due."""
         if self.needs_table:  # before step 1 (not on resume)
-            self.reference = self._reference_pass()
+            self.reference = self._reference_pass(metrics)
         step = step_pairs(
             self.loader, grad_accum=self.grad_accum, rank=self.rank, world_size=self.world
         )
@@ -315,7 +323,7 @@ class DPOTrainer(Recipe):
         if self.eval_loader is None:
             return
         if self.needs_table:
-            self.reference = self._reference_pass()
+            self.reference = self._reference_pass(metrics)
         loss, sums, pairs = evaluate_pairs(
             self.engine,
             self.eval_loader,

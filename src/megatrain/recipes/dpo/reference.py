@@ -15,12 +15,17 @@ over the ranks (a row is computed on one rank and zero on the others, so the sum
 rank with no micro-batch in the last pass repeats one uncounted: every rank runs as many
 forwards, which hold collectives.
 
+`precompute_reference` returns the table and the tokens the pass computed on (each counted
+micro-batch's padded rows, summed over the ranks, as a training step's `tokens` count them).
+
 Invariant: table[i] is pair i's (chosen, rejected) under the weights the engine held when the
 table was made; a pair's value does not depend on which micro-batch computed it beyond
 floating-point rounding of the padded width (fp32: relative ~1e-6).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +38,11 @@ from megatrain.recipes.dpo.objective import sequence_logps
 from megatrain.store.reference import ReferenceWeights
 
 
+class ReferenceTable(NamedTuple):
+    table: torch.Tensor  # fp32 [num_pairs, 2]: (chosen, rejected) log-prob sums, pair order
+    tokens: int  # tokens the pass computed on (padded rows), every rank's
+
+
 def precompute_reference(
     engine: StreamingEngine,
     loader: PairLoader,
@@ -40,27 +50,28 @@ def precompute_reference(
     micro_batches_per_pass: int,
     rank: int = 0,
     world_size: int = 1,
-) -> torch.Tensor:
-    """fp32 [num_pairs, 2]: each pair's (chosen, rejected) log-prob sums, in pair order (every
-    rank gets the whole table)."""
+) -> ReferenceTable:
+    """Each pair's (chosen, rejected) log-prob sums, in pair order (every rank gets the whole
+    table), and the pass's tokens."""
     assert micro_batches_per_pass >= 1
     num_pairs, per_batch = loader.num_rows, loader.micro_batch_size
     table = torch.zeros(num_pairs, 2, dtype=torch.float32)
     groups = [np.arange(s, min(s + per_batch, num_pairs)) for s in range(0, num_pairs, per_batch)]
-    per_pass = micro_batches_per_pass * world_size
+    per_pass, tokens = micro_batches_per_pass * world_size, 0
     for start in range(0, len(groups), per_pass):
         picked = groups[start : start + per_pass][rank::world_size]
         counted = bool(picked)
         picked = picked or groups[start : start + 1]
         batches = [loader.batch_of(p) for p in picked]
         sums = sequence_logps(engine.logprobs(batches), batches)
-        for pairs, rows in zip(picked, sums, strict=True):
-            if counted:
+        if counted:
+            tokens += sum(b.num_tokens for b in batches)
+            for pairs, rows in zip(picked, sums, strict=True):
                 table[torch.from_numpy(pairs)] = rows.view(-1, 2)
-    if world_size > 1:
-        table = torch.tensor(rank_sums(table.view(-1).tolist()), dtype=torch.float32)
-        table = table.view(num_pairs, 2)
-    return table
+    if world_size > 1:  # the token count rides along (exact in float64)
+        *values, total = rank_sums([*table.view(-1).tolist(), float(tokens)])
+        table, tokens = torch.tensor(values, dtype=torch.float32).view(num_pairs, 2), int(total)
+    return ReferenceTable(table, tokens)
 
 
 def reference_rows(table: torch.Tensor, pairs: np.ndarray) -> torch.Tensor:
