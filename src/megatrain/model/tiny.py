@@ -199,3 +199,55 @@ def _tiny_layer_types(defaults: PretrainedConfig, num_layers: int) -> list[str]:
     if not kinds:
         return ["full_attention"] * num_layers
     return [kinds[i % len(kinds)] for i in range(num_layers)]
+
+
+def tiny_vlm_config(**text_overrides: Any) -> PretrainedConfig:
+    """A tiny random-init Qwen2.5-VL config matching the demo processor (`model.tokenizer:
+    demo_vlm`, megatrain/assets/demo/vlm): its vocabulary, its vision token ids, its image
+    processor's patch 14 / merge 2 / temporal patch 2. The text model keeps M-RoPE (sections
+    summing to head_dim / 2); the vision tower is 2 blocks, one of them full attention."""
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig
+
+    from megatrain.package_assets import demo_vlm_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_vlm_dir()))
+    ids = {
+        key: tokenizer.convert_tokens_to_ids(token)
+        for key, token in (
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+        )
+    }
+    head_dim = _SIZES["head_dim"]
+    text = {
+        **{k: _SIZES[k] for k in ("hidden_size", "intermediate_size", "num_key_value_heads")},
+        "num_hidden_layers": 2,
+        "num_attention_heads": _SIZES["hidden_size"] // head_dim,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": 1024,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.eos_token_id,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],  # temporal, height, width: sums to head_dim / 2
+        },
+        **text_overrides,
+    }
+    assert sum(text["rope_parameters"]["mrope_section"]) * 2 == head_dim
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": text["hidden_size"],
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [1],
+    }
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
