@@ -146,7 +146,9 @@ def test_a_missing_image_file_names_data_set_row_and_path(tmp_path: Path, tokeni
 
 def test_a_model_without_a_processor_is_one_error(tmp_path: Path) -> None:
     text_tokenizer = demo_tokenizer()
-    config = DataConfig(dataset="mllm_demo", dataset_dir=str(_write(tmp_path, MLLM_DEMO, MLLM_ENTRY)))
+    config = DataConfig(
+        dataset="mllm_demo", dataset_dir=str(_write(tmp_path, MLLM_DEMO, MLLM_ENTRY))
+    )
     for processor in (None, str(tmp_path)):  # no source; a folder without an image processor
         with pytest.raises(ValueError) as err:
             prepare_data(config, text_tokenizer, processor=processor)
@@ -172,7 +174,7 @@ def test_a_row_whose_image_tokens_do_not_fit_cutoff_len_is_dropped(
 def test_pixel_limits_scale_as_llamafactory() -> None:
     assert fit_pixels(2000, 1000, min_pixels=1, max_pixels=500_000) == (1000, 500)
     assert fit_pixels(10, 10, min_pixels=400, max_pixels=10**6) == (20, 20)
-    with pytest.raises(ValueError, match="data.image_min_pixels=10 is more than"):
+    with pytest.raises(ValueError, match=r"data\.image_min_pixels=10 is more than"):
         DataConfig(image_min_pixels=10, image_max_pixels=5).validate()
 
 

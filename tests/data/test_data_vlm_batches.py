@@ -155,5 +155,7 @@ def test_batch_moves_its_images_and_counts_them() -> None:
     images = {"pixel_values": torch.ones(8, 6), "image_grid_thw": torch.tensor([[1, 2, 2]] * 2)}
     batch = Batch(input_ids=ids, labels=ids.clone(), images=images)
     moved = batch.to("cpu")
-    assert moved.num_images == 2 and torch.equal(moved.images["pixel_values"], images["pixel_values"])
+    assert moved.num_images == 2 and torch.equal(
+        moved.images["pixel_values"], images["pixel_values"]
+    )
     assert Batch(input_ids=ids, labels=ids).num_images == 0

@@ -138,7 +138,10 @@ def write_processor(tokenizer_dir: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["extra_special_tokens"] = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+    config["extra_special_tokens"] = {
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+    }
     for key in ("is_local", "local_files_only"):  # where it was saved from, not what it is
         config.pop(key, None)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

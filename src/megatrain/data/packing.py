@@ -40,7 +40,9 @@ ImageFeatures = Callable[[list[str]], dict[str, torch.Tensor]]
 """Image paths -> the image processor's tensors for them, per-image outputs concatenated."""
 
 
-def _images(samples: list[Sample], features: ImageFeatures | None) -> dict[str, torch.Tensor] | None:
+def _images(
+    samples: list[Sample], features: ImageFeatures | None
+) -> dict[str, torch.Tensor] | None:
     """`Batch.images` of samples laid out in this order, or None when they hold no image."""
     paths = [path for sample in samples for path in sample.images]
     if not paths:

@@ -173,10 +173,11 @@ def load_samples(
 def _attach_images(conv: Conversation, spec: DatasetSpec, index: int, encoder: ChatEncoder) -> None:
     """Resolve the row's images and check its placeholders (errors name the data set and row);
     the encoder's processor is loaded at the first image."""
-    where = {"dataset": spec.name, "row": index}
-    paths = resolve_image_paths(conv.images, media_dir=Path(spec.media_dir), **where)
+    paths = resolve_image_paths(
+        conv.images, dataset=spec.name, row=index, media_dir=Path(spec.media_dir)
+    )
     texts = [m["content"] for m in conv.messages if isinstance(m.get("content"), str)]
-    check_placeholders(texts, len(paths), **where)
+    check_placeholders(texts, len(paths), dataset=spec.name, row=index)
     conv.images = paths
     if paths and encoder.vision is None:
         encoder.vision = encoder.load_vision()

@@ -140,9 +140,9 @@ class VisionProcessor:
         """The image as the processor gets it: RGB, resized into the pixel limits."""
         from PIL import Image
 
-        with Image.open(path) as image:
-            size = fit_pixels(*image.size, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-            image = image.resize(size) if size != image.size else image
+        with Image.open(path) as file:
+            size = fit_pixels(*file.size, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+            image = file.resize(size) if size != file.size else file
             return image.convert("RGB")
 
     def features(self, paths: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -172,9 +172,8 @@ def load_vision(
                 image_processor = None
     token = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None)
     token_id = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
-    if image_processor is None or not isinstance(token_id, int) or token_id == getattr(
-        tokenizer, "unk_token_id", None
-    ):
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if image_processor is None or not isinstance(token, str) or token_id in (None, unknown):
         raise ValueError(
             f"the data set has images, but the model ({source!r}) has no image processor and "
             "image token (no preprocessor_config.json, or no image token in its tokenizer), so "
@@ -185,7 +184,7 @@ def load_vision(
     return VisionProcessor(
         image_processor,
         image_token=token,
-        image_token_id=token_id,
+        image_token_id=int(token_id),
         processor=processor,
         min_pixels=min_pixels,
         max_pixels=max_pixels,

@@ -211,7 +211,7 @@ def tiny_vlm_config(**text_overrides: Any) -> PretrainedConfig:
     from megatrain.package_assets import demo_vlm_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(demo_vlm_dir()))
-    ids = {
+    ids: dict[str, Any] = {
         key: tokenizer.convert_tokens_to_ids(token)
         for key, token in (
             ("vision_start_token_id", "<|vision_start|>"),
@@ -238,7 +238,7 @@ def tiny_vlm_config(**text_overrides: Any) -> PretrainedConfig:
         **text_overrides,
     }
     assert sum(text["rope_parameters"]["mrope_section"]) * 2 == head_dim
-    vision = {
+    vision: dict[str, Any] = {
         "depth": 2,
         "hidden_size": 32,
         "intermediate_size": 64,
