@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from PIL import Image
 from transformers import AutoTokenizer
 
 from data_fixtures.helpers import demo_tokenizer
@@ -201,3 +202,46 @@ def test_data_show_prints_each_image_and_its_tokens(tokenizer: Any, vision: Any)
     assert row["images"] == [{"path": path, "width": width, "height": height, "tokens": tokens}]
     image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert np.sum(np.asarray(row["input_ids"]) == image_id) == tokens
+
+
+class _FullProcessor:
+    """What AutoProcessor gives with torchvision installed (not in this test environment): the
+    processor's token count and its own expansion of the image token, Qwen2.5-VL's rule, with
+    `split` tokens of another kind inserted in the middle of each image's run."""
+
+    def __init__(self, vision: VisionProcessor, tokenizer: Any, split: str = "") -> None:
+        self.vision, self.tokenizer, self.split = vision, tokenizer, split
+
+    def _tokens(self, image: Any) -> int:
+        grid = self.vision.image_processor(images=[image], return_tensors="pt")["image_grid_thw"]
+        return int(grid[0].prod()) // 4
+
+    def _get_num_multimodal_tokens(self, image_sizes: list[list[int]]) -> dict[str, list[int]]:
+        tokens = [self._tokens(Image.new("RGB", (w, h))) for h, w in image_sizes]
+        return {"num_image_tokens": tokens}
+
+    def __call__(self, text: list[str], images: list[Any]) -> dict[str, Any]:
+        n, token = self._tokens(images[0]), self.vision.image_token
+        expanded = text[0].replace(token, token * (n // 2) + self.split + token * (n - n // 2))
+        return {"input_ids": [self.tokenizer(expanded, add_special_tokens=False)["input_ids"]]}
+
+
+def test_a_full_processor_counts_and_its_expansion_is_checked(
+    vision: VisionProcessor, tokenizer: Any
+) -> None:
+    path = str(demo_vlm_dir().parent / "demo_vlm_images" / "0001.png")
+    for split, ok in (("", True), ("<|vision_end|>", False)):
+        full = VisionProcessor(
+            vision.image_processor,
+            image_token=vision.image_token,
+            image_token_id=vision.image_token_id,
+            processor=_FullProcessor(vision, tokenizer, split),
+            min_pixels=vision.min_pixels,
+            max_pixels=vision.max_pixels,
+        )
+        assert full.num_tokens(path) == vision.num_tokens(path)
+        if ok:
+            full.check_expansion(path)
+            continue
+        with pytest.raises(ValueError, match="other expansions are not supported yet"):
+            full.check_expansion(path)

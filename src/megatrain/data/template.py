@@ -226,6 +226,7 @@ class ChatEncoder:
                 '{"type": "image"} content items, as the model\'s own template does; set '
                 "data.chat_template to the model's template (or leave it unset)"
             )
+        self.vision.check_expansion(images[0])
         return [self.vision.num_tokens(p) for p in images]
 
     def _expand(

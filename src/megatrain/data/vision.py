@@ -110,6 +110,7 @@ class VisionProcessor:
         self.processor = processor
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
+        self._expansion_checked = processor is None  # nothing to check against without it
 
     def image_size(self, path: str) -> tuple[int, int]:
         """(width, height) the processor sees: the file's size after the pixel limits (the
@@ -135,6 +136,31 @@ class VisionProcessor:
             )
         merge = int(getattr(self.image_processor, "merge_size", 1) or 1)
         return int(patches(height, width, {})) // merge**2
+
+    def check_expansion(self, path: str) -> None:
+        """Once, with the full processor: its own expansion of one image slot must be
+        `num_tokens(path)` consecutive image tokens, which is how the pipeline expands them;
+        ValueError for a processor that expands images otherwise (e.g. with begin/end tokens of
+        its own around them), which is not supported yet."""
+        if self._expansion_checked:
+            return
+        expected = self.num_tokens(path)
+        try:
+            out = self.processor(text=[self.image_token], images=[self.load(path)])
+            ids = [int(t) for t in out["input_ids"][0]]
+        except Exception as err:  # the processor's own reason, kept in the message
+            ids, reason = [], f" ({type(err).__name__}: {err})"
+        else:
+            reason = ""
+        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(at) != expected or (at and at[-1] - at[0] + 1 != expected):
+            raise ValueError(
+                f"{type(self.processor).__name__} expands an image into something other than "
+                f"{expected} consecutive {self.image_token} tokens{reason}; megatrain expands "
+                "each image slot by repeating the image token (Qwen2-VL, Qwen2.5-VL, LLaVA-style "
+                "processors), other expansions are not supported yet"
+            )
+        self._expansion_checked = True
 
     def load(self, path: str) -> Any:
         """The image as the processor gets it: RGB, resized into the pixel limits."""
