@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 from megatrain.batch import IGNORE_INDEX, Batch
 from megatrain.data import DataConfig, make_loader, prepare_data
 from megatrain.data.prefetch import prefetched
+from megatrain.data.ranks import RankLoader
 from megatrain.model.tiny import tiny_vlm_config
 from megatrain.package_assets import demo_vlm_dir
 
@@ -159,3 +160,26 @@ def test_batch_moves_its_images_and_counts_them() -> None:
         moved.images["pixel_values"], images["pixel_values"]
     )
     assert Batch(input_ids=ids, labels=ids).num_images == 0
+
+
+def test_a_rank_builds_only_its_own_micro_batches(data: Any) -> None:
+    loader = _loader(data, packing=True)
+    built: list[list[int]] = []
+    make = loader._make_batch
+
+    def recording(picked: Any) -> Batch:
+        built.append(picked.tolist())
+        return make(picked)
+
+    loader._make_batch = recording  # type: ignore[method-assign]
+    order = loader.epoch_order(0)
+    step_rows = [order[s * 3 : (s + 1) * 3].tolist() for s in range(len(loader))]
+    rank1 = iter(RankLoader(loader, rank=1, world_size=2))
+    assert len(loader) >= 4
+    got = [next(rank1) for _ in range(2)]
+    assert built[:2] == [step_rows[1], step_rows[3]]
+    assert all(rows in step_rows[1::2] for rows in built)  # prefetched ahead: its own only
+    single = list(_loader(data, packing=True))
+    for batch, step in zip(got, (1, 3), strict=True):
+        assert torch.equal(batch.input_ids, single[step].input_ids)
+        assert torch.equal(batch.images["pixel_values"], single[step].images["pixel_values"])

@@ -17,7 +17,7 @@ order; `step` still counts the micro-batches yielded, so the state is the same a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -95,14 +95,27 @@ class BatchLoader:
         )
 
     def __iter__(self) -> Iterator[Batch]:
+        for batch in self.iterate():
+            assert batch is not None
+            yield batch
+
+    def iterate(self, wanted: Callable[[], bool] | None = None) -> Iterator[Batch | None]:
+        """The remaining micro-batches of the epoch. `wanted`, asked once per micro-batch in
+        order: False yields None in its place, unbuilt (another rank's share, data/ranks.py)."""
         self._roll_over()
         order, b = self.epoch_order(self.epoch), self.micro_batch_size
-        picks = (order[s * b : (s + 1) * b] for s in range(self.step, len(self)))
+        picks = (
+            order[s * b : (s + 1) * b] if wanted is None or wanted() else None
+            for s in range(self.step, len(self))
+        )
         make = prefetched if self.num_images else _on_this_thread
-        for batch in make(self._make_batch, picks):
+        for batch in make(self._build, picks):
             self.step += 1  # before the yield: a checkpoint taken now resumes after this batch
             yield batch
         self._roll_over()
+
+    def _build(self, picked: np.ndarray | None) -> Batch | None:
+        return None if picked is None else self._make_batch(picked)
 
     def _roll_over(self) -> None:
         if self.step >= len(self):
@@ -139,7 +152,7 @@ class BatchLoader:
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
 
 
-def _on_this_thread(make: Any, items: Any) -> Iterator[Batch]:
+def _on_this_thread(make: Any, items: Any) -> Iterator[Batch | None]:
     return map(make, items)
 
 
