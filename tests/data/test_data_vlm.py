@@ -23,6 +23,7 @@ from megatrain.data.vision import VisionProcessor, fit_pixels, load_vision
 from megatrain.package_assets import demo_vlm_dir
 
 PROCESSOR = str(demo_vlm_dir())
+DEMO_VLM = demo_vlm_dir().parent / "demo_vlm.json"
 MLLM_DEMO = [  # the shape of LLaMA-Factory's data/mllm_demo.json rows
     {
         "messages": [
@@ -193,6 +194,8 @@ def test_data_show_prints_each_image_and_its_tokens(tokenizer: Any, vision: Any)
     assert f"1 image(s):\n  {path}: {width} x {height} pixels, {tokens} tokens\n" in text
     assert f"<|vision_start|><|image_pad|> x {tokens}<|vision_end|>Which colour" in text
     assert "<|image_pad|><|image_pad|>" not in text
+    images = sum(len(row["images"]) for row in json.loads(DEMO_VLM.read_text()))
+    assert "train: 300 samples, " in text and f"supervised tokens, {images} images\n" in text
     json_out = io.StringIO()
     run_data_command(
         cfg, tokenizer, show=1, as_json=True, seq_len=128, micro_batch_size=2, out=json_out,

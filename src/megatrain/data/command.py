@@ -203,11 +203,12 @@ def _split_summary(samples: list[Sample] | PretrainCorpus | None) -> dict[str, i
     if isinstance(samples, PretrainCorpus):  # raw text: every token is a label
         n = samples.num_tokens
         return {"documents": len(samples), "tokens": n, "supervised_tokens": n}
+    images = sum(len(s.images) for s in samples)
     return {
         "samples": len(samples),
         "tokens": sum(s.num_tokens for s in samples),
         "supervised_tokens": sum(s.num_target_tokens for s in samples),
-    }
+    } | ({"images": images} if images else {})
 
 
 def _summary(data: PreparedData, loader: BatchLoader) -> dict[str, Any]:
@@ -246,6 +247,7 @@ def _describe_summary(summary: dict[str, Any]) -> str:
             lines.append(
                 f"{split}: {part[unit]} {unit}, {part['tokens']} tokens, "
                 f"{part['supervised_tokens']} supervised tokens"
+                + (f", {part['images']} images" if part.get("images") else "")
             )
     for key in ("preparation", "eval_preparation"):
         prep = summary[key]
