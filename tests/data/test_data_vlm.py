@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,7 @@ def test_a_model_without_a_processor_is_one_error(tmp_path: Path) -> None:
 
 
 def test_a_row_whose_image_tokens_do_not_fit_cutoff_len_is_dropped(
-    tmp_path: Path, tokenizer: Any
+    tmp_path: Path, tokenizer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     text_row = {
         "messages": [
@@ -168,8 +169,12 @@ def test_a_row_whose_image_tokens_do_not_fit_cutoff_len_is_dropped(
         ]
     }
     rows = [MLLM_DEMO[0], text_row]  # two images, 8 or more image tokens
-    data = _prepare(_write(tmp_path, rows, MLLM_ENTRY), tokenizer, cutoff_len=14)
+    with caplog.at_level(logging.WARNING):
+        data = _prepare(_write(tmp_path, rows, MLLM_ENTRY), tokenizer, cutoff_len=14)
     assert data.stats.dropped == {IMAGE_OVER_CUTOFF: 1}
+    assert "1 rows were dropped because their image tokens do not fit data.cutoff_len=14" in (
+        caplog.text
+    )
     assert data.stats.kept == 1 and data.stats.truncated == 1  # the text row is cut, not dropped
 
 

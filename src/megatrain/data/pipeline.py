@@ -34,7 +34,7 @@ from megatrain.data.pretrain import PretrainCorpus, load_corpus, split_corpus
 from megatrain.data.readers import download_hub_dataset, iter_rows, read_rows
 from megatrain.data.registry import DatasetSpec, resolve_datasets, sft_format_of
 from megatrain.data.sample import DataStats, Sample, held_out_mask
-from megatrain.data.template import OVER_CUTOFF, ChatEncoder
+from megatrain.data.template import IMAGE_OVER_CUTOFF, OVER_CUTOFF, ChatEncoder
 from megatrain.data.vision import (
     VisionProcessor,
     check_placeholders,
@@ -164,6 +164,12 @@ def load_samples(
         if rows and not stats.kept and stats.dropped.get(MISSING_COLUMN) == stats.rows_read:
             _refuse_raw_text(spec, rows[0])
         hint = over_cutoff_hint(stats, encoder, encoder.take_longest_over_cutoff())
+        if stats.dropped.get(IMAGE_OVER_CUTOFF):
+            hint += (
+                f"; {stats.dropped[IMAGE_OVER_CUTOFF]} rows were dropped because their image "
+                f"tokens do not fit data.cutoff_len={encoder.cutoff_len} (an image is never cut): "
+                "raise data.cutoff_len or lower data.image_max_pixels"
+            )
         log = logger.warning if stats.dropped else logger.info
         log("data set %s (%s): %s%s", spec.name, spec.path, stats.describe(), hint)
         total.add(stats)
