@@ -21,6 +21,7 @@ Invariant: every row read is either kept or counted under exactly one drop reaso
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,17 +87,16 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, processor: str | None = Non
     specs = resolve_datasets(cfg.dataset_names(), dataset_dir)
     for spec in specs:
         check_stage(spec, cfg.stage)
-    encoder.load_vision = lambda: load_vision(
+    options: dict[str, Any] = dict(max_samples=cfg.max_samples, seed=cfg.seed)
+    options["vision"] = lambda: load_vision(
         processor, tokenizer, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels
     )
-    train, stats = load_samples(specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed)
+    train, stats = load_samples(specs, encoder, **options)
     eval_samples: list[Sample] | None = None
     eval_stats: DataStats | None = None
     if cfg.eval_dataset_names():
         eval_specs = resolve_datasets(cfg.eval_dataset_names(), dataset_dir)
-        eval_samples, eval_stats = load_samples(
-            eval_specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed
-        )
+        eval_samples, eval_stats = load_samples(eval_specs, encoder, **options)
     if not train:
         raise ValueError(
             f"no training sample is left from data.dataset={cfg.dataset!r}: {stats.describe()}; "
@@ -141,9 +141,15 @@ def _prepare_pretrain(cfg: DataConfig, tokenizer: Any, dataset_dir: Path) -> Pre
 
 
 def load_samples(
-    specs: list[DatasetSpec], encoder: ChatEncoder, *, max_samples: int | None, seed: int
+    specs: list[DatasetSpec],
+    encoder: ChatEncoder,
+    *,
+    max_samples: int | None,
+    seed: int,
+    vision: Callable[[], VisionProcessor] | None = None,
 ) -> tuple[list[Sample], DataStats]:
-    """The samples of `specs`, concatenated, and the statistics of all their rows."""
+    """The samples of `specs`, concatenated, and the statistics of all their rows. `vision`
+    loads the model's processor, called at the first row with images (text data needs none)."""
     samples: list[Sample] = []
     total = DataStats()
     for spec in specs:
@@ -153,7 +159,7 @@ def load_samples(
             stats.rows_read += 1
             conv = convert_row(row, spec)
             if spec.images and not isinstance(conv, str):
-                _attach_images(conv, spec, index, encoder)
+                _attach_images(conv, spec, index, encoder, vision)
             result = conv if isinstance(conv, str) else encoder.encode(conv)
             if isinstance(result, str):
                 stats.drop(result)
@@ -176,7 +182,13 @@ def load_samples(
     return samples, total
 
 
-def _attach_images(conv: Conversation, spec: DatasetSpec, index: int, encoder: ChatEncoder) -> None:
+def _attach_images(
+    conv: Conversation,
+    spec: DatasetSpec,
+    index: int,
+    encoder: ChatEncoder,
+    vision: Callable[[], VisionProcessor] | None,
+) -> None:
     """Resolve the row's images and check its placeholders (errors name the data set and row);
     the encoder's processor is loaded at the first image."""
     paths = resolve_image_paths(
@@ -186,7 +198,12 @@ def _attach_images(conv: Conversation, spec: DatasetSpec, index: int, encoder: C
     check_placeholders(texts, len(paths), dataset=spec.name, row=index)
     conv.images = paths
     if paths and encoder.vision is None:
-        encoder.vision = encoder.load_vision()
+        if vision is None:
+            raise ValueError(
+                f"data set {spec.name!r} has images, but no model processor was given to turn "
+                "them into tokens; train a vision-language model"
+            )
+        encoder.vision = vision()
 
 
 def over_cutoff_hint(stats: DataStats, encoder: ChatEncoder, longest: int) -> str:

@@ -46,7 +46,6 @@ cut is the reason (the whole row has enough), else "too_few_target_tokens".
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +116,7 @@ class ChatEncoder:
         self.train_on_prompt = train_on_prompt
         self.min_target_tokens = min_target_tokens
         self.default_system = default_system
-        self.vision = vision
-        self.load_vision: Callable[[], VisionProcessor] = _no_vision  # the pipeline sets it
+        self.vision = vision  # set by the pipeline at the first row with images
         self._longest_over_cutoff = 0  # tokens of the longest OVER_CUTOFF row not yet taken
 
     def messages(self, conv: Conversation) -> list[dict[str, Any]]:
@@ -270,13 +268,6 @@ class ChatEncoder:
             self.note_over_cutoff(len(input_ids))
             return OVER_CUTOFF
         return TOO_FEW_TARGETS if too_few else sample
-
-
-def _no_vision() -> VisionProcessor:
-    raise ValueError(
-        "the data set has images, but no model processor was given to turn them into tokens; "
-        "train a vision-language model (model.tokenizer or model.name_or_path naming its folder)"
-    )
 
 
 def _image_content(content: Any) -> Any:
