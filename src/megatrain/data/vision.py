@@ -184,7 +184,7 @@ def load_vision(
     ValueError when the model has no image processor or image token."""
     from transformers import AutoImageProcessor, AutoProcessor
 
-    processor, image_processor = None, None
+    processor, image_processor, reason = None, None, ""
     if source is not None:
         try:
             processor = AutoProcessor.from_pretrained(source)
@@ -194,16 +194,17 @@ def load_vision(
         if image_processor is None:
             try:
                 image_processor = AutoImageProcessor.from_pretrained(source)
-            except (ImportError, OSError, ValueError):
-                image_processor = None
+            except (ImportError, OSError, ValueError) as err:
+                reason = f" (reading its image processor: {type(err).__name__}: {err})"
     token = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None)
     token_id = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) else None
     unknown = getattr(tokenizer, "unk_token_id", None)
     if image_processor is None or not isinstance(token, str) or token_id in (None, unknown):
         raise ValueError(
             f"the data set has images, but the model ({source!r}) has no image processor and "
-            "image token (no preprocessor_config.json, or no image token in its tokenizer), so "
-            "its images cannot become tokens: train a vision-language model (e.g. "
+            f"image token (no preprocessor_config.json, or no image token in its tokenizer)"
+            f"{reason.splitlines()[0] if reason else ''}, so its images cannot become tokens: "
+            "train a vision-language model (e.g. "
             "Qwen/Qwen2.5-VL-3B-Instruct, or model.tokenizer: demo_vlm with the tiny demo "
             "model), or remove the image data sets from data.dataset"
         )
