@@ -8,6 +8,12 @@ Invariants:
   Hugging Face turns into a block-diagonal mask: no attention across samples.
 - In a packed row the first label of every sample is -100, so no token learns to predict the first
   token of the next, unrelated sample.
+- `images` (vision-language data, else None): the image processor's per-image outputs for every
+  image of the micro-batch (e.g. Qwen2.5-VL `pixel_values` [total_patches, C*T*P*P] and
+  `image_grid_thw` [n_images, 3]; LLaVA `pixel_values` [n_images, 3, H, W]), concatenated along
+  dim 0 in row-major order of their placeholder tokens (row 0 left to right, then row 1 ...).
+  `input_ids` hold each image's tokens already expanded as the model's processor expands them
+  (one id per image feature position), and those positions are never supervised (label -100).
 """
 
 from __future__ import annotations
@@ -25,10 +31,7 @@ class Batch:
     labels: torch.Tensor  # [B, S] int64, IGNORE_INDEX where not supervised
     attention_mask: torch.Tensor | None = None  # [B, S] int64, None for packed rows
     position_ids: torch.Tensor | None = None  # [B, S] int64, restarting per packed sample
-    # vision-language rows: the image processor's per-image outputs (pixel_values, Qwen's
-    # image_grid_thw, ...), concatenated over the micro-batch's images in the order of their
-    # placeholder tokens, row by row; input_ids hold each image's placeholders expanded
-    images: dict[str, torch.Tensor] | None = None
+    images: dict[str, torch.Tensor] | None = None  # per-image processor outputs, see docstring
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -46,6 +49,17 @@ class Batch:
     def num_tokens(self) -> int:
         """Tokens that go through the model (padding included): what the GPU computes on."""
         return self.input_ids.numel()
+
+    @property
+    def num_images(self) -> int:
+        """Images of the micro-batch (0 for text): the first dim of any per-image tensor that
+        has one entry per image, `image_grid_thw` or `image_sizes` when the processor gives it."""
+        if not self.images:
+            return 0
+        for key in ("image_grid_thw", "image_sizes", "pixel_values"):
+            if key in self.images:
+                return int(self.images[key].shape[0])
+        return int(next(iter(self.images.values())).shape[0])
 
     @property
     def num_target_tokens(self) -> int:

@@ -17,3 +17,9 @@ def demo_assets_dir() -> Path:
 def demo_tokenizer_dir() -> Path:
     """The demo tokenizer folder, loadable with `AutoTokenizer.from_pretrained`."""
     return demo_assets_dir() / "tokenizer"
+
+
+def demo_vlm_dir() -> Path:
+    """The demo vision-language processor folder (tokenizer + image processor), written by
+    `megatrain.data.demo_vlm`; `model.tokenizer: demo_vlm` names it."""
+    return demo_assets_dir() / "vlm"

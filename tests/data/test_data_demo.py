@@ -12,6 +12,8 @@ from transformers import AutoTokenizer
 
 from megatrain.data import DataConfig, prepare_data
 from megatrain.data.demo_assets import NUM_CONVERSATIONS, UPPER_SYSTEM, generate
+from megatrain.data.demo_vlm import IMAGE_DIR
+from megatrain.data.demo_vlm import NUM_ROWS as NUM_VLM_ROWS
 from megatrain.package_assets import demo_assets_dir, demo_tokenizer_dir
 
 
@@ -24,18 +26,27 @@ def _files(root: Path) -> dict[str, bytes]:
 def test_committed_assets_equal_a_fresh_generation(tmp_path: Path) -> None:
     generate(tmp_path)
     committed = _files(demo_assets_dir())
-    assert sorted(committed) == [
+    images = sorted(k for k in committed if k.startswith(f"{IMAGE_DIR}/"))
+    assert len(images) > NUM_VLM_ROWS and all(k.endswith(".png") for k in images)
+    assert sorted(set(committed) - set(images)) == [
         "dataset_info.json",
         "demo.jsonl",
         "demo_alpaca.jsonl",
         "demo_count.jsonl",
         "demo_dpo.jsonl",
         "demo_text.txt",
+        "demo_vlm.json",
         "tokenizer/tokenizer.json",
         "tokenizer/tokenizer_config.json",
+        "vlm/chat_template.jinja",
+        "vlm/preprocessor_config.json",
+        "vlm/tokenizer.json",
+        "vlm/tokenizer_config.json",
     ]
     assert _files(tmp_path) == committed
     assert sum(len(b) for b in committed.values()) < 2 * 2**20
+    vlm = [k for k in committed if k.startswith(("demo_vlm", "vlm/"))]
+    assert sum(len(committed[k]) for k in vlm) < 2**20 / 2
 
 
 def test_tokenizer_loads_offline(monkeypatch: pytest.MonkeyPatch) -> None:

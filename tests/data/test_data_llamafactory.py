@@ -69,18 +69,12 @@ LOCAL_SFT = {  # file name in the registry: its rows
 LOCAL_PT = ("wiki_demo", "c4_demo")  # written by write_lf_corpus
 IMAGES = "multimodal data (columns.images)"
 UNSUPPORTED = {  # the entry: the feature its error names
-    "mllm_demo": f"{IMAGES} is",
     "mllm_audio_demo": "multimodal data (columns.audios) is",
     "mllm_video_demo": "multimodal data (columns.videos) is",
     "mllm_video_audio_demo": "multimodal data (columns.videos, columns.audios) is",
-    **{
-        name: f"{IMAGES} is"
-        for name in ("llava_1k_en", "llava_1k_zh", "llava_150k_en", "llava_150k_zh")
-    },
-    "pokemon_cap": f"{IMAGES} is",
-    "mllm_pt_demo": f"{IMAGES} is",
-    **{name: f"{IMAGES} is" for name in ("rlhf_v", "vlfeedback", "rlaif_v")},  # preference too
+    **{name: f"{IMAGES} is" for name in ("rlhf_v", "vlfeedback", "rlaif_v")},  # preference
 }
+LOCAL_IMAGES = ("mllm_demo",)  # loads with a vision-language processor (test_data_vlm.py)
 # preference entries (data.stage dpo) and KTO entries (kto), local or on the hub
 DPO = ("dpo_en_demo", "dpo_zh_demo", "dpo_mix_en", "dpo_mix_zh", "coig_p", "ultrafeedback")
 DPO_HUB_NO_COLUMNS = ("orca_pairs", "nectar_rm", "orca_dpo_de")
@@ -111,7 +105,7 @@ HUB_PT = (  # raw-text corpora: tried under data.stage: pt
 )
 LOCAL_FILES = {**LOCAL_SFT, **LOCAL_PREFERENCE}
 LOCAL_NAMES = [n for n, e in INFO.items() if e.get("file_name") in LOCAL_FILES] + list(LOCAL_PT)
-HUB = [n for n in INFO if n not in {*LOCAL_NAMES, *UNSUPPORTED, "deepctrl"}]
+HUB = [n for n in INFO if n not in {*LOCAL_NAMES, *UNSUPPORTED, *LOCAL_IMAGES, "deepctrl"}]
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +148,7 @@ def test_the_fixture_is_llamafactorys_file_and_every_entry_is_classified() -> No
     data = (FIXTURE / "dataset_info.json").read_bytes()
     assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == GIT_BLOB
     assert len(INFO) == 104
-    assert len(LOCAL_NAMES) == 10 and len(UNSUPPORTED) == 13 and len(HUB) == 80
+    assert len(LOCAL_NAMES) == 10 and len(UNSUPPORTED) == 6 and len(HUB) == 86
     assert {n for n, e in INFO.items() if e.get("ranking")} == {
         *DPO,
         *DPO_HUB_NO_COLUMNS,

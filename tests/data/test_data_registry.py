@@ -135,7 +135,10 @@ def test_unknown_name_lists_registry_and_file(tmp_path: Path) -> None:
             {"file_name": "x.json", "ranking": True, "columns": {"kto_tag": "l"}},
             "columns.kto_tag (KTO, one labelled completion per row) and ranking: true",
         ),
-        ({"file_name": "x.json", "columns": {"images": "i"}}, "multimodal data (columns.images)"),
+        (
+            {"file_name": "x.json", "ranking": True, "columns": {"images": "i"}},
+            "multimodal data (columns.images)",
+        ),
         ({"file_name": "x.json", "file": "y.json"}, "unsupported keys ['file']"),
         ({"file_name": "x.json", "formatting": "xml"}, "formatting='xml'"),
         ({"file_name": "x.json", "num_samples": 0}, "num_samples=0"),

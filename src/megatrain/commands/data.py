@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # config errors before torch loads
     from megatrain.data import run_data_command
+    from megatrain.model.tokenizer import processor_source
     from megatrain.recipes.builder import RunBuilder
 
     builder = RunBuilder(cfg)
@@ -34,4 +35,5 @@ def run(args: argparse.Namespace) -> int:
         seq_len=cfg.seq_len,
         micro_batch_size=mbs if isinstance(mbs, int) else 1,
         out=sys.stdout,
+        processor=processor_source(cfg.model.tokenizer, cfg.model.name_or_path),
     )

@@ -3,7 +3,8 @@
 
 Entry points for the trainer (the only place that reads `DataConfig`):
 
-    data = prepare_data(cfg.data, tokenizer)          # PreparedData
+    data = prepare_data(cfg.data, tokenizer, processor=model_dir)  # PreparedData; `processor`:
+                                                      # the model's folder or hub id (images)
     data.train, data.eval                             # list[Sample] (eval: None or a list);
                                                       # stage pt: a PretrainCorpus each
     data.stats, data.eval_stats                       # DataStats: rows read, kept, dropped by
@@ -11,7 +12,8 @@ Entry points for the trainer (the only place that reads `DataConfig`):
     loader = make_loader(data.train, micro_batch_size=4, seq_len=cfg.data.cutoff_len,
                          packing=cfg.data.packing, pad_token_id=data.pad_token_id,
                          shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-                         pad_to_multiple_of=cfg.data.pad_to_multiple_of)
+                         pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+                         vision=data.vision)          # data.vision: None without images
     len(loader)                                       # micro-batches per epoch (fixed)
     for batch in loader: ...                          # megatrain.batch.Batch; one epoch, then
                                                       # the epoch counter advances
@@ -26,6 +28,9 @@ Data flow and modules:
     formats.py    alpaca / sharegpt / OpenAI rows -> Conversation (malformed rows: drop reason)
     template.py   Conversation -> Sample via the tokenizer's chat template; every assistant turn
                   supervised, the rest IGNORE_INDEX (unless train_on_prompt)
+    vision.py     images: paths, `<image>` placeholder checks, the model processor's token counts
+                  and pixel tensors (Batch.images)
+    prefetch.py   the bounded prefetch thread the loader builds image micro-batches on
     pipeline.py   prepare_data: the above per data set, statistics, val split
     packing.py    best-fit-decreasing packing; packed and padded Batch construction
     loader.py     BatchLoader: seeded per-epoch shuffle, exact mid-epoch resume
@@ -34,6 +39,7 @@ Data flow and modules:
     pretrain.py   PretrainCorpus: the documents of the data sets over the cached token files
     pretrain_loader.py  PretrainLoader: the document stream cut into rows of seq_len
   demo_assets.py  the built-in synthetic data sets and tokenizer (megatrain/assets/demo)
+  demo_vlm.py   the built-in image task and tiny vision-language processor (called by it)
 
 The names above are imported on first use (`_EXPORTS`): importing the package, as the config
 does for `DataConfig`, loads neither torch nor transformers, so `megatrain --help` stays fast.

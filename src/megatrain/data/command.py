@@ -12,12 +12,18 @@ the eos between documents shows as the tokenizer decodes it.
 JSON form (`--json`): one object per line, {"input_ids", "labels", "position_ids",
 "attention_mask"} lists of a row (attention_mask null for packed rows), then a last line
 {"summary": {...}}, so the output parses line by line.
+
+Rows with images: each sample line says how many images it holds, then one line per image: its
+path, its size as the processor sees it (W x H, after data.image_max_pixels/min_pixels) and its
+token count; runs of the image token show as `<|image_pad|> x N`. JSON rows add "images":
+[{"path", "width", "height", "tokens"}] in the order of their tokens.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 from typing import Any, TextIO
 
 from megatrain.batch import IGNORE_INDEX, Batch
@@ -27,6 +33,7 @@ from megatrain.data.pipeline import PreparedData, prepare_data
 from megatrain.data.pretrain import PretrainCorpus
 from megatrain.data.pretrain_loader import PretrainLoader
 from megatrain.data.sample import Sample
+from megatrain.data.vision import VisionProcessor
 
 OPEN_MARK, CLOSE_MARK = "[[", "]]"
 
@@ -40,8 +47,10 @@ def run_data_command(
     seq_len: int,
     micro_batch_size: int,
     out: TextIO,
+    processor: str | None = None,
 ) -> int:
-    """Print `show` rows of epoch 0 and the data summary to `out`; the exit status."""
+    """Print `show` rows of epoch 0 and the data summary to `out`; the exit status.
+    `processor`: the model's folder or hub id, for data sets with images."""
     if isinstance(show, bool) or not isinstance(show, int) or show < 0:
         raise ValueError(
             f"--show {show}: the number of rows to print must be 0 or more (0: the summary only)"
@@ -58,7 +67,7 @@ def run_data_command(
             micro_batch_size=micro_batch_size,
             out=out,
         )
-    data = prepare_data(cfg, tokenizer)
+    data = prepare_data(cfg, tokenizer, processor=processor)
     loader = make_loader(
         data.train,
         micro_batch_size=micro_batch_size,
@@ -68,6 +77,7 @@ def run_data_command(
         shuffle=cfg.shuffle,
         seed=cfg.seed,
         pad_to_multiple_of=cfg.pad_to_multiple_of,
+        vision=data.vision,
     )
     shown = 0
     for batch in loader:
@@ -75,10 +85,12 @@ def run_data_command(
             if shown == show:
                 break
             row = _row(batch, r)
+            images = _row_images(loader, shown, data.vision)
             if as_json:
-                out.write(json.dumps(row) + "\n")
+                out.write(json.dumps(row | ({"images": images} if images else {})) + "\n")
             else:
-                out.write(_describe_row(row, shown, tokenizer, data.pad_token_id))
+                text = _describe_row(row, shown, tokenizer, data.pad_token_id)
+                out.write(_with_images(text, images, data.vision))
             shown += 1
         if shown == show:
             break
@@ -99,6 +111,51 @@ def _row(batch: Batch, r: int) -> dict[str, Any]:
         "position_ids": batch.position_ids[r].tolist(),
         "attention_mask": None if mask is None else mask[r].tolist(),
     }
+
+
+def _row_images(
+    loader: BatchLoader, index: int, vision: VisionProcessor | None
+) -> list[dict[str, Any]]:
+    """The images of row `index` of epoch 0, in the order of their tokens."""
+    if vision is None or isinstance(loader, PretrainLoader):
+        return []
+    picked = int(loader.epoch_order(0)[index])
+    members = loader.rows[picked] if loader.rows is not None else [picked]
+    images = []
+    for sample in (loader.samples[i] for i in members):
+        for path, tokens in zip(sample.images, sample.image_tokens, strict=True):
+            width, height = vision.image_size(path)
+            images.append({"path": path, "width": width, "height": height, "tokens": tokens})
+    return images
+
+
+def _with_images(text: str, images: list[dict[str, Any]], vision: VisionProcessor | None) -> str:
+    """The row's text with image token runs compacted, and after each sample's header its image
+    count and a line per image."""
+    if vision is None:
+        return text
+    token = re.escape(vision.image_token)
+    text = re.sub(f"(?:{token}){{2,}}", lambda m: _run(m.group(0), vision.image_token), text)
+    out, queue = [], list(images)
+    for block in re.split(r"(?m)^(?=--- sample)", text):
+        runs = len(re.findall(f"{token}(?: x \\d+)?", block))
+        if not block.startswith("--- sample") or not runs:
+            out.append(block)
+            continue
+        header, _, body = block.partition("\n")
+        lines = [header, f"{runs} image(s):"]
+        lines += [
+            f"  {image['path']}: {image['width']} x {image['height']} pixels, "
+            f"{image['tokens']} tokens"
+            for image in queue[:runs]
+        ]
+        queue = queue[runs:]
+        out.append("\n".join(lines) + "\n" + body)
+    return "".join(out)
+
+
+def _run(run: str, token: str) -> str:
+    return f"{token} x {run.count(token)}"
 
 
 def _segments(row: dict[str, Any], pad_token_id: int) -> list[tuple[int, int, bool]]:
@@ -146,11 +203,12 @@ def _split_summary(samples: list[Sample] | PretrainCorpus | None) -> dict[str, i
     if isinstance(samples, PretrainCorpus):  # raw text: every token is a label
         n = samples.num_tokens
         return {"documents": len(samples), "tokens": n, "supervised_tokens": n}
+    images = sum(len(s.images) for s in samples)
     return {
         "samples": len(samples),
         "tokens": sum(s.num_tokens for s in samples),
         "supervised_tokens": sum(s.num_target_tokens for s in samples),
-    }
+    } | ({"images": images} if images else {})
 
 
 def _summary(data: PreparedData, loader: BatchLoader) -> dict[str, Any]:
@@ -189,6 +247,7 @@ def _describe_summary(summary: dict[str, Any]) -> str:
             lines.append(
                 f"{split}: {part[unit]} {unit}, {part['tokens']} tokens, "
                 f"{part['supervised_tokens']} supervised tokens"
+                + (f", {part['images']} images" if part.get("images") else "")
             )
     for key in ("preparation", "eval_preparation"):
         prep = summary[key]

@@ -110,6 +110,14 @@ class DataConfig:
     size and mtime, the tokenizer and the settings). None: `$MEGATRAIN_CACHE`, else
     `~/.cache/megatrain`."""
 
+    image_max_pixels: int = 768 * 768
+    """Images with more pixels (width x height) are scaled down to this, aspect kept, before the
+    model's image processor sees them (LLaMA-Factory's `image_max_pixels`): fewer image tokens,
+    less memory. Applies to the token count and the pixels alike."""
+
+    image_min_pixels: int = 32 * 32
+    """Images with fewer pixels are scaled up to this (LLaMA-Factory's `image_min_pixels`)."""
+
     def layout(self) -> str:
         """The row layout the loader produces, as the resource estimate names it: "padded",
         "packed" (position ids restart inside rows) or "full" (plain causal rows)."""
@@ -148,6 +156,13 @@ class DataConfig:
         _check_int("pad_to_multiple_of", self.pad_to_multiple_of, minimum=1)
         _check_int("min_target_tokens", self.min_target_tokens, minimum=0)
         _check_int("seed", self.seed, minimum=0)
+        _check_int("image_max_pixels", self.image_max_pixels, minimum=1)
+        _check_int("image_min_pixels", self.image_min_pixels, minimum=1)
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError(
+                f"data.image_min_pixels={self.image_min_pixels} is more than "
+                f"data.image_max_pixels={self.image_max_pixels}; set min <= max"
+            )
         if self.max_samples is not None:
             _check_int("max_samples", self.max_samples, minimum=1)
         if self.multi_turn not in MULTI_TURN_CHOICES:

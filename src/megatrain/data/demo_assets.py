@@ -16,6 +16,9 @@ as package data) so that `megatrain train` and the tests run with no download:
                           `chosen` (the correct answer) and `rejected` (a corrupted one):
                           registered `demo_dpo` with `ranking: true` (the DPO demo)
     tokenizer/            byte-level BPE (VOCAB_SIZE tokens) + ChatML chat template
+    demo_vlm.json, demo_vlm_images/, vlm/   the vision-language demo (data/demo_vlm.py):
+                          an image task in LLaMA-Factory's mllm format, registered `demo_vlm`,
+                          and the tiny processor it is tokenized with (`model.tokenizer: demo_vlm`)
 
 The task is deterministic and learnable by a tiny model in minutes on a CPU: reverse, sort or
 count 3-6 letters from LETTERS, or add two numbers below 50. A quarter of the conversations carry
@@ -34,6 +37,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from megatrain.data import demo_vlm
 from megatrain.package_assets import demo_assets_dir
 
 SEED = 1234
@@ -153,6 +157,7 @@ DATASET_INFO = {
             "system": "system",
         },
     },
+    "demo_vlm": demo_vlm.DATASET_ENTRY,
 }
 
 
@@ -257,6 +262,7 @@ def generate(out_dir: Path, seed: int = SEED, num_conversations: int = NUM_CONVE
     _write_jsonl(out_dir / "demo_dpo.jsonl", preference_pairs(random.Random(seed + 2), NUM_PAIRS))
     (out_dir / "dataset_info.json").write_text(json.dumps(DATASET_INFO, indent=2) + "\n")
     train_tokenizer(_corpus(conversations), out_dir / "tokenizer")
+    demo_vlm.generate(out_dir, out_dir / "tokenizer")
 
 
 if __name__ == "__main__":

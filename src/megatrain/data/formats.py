@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatrain.data.registry import DatasetSpec
@@ -51,6 +51,9 @@ class Conversation:
     messages: list[dict[str, Any]]
     system: str | None = None
     tools: list[Any] | None = None
+    # the row's `images` column as written (paths, unresolved); the pipeline resolves and checks
+    # them (data/vision.py), then holds absolute paths here
+    images: list[Any] = field(default_factory=list)
 
 
 class _Drop(Exception):
@@ -64,6 +67,7 @@ def convert_row(row: dict[str, Any], spec: DatasetSpec) -> Conversation | str:
     try:
         conv = _alpaca(row, spec) if spec.formatting == "alpaca" else _sharegpt(row, spec)
         _check_turns(conv.messages)
+        conv.images = _json_list(row, spec.images) if spec.images else []
     except _Drop as drop:
         return drop.reason
     return conv

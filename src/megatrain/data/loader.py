@@ -9,19 +9,25 @@ Resume: `state_dict()` is {"epoch", "step"} (the next micro-batch to yield) plus
 the data and settings; `load_state_dict()` restores the position and refuses a fingerprint that
 differs, since the same position would then name different batches. Taking the state after the
 last batch of an epoch gives (epoch + 1, 0).
+
+Images: when samples hold images, micro-batches are built (pixels decoded and processed by
+`vision.features`) on a prefetch thread, DEPTH micro-batches ahead (data/prefetch.py), in the same
+order; `step` still counts the micro-batches yielded, so the state is the same as without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from megatrain.batch import Batch
 from megatrain.data.packing import pack_rows, packed_batch, padded_batch
+from megatrain.data.prefetch import prefetched
 from megatrain.data.pretrain import PretrainCorpus
 from megatrain.data.sample import Sample
+from megatrain.data.vision import VisionProcessor
 
 
 class BatchLoader:
@@ -38,8 +44,12 @@ class BatchLoader:
         pad_to_multiple_of: int,
         shuffle: bool,
         seed: int,
+        vision: VisionProcessor | None = None,
     ) -> None:
         self.samples = samples
+        self.num_images = sum(len(s.images) for s in samples)
+        assert vision is not None or not self.num_images, "samples with images need `vision`"
+        self.vision = vision
         self.rows = rows  # packing plan; None: padded batches of single samples
         self.micro_batch_size = micro_batch_size
         self.seq_len = seq_len
@@ -70,25 +80,42 @@ class BatchLoader:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
 
     def _make_batch(self, picked: np.ndarray) -> Batch:
+        features = None if self.vision is None else self.vision.features
         if self.rows is not None:
             rows = [[self.samples[i] for i in self.rows[r]] for r in picked]
-            return packed_batch(rows, seq_len=self.seq_len, pad_token_id=self.pad_token_id)
+            return packed_batch(
+                rows, seq_len=self.seq_len, pad_token_id=self.pad_token_id, features=features
+            )
         return padded_batch(
             [self.samples[i] for i in picked],
             pad_token_id=self.pad_token_id,
             pad_to_multiple_of=self.pad_to_multiple_of,
             max_len=self.seq_len,
+            features=features,
         )
 
     def __iter__(self) -> Iterator[Batch]:
+        for batch in self.iterate():
+            assert batch is not None
+            yield batch
+
+    def iterate(self, wanted: Callable[[], bool] | None = None) -> Iterator[Batch | None]:
+        """The remaining micro-batches of the epoch. `wanted`, asked once per micro-batch in
+        order: False yields None in its place, unbuilt (another rank's share, data/ranks.py)."""
         self._roll_over()
-        order = self.epoch_order(self.epoch)
-        while self.step < len(self):
-            b = self.micro_batch_size
-            batch = self._make_batch(order[self.step * b : (self.step + 1) * b])
+        order, b = self.epoch_order(self.epoch), self.micro_batch_size
+        picks = (
+            order[s * b : (s + 1) * b] if wanted is None or wanted() else None
+            for s in range(self.step, len(self))
+        )
+        make = prefetched if self.num_images else _on_this_thread
+        for batch in make(self._build, picks):
             self.step += 1  # before the yield: a checkpoint taken now resumes after this batch
             yield batch
         self._roll_over()
+
+    def _build(self, picked: np.ndarray | None) -> Batch | None:
+        return None if picked is None else self._make_batch(picked)
 
     def _roll_over(self) -> None:
         if self.step >= len(self):
@@ -105,7 +132,7 @@ class BatchLoader:
             "seq_len": self.seq_len,
             "shuffle": self.shuffle,
             "seed": self.seed,
-        }
+        } | ({"num_images": self.num_images} if self.num_images else {})
 
     def state_dict(self) -> dict[str, Any]:
         epoch, step = (self.epoch + 1, 0) if self.step >= len(self) else (self.epoch, self.step)
@@ -125,6 +152,10 @@ class BatchLoader:
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
 
 
+def _on_this_thread(make: Any, items: Any) -> Iterator[Batch | None]:
+    return map(make, items)
+
+
 def make_loader(
     samples: list[Sample] | PretrainCorpus,
     *,
@@ -135,11 +166,13 @@ def make_loader(
     shuffle: bool = True,
     seed: int = 0,
     pad_to_multiple_of: int = 1,
+    vision: VisionProcessor | None = None,
 ) -> BatchLoader:
     """A BatchLoader over `samples`; with `packing`, rows of exactly `seq_len` tokens.
 
     A PretrainCorpus (stage pt) always gives rows of exactly `seq_len` tokens cut from its
-    document stream (pretrain_loader.py); `packing` and `pad_to_multiple_of` do not apply."""
+    document stream (pretrain_loader.py); `packing` and `pad_to_multiple_of` do not apply.
+    `vision`: the processor of samples with images (PreparedData.vision)."""
     if isinstance(samples, PretrainCorpus):
         from megatrain.data.pretrain_loader import make_pretrain_loader  # imports this module
 
@@ -174,4 +207,5 @@ def make_loader(
         pad_to_multiple_of=pad_to_multiple_of,
         shuffle=shuffle,
         seed=seed,
+        vision=vision,
     )

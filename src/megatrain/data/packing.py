@@ -18,17 +18,37 @@ Packed rows (`packed_batch`), the Batch contract for `attention_mask=None`:
 Padded batches (`padded_batch`): right padding to the longest sample (rounded up to a multiple of
 `pad_to_multiple_of`, capped at `max_len`), attention_mask 1/0, labels IGNORE_INDEX at pads,
 position_ids = arange for every row.
+
+Images (vision-language samples): `features` (the processor's `VisionProcessor.features`) is
+called once per micro-batch on the image paths of its samples in row-major order (row 0's samples
+left to right, then row 1 ...), which is the order of their image tokens in `input_ids`; its
+tensors become `Batch.images`. Text-only micro-batches carry `images=None`.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from megatrain.batch import IGNORE_INDEX, Batch
 from megatrain.data.sample import Sample
+
+ImageFeatures = Callable[[list[str]], dict[str, torch.Tensor]]
+"""Image paths -> the image processor's tensors for them, per-image outputs concatenated."""
+
+
+def _images(
+    samples: list[Sample], features: ImageFeatures | None
+) -> dict[str, torch.Tensor] | None:
+    """`Batch.images` of samples laid out in this order, or None when they hold no image."""
+    paths = [path for sample in samples for path in sample.images]
+    if not paths:
+        return None
+    assert features is not None, "samples with images need the processor's features"
+    return features(paths)
 
 
 def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
@@ -55,7 +75,13 @@ def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
     return rows
 
 
-def packed_batch(rows: list[list[Sample]], *, seq_len: int, pad_token_id: int) -> Batch:
+def packed_batch(
+    rows: list[list[Sample]],
+    *,
+    seq_len: int,
+    pad_token_id: int,
+    features: ImageFeatures | None = None,
+) -> Batch:
     """One micro-batch of packed rows, each exactly `seq_len` tokens (see module docstring)."""
     input_ids = np.full((len(rows), seq_len), pad_token_id, dtype=np.int64)
     labels = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
@@ -76,11 +102,17 @@ def packed_batch(rows: list[list[Sample]], *, seq_len: int, pad_token_id: int) -
         labels=torch.from_numpy(labels),
         attention_mask=None,
         position_ids=torch.from_numpy(position_ids),
+        images=_images([sample for row in rows for sample in row], features),
     )
 
 
 def padded_batch(
-    samples: list[Sample], *, pad_token_id: int, pad_to_multiple_of: int = 1, max_len: int
+    samples: list[Sample],
+    *,
+    pad_token_id: int,
+    pad_to_multiple_of: int = 1,
+    max_len: int,
+    features: ImageFeatures | None = None,
 ) -> Batch:
     """One micro-batch right-padded to its longest sample (see module docstring)."""
     longest = max(s.num_tokens for s in samples)
@@ -100,4 +132,5 @@ def padded_batch(
         labels=torch.from_numpy(labels),
         attention_mask=torch.from_numpy(attention_mask),
         position_ids=torch.from_numpy(position_ids.copy()),
+        images=_images(samples, features),
     )

@@ -9,6 +9,11 @@ a seeded random `val_size` split of the processed training samples.
 Stage pt (raw text) takes the same steps through pretrain.py instead: the data sets become one
 `PretrainCorpus` (documents over cached token files) and `val_size` splits whole documents.
 
+Images (an `images` column): each row's paths are resolved and its `<image>` placeholders
+counted (data/vision.py, errors name the data set and row); the model's processor is loaded from
+`processor` (the model's folder or hub id) at the first row with images, so text data never needs
+one, and `PreparedData.vision` hands it to the loader.
+
 Invariant: every row read is either kept or counted under exactly one drop reason, so
 `stats.rows_read == stats.kept + stats.num_dropped`; nothing is dropped silently.
 """
@@ -16,6 +21,7 @@ Invariant: every row read is either kept or counted under exactly one drop reaso
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,13 +29,19 @@ from typing import Any
 import numpy as np
 
 from megatrain.data.config import PREFERENCE_STAGES, DataConfig
-from megatrain.data.formats import MISSING_COLUMN, convert_row
+from megatrain.data.formats import MISSING_COLUMN, Conversation, convert_row
 from megatrain.data.preference import check_stage
 from megatrain.data.pretrain import PretrainCorpus, load_corpus, split_corpus
 from megatrain.data.readers import download_hub_dataset, iter_rows, read_rows
 from megatrain.data.registry import DatasetSpec, resolve_datasets, sft_format_of
 from megatrain.data.sample import DataStats, Sample, held_out_mask
-from megatrain.data.template import OVER_CUTOFF, ChatEncoder
+from megatrain.data.template import IMAGE_OVER_CUTOFF, OVER_CUTOFF, ChatEncoder
+from megatrain.data.vision import (
+    VisionProcessor,
+    check_placeholders,
+    load_vision,
+    resolve_image_paths,
+)
 from megatrain.package_assets import demo_assets_dir
 
 logger = logging.getLogger(__name__)
@@ -42,10 +54,12 @@ class PreparedData:
     stats: DataStats  # the training data sets, before any val_size split
     eval_stats: DataStats | None  # the eval_dataset data sets, when given
     pad_token_id: int
+    vision: VisionProcessor | None = None  # the model's image processing, when rows have images
 
 
-def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
-    """Read, convert, render and split the data sets of `cfg` with `tokenizer`."""
+def prepare_data(cfg: DataConfig, tokenizer: Any, *, processor: str | None = None) -> PreparedData:
+    """Read, convert, render and split the data sets of `cfg` with `tokenizer`; `processor`: the
+    model's folder or hub id, whose processor turns images into tokens (data with images)."""
     cfg.validate()
     dataset_dir = Path(cfg.dataset_dir).expanduser() if cfg.dataset_dir else demo_assets_dir()
     if cfg.dataset_dir and not dataset_dir.is_dir():
@@ -73,14 +87,16 @@ def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
     specs = resolve_datasets(cfg.dataset_names(), dataset_dir)
     for spec in specs:
         check_stage(spec, cfg.stage)
-    train, stats = load_samples(specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed)
+    options: dict[str, Any] = dict(max_samples=cfg.max_samples, seed=cfg.seed)
+    options["vision"] = lambda: load_vision(
+        processor, tokenizer, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels
+    )
+    train, stats = load_samples(specs, encoder, **options)
     eval_samples: list[Sample] | None = None
     eval_stats: DataStats | None = None
     if cfg.eval_dataset_names():
         eval_specs = resolve_datasets(cfg.eval_dataset_names(), dataset_dir)
-        eval_samples, eval_stats = load_samples(
-            eval_specs, encoder, max_samples=cfg.max_samples, seed=cfg.seed
-        )
+        eval_samples, eval_stats = load_samples(eval_specs, encoder, **options)
     if not train:
         raise ValueError(
             f"no training sample is left from data.dataset={cfg.dataset!r}: {stats.describe()}; "
@@ -89,7 +105,8 @@ def prepare_data(cfg: DataConfig, tokenizer: Any) -> PreparedData:
         )
     if not cfg.eval_dataset_names() and cfg.val_size > 0:
         train, eval_samples = split_validation(train, val_size=cfg.val_size, seed=cfg.seed)
-    return PreparedData(train, eval_samples, stats, eval_stats, pad_token_id_of(tokenizer))
+    pad_id = pad_token_id_of(tokenizer)
+    return PreparedData(train, eval_samples, stats, eval_stats, pad_id, encoder.vision)
 
 
 def _prepare_pretrain(cfg: DataConfig, tokenizer: Any, dataset_dir: Path) -> PreparedData:
@@ -100,6 +117,12 @@ def _prepare_pretrain(cfg: DataConfig, tokenizer: Any, dataset_dir: Path) -> Pre
         cache_dir=cfg.cache_dir,
     )
     specs = resolve_datasets(cfg.dataset_names(), dataset_dir, stage="pt")
+    for spec in specs:
+        if spec.images:
+            raise ValueError(
+                f"data set {spec.name!r} has an images column, which data.stage: pt (raw text) "
+                "does not read; train it with data.stage: sft, or remove it from data.dataset"
+            )
     train, stats = load_corpus(specs, tokenizer, **options)
     if not len(train):
         raise ValueError(
@@ -118,17 +141,25 @@ def _prepare_pretrain(cfg: DataConfig, tokenizer: Any, dataset_dir: Path) -> Pre
 
 
 def load_samples(
-    specs: list[DatasetSpec], encoder: ChatEncoder, *, max_samples: int | None, seed: int
+    specs: list[DatasetSpec],
+    encoder: ChatEncoder,
+    *,
+    max_samples: int | None,
+    seed: int,
+    vision: Callable[[], VisionProcessor] | None = None,
 ) -> tuple[list[Sample], DataStats]:
-    """The samples of `specs`, concatenated, and the statistics of all their rows."""
+    """The samples of `specs`, concatenated, and the statistics of all their rows. `vision`
+    loads the model's processor, called at the first row with images (text data needs none)."""
     samples: list[Sample] = []
     total = DataStats()
     for spec in specs:
         stats = DataStats()
         rows = read_dataset(spec, seed=seed)[:max_samples]
-        for row in rows:
+        for index, row in enumerate(rows):
             stats.rows_read += 1
             conv = convert_row(row, spec)
+            if spec.images and not isinstance(conv, str):
+                _attach_images(conv, spec, index, encoder, vision)
             result = conv if isinstance(conv, str) else encoder.encode(conv)
             if isinstance(result, str):
                 stats.drop(result)
@@ -139,10 +170,40 @@ def load_samples(
         if rows and not stats.kept and stats.dropped.get(MISSING_COLUMN) == stats.rows_read:
             _refuse_raw_text(spec, rows[0])
         hint = over_cutoff_hint(stats, encoder, encoder.take_longest_over_cutoff())
+        if stats.dropped.get(IMAGE_OVER_CUTOFF):
+            hint += (
+                f"; {stats.dropped[IMAGE_OVER_CUTOFF]} rows were dropped because their image "
+                f"tokens do not fit data.cutoff_len={encoder.cutoff_len} (an image is never cut): "
+                "raise data.cutoff_len or lower data.image_max_pixels"
+            )
         log = logger.warning if stats.dropped else logger.info
         log("data set %s (%s): %s%s", spec.name, spec.path, stats.describe(), hint)
         total.add(stats)
     return samples, total
+
+
+def _attach_images(
+    conv: Conversation,
+    spec: DatasetSpec,
+    index: int,
+    encoder: ChatEncoder,
+    vision: Callable[[], VisionProcessor] | None,
+) -> None:
+    """Resolve the row's images and check its placeholders (errors name the data set and row);
+    the encoder's processor is loaded at the first image."""
+    paths = resolve_image_paths(
+        conv.images, dataset=spec.name, row=index, media_dir=Path(spec.media_dir)
+    )
+    texts = [m["content"] for m in conv.messages if isinstance(m.get("content"), str)]
+    check_placeholders(texts, len(paths), dataset=spec.name, row=index)
+    conv.images = paths
+    if paths and encoder.vision is None:
+        if vision is None:
+            raise ValueError(
+                f"data set {spec.name!r} has images, but no model processor was given to turn "
+                "them into tokens; train a vision-language model"
+            )
+        encoder.vision = vision()
 
 
 def over_cutoff_hint(stats: DataStats, encoder: ChatEncoder, longest: int) -> str:

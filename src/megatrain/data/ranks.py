@@ -9,12 +9,15 @@ one-process run with the same global batch. Groups run across epoch boundaries, 
 gets the same number of micro-batches. An epoch is counted in the job's micro-batches (`len`),
 so a run of `num_epochs` takes the steps, rows and learning rates of that one-process run.
 
-Every rank reads (and so builds) the whole stream; the state is the underlying loader's
-position, identical on all ranks, plus the world size (a checkpoint resumes with the same one).
+Every rank reads the whole stream but builds only its own micro-batches (the others are
+skipped unbuilt: no pixels decoded for another rank's images); the state is the underlying
+loader's position, identical on all ranks, plus the world size (a checkpoint resumes with the
+same one).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +33,7 @@ class RankLoader:
         self.loader = loader
         self.rank = rank
         self.world_size = world_size
-        self._stream: Iterator[Batch] | None = None
+        self._stream: Iterator[Batch | None] | None = None
 
     def __len__(self) -> int:
         """The job's micro-batches per epoch, every rank's together (this rank takes 1 in
@@ -38,16 +41,23 @@ class RankLoader:
         so both run the same number of steps."""
         return len(self.loader)
 
-    def _endless(self) -> Iterator[Batch]:
+    def _endless(self) -> Iterator[Batch | None]:
+        taken = itertools.count()  # micro-batches of the stream since it (re)started
+
+        def mine() -> bool:
+            return next(taken) % self.world_size == self.rank
+
         while True:
-            yield from self.loader
+            yield from self.loader.iterate(mine)
 
     def __iter__(self) -> Iterator[Batch]:
         if self._stream is None:
             self._stream = self._endless()
+        stream = self._stream
         while True:
-            group = [next(self._stream) for _ in range(self.world_size)]
-            yield group[self.rank]
+            batch = [next(stream) for _ in range(self.world_size)][self.rank]
+            assert batch is not None
+            yield batch
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.loader.state_dict(), "world_size": self.world_size}

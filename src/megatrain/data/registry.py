@@ -6,8 +6,12 @@ package's "openai", which is sharegpt with OpenAI's role/content tags), optional
 `tags` that rename the fields, and `split`, `subset`, `folder`, `revision`, `num_samples`.
 LLaMA-Factory's other sources (`ms_hub_url`, `om_hub_url` or any other `*_hub_url`, `script_url`,
 `cloud_file_name`) are alternatives to those two: ignored when the entry has one of them, an
-error naming the entry otherwise. Entries of features not supported yet (`images`/`videos`/
-`audios` columns) are refused by name.
+error naming the entry otherwise. Entries of features not supported yet (`videos`/`audios`
+columns) are refused by name.
+
+Vision-language data (LLaMA-Factory's `mllm_demo`) names an `images` column, in alpaca and
+sharegpt formats alike: a list of image paths per row, relative to the registry's folder (or
+absolute), with one `<image>` placeholder in the text per image (data/vision.py).
 
 Preference data (data.stage dpo) is registered as LLaMA-Factory does: `"ranking": true` and
 `columns` naming `chosen` and `rejected` (alpaca: text columns; sharegpt/openai: one assistant
@@ -36,8 +40,17 @@ from megatrain.data.readers import TEXT_COLUMN, iter_rows
 REGISTRY_FILE = "dataset_info.json"
 FORMATTINGS = ("alpaca", "sharegpt", "openai")
 PREFERENCE_COLUMNS = ("chosen", "rejected", "kto_tag")
-ALPACA_COLUMNS = ("prompt", "query", "response", "history", "system", "tools", *PREFERENCE_COLUMNS)
-SHAREGPT_COLUMNS = ("messages", "system", "tools", *PREFERENCE_COLUMNS)
+ALPACA_COLUMNS = (
+    "prompt",
+    "query",
+    "response",
+    "history",
+    "system",
+    "tools",
+    "images",
+    *PREFERENCE_COLUMNS,
+)
+SHAREGPT_COLUMNS = ("messages", "system", "tools", "images", *PREFERENCE_COLUMNS)
 TAGS = (
     "role_tag",
     "content_tag",
@@ -53,7 +66,6 @@ OTHER_SOURCES = ("script_url", "cloud_file_name")
 HUB_URL_SUFFIX = "_hub_url"
 # Features of LLaMA-Factory's registry not supported yet, by the column that marks each.
 UNSUPPORTED_COLUMNS = {
-    "images": "multimodal",
     "videos": "multimodal",
     "audios": "multimodal",
 }
@@ -94,6 +106,8 @@ class DatasetSpec:
     # both
     system: str | None = None
     tools: str | None = None
+    images: str | None = None  # a list of image paths per row, relative to `media_dir`
+    media_dir: str = "."  # the registry's folder (data.dataset_dir), or a direct path's folder
     # sharegpt tags
     role_tag: str = "from"
     content_tag: str = "value"
@@ -203,6 +217,7 @@ def spec_from_entry(name: str, entry: Any, dataset_dir: Path) -> DatasetSpec:
         load_from=load_from,
         path=path,
         formatting=formatting,
+        media_dir=str(dataset_dir),
     )
     if entry.get("ranking"):  # LLaMA-Factory's entries without columns use these names
         spec = replace(spec, ranking=True, chosen="chosen", rejected="rejected")
@@ -231,15 +246,18 @@ def _refuse_unsupported_features(entry: dict[str, Any], where: str) -> None:
     """Name the features of the entry that are not supported yet (before any column check)."""
     columns = entry.get("columns")
     found: dict[str, list[str]] = {}
-    for column, feature in UNSUPPORTED_COLUMNS.items():
+    unsupported = dict(UNSUPPORTED_COLUMNS)
+    if entry.get("ranking") or (isinstance(columns, dict) and "kto_tag" in columns):
+        unsupported = {"images": "multimodal", **unsupported}  # image preference data
+    for column, feature in unsupported.items():
         if isinstance(columns, dict) and column in columns:
             found.setdefault(feature, []).append(f"columns.{column}")
     if found:
         listed = " and ".join(f"{name} data ({', '.join(keys)})" for name, keys in found.items())
         raise ValueError(
             f"{where}: {listed} {'is' if len(found) == 1 else 'are'} not supported yet; megatrain "
-            "trains on text conversations (data.stage: sft, dpo, kto) and raw text (pt) only: "
-            "remove the data set from data.dataset"
+            "trains on text conversations (data.stage: sft, dpo, kto), conversations with images "
+            "(sft) and raw text (pt) only: remove the data set from data.dataset"
         )
 
 
@@ -287,7 +305,15 @@ def spec_from_path(name: str, path: Path) -> DatasetSpec:
         first = next(iter_rows(path))
     except StopIteration:
         raise ValueError(f"{path}: the data file holds no rows") from None
-    base = DatasetSpec(name=name, load_from="file", path=str(path), system="system", tools="tools")
+    base = DatasetSpec(
+        name=name,
+        load_from="file",
+        path=str(path),
+        system="system",
+        tools="tools",
+        images="images",
+        media_dir=str(path if path.is_dir() else path.parent),
+    )
     detected = sft_format_of(first)
     if detected == "openai":
         return replace(base, formatting="openai", **OPENAI_DEFAULTS)

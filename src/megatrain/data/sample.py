@@ -7,6 +7,11 @@ supervised, unshifted).
 Invariant: a sample's supervised-token count is `target_mask[1:].sum()`, the same count as
 `Batch.num_target_tokens` (the first position of a sample never carries loss), so the statistics
 equal what the loss sees.
+
+Vision-language samples keep their images as file paths with each image's token count, never
+pixels: `input_ids` hold each image's tokens expanded (`image_tokens[i]` consecutive image token
+ids for image i, in the order of `images`), none of them supervised; the pixel values are
+computed when a micro-batch is built.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ class Sample:
     input_ids: np.ndarray  # [T] int32
     target_mask: np.ndarray  # [T] bool: True where the token is supervised
     truncated: bool = False
+    images: tuple[str, ...] = ()  # absolute image paths, in the order of their tokens
+    image_tokens: tuple[int, ...] = ()  # tokens of each image in input_ids
 
     def __post_init__(self) -> None:
         assert self.input_ids.shape == self.target_mask.shape and self.input_ids.ndim == 1
+        assert len(self.images) == len(self.image_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,13 @@ Checks per conversation, each failure a counted drop, never a crash of the run:
 - tokens: the same prefixes must hold for the token ids; when the tokenizer merges characters
   across a turn boundary (a reply that starts with whitespace the header ends with):
   "token_merge_across_turns".
+Images (a `vision` processor given, data/vision.py): in a conversation with images, each
+`<image>` placeholder becomes a `{"type": "image"}` content item, so the model's own chat template
+renders its image slot (Qwen2.5-VL: `<|vision_start|><|image_pad|><|vision_end|>`); after
+tokenizing, image i's one image token is repeated as many times as the processor expands that
+image, and those positions are never supervised (not even with train_on_prompt). A row holds the
+images its text renders (the first n of the conversation's). A truncation that would cut an
+image's tokens drops the row as "image_over_cutoff_len".
 Then `cutoff_len`: each row is truncated (first tokens kept) or dropped per `overflow`. A row is
 dropped if fewer than `min_target_tokens` supervised tokens remain: as "over_cutoff_len" when the
 cut is the reason (the whole row has enough), else "too_few_target_tokens".
@@ -48,12 +55,14 @@ import numpy as np
 from megatrain.data.config import MULTI_TURN_CHOICES
 from megatrain.data.formats import Conversation
 from megatrain.data.sample import Sample
+from megatrain.data.vision import IMAGE_PLACEHOLDER, VisionProcessor
 
 TEMPLATE_ERROR = "template_error"
 PROMPT_NOT_PREFIX = "generation_prompt_not_prefix"
 TOKEN_MERGE = "token_merge_across_turns"
 OVER_CUTOFF = "over_cutoff_len"
 TOO_FEW_TARGETS = "too_few_target_tokens"
+IMAGE_OVER_CUTOFF = "image_over_cutoff_len"
 
 
 def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str | None:
@@ -95,6 +104,7 @@ class ChatEncoder:
         default_system: str | None = None,
         chat_template: str | None = None,
         multi_turn: str = "per_turn",
+        vision: VisionProcessor | None = None,
     ) -> None:
         assert overflow in ("truncate", "drop"), overflow
         assert multi_turn in MULTI_TURN_CHOICES, multi_turn
@@ -106,13 +116,16 @@ class ChatEncoder:
         self.train_on_prompt = train_on_prompt
         self.min_target_tokens = min_target_tokens
         self.default_system = default_system
+        self.vision = vision  # set by the pipeline at the first row with images
         self._longest_over_cutoff = 0  # tokens of the longest OVER_CUTOFF row not yet taken
 
     def messages(self, conv: Conversation) -> list[dict[str, Any]]:
         """The message list handed to the template: the system turn first, when there is one."""
         system = conv.system or self.default_system
         head = [{"role": "system", "content": system}] if system else []
-        return head + conv.messages
+        if not conv.images:
+            return head + conv.messages
+        return head + [{**m, "content": _image_content(m["content"])} for m in conv.messages]
 
     def encode(self, conv: Conversation) -> list[Sample] | str:
         """The conversation's training rows (one, unless `multi_turn` splits it), or the reason
@@ -136,6 +149,7 @@ class ChatEncoder:
         # transformers' "Token indices sequence length is longer than ..." warning does not apply
         ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         id_spans = list(zip(ids[0::2], ids[1::2], strict=True))
+        counts = self._image_counts(conv.images, id_spans[-1][1])
         rows = []
         for last, members in self._rows(spans):
             full = id_spans[last][1]
@@ -147,7 +161,10 @@ class ChatEncoder:
                 mask[len(start_ids) : len(end_ids)] = True
             if self.train_on_prompt:
                 mask[:] = True
-            rows.append(self._limit(np.asarray(full, dtype=np.int32), mask))
+            if conv.images:
+                rows.append(self._limit_images(*self._expand(full, mask, conv.images, counts)))
+            else:
+                rows.append(self._limit(np.asarray(full, dtype=np.int32), mask))
         kept = [row for row in rows if isinstance(row, Sample)]
         return kept or next(row for row in rows if isinstance(row, str))
 
@@ -189,6 +206,59 @@ class ChatEncoder:
         longest, self._longest_over_cutoff = self._longest_over_cutoff, 0
         return longest
 
+    def _image_counts(self, images: list[str], full: list[int]) -> list[int]:
+        """Each image's token count; ValueError unless the whole conversation's rendering
+        (`full`) holds one image slot per image."""
+        if not images:
+            return []
+        if self.vision is None:
+            raise ValueError(
+                "the data set has images but no vision processor was given to the chat encoder; "
+                "train a vision-language model (its processor expands the images)"
+            )
+        slots = sum(t == self.vision.image_token_id for t in full)
+        if slots != len(images):
+            raise ValueError(
+                f"the chat template renders {slots} image slot(s) ({self.vision.image_token}) "
+                f"for a conversation with {len(images)} image(s): it must render "
+                '{"type": "image"} content items, as the model\'s own template does; set '
+                "data.chat_template to the model's template (or leave it unset)"
+            )
+        self.vision.check_expansion(images[0])
+        return [self.vision.num_tokens(p) for p in images]
+
+    def _expand(
+        self, ids: list[int], mask: np.ndarray, images: list[str], counts: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], tuple[int, ...]]:
+        """Each image slot of `ids` repeated to its image's token count, never supervised; the
+        row's images are the first n of the conversation's, n its slots."""
+        assert self.vision is not None
+        token = self.vision.image_token_id
+        slots = [i for i, t in enumerate(ids) if t == token]
+        out_ids, out_mask, start = [], [], 0
+        for slot, count in zip(slots, counts, strict=False):
+            out_ids += [ids[start:slot], [token] * count]
+            out_mask += [mask[start:slot], np.zeros(count, dtype=np.bool_)]
+            start = slot + 1
+        out_ids.append(ids[start:])
+        out_mask.append(mask[start:])
+        n = len(slots)
+        full = np.asarray([t for part in out_ids for t in part], dtype=np.int32)
+        return full, np.concatenate(out_mask), tuple(images[:n]), tuple(counts[:n])
+
+    def _limit_images(
+        self, input_ids: np.ndarray, mask: np.ndarray, images: tuple, counts: tuple
+    ) -> Sample | str:
+        """`_limit`, except that a cut through or before an image's tokens drops the row."""
+        assert self.vision is not None
+        image_at = np.flatnonzero(input_ids == self.vision.image_token_id)
+        if self.overflow == "truncate" and len(image_at) and image_at[-1] >= self.cutoff_len:
+            return IMAGE_OVER_CUTOFF
+        row = self._limit(input_ids, mask)
+        if isinstance(row, str):
+            return row
+        return Sample(row.input_ids, row.target_mask, row.truncated, images, counts)
+
     def _limit(self, input_ids: np.ndarray, mask: np.ndarray) -> Sample | str:
         truncated = len(input_ids) > self.cutoff_len
         sample = Sample(input_ids[: self.cutoff_len], mask[: self.cutoff_len], truncated)
@@ -198,6 +268,19 @@ class ChatEncoder:
             self.note_over_cutoff(len(input_ids))
             return OVER_CUTOFF
         return TOO_FEW_TARGETS if too_few else sample
+
+
+def _image_content(content: Any) -> Any:
+    """`content` split at each `<image>` into text and `{"type": "image"}` items, in order."""
+    if not isinstance(content, str) or IMAGE_PLACEHOLDER not in content:
+        return content
+    items: list[dict[str, str]] = []
+    for k, text in enumerate(content.split(IMAGE_PLACEHOLDER)):
+        if k:
+            items.append({"type": "image"})
+        if text:
+            items.append({"type": "text", "text": text})
+    return items
 
 
 def _holds(text: str, prompt: str, end: str) -> bool:

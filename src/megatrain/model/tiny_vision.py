@@ -23,8 +23,9 @@ from megatrain.model.multimodal import image_token_id  # noqa: F401 (re-exported
 from megatrain.model.tiny import tiny_config
 
 VOCAB = 256
-# the last ids of the tiny vocabulary: image, video, vision start / begin-of-image, end
-IMAGE_ID, VIDEO_ID, START_ID, END_ID = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
+# the last ids of the vocabulary, in the demo processor's order (assets/demo/vlm): vision start /
+# begin-of-image, vision end / end-of-image, image, video
+START_ID, END_ID, IMAGE_ID, VIDEO_ID = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
 
 _QWEN_VISION = {
     "depth": 2,
@@ -85,15 +86,21 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 VLM_MODEL_TYPES = tuple(_FAMILIES)
 
 
-def tiny_vlm_config(model_type: str, **text_overrides: Any) -> PretrainedConfig:
-    """A small random-init config of the vision-language `model_type`."""
+def tiny_vlm_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+    """A small random-init config of the vision-language `model_type`. `overrides` set the
+    language model's fields (`vocab_size`: the image ids stay its last four), except
+    `vision_config`, a dict of the vision tower's fields (e.g. {patch_size: 14})."""
     if model_type not in _FAMILIES:
         raise ValueError(
             f"no tiny vision-language config for model type {model_type!r}; "
             f"known: {', '.join(VLM_MODEL_TYPES)}"
         )
     text_type, vision, top = _FAMILIES[model_type]
-    text = tiny_config(text_type, vocab_size=VOCAB, **text_overrides).to_dict()
+    vision = {**vision, **overrides.pop("vision_config", {})}
+    overrides.setdefault("vocab_size", VOCAB)
+    vocab = overrides["vocab_size"]
+    start, end, image, video = vocab - 4, vocab - 3, vocab - 2, vocab - 1
+    text = tiny_config(text_type, **overrides).to_dict()
     if model_type.startswith("qwen"):
         head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
         quarter = head_dim // 8  # M-RoPE sections (temporal, height, width) of head_dim / 2
@@ -102,26 +109,34 @@ def tiny_vlm_config(model_type: str, **text_overrides: Any) -> PretrainedConfig:
         section[2] += quarter // 2
         text["rope_parameters"] = {**text.get("rope_parameters", {}), "mrope_section": section}
         ids = {
-            "image_token_id": IMAGE_ID,
-            "video_token_id": VIDEO_ID,
-            "vision_start_token_id": START_ID,
-            "vision_end_token_id": END_ID,
+            "image_token_id": image,
+            "video_token_id": video,
+            "vision_start_token_id": start,
+            "vision_end_token_id": end,
         }
         out = "hidden_size" if model_type == "qwen2_vl" else "out_hidden_size"
         vision = {**vision, out: text["hidden_size"]}
+        if "window_size" in vision:  # two merged patches a side, whatever the patch size
+            vision["window_size"] = 2 * vision["patch_size"] * vision["spatial_merge_size"]
     elif model_type == "gemma3":
-        ids = {
-            "image_token_index": IMAGE_ID,
-            "boi_token_index": START_ID,
-            "eoi_token_index": END_ID,
-        }
+        ids = {"image_token_index": image, "boi_token_index": start, "eoi_token_index": end}
     else:
-        ids = {"image_token_index": IMAGE_ID}
+        ids = {"image_token_index": image}
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(text.get(key), int) and text[key] >= IMAGE_ID:
+        if isinstance(text.get(key), int) and text[key] >= start:
             text[key] = 0
     text.pop("model_type", None)
     return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids, **top)
+
+
+def demo_vlm_config() -> PretrainedConfig:
+    """The tiny Qwen2.5-VL of the VLM demo (examples/vlm_demo.yaml): the vocabulary and image
+    ids of the demo processor (`model.tokenizer: demo_vlm`), its 14-pixel patches."""
+    return tiny_vlm_config("qwen2_5_vl", **DEMO_VLM_OVERRIDES)
+
+
+# what examples/vlm_demo.yaml sets as model.config_overrides (a test checks they agree)
+DEMO_VLM_OVERRIDES: dict[str, Any] = {"vocab_size": 486, "vision_config": {"patch_size": 14}}
 
 
 def image_inputs(

@@ -1,6 +1,7 @@
 """The run's tokenizer: `model.tokenizer` (or `model.name_or_path`), with errors a user can act on.
 
-Sources: "demo" (the built-in tokenizer shipped with the package), a local folder, or a hub id.
+Sources: "demo" (the built-in tokenizer shipped with the package), "demo_vlm" (the built-in
+vision-language demo processor's tokenizer), a local folder, or a hub id.
 What transformers reports for a mistake is often misleading (a missing folder reads "Repo id must
 be in the form ...", an empty folder reads "install sentencepiece or tiktoken", an uncached hub
 id while offline is a long traceback); each is turned here into one paragraph naming the key,
@@ -15,7 +16,9 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from megatrain.model.loading import hub_error, looks_like_path
-from megatrain.package_assets import demo_tokenizer_dir
+from megatrain.package_assets import demo_tokenizer_dir, demo_vlm_dir
+
+BUILT_IN = {"demo": demo_tokenizer_dir, "demo_vlm": demo_vlm_dir}
 
 # Any of these in a folder makes it a tokenizer folder AutoTokenizer can read.
 _TOKENIZER_FILES = (
@@ -41,8 +44,8 @@ def load_tokenizer(
             "model.tokenizer is required with model.model_type (a hub id, a "
             "directory, or 'demo' for the built-in demo tokenizer)"
         )
-    if source == "demo":
-        source = str(demo_tokenizer_dir())
+    source = processor_source(tokenizer, name_or_path)
+    assert source is not None
     path = Path(source).expanduser()
     if path.is_dir():
         _check_folder(path, key)
@@ -58,6 +61,13 @@ def load_tokenizer(
         if path.is_dir():
             raise
         raise hub_error(key, source, e, what="tokenizer") from e
+
+
+def processor_source(tokenizer: str | None, name_or_path: str | None) -> str | None:
+    """Where the run's tokenizer (and so the model's processor, for images) is read from:
+    `model.tokenizer`, else `model.name_or_path`; the built-in names become their folders."""
+    source = tokenizer or name_or_path
+    return str(BUILT_IN[source]()) if source in BUILT_IN else source
 
 
 def _check_folder(path: Path, key: str) -> None:

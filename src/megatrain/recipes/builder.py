@@ -64,7 +64,7 @@ from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.kernels import fall_back_where_refused
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import ModelStructure, discover
-from megatrain.model.tokenizer import load_tokenizer
+from megatrain.model.tokenizer import load_tokenizer, processor_source
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.planning.builder import PlanBuilder
@@ -125,7 +125,9 @@ class RunBuilder(PlanBuilder):
 
     @functools.cached_property
     def _data(self) -> PreparedData:
-        return prepare_data(self.cfg.data, self.tokenizer())
+        m = self.cfg.model
+        source = processor_source(m.tokenizer, m.name_or_path)
+        return prepare_data(self.cfg.data, self.tokenizer(), processor=source)
 
     def data(self) -> PreparedData:
         return self._data
@@ -146,6 +148,7 @@ class RunBuilder(PlanBuilder):
             shuffle=d.shuffle if train else False,
             seed=d.seed,
             pad_to_multiple_of=d.pad_to_multiple_of,
+            vision=self.data().vision,
         )
         if train and p.world_size > 1:
             return RankLoader(loader, rank=p.rank, world_size=p.world_size)
