@@ -146,12 +146,13 @@ def check_export_target(
 def _write_export(store: HostStore, tmp: Path, dtype: str, tokenizer: Any | None) -> None:
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     with store.bound(torch_dtype) as model:
-        training_use_cache = model.config.use_cache
-        model.config.use_cache = True  # the exported model is for generation
+        text = model.config.get_text_config()  # a vision-language model's: its language part
+        training_use_cache = getattr(text, "use_cache", False)
+        text.use_cache = True  # the exported model is for generation
         try:
             model.save_pretrained(str(tmp), safe_serialization=True)
         finally:
-            model.config.use_cache = training_use_cache
+            text.use_cache = training_use_cache
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     files = sorted(p.name for p in tmp.iterdir())

@@ -150,8 +150,9 @@ def load_causal_lm(
         trust_remote_code=trust_remote_code,
         overrides=config_overrides,
     )
-    if hasattr(config, "use_cache"):
-        config.use_cache = False
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        if hasattr(part, "use_cache"):
+            part.use_cache = False
     kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

@@ -175,8 +175,18 @@ class HostStore:
         its own over the block's memory (no copy), so `save_pretrained` sees separate tensors
         rather than views of one shared buffer. Call
         only between steps, with all updates applied (the shadow holds gradients mid-step).
-        The skeleton is weightless again afterwards.
+        The skeleton is weightless again afterwards. A vision-language model's frozen vision
+        modules (never in the store) are cast to `dtype` meanwhile.
         """
+        frozen = [
+            (m, n, p)
+            for vision in self.structure.vision.values()
+            for m in vision.modules()
+            for n, p in m._parameters.items()
+            if p is not None and p.device.type != "meta" and p.dtype != dtype
+        ]
+        for m, n, p in frozen:
+            m._parameters[n] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
         for block in self.blocks:
             flat = block.master
             if dtype == torch.bfloat16:
@@ -189,6 +199,8 @@ class HostStore:
         try:
             yield self.structure.causal_lm
         finally:
+            for m, n, p in frozen:
+                m._parameters[n] = p
             for block in self.blocks:
                 for entry in block.entries:
                     for module, attr in entry.owners:
