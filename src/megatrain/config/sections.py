@@ -49,6 +49,13 @@ class ModelConfig:
     """Fields set on the HF config before building the model, e.g. {output_router_logits: true}."""
     compute_dtype: str = "bf16"
     """Dtype of the GPU forward/backward: "bf16" or "fp32" (master weights are always fp32)."""
+    freeze_vision: bool = True
+    """Vision-language models: keep the vision tower as loaded (LLaMA-Factory's
+    freeze_vision_tower). false: it trains, fp32 master and AdamW on the host like every block,
+    its forward run again in the backward (docs/vision.md). No effect on a text-only model."""
+    freeze_projector: bool = True
+    """Vision-language models: keep the projector (LLaVA's and Gemma 3's multi_modal_projector,
+    Qwen's merger) as loaded (LLaMA-Factory's freeze_multi_modal_projector); false: it trains."""
 
     def validate(self) -> None:
         check_types("model", self)

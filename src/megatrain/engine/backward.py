@@ -36,6 +36,8 @@ class BackwardPass:
     taps: list[Any]
     worker: Any
     embedder: Any
+    vision: Any
+    capture: Any
     max_grad_norm: float | None
     updates_begun: bool
     embed_acc: torch.Tensor
@@ -82,6 +84,11 @@ class BackwardPass:
             )
         timer.stop()
         self._sumsq.append(self._finish(self.store.embed, self.embed_acc, lr))
+        if self.vision.trains:  # engine/vision.py: the capture again, with the vision's autograd
+            timer.start()
+            self.vision.backward(mbs, self.capture, self.embedder, self.transfers)
+            timer.stop()
+            self._sumsq.append(self._finish(self.store.vision, self.vision.grad, lr))
         return self._sumsq
 
     def _fetch_inputs(self, i: int, mbs: list[MicroBatch], wait: bool = True) -> None:
@@ -118,6 +125,8 @@ class BackwardPass:
         acc = self.tier.gradient(block) if own else self._acc[k][: layout_numel(block)].zero_()
         views = [block.view(acc, e) for e in block.entries]
         for mb in mbs:
+            if self.vision.trains and mb.calls[i].after is not None:
+                mb.after_grads[i] = mb.grad  # the gradient at layer i's injected output
             self._layer_backward(i, mb, views, len(mbs))
         timer.stop()
         self._sumsq.append(self._finish(block, acc, lr, k))

@@ -63,7 +63,6 @@ from megatrain.engine.layout import (
     STAGING,
     TABLE,
     TIER,
-    VISION,
     BlockSizes,
     DeviceLayout,
 )
@@ -78,8 +77,8 @@ from megatrain.engine.tiling import tile_per_token, tileable, untiled_layers
 from megatrain.engine.timeline import ComputeTimer, Timeline
 from megatrain.engine.transfers import DONE, Event, Transfers
 from megatrain.engine.updates import UpdateWorker
+from megatrain.engine.vision import VisionModules
 from megatrain.model.capture import LayerCallCapture
-from megatrain.model.multimodal import vision_on_device
 from megatrain.model.router import RouterAux, RouterTap
 from megatrain.model.structure import ModelStructure
 from megatrain.optim.adamw import CpuAdamW
@@ -136,10 +135,8 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         self.transfers = Transfers(self.device)
         self.comm = Collectives(self.transfers, world_size=plan.world_size, rank=plan.rank)
         move_body_buffers(structure, self.device)
-        self.vision = vision_on_device(
-            structure, next(iter(self.layout.empty(VISION, self.device)), None)
-        )
-        self.capture = LayerCallCapture(structure, self.vision)
+        self.vision = VisionModules(structure, store.vision, self.layout, self.device)
+        self.capture = LayerCallCapture(structure, self.vision.modules)
         self.tier = GpuTier.first_blocks(store, plan.gpu_state_blocks, optimizer, self.comm)
         self.slots = LayerSlots(
             structure.layers,
@@ -241,7 +238,7 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
             HEAD_GRAD: [] if self.tier.owns_gradient(self.store.head) else [self.head_acc],
             EMBED_GRAD: [] if self.tier.owns_gradient(self.store.embed) else [self.embed_acc],
             GATHERED: [] if self.embed_buf is None else [self.embed_buf],
-            VISION: [p for m in self.vision.values() for p in m.parameters()],
+            **self.vision.buffers(),
             TIER: _distinct(tier),
         }
 

@@ -38,6 +38,7 @@ class ForwardPass:
     structure: Any
     embedder: Any
     capture: Any
+    vision: Any
     boundaries: Any
     head_buf: torch.Tensor
     table_buf: torch.Tensor
@@ -57,8 +58,11 @@ class ForwardPass:
             self.embedder.device_table = self.store.embed.view(
                 self.embed_buf, self.store.embed.entries[0]
             )
+        timeline.wait_optimizer_s += self.vision.load(self.worker, self.comm, self.transfers)
+        keep = training and self.vision.trains
         mbs = [
-            self.embedder.start(b, self.capture, training, self.aux is not None) for b in batches
+            self.embedder.start(b, self.capture, training, self.aux is not None, keep)
+            for b in batches
         ]
         self._embed_free = self.transfers.compute_event()
         for op in self.schedule.forward:  # engine/schedule.py

@@ -14,7 +14,8 @@ Buffers (c = bytes of the compute dtype; "streamed" = layers outside the GPU tie
 - head weights and the tied table (the lm_head is the table: it goes up whole), c, unless in
   the tier; head and embedding gradients, fp32, unless the tier block owns its gradient;
 - the gathered embedding table (ranks, embedding not in the tier), c;
-- a vision-language model's vision modules (tower, projector: frozen, resident), c;
+- a vision-language model's vision modules (tower, projector), resident: the frozen ones, c;
+  the trained ones (model.freeze_vision / freeze_projector false), c, and their gradient, fp32;
 - the GPU tier: per block its fp32 master (unless it is the weights), m, v and gradient over
   the rank's shard, and its whole weights in the compute dtype (engine/tier.py).
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.engine.plan import EnginePlan, tier_order
-from megatrain.model.multimodal import vision_numel
+from megatrain.model.multimodal import vision_split
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.shard import shard_range
@@ -46,7 +47,9 @@ class BlockSizes:
     embed: int
     head: int
     tied: bool
-    vision: int = 0  # a vision-language model's vision modules (frozen, on the device)
+    vision: int = 0  # a vision-language model's vision tower (on the device)
+    projector: int = 0  # ... and its projector
+    vision_unused: int = 0  # trained parts' parameters the features never reach: kept frozen
 
     @classmethod
     def of_store(cls, store: HostStore, tied: bool) -> BlockSizes:
@@ -56,8 +59,9 @@ class BlockSizes:
             return int(getattr(b, "full_numel", 0) or b.numel)
 
         layers = tuple(full(b) for b in store.layers)
-        vision = vision_numel(store.structure)
-        return cls(layers, full(store.embed), full(store.head), tied, vision)
+        tower, projector = vision_split(store.structure)
+        unused = getattr(store, "vision_unused", 0)
+        return cls(layers, full(store.embed), full(store.head), tied, tower, projector, unused)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ HEAD_GRAD = "head gradient (fp32)"
 EMBED_GRAD = "embedding gradient (fp32)"
 GATHERED = "all-gathered embedding table (ranks)"
 VISION = "vision modules (frozen)"
+VISION_TRAIN = "vision weights (trained)"
+VISION_GRAD = "vision gradient (fp32)"
 TIER = "GPU tier (fp32 master, m, v, gradient, weights)"
 
 
@@ -111,7 +117,13 @@ class DeviceLayout:
             Buffer(HEAD_GRAD, 0 if head_tier and owns else 1, head, FP32),
             Buffer(EMBED_GRAD, 0 if embed_tier and owns else 1, embed, FP32),
             Buffer(GATHERED, 1 if world > 1 and not embed_tier else 0, embed, c),
-            Buffer(VISION, 1, blocks.vision, c),
+        ]
+        trained = blocks.vision * plan.train_vision + blocks.projector * plan.train_projector
+        trained -= blocks.vision_unused if trained else 0
+        out += [
+            Buffer(VISION, 1, blocks.vision + blocks.projector - trained, c),
+            Buffer(VISION_TRAIN, 1, trained, c),
+            Buffer(VISION_GRAD, 1, trained, FP32),
         ]
         tier_sizes = [n for n, t in zip(padded, in_tier, strict=True) if t]
         states = 4 if c == torch.bfloat16 else 3  # fp32 master (unless the weights), m, v, grad

@@ -41,6 +41,10 @@ class MicroBatch:
     grad: torch.Tensor | None = None  # gradient w.r.t. `hidden` during the backward
     router_stats: list[RouterStats] = field(default_factory=list)
     router_total: RouterStats | None = None
+    # trained vision modules (engine/vision.py): what their backward runs the capture again on
+    device_batch: Batch | None = None
+    inverse_S: torch.Tensor | None = None  # device: each position's gathered row
+    after_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # at deepstack injections
 
 
 def shifted_targets(labels_BS: torch.Tensor) -> torch.Tensor:
@@ -76,8 +80,14 @@ class Embedder:
         self.device_table = None if table is None else table[: self.shape.numel()].view(self.shape)
 
     def start(
-        self, batch: Batch, capture: LayerCallCapture, training: bool, with_router_weights: bool
+        self,
+        batch: Batch,
+        capture: LayerCallCapture,
+        training: bool,
+        with_router_weights: bool,
+        keep_inputs: bool = False,
     ) -> MicroBatch:
+        """`keep_inputs`: the micro-batch keeps its device inputs (trained vision modules)."""
         device = self.transfers.device
         uniq, inverse = torch.unique(batch.input_ids, return_inverse=True)
         if self.device_table is not None:  # GPU tier or sharded: the table is on the device
@@ -97,8 +107,9 @@ class Embedder:
         if self.pad_idx is not None:
             hit = torch.nonzero(uniq == self.pad_idx)
             self.module.padding_idx = int(hit[0, 0]) if hit.numel() else None
+        inverse = inverse.to(device, non_blocking=True)
         with torch.set_grad_enabled(training):
-            embeds = self.module(inverse.to(device, non_blocking=True))
+            embeds = self.module(inverse)
             captured = capture.capture(
                 embeds,
                 dev.attention_mask,
@@ -119,7 +130,18 @@ class Embedder:
             calls=captured.calls,
             router_weights=weights,
             hidden=first.detach(),
+            device_batch=dev if keep_inputs else None,
+            inverse_S=inverse if keep_inputs else None,
         )
+
+    def embeds(self, mb: MicroBatch) -> torch.Tensor:
+        """The micro-batch's input embeddings again (no gradient to the rows)."""
+        assert mb.inverse_S is not None
+        self.module.weight = mb.rows_UD.detach()
+        try:
+            return self.module(mb.inverse_S)
+        finally:
+            self.module.weight = None
 
     def backward(self, mb: MicroBatch, grad_acc_VD: torch.Tensor) -> None:
         """Scatter d loss / d rows into the full-table fp32 gradient accumulator."""

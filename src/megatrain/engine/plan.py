@@ -67,6 +67,8 @@ class EnginePlan:
     untiled: frozenset[int] = frozenset()  # layers the tiles skip (router logits recorded)
     world_size: int = 1  # ranks of the job; >1: the store holds this rank's shards
     rank: int = 0
+    train_vision: bool = False  # a vision-language model's vision tower trains (store.vision)
+    train_projector: bool = False  # ... its projector trains
 
     def __post_init__(self) -> None:
         assert self.num_slots >= 1, self.num_slots

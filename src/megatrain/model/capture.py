@@ -214,14 +214,16 @@ class LayerCallCapture:
                 raise _Mismatch()
             if not isinstance(last, torch.Tensor) or hidden.shape != last.shape:
                 raise _Mismatch()
-            self._calls[-1].after = (hidden - last).detach()
+            # `last` is detached: the injection's graph reaches only what it injects (trained
+            # vision modules), never the hidden states
+            self._calls[-1].after = hidden - last
         _check_no_grad_kwargs(args, kwargs, index)
         self._calls.append(
             LayerCall(args=tuple(args), kwargs=kwargs, hidden_as_kwarg=hidden_as_kwarg)
         )
         if index == len(self.structure.layers) - 1:
             raise _Stop()
-        out = hidden + self._shift if self._shift else hidden
+        out = hidden.detach() + self._shift if self._shift else hidden.detach()
         self._last_out = out
         return (out,) if self._trying_tuple else out
 

@@ -42,6 +42,29 @@ def image_token_id(config: PretrainedConfig) -> int:
     return value
 
 
+def image_inputs(
+    config: PretrainedConfig, sizes: list[tuple[int, int]], *, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Random pixel inputs for images of `sizes` (height, width in pixels; the fixed-size
+    families ignore them) as the family's processor shapes them, and each image's token count."""
+    gen = torch.Generator().manual_seed(seed)
+    vision = config.vision_config
+    if hasattr(vision, "spatial_merge_size"):  # Qwen: flattened patches + (t, h, w) grids
+        p, t, m = vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size
+        grids = [(1, h // p, w // p) for h, w in sizes]
+        patches = sum(a * b * c for a, b, c in grids)
+        pixels = torch.randn(patches, 3 * t * p * p, generator=gen)
+        counts = [a * b * c // (m * m) for a, b, c in grids]
+        return {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}, counts
+    side = vision.image_size
+    pixels = torch.randn(len(sizes), 3, side, side, generator=gen)
+    per_image = getattr(config, "mm_tokens_per_image", None) or getattr(
+        config, "image_seq_length", None
+    )
+    assert isinstance(per_image, int), config.model_type
+    return {"pixel_values": pixels}, [per_image] * len(sizes)
+
+
 class MultimodalInputs:
     """The multimodal body's forward kwargs for one micro-batch (besides the embeddings)."""
 
@@ -153,22 +176,134 @@ class EmbeddingStandIn(nn.Module):
         return self.embeds
 
 
+def _is_projector(name: str) -> bool:
+    """The projector (pixels' features -> the language model's width): LLaVA's and Gemma 3's
+    `multi_modal_projector`, Qwen's `merger` (and Qwen3-VL's deepstack mergers)."""
+    last = name.rpartition(".")[2]
+    return "projector" in last or "merger" in last
+
+
+def vision_parts(structure: Any) -> dict[str, tuple[nn.Module, bool]]:
+    """The vision modules split into tower and projector parts: dotted name under the
+    multimodal body -> (module, is a projector). A module holding both is split into its
+    children; parameters held directly by such a module count as the tower's."""
+    out: dict[str, tuple[nn.Module, bool]] = {}
+
+    def visit(name: str, module: nn.Module, projector: bool) -> None:
+        mixed = not projector and any(_is_projector(n) for n, _ in module.named_modules() if n)
+        if not mixed:
+            if any(True for _ in module.parameters()):
+                out[name] = (module, projector)
+            return
+        if any(True for _ in module.parameters(recurse=False)):
+            raise ValueError(
+                f"{name}: a vision module holding both projector and tower parts has parameters "
+                "of its own; train its vision modules together or not at all"
+            )
+        for child, sub in module.named_children():
+            visit(f"{name}.{child}", sub, _is_projector(child))
+
+    for name, module in structure.vision.items():
+        visit(name, module, _is_projector(name))
+    return out
+
+
+def trained_vision(structure: Any, *, tower: bool, projector: bool) -> dict[str, nn.Module]:
+    """The vision parts that train (model.freeze_vision / freeze_projector false), by name."""
+    return {
+        n: m
+        for n, (m, is_proj) in vision_parts(structure).items()
+        if (projector if is_proj else tower)
+    }
+
+
+def unused_vision_params(structure: Any) -> set[int]:
+    """ids of the vision parameters the image features never depend on (LLaVA's layers after
+    its feature layer, the pooling head of Gemma 3's SigLIP tower): PyTorch's AdamW leaves a
+    parameter without gradient alone, so the store keeps these frozen. Found once, from the
+    autograd graph of one smallest image's features on the host (fp32, no backward)."""
+    front = structure.front
+    if front is None:
+        return set()
+    config = front.config
+    vision = config.vision_config
+    side = getattr(vision, "patch_size", 14) * getattr(vision, "spatial_merge_size", 1)
+    inputs, _ = image_inputs(config, [(side, side)])
+    params = [p for m in structure.vision.values() for p in m.parameters()]
+    wanted = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            out = front.get_image_features(**inputs, return_dict=True)
+    finally:
+        for p, flag in zip(params, wanted, strict=True):
+            p.requires_grad_(flag)
+    roots: list[torch.Tensor] = []
+    pending: list[Any] = [out.pooler_output, getattr(out, "deepstack_features", None)]
+    while pending:
+        x = pending.pop()
+        if isinstance(x, torch.Tensor):
+            roots.append(x)
+        elif isinstance(x, (list, tuple)):
+            pending.extend(x)
+    reached = _leaves(roots)
+    return {id(p) for m in structure.vision.values() for p in m.parameters()} - reached
+
+
+def _leaves(roots: list[torch.Tensor]) -> set[int]:
+    """ids of the leaf tensors the autograd graph of `roots` reaches."""
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    found: set[int] = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+def vision_split(structure: Any) -> tuple[int, int]:
+    """(tower, projector) parameters of the vision modules (0, 0 for a text-only model)."""
+    tower = projector = 0
+    for module, is_proj in vision_parts(structure).values():
+        n = sum(p.numel() for p in module.parameters())
+        tower, projector = (tower, projector + n) if is_proj else (tower + n, projector)
+    return tower, projector
+
+
 def vision_numel(structure: Any) -> int:
     """Parameters of a vision-language model's vision modules (0 for a text-only model)."""
-    return sum(p.numel() for m in structure.vision.values() for p in m.parameters())
+    return sum(vision_split(structure))
 
 
-def vision_on_device(structure: Any, flat: torch.Tensor | None) -> dict[str, nn.Module]:
-    """The vision modules of a vision-language model as they run: copies whose parameters are
-    views of `flat` (the device layout's buffer, compute dtype), frozen, in eval mode. The host
-    keeps the fp32 originals, exported as loaded; buffers (rotary tables) go to the device."""
+def vision_on_device(
+    structure: Any, flat: torch.Tensor | None, device: torch.device
+) -> dict[str, nn.Module]:
+    """The vision modules of a vision-language model as they run: copies whose frozen
+    parameters are views of `flat` (the device layout's buffer, compute dtype), in eval mode.
+    The host keeps the fp32 originals, exported as loaded; buffers (rotary tables) go to the
+    device. Parameters the store took (trained ones: meta on the host) stay meta in the copies,
+    for the engine to bind (engine/vision.py)."""
     if not structure.vision:
         return {}
-    assert flat is not None and flat.numel() == vision_numel(structure)
+    frozen = [
+        p for m in structure.vision.values() for p in m.parameters() if p.device.type != "meta"
+    ]
+    numel = sum(p.numel() for p in frozen)
+    assert (flat.numel() if flat is not None else 0) == numel, (numel, flat)
     out, offset = {}, 0
     for name, module in structure.vision.items():
         memo: dict[int, Any] = {}
         for p in module.parameters():
+            if p.device.type == "meta":
+                continue
+            assert flat is not None
             view = flat[offset : offset + p.numel()].view(p.shape)
             view.copy_(p.detach())
             memo[id(p)] = nn.Parameter(view, requires_grad=False)
@@ -176,7 +311,7 @@ def vision_on_device(structure: Any, flat: torch.Tensor | None) -> dict[str, nn.
         clone = copy.deepcopy(module, memo)
         for sub in clone.modules():
             for key, buf in list(sub._buffers.items()):
-                if buf is not None:
-                    sub._buffers[key] = buf.to(flat.device)
+                if buf is not None and buf.device.type != "meta":
+                    sub._buffers[key] = buf.to(device)
         out[name] = clone.eval()
     return out

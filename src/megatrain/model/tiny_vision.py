@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from megatrain.model.multimodal import image_token_id  # noqa: F401 (re-exported)
+from megatrain.model.multimodal import image_inputs, image_token_id  # noqa: F401 (re-exported)
 from megatrain.model.tiny import tiny_config
 
 VOCAB = 256
@@ -137,26 +136,3 @@ def demo_vlm_config() -> PretrainedConfig:
 
 # what examples/vlm_demo.yaml sets as model.config_overrides (a test checks they agree)
 DEMO_VLM_OVERRIDES: dict[str, Any] = {"vocab_size": 486, "vision_config": {"patch_size": 14}}
-
-
-def image_inputs(
-    config: PretrainedConfig, sizes: list[tuple[int, int]], *, seed: int = 0
-) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """Random pixel inputs for images of `sizes` (height, width in pixels; the fixed-size
-    families ignore them) as the family's processor shapes them, and each image's token count."""
-    gen = torch.Generator().manual_seed(seed)
-    vision = config.vision_config
-    if hasattr(vision, "spatial_merge_size"):  # Qwen: flattened patches + (t, h, w) grids
-        p, t, m = vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size
-        grids = [(1, h // p, w // p) for h, w in sizes]
-        patches = sum(a * b * c for a, b, c in grids)
-        pixels = torch.randn(patches, 3 * t * p * p, generator=gen)
-        counts = [a * b * c // (m * m) for a, b, c in grids]
-        return {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}, counts
-    side = vision.image_size
-    pixels = torch.randn(len(sizes), 3, side, side, generator=gen)
-    per_image = getattr(config, "mm_tokens_per_image", None) or getattr(
-        config, "image_seq_length", None
-    )
-    assert isinstance(per_image, int), config.model_type
-    return {"pixel_values": pixels}, [per_image] * len(sizes)

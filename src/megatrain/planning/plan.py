@@ -69,6 +69,8 @@ class RunShape:
     mlp_tiles: int | str = 1  # sequence tiles of the MLPs, or "auto" (engine/tiling.py)
     ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
     rank: int = 0  # this process's rank
+    train_vision: bool = False  # model.freeze_vision false (a vision-language model)
+    train_projector: bool = False  # model.freeze_projector false
 
     @classmethod
     def of(
@@ -99,6 +101,8 @@ class RunShape:
             mlp_tiles=mem.mlp_tiles,
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             rank=p.rank,
+            train_vision=not cfg.model.freeze_vision,
+            train_projector=not cfg.model.freeze_projector,
         )
 
     def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:
@@ -133,6 +137,8 @@ class RunShape:
             untiled=untiled_layers(spec.structure) if policy is not None else frozenset(),
             world_size=self.ranks.world,
             rank=self.rank,
+            train_vision=self.train_vision,
+            train_projector=self.train_projector,
         )
 
     def setup(self, engine: EnginePlan, micro_batch_size: int, grad_accum: int) -> Setup:

@@ -30,7 +30,7 @@ from transformers import PretrainedConfig
 
 from megatrain.engine.layout import BlockSizes
 from megatrain.model.loading import model_class
-from megatrain.model.multimodal import vision_numel
+from megatrain.model.multimodal import vision_split
 from megatrain.model.structure import ModelStructure, discover
 
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -235,5 +235,5 @@ def block_sizes(spec: ModelSpec) -> BlockSizes:
         spec.embed_params,
         spec.head_params,
         spec.tied,
-        vision_numel(spec.structure),
+        *vision_split(spec.structure),
     )

@@ -63,6 +63,7 @@ from megatrain.engine.plan import EnginePlan
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.kernels import fall_back_where_refused
 from megatrain.model.loading import load_causal_lm
+from megatrain.model.multimodal import trained_vision
 from megatrain.model.structure import ModelStructure, discover
 from megatrain.model.tokenizer import load_tokenizer, processor_source
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
@@ -184,7 +185,16 @@ class RunBuilder(PlanBuilder):
         state_dtype: str | None = None,
     ) -> HostStore:
         """The host store of `structure`'s weights: this rank's shards when there are ranks."""
-        opt, p = self.cfg.optimizer, self.placement
+        opt, p, m = self.cfg.optimizer, self.placement, self.cfg.model
+        vision = trained_vision(
+            structure, tower=not m.freeze_vision, projector=not m.freeze_projector
+        )
+        if vision and p.world_size > 1:
+            raise ValueError(
+                "model.freeze_vision / model.freeze_projector false: training the vision modules "
+                "runs on one process only for now; under torchrun keep them frozen (true), or "
+                "train on one GPU"
+            )
         shard = None
         if p.world_size > 1:
             shard = functools.partial(
@@ -198,6 +208,7 @@ class RunBuilder(PlanBuilder):
             decay_1d=opt.decay_1d,
             state_dtype=state_dtype or opt.state_dtype,
             shard=shard,
+            vision=vision,
         )
 
     def model_and_store(self) -> tuple[ModelStructure, HostStore]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from megatrain.model.multimodal import unused_vision_params
 from megatrain.model.structure import ModelStructure
 from megatrain.store.blocks import ParamBlock, ParamEntry
 from megatrain.store.memory import host_zeros
@@ -49,11 +50,15 @@ class HostStore:
         decay_1d: bool = False,
         state_dtype: str = "fp32",
         shard: Callable[..., ParamBlock] | None = None,
+        vision: dict[str, nn.Module] | None = None,
     ) -> None:
         """`shard`: under ranks, what each block becomes once its whole fp32 master is built
         (this rank's part, store/shard.py shard_master, called with the master and the block's
         name, entries, decay_numel, state_dtype and whether compute is bf16): a rank never
-        holds more than one whole master of its own, and never whole states or shadows."""
+        holds more than one whole master of its own, and never whole states or shadows.
+        `vision`: a vision-language model's vision parts that train (by dotted name under its
+        multimodal body; model/multimodal.py trained_vision), one block "vision", first in
+        forward order; the frozen ones stay in the HF model as loaded."""
         check_state_dtype(state_dtype)
         if compute_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"compute dtype must be bfloat16 or float32, got {compute_dtype}")
@@ -68,6 +73,14 @@ class HostStore:
         self._meta: dict[int, nn.Parameter] = {}
         self._taken: set[int] = set()
         prefix = _prefixes(structure)
+        names = {id(m): n for n, m in structure.causal_lm.named_modules()}
+        vision_roots = [(key, m, names[id(m)]) for key, m in (vision or {}).items()]
+        # what the image features never reach stays frozen (PyTorch: no gradient, no update)
+        unused = unused_vision_params(structure) if vision_roots else set()
+        self.vision_unused = sum(
+            p.numel() for _, m, _ in vision_roots for p in m.parameters() if id(p) in unused
+        )
+        self.vision = self._build("vision", vision_roots, unused) if vision_roots else None
         self.embed = self._build("embed", [("embed", structure.embed, prefix["embed"])])
         self.layers = [
             self._build(f"layer.{i}", [("layer", layer, f"{prefix['layers']}.{i}")])
@@ -84,8 +97,9 @@ class HostStore:
 
     @property
     def blocks(self) -> list[ParamBlock]:
-        """All blocks in forward order: embedding, layers, head."""
-        return [self.embed, *self.layers, self.head]
+        """All blocks in forward order: (trained vision parts,) embedding, layers, head."""
+        first = [self.vision] if self.vision is not None else []
+        return [*first, self.embed, *self.layers, self.head]
 
     @property
     def numel(self) -> int:
@@ -94,10 +108,14 @@ class HostStore:
     def host_bytes(self) -> int:
         return sum(b.host_bytes() for b in self.blocks)
 
-    def _build(self, name: str, roots: list[tuple[str, nn.Module, str]]) -> ParamBlock:
+    def _build(
+        self, name: str, roots: list[tuple[str, nn.Module, str]], skip: set[int] | None = None
+    ) -> ParamBlock:
         found: list[tuple[str, str, str, nn.Parameter]] = []
         for root_key, root, prefix in roots:
             for pname, p in root.named_parameters():
+                if skip and id(p) in skip:
+                    continue  # stays in the HF model, frozen
                 if id(p) in self._taken:
                     continue  # tied: already stored in an earlier block
                 self._taken.add(id(p))

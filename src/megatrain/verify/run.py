@@ -17,7 +17,9 @@ from megatrain.batch import IGNORE_INDEX, Batch
 from megatrain.config import TrainConfig
 from megatrain.config.shorthand import model_values, shorthand_config
 from megatrain.engine.rng import random_config_keys
+from megatrain.model.multimodal import trained_vision, unused_vision_params
 from megatrain.model.router import RoutingMargins
+from megatrain.model.structure import discover
 from megatrain.recipes.builder import RunBuilder
 from megatrain.verify.images import vision_modules_of, with_images
 from megatrain.verify.judge import (
@@ -158,8 +160,15 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
 
     def reference(bf16_master: bool = False, exact: bool = False) -> Reference:
         model = builder.model().causal_lm
-        for module in vision_modules_of(model):  # frozen, as the engine runs them
+        for module in vision_modules_of(model):  # frozen, as the engine runs them ...
             module.requires_grad_(False)
+        m = cfg.model  # ... but for the parts that train
+        st = discover(model)
+        trained = trained_vision(st, tower=not m.freeze_vision, projector=not m.freeze_projector)
+        unused = unused_vision_params(st) if trained else set()
+        for module in trained.values():
+            for p in module.parameters():
+                p.requires_grad_(id(p) not in unused)  # PyTorch: no gradient, no update
         return Reference(
             float64(model) if exact else model,
             decay,
@@ -172,6 +181,13 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
 
     fp32_compute = cfg.model.compute_dtype == "fp32"
     ref = reference()
+    ours_trained = {e.full_name for b in store.blocks for e in b.entries}
+    if ours_trained != set(ref.named):  # verify compares what both train: the same set
+        raise ValueError(
+            "verify: the engine and the PyTorch reference train different parameters: only the "
+            f"engine {sorted(ours_trained - set(ref.named))[:4]}, only the reference "
+            f"{sorted(set(ref.named) - ours_trained)[:4]}"
+        )
     target, noise = ref, None
     if judged and fp32_compute:
         target, noise = reference(exact=True), ref
