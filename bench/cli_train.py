@@ -11,6 +11,13 @@ more, data.stage dpo, the dpo section's defaults (sigmoid, reference precomputed
 train --sft-of-pairs`: the same pairs as SFT rows (two a pair, padded, one sample per row), so
 its step trains on the same rows' tokens as a DPO step on `--rows/2` pairs.
 
+`--images SHARE` (train): a Qwen2.5-VL preset (bench/vlm_data.py) on generated image rows in
+LLaMA-Factory's mllm format, packed sft, one sample of `--seq` tokens a row with about SHARE of
+them image tokens (`--image-side` pixels, 448: 256 tokens an image); `--images 0`: the same rows
+with text in the images' place (same tokens per step). The processor is demo_vlm's, copied with
+its pixel limits raised to the images'. The RESULT adds images_per_step (from the data: rows per
+step x images per row; metrics.jsonl counts no images) and images_per_s.
+
 Writes what a user would have: a model folder holding only the shape's config.json
 (`model.random_init: true`), a pre-training text corpus (the demo's lines, repeated), and a YAML
 config with the default settings except the shape, the batch and the run length (clipping on,
@@ -41,6 +48,7 @@ from typing import Any
 import yaml
 from common import log, preset_values, result
 from pairs_data import make_pairs, write_data
+from vlm_data import VLM_PRESETS, vlm_config, write_processor, write_vlm_data
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TEXT = ROOT / "src" / "megatrain" / "assets" / "demo" / "demo_text.txt"
@@ -63,8 +71,29 @@ def corpus(path: Path, chars: int) -> Path:
     return path
 
 
+def vlm_data(a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """--images: the mllm rows (bench/vlm_data.py), packed sft, one sample a row."""
+    pixels = a.image_side**2
+    count = a.rows * a.nproc * a.steps + 4
+    section, a.images_per_row = write_vlm_data(
+        out / "data",
+        out / "processor",
+        count=count,
+        seq=a.seq,
+        share=a.images or a.text_like_share,
+        side=a.image_side,
+        text_like=not a.images,
+    )
+    log(f"{a.name}: {count} rows, {a.images_per_row} images of {a.image_side} px a row")
+    limits = {"image_max_pixels": pixels, "image_min_pixels": min(pixels, 56 * 56)}
+    return {"stage": "sft", "packing": True, **section, **limits, "cutoff_len": a.seq}
+
+
 def data_section(a: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """The config's `data`: the pt corpus, or the pairs (dpo) or their rows (--sft-of-pairs)."""
+    """The config's `data`: the pt corpus, or the pairs (dpo) or their rows (--sft-of-pairs),
+    or the image rows (--images)."""
+    if a.images is not None:
+        return vlm_data(a, out)
     if a.command != "dpo" and not a.sft_of_pairs:
         text = corpus(out.parent / "corpus.txt", max(4 * a.seq, 4_000_000))
         return {"stage": "pt", "dataset": str(text), "cutoff_len": a.seq}
@@ -77,14 +106,23 @@ def data_section(a: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
-    extra = {"num_hidden_layers": a.layers} if a.layers else {}
-    model_type, values = preset_values(a.preset, **extra)
-    from transformers import AutoConfig
-
     model_dir = out / "model"
-    AutoConfig.for_model(model_type, **values).save_pretrained(model_dir)
+    tokenizer = "demo"
+    if a.images is not None:
+        vlm_config(a.preset, a.layers).save_pretrained(model_dir)
+        pixels = a.image_side**2  # the processor's limits as the data's (vlm_data.py)
+        processor = write_processor(
+            out / "processor", min_pixels=min(pixels, 56 * 56), max_pixels=pixels
+        )
+        tokenizer = str(processor)
+    else:
+        extra = {"num_hidden_layers": a.layers} if a.layers else {}
+        model_type, values = preset_values(a.preset, **extra)
+        from transformers import AutoConfig
+
+        AutoConfig.for_model(model_type, **values).save_pretrained(model_dir)
     cfg: dict[str, Any] = {
-        "model": {"name_or_path": str(model_dir), "random_init": True, "tokenizer": "demo"},
+        "model": {"name_or_path": str(model_dir), "random_init": True, "tokenizer": tokenizer},
         "data": data_section(a, out),
         "training": {
             "output_dir": str(out / "run"),
@@ -172,6 +210,20 @@ def main() -> None:
         help="grpo: give the prompts and the grpo keys as overrides; dpo: preference pairs",
     )
     ap.add_argument(
+        "--images",
+        type=float,
+        default=None,
+        help="train: a Qwen2.5-VL preset on image rows, SHARE of each row's tokens image "
+        "tokens (0: the same rows with text in the images' place, --text-like-share of them)",
+    )
+    ap.add_argument("--image-side", type=int, default=448, help="--images: pixels a side")
+    ap.add_argument(
+        "--text-like-share",
+        type=float,
+        default=0.25,
+        help="--images 0: the share of the image run it stands for (its text replaces them)",
+    )
+    ap.add_argument(
         "--sft-of-pairs",
         action="store_true",
         help="train: dpo's pairs as SFT rows (prompt + chosen, prompt + rejected)",
@@ -181,6 +233,8 @@ def main() -> None:
     a, overrides = ap.parse_args(argv[:split]), argv[split + 1 :]
     if a.sft_of_pairs and a.command != "train":
         ap.error("--sft-of-pairs is for --command train")
+    if a.images is not None and (a.command != "train" or a.preset not in VLM_PRESETS):
+        ap.error(f"--images is for --command train with a preset of {', '.join(VLM_PRESETS)}")
     out = Path(os.environ.get("OUT", "/tmp/out")) / a.name
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "run", ignore_errors=True)  # a rerun of the name starts afresh
@@ -200,6 +254,18 @@ def main() -> None:
             rc = 124
     summary = summarize(a.name, out, rc, logfile.read_text())
     data = "pairs as sft rows" if a.sft_of_pairs else "pairs" if a.command == "dpo" else "corpus"
+    if a.images is not None:
+        data = "image rows" if a.images else "image rows as text"
+        # metrics.jsonl counts no images: from the data, one sample a packed row (vlm_data.py)
+        per_step = a.images_per_row * a.rows * a.nproc
+        summary |= {
+            "images_per_row": a.images_per_row,
+            "image_side": a.image_side,
+            "images_per_step": per_step,
+            "images_counted_from": "data (rows per step x images per row)",
+        }
+        if summary.get("step_s"):
+            summary["images_per_s"] = round(per_step / summary["step_s"], 2)
     result(**{"name": a.name, "command": a.command, "nproc": a.nproc, "data": data, **summary})
 
 

@@ -103,6 +103,17 @@ _DPO_RANKS = (
     _cli("dpo8b_2ranks", *_DPO, "--command", "dpo", "--nproc", "2", "--timeout", "320"),
     _table("dpo8b_1gpu", "dpo8b_2ranks"),
 )
+# issue 26: a Qwen2.5-VL-7B shape (bench/vlm_data.py), 32 rows of 2048 (64k tokens) per step, 4
+# a micro-batch, 8 steps: text-only rows, then the same rows with 2 images of 448 x 448 each
+# (2 x 256 tokens, 25%); --timeout: each run's share of the device command's 600 s
+_VLM = ("--preset", "qwen2.5-vl-7b", "--seq", "2048", "--rows", "32", "--micro", "4")
+_VLM += ("--steps", "8", "--image-side", "448", "--timeout", "280")
+_VLM_RUNS = (
+    _cli("vlm7b_text", *_VLM, "--images", "0"),
+    _cli("vlm7b_images", *_VLM, "--images", "0.25"),
+    (PY, "bench/cli_table.py", "--names", "vlm7b_text,vlm7b_images", "--step-ratio",
+     "vlm7b_images/vlm7b_text", "--ratio", "vlm7b_images/vlm7b_text"),
+)  # fmt: skip
 
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
@@ -392,6 +403,15 @@ SCENARIOS: dict[str, Scenario] = {
         "rank): the bar, tokens/s per GPU on 2 ranks >= 0.9x one GPU; a table last",
         _DPO_RANKS,
         timeout_s=330,
+    ),
+    "user_vlm": Scenario(
+        "issue 26: megatrain train on a Qwen2.5-VL-7B shape (random init, vision frozen as by "
+        "default), 64k tokens/step (32 rows of 2048, micro 4), 8 steps: text-only rows, then "
+        "the same rows with ~25% image tokens (two 448 x 448 images a row); tokens/s, "
+        "images/s, TFLOPS, GPU peak and host RSS beside the estimate; a table last with the "
+        "ratio of step times (the bar: images/text <= 1.15)",
+        _VLM_RUNS,
+        timeout_s=300,
     ),
     "grpo_7b": Scenario(
         "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length), the "
