@@ -166,6 +166,10 @@ def summarize(name: str, out: Path, rc: int, log_text: str) -> dict[str, Any]:
             values = [r[key] for r in steady if key in r]
             if values:
                 summary[key] = round(statistics.median(values), 4)
+        times = sorted({k for r in steady for k in r if k.startswith("time/")})
+        summary["time"] = {
+            k[5:]: round(statistics.median(r[k] for r in steady if k in r), 3) for k in times
+        }
         for key in ("gpu_peak_gib", "gpu_alloc_peak_gib", "host_rss_gib"):
             values = [r[key] for r in train if key in r]
             if values:

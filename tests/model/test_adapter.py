@@ -162,8 +162,9 @@ def test_tiny_config_keeps_structure() -> None:
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "llama4"])
 def test_text_model_of_a_vision_language_checkpoint(model_type: str, tmp_path: Path) -> None:
-    """Qwen3.5 and Llama 4 checkpoints are vision-language; AutoModelForCausalLM loads their
-    text model (vision weights left out) and the engine trains it."""
+    """Qwen3.5 and Llama 4 checkpoints are vision-language. Qwen3.5's body holds its language
+    model: the whole model loads (vision frozen, model/multimodal.py) and verify trains it with
+    images. Llama 4's does not: AutoModelForCausalLM loads its text model, the engine trains it."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from megatrain.verify import run_verify, verify_config, within
@@ -184,7 +185,12 @@ def test_text_model_of_a_vision_language_checkpoint(model_type: str, tmp_path: P
     }.items():
         if hasattr(cfg.vision_config, key):
             setattr(cfg.vision_config, key, value)
+    if model_type == "qwen3_5":  # the image ids inside the tiny vocabulary
+        vocab = cfg.text_config.vocab_size
+        cfg.vision_start_token_id, cfg.vision_end_token_id = vocab - 4, vocab - 3
+        cfg.image_token_id, cfg.video_token_id = vocab - 2, vocab - 1
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path)
     structure = discover(load_causal_lm(str(tmp_path)))
     assert structure.num_layers == cfg.text_config.num_hidden_layers
+    assert structure.is_multimodal == (model_type == "qwen3_5")
     assert within(run_verify(verify_config(model=str(tmp_path)), steps=1))

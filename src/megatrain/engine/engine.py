@@ -135,7 +135,7 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         self.transfers = Transfers(self.device)
         self.comm = Collectives(self.transfers, world_size=plan.world_size, rank=plan.rank)
         move_body_buffers(structure, self.device)
-        self.vision = VisionModules(structure, store.vision, self.layout, self.device)
+        self.vision = VisionModules(structure, store.vision, self.layout, self.device, self.dtype)
         self.capture = LayerCallCapture(structure, self.vision.modules)
         self.tier = GpuTier.first_blocks(store, plan.gpu_state_blocks, optimizer, self.comm)
         self.slots = LayerSlots(

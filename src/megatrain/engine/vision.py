@@ -31,12 +31,16 @@ from megatrain.store.blocks import ParamBlock
 
 class VisionModules:
     def __init__(
-        self, structure: Any, block: ParamBlock | None, layout: DeviceLayout, device: torch.device
+        self,
+        structure: Any,
+        block: ParamBlock | None,
+        layout: DeviceLayout,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
         self.block = block
-        self.modules = vision_on_device(
-            structure, next(iter(layout.empty(VISION, device)), None), device
-        )
+        frozen = next(iter(layout.empty(VISION, device)), None)
+        self.modules = vision_on_device(structure, frozen, device, dtype)
         self.weights: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         self.params: list[nn.Parameter] = []

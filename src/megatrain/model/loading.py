@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -103,8 +104,22 @@ def is_vision_language(config: PretrainedConfig) -> bool:
 
 def model_class(config: PretrainedConfig) -> Any:
     """The auto class that builds the whole model: image-text-to-text for vision-language
-    models (their language part is what streams), else the causal LM."""
-    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    models whose multimodal body holds a `language_model` (what streams; model/structure.py),
+    else the causal LM (a vision-language type built otherwise, e.g. Llama 4, trains its text
+    model, as transformers' AutoModelForCausalLM loads it)."""
+    if not is_vision_language(config):
+        return AutoModelForCausalLM
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or _multimodal_body(config):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def _multimodal_body(config: PretrainedConfig) -> bool:
+    """The image-text-to-text model of `config` has a body holding its language model (built
+    on the meta device: no memory)."""
+    with torch.device("meta"), no_init_weights():
+        model = AutoModelForImageTextToText.from_config(config)
+    return isinstance(getattr(getattr(model, "model", None), "language_model", None), nn.Module)
 
 
 def check_decoder_only(config: PretrainedConfig, where: str) -> None:

@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from megatrain.model.vision_attention import use_varlen
+
 
 def image_token_id(config: PretrainedConfig) -> int:
     """The placeholder id image features replace (`image_token_id` or `image_token_index`)."""
@@ -283,13 +285,14 @@ def vision_numel(structure: Any) -> int:
 
 
 def vision_on_device(
-    structure: Any, flat: torch.Tensor | None, device: torch.device
+    structure: Any, flat: torch.Tensor | None, device: torch.device, dtype: torch.dtype
 ) -> dict[str, nn.Module]:
     """The vision modules of a vision-language model as they run: copies whose frozen
     parameters are views of `flat` (the device layout's buffer, compute dtype), in eval mode.
     The host keeps the fp32 originals, exported as loaded; buffers (rotary tables) go to the
     device. Parameters the store took (trained ones: meta on the host) stay meta in the copies,
-    for the engine to bind (engine/vision.py)."""
+    for the engine to bind (engine/vision.py). Attention over Qwen's windows runs as one
+    varlen kernel where it can (model/vision_attention.py)."""
     if not structure.vision:
         return {}
     frozen = [
@@ -313,5 +316,6 @@ def vision_on_device(
             for key, buf in list(sub._buffers.items()):
                 if buf is not None and buf.device.type != "meta":
                     sub._buffers[key] = buf.to(device)
+        use_varlen(clone, dtype, device)  # Qwen's chunked attention in one call
         out[name] = clone.eval()
     return out

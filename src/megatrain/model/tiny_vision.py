@@ -55,6 +55,7 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {**_QWEN_VISION, "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]},
         {},
     ),
+    "qwen3_5": ("qwen3_5_text", {**_QWEN_VISION, "num_position_embeddings": 64}, {}),
     "gemma3": (
         "gemma3_text",
         {

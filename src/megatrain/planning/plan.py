@@ -7,10 +7,9 @@
 Invariant: the automatic micro-batch is chosen against exactly the estimate that the fit check
 then judges (same shape, same loss chunk, same pinning), so "auto" never picks a batch the check
 refuses for a reason it did not see; the engine runs the EnginePlan that estimate measured.
-`megatrain estimate` and `megatrain train` both read the plan from planning/builder.py.
-
-The GPU tier (engine/tier.py) is chosen after the batch: "auto" (`memory.gpu_state_blocks`)
-gives it the most blocks (engine/plan.py `tier_order`) whose predicted GPU peak still fits with
+`megatrain estimate` and `megatrain train` both read the plan from planning/builder.py. The
+GPU tier (engine/tier.py) is chosen after the batch: "auto" (`memory.gpu_state_blocks`) gives
+it the most blocks (engine/plan.py `tier_order`) whose predicted GPU peak still fits with
 `gpu_margin_gib` free; on the CPU "auto" is 0; a given count is clamped to the model's blocks.
 Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host
 (a node that cannot hold its ranks' shards is refused before loading); the tier is picked
@@ -18,9 +17,8 @@ against one rank's GPU (states sharded, weights whole: planning/estimate.py).
 Long rows: where the layer inputs wait (GPU, host, or recomputed every K layers) is chosen
 first, with the MLPs over the most sequence tiles `memory.mlp_tiles: auto` allows (the least
 memory); then, on the GPU, "auto" keeps the fewest tiles (1, 2, 4, ...) whose predicted peak
-still fits: a tiled MLP runs its forward once more in the backward and its layer's attention
-in head groups (engine/tiling.py), about 10% of an 8B step at 128k tokens on an H100
-(docs/performance.md run 24), so tiles are paid only where memory needs them.
+still fits: tiles cost about 10% of an 8B step at 128k tokens on an H100 (engine/tiling.py,
+docs/performance.md run 24), so they are paid only where memory needs them.
 Later plans extend `RunShape` and `ResourcePlan`, not their callers.
 """
 
@@ -69,8 +67,7 @@ class RunShape:
     mlp_tiles: int | str = 1  # sequence tiles of the MLPs, or "auto" (engine/tiling.py)
     ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
     rank: int = 0  # this process's rank
-    train_vision: bool = False  # model.freeze_vision false (a vision-language model)
-    train_projector: bool = False  # model.freeze_projector false
+    vision: tuple[bool, bool] = (False, False)  # a VLM's tower, projector train (not frozen)
 
     @classmethod
     def of(
@@ -101,8 +98,7 @@ class RunShape:
             mlp_tiles=mem.mlp_tiles,
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             rank=p.rank,
-            train_vision=not cfg.model.freeze_vision,
-            train_projector=not cfg.model.freeze_projector,
+            vision=(not cfg.model.freeze_vision, not cfg.model.freeze_projector),
         )
 
     def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:
@@ -137,8 +133,8 @@ class RunShape:
             untiled=untiled_layers(spec.structure) if policy is not None else frozenset(),
             world_size=self.ranks.world,
             rank=self.rank,
-            train_vision=self.train_vision,
-            train_projector=self.train_projector,
+            train_vision=self.vision[0],
+            train_projector=self.vision[1],
         )
 
     def setup(self, engine: EnginePlan, micro_batch_size: int, grad_accum: int) -> Setup:

@@ -18,7 +18,12 @@ from megatrain.batch import IGNORE_INDEX, Batch
 from megatrain.model.multimodal import image_token_id
 from megatrain.model.tiny_vision import image_inputs
 
-_SIZES = ((16, 16), (16, 24))  # (height, width) pixels: Qwen 4 and 6 tokens, at patch 4
+
+def _sizes(config: Any) -> list[tuple[int, int]]:
+    """(height, width) pixels of the two images: Qwen 4 and 6 tokens, whatever its patch."""
+    vision = config.vision_config
+    unit = getattr(vision, "patch_size", 1) * getattr(vision, "spatial_merge_size", 1)
+    return [(2 * unit, 2 * unit), (2 * unit, 3 * unit)]
 
 
 def vision_modules_of(model: nn.Module) -> list[nn.Module]:
@@ -50,7 +55,8 @@ def with_images(batch: Batch, config: Any, seed: int) -> Batch:
     labels = torch.where(labels == IGNORE_INDEX, labels, ids)
     rows, width = ids.shape
     sizes: list[tuple[int, int]] = []
-    _, counts = image_inputs(config, list(_SIZES))
+    pair = _sizes(config)
+    _, counts = image_inputs(config, pair)
     for r in range(rows - 1):  # the last row stays text only
         for k, s in enumerate(_sample_starts(batch, r, width)):
             run = [t for t in (start,) if t is not None] + [image] * counts[k % 2]
@@ -60,7 +66,7 @@ def with_images(batch: Batch, config: Any, seed: int) -> Batch:
                 continue
             ids[r, s + 1 : s + 1 + len(run)] = torch.tensor(run)
             labels[r, s + 1 : s + 1 + len(run)] = IGNORE_INDEX
-            sizes.append(_SIZES[k % 2])
+            sizes.append(pair[k % 2])
     images = image_inputs(config, sizes, seed=seed)[0] if sizes else None
     return Batch(ids, labels, batch.attention_mask, batch.position_ids, images=images)
 

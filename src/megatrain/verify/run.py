@@ -140,6 +140,32 @@ def without_randomness(cfg: TrainConfig, hf_config: Any) -> tuple[TrainConfig, d
     return dataclasses.replace(cfg, model=model), random_off
 
 
+def frozen_as_the_engine(model: Any, cfg: TrainConfig) -> Any:
+    """The reference model with the parameters the engine does not train frozen: a
+    vision-language model's vision modules, but for the parts that train (model.freeze_vision /
+    freeze_projector false) without the parameters their features never reach."""
+    for module in vision_modules_of(model):
+        module.requires_grad_(False)
+    st, m = discover(model), cfg.model
+    trained = trained_vision(st, tower=not m.freeze_vision, projector=not m.freeze_projector)
+    unused = unused_vision_params(st) if trained else set()
+    for module in trained.values():
+        for p in module.parameters():
+            p.requires_grad_(id(p) not in unused)  # PyTorch: no gradient, no update
+    return model
+
+
+def _check_same_parameters(store: Any, ref: Reference) -> None:
+    """verify compares what both train: the same set of parameters, or it refuses."""
+    ours = {e.full_name for b in store.blocks for e in b.entries}
+    if ours != set(ref.named):
+        raise ValueError(
+            "verify: the engine and the PyTorch reference train different parameters: only the "
+            f"engine {sorted(ours - set(ref.named))[:4]}, only the reference "
+            f"{sorted(set(ref.named) - ours)[:4]}"
+        )
+
+
 def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list[StepReport]:
     """Train `steps` steps with the engine and with plain PyTorch; report their differences.
 
@@ -159,16 +185,7 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
     hyper = engine.worker.optimizer.hyper
 
     def reference(bf16_master: bool = False, exact: bool = False) -> Reference:
-        model = builder.model().causal_lm
-        for module in vision_modules_of(model):  # frozen, as the engine runs them ...
-            module.requires_grad_(False)
-        m = cfg.model  # ... but for the parts that train
-        st = discover(model)
-        trained = trained_vision(st, tower=not m.freeze_vision, projector=not m.freeze_projector)
-        unused = unused_vision_params(st) if trained else set()
-        for module in trained.values():
-            for p in module.parameters():
-                p.requires_grad_(id(p) not in unused)  # PyTorch: no gradient, no update
+        model = frozen_as_the_engine(builder.model().causal_lm, cfg)
         return Reference(
             float64(model) if exact else model,
             decay,
@@ -181,13 +198,7 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
 
     fp32_compute = cfg.model.compute_dtype == "fp32"
     ref = reference()
-    ours_trained = {e.full_name for b in store.blocks for e in b.entries}
-    if ours_trained != set(ref.named):  # verify compares what both train: the same set
-        raise ValueError(
-            "verify: the engine and the PyTorch reference train different parameters: only the "
-            f"engine {sorted(ours_trained - set(ref.named))[:4]}, only the reference "
-            f"{sorted(set(ref.named) - ours_trained)[:4]}"
-        )
+    _check_same_parameters(store, ref)
     target, noise = ref, None
     if judged and fp32_compute:
         target, noise = reference(exact=True), ref
