@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a preference run (data.stage dpo/kto): pairs (train + eval; KTO: rows) the "
         "reference covers (default data.max_samples, else 1000)",
     )
+    parser.add_argument(
+        "--image-share",
+        type=float,
+        default=0.0,
+        help="a vision-language run: the share of the step's tokens that are image tokens "
+        "(0-1; megatrain train takes it from the data), for the vision tower's time",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -120,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     builder = _builder(cfg, args)
+    if not 0.0 <= args.image_share <= 1.0:
+        raise ValueError(f"--image-share {args.image_share}: give a share between 0 and 1")
+    builder.image_share = args.image_share
     layout = "full" if args.layout == "full" else None
     grpo = grpo_plan(builder) if args.grpo else None
     plan = (

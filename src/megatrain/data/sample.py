@@ -130,3 +130,12 @@ def held_out_mask(n: int, *, val_size: float, seed: int, unit: str) -> np.ndarra
     held_out = np.zeros(n, dtype=np.bool_)
     held_out[np.random.default_rng(seed).permutation(n)[:count]] = True
     return held_out
+
+
+def image_share(samples: object) -> float:
+    """The share of the samples' tokens that are image tokens (0 for text data)."""
+    if not isinstance(samples, list):
+        return 0.0  # a pre-training corpus: text
+    tokens = sum(s.num_tokens for s in samples)
+    images = sum(sum(s.image_tokens) for s in samples)
+    return images / tokens if tokens else 0.0

@@ -279,6 +279,26 @@ def vision_split(structure: Any) -> tuple[int, int]:
     return tower, projector
 
 
+def patches_per_image_token(config: PretrainedConfig) -> float:
+    """Patches the vision tower runs per image token: Qwen merges merge x merge patches into
+    one; the fixed-size families (LLaVA, Gemma 3) pool an image's patches into its tokens."""
+    vision = config.vision_config
+    merge = getattr(vision, "spatial_merge_size", None)
+    if merge:
+        return float(merge * merge)
+    side = vision.image_size // vision.patch_size
+    per_image = getattr(config, "mm_tokens_per_image", None) or getattr(
+        config, "image_seq_length", None
+    )
+    return side * side / (per_image or side * side)
+
+
+def vision_width(config: PretrainedConfig) -> int:
+    """The vision tower's hidden size (Qwen2-VL calls it embed_dim)."""
+    vision = config.vision_config
+    return int(getattr(vision, "embed_dim", None) or vision.hidden_size)
+
+
 def vision_numel(structure: Any) -> int:
     """Parameters of a vision-language model's vision modules (0 for a text-only model)."""
     return sum(vision_split(structure))

@@ -110,6 +110,8 @@ class PlanBuilder:
         self.placement = placement
         self._hardware = hardware
         self._gpu_reserve = gpu_reserve
+        # the data's share of image tokens (a vision-language run sets it before planning)
+        self.image_share = 0.0
 
     @property
     def device(self) -> Any:
@@ -150,6 +152,7 @@ class PlanBuilder:
             layout=layout,
             compiled=self.compiled if compiled is None else compiled,
             pin_memory=self.pin_memory,
+            images=self.image_share,
         )
 
     def plan(

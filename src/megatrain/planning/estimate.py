@@ -52,7 +52,7 @@ from transformers import PretrainedConfig
 
 from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
-from megatrain.engine.layout import SLOTS, DeviceLayout
+from megatrain.engine.layout import SLOTS, VISION, VISION_TRAIN, DeviceLayout
 from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.engine.schedule import StepSchedule
 from megatrain.planning.activations import LayerProfile, layer_profile, loss_chunk
@@ -137,6 +137,7 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         state_dtype=setup.state_dtype,
         gpu_state_blocks=tier,
         ranks=setup.ranks,
+        vision=(layout.numel(VISION), layout.numel(VISION_TRAIN)),
     )
     slots = layout[SLOTS].count if SLOTS in layout else 0
     schedule = StepSchedule.of(spec.num_layers, min(tier, spec.num_layers), slots, boundaries)

@@ -51,11 +51,16 @@ def host_memory(
     gpu_state_blocks: int = 0,
     offload_bytes: int = 0,
     ranks: Ranks = ONE_PROCESS,
+    vision: tuple[int, int] = (0, 0),
 ) -> HostMemory:
-    """Host bytes of one process, or with several ranks of one node (its ranks' shards)."""
+    """Host bytes of one process, or with several ranks of one node (its ranks' shards).
+    `vision`: a vision-language model's (frozen, trained) vision parameters: the frozen stay
+    in the HF model in fp32, the trained are one more block of the store."""
+    frozen, trained = vision
     layers = [la.params for la in spec.layers]
-    every = [spec.embed_params, *layers, spec.head_params]
-    order = [*layers, spec.embed_params, spec.head_params]  # tier order (engine/tier.py)
+    first = [trained] if trained else []
+    every = [*first, spec.embed_params, *layers, spec.head_params]
+    order = [*layers, spec.embed_params, spec.head_params, *first]  # tier order (engine/tier.py)
     held = [ranks.shard(n) for n in order[gpu_state_blocks:]]
     local = ranks.nproc_per_node if ranks.world > 1 else 1
 
@@ -71,7 +76,7 @@ def host_memory(
         return pageable, pinned, reserved
 
     pageable, pinned, reserved = (local * b for b in store(held))
-    baseline = hw.process_baseline_bytes + ranks.host_extra_bytes
+    baseline = hw.process_baseline_bytes + ranks.host_extra_bytes + 4 * frozen
     process = local * (baseline + data_bytes)
     total = pageable + reserved + process + local * offload_bytes
     twice = 4 * max(every)  # the block being moved exists twice

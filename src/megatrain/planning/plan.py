@@ -44,7 +44,8 @@ from megatrain.planning.hardware import GIB, Hardware, gib
 from megatrain.planning.host_memory import pinned_reserved
 from megatrain.planning.long_context import choose_boundaries
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
-from megatrain.planning.setup import Setup
+from megatrain.planning.resource_plan import ResourcePlan
+from megatrain.planning.setup import NO_VISION, Setup, VisionLoad
 from megatrain.planning.spec import ModelSpec
 
 
@@ -67,7 +68,7 @@ class RunShape:
     mlp_tiles: int | str = 1  # sequence tiles of the MLPs, or "auto" (engine/tiling.py)
     ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
     rank: int = 0  # this process's rank
-    vision: tuple[bool, bool] = (False, False)  # a VLM's tower, projector train (not frozen)
+    vision: VisionLoad = NO_VISION  # a vision-language run's (planning/setup.py)
 
     @classmethod
     def of(
@@ -78,9 +79,11 @@ class RunShape:
         layout: str | None,
         compiled: bool,
         pin_memory: bool,
+        images: float = 0.0,
     ) -> RunShape:
         """The run's settings as its config gives them (`layout`: a what-if, else the run's;
-        `compiled`: training.compile_layers resolved, planning/builder.py)."""
+        `compiled`: training.compile_layers resolved, planning/builder.py; `images`: the
+        data's share of image tokens)."""
         mem, p = cfg.memory, placement
         return cls(
             seq_len=cfg.seq_len,
@@ -98,7 +101,7 @@ class RunShape:
             mlp_tiles=mem.mlp_tiles,
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             rank=p.rank,
-            vision=(not cfg.model.freeze_vision, not cfg.model.freeze_projector),
+            vision=VisionLoad(not cfg.model.freeze_vision, not cfg.model.freeze_projector, images),
         )
 
     def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:
@@ -133,8 +136,8 @@ class RunShape:
             untiled=untiled_layers(spec.structure) if policy is not None else frozenset(),
             world_size=self.ranks.world,
             rank=self.rank,
-            train_vision=self.vision[0],
-            train_projector=self.vision[1],
+            train_vision=self.vision.tower,
+            train_projector=self.vision.projector,
         )
 
     def setup(self, engine: EnginePlan, micro_batch_size: int, grad_accum: int) -> Setup:
@@ -148,46 +151,8 @@ class RunShape:
             state_dtype=self.state_dtype,
             pin_memory=self.pin_memory,
             ranks=self.ranks,
+            vision=self.vision,
         )
-
-
-@dataclass(frozen=True)
-class ResourcePlan:
-    """The batch a run uses and what it is predicted to need; `problems` empty when it fits."""
-
-    micro_batch_size: int
-    grad_accum: int
-    estimate: Estimate
-    engine: EnginePlan  # what the engine runs (this rank's tier count: the builder agrees one)
-    batch_reason: str | None  # why "auto" chose this micro-batch (None: it was given)
-    problems: tuple[str, ...]
-    tier_reason: str | None = None  # why "auto" chose the GPU tier (None: it was given)
-    boundary_reason: str | None = None
-    mlp_tiles: int = 1  # sequence tiles of the MLPs at seq_len (engine/tiling.py)
-    tiles_reason: str | None = None  # why "auto" chose that many (None: set, or no choice)
-
-    @property
-    def gpu_state_blocks(self) -> int:
-        """Blocks (layers, embedding, head) whose states live on the GPU: the engine's."""
-        return self.engine.gpu_state_blocks
-
-    @property
-    def boundaries(self) -> BoundaryPlan | None:
-        """Where layer inputs wait (None: all on the GPU): the engine's."""
-        return self.engine.boundaries
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems
-
-    @property
-    def tokens_per_step(self) -> int:
-        return int(self.estimate.settings["tokens_per_step"])
-
-    def require_fit(self) -> None:
-        """Raise ValueError with the numbers and what to change when the run does not fit."""
-        if self.problems:
-            raise ValueError("this run does not fit: " + "; ".join(self.problems))
 
 
 def resolve(

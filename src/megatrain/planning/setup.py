@@ -16,6 +16,20 @@ from megatrain.planning.ranks import ONE_PROCESS, Ranks
 
 
 @dataclass(frozen=True)
+class VisionLoad:
+    """A vision-language run: whether its tower / projector train (model.freeze_vision /
+    freeze_projector false), and the share of the step's tokens that are image tokens (each
+    one a few patches through the tower: planning/timing.py)."""
+
+    tower: bool = False
+    projector: bool = False
+    image_share: float = 0.0
+
+
+NO_VISION = VisionLoad()
+
+
+@dataclass(frozen=True)
 class Setup:
     """One training setup to predict: the engine's plan and the step's batch."""
 
@@ -28,6 +42,7 @@ class Setup:
     pin_memory: bool = True
     data_bytes: int = 0  # the tokenized data in host memory
     ranks: Ranks = ONE_PROCESS  # several: per-rank batch and GPU, per-node host
+    vision: VisionLoad = NO_VISION
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "grad_accum"):

@@ -52,6 +52,7 @@ import torch
 
 from megatrain.engine.plan import TierSplit
 from megatrain.engine.schedule import LOAD, RECOMPUTE, StepSchedule
+from megatrain.model.multimodal import patches_per_image_token, vision_numel, vision_width
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.ranks import Ranks
 from megatrain.planning.replay import Costs, Replay
@@ -77,6 +78,13 @@ chains; the matmuls and attention stay separate kernels)."""
 GPU_ADAMW_GPARAMS_S = 60.0
 """Fused AdamW on the GPU (assumed, H100): ~34 bytes per parameter through HBM (read p, g, m,
 v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
+
+
+# The vision tower's achieved rate against the engine's at the tower's width: measured on an
+# H100 (docs/performance.md run 37: Qwen2.5-VL-7B's tower, 64 images of 448 x 448 pixels a
+# step, 0.70 s more forward for 88 TFLOP, ~126 TFLOPS: its windows, rotary tables and merges are
+# small kernels); one family and card measured, so the term is rough elsewhere.
+VISION_RATE_FRACTION = 0.24
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,9 @@ def step_time(
         compiled=plan.compile_layers,
         ranks=ranks,
     )
+    vision_fwd, vision_bwd = _vision_s(spec, hw, setup)
+    costs.fwd_s[0] += vision_fwd  # before layer 0, per micro-batch (engine/vision.py)
+    costs.bwd_s[0] += vision_bwd
     step_s = Replay(costs).run(_STEPS)
     forward_s = Replay(costs).forward_passes(_STEPS)
     compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
@@ -170,6 +181,22 @@ def step_time(
         tokens_per_s=tokens / step_s,
         model_tflops=6 * spec.active_params * tokens / step_s / 1e12,
     )
+
+
+def _vision_s(spec: ModelSpec, hw: Hardware, setup: Setup) -> tuple[float, float]:
+    """(forward, backward) seconds of a vision-language model's vision modules in a step: each
+    image token is `patches_per_image_token` patches through the tower, 2 x its parameters in
+    FLOPs each; trained (engine/vision.py), the backward runs that forward again and, for the
+    tower, its backward too."""
+    vision = setup.vision
+    front = spec.structure.front
+    if not vision.image_share or front is None:
+        return 0.0, 0.0
+    tokens = setup.tokens_mb * setup.grad_accum * vision.image_share
+    flops = 2.0 * vision_numel(spec.structure) * tokens * patches_per_image_token(front.config)
+    rate = hw.flops_per_s(spec.compute_dtype, vision_width(front.config)) * VISION_RATE_FRACTION
+    again = 3.0 if vision.tower else 1.0 if vision.projector else 0.0
+    return flops / rate, again * flops / rate
 
 
 def _costs(

@@ -30,6 +30,7 @@ from typing import Any
 
 from megatrain.batch import Batch
 from megatrain.checkpoint.rng import rng_state, set_rng_state
+from megatrain.data.sample import image_share
 from megatrain.distributed import Placement
 from megatrain.metrics import MetricsLogger
 from megatrain.recipes.base import Recipe
@@ -56,6 +57,7 @@ class Trainer(Recipe):
 
     def build_data(self) -> None:
         self.data = self.builder.data()
+        self.builder.image_share = image_share(self.data.train)  # the plan's vision load
 
     def build_parts(self) -> None:
         self.micro_batch_size, self.grad_accum = self.plan.micro_batch_size, self.plan.grad_accum
