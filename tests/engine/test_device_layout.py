@@ -9,6 +9,7 @@ On the CPU the engine runs the GPU tier's code path, so every buffer exists here
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,10 +20,19 @@ import torch
 
 from megatrain.engine.engine import StreamingEngine
 from megatrain.engine.head import default_chunk_tokens
-from megatrain.engine.layout import TIER, BlockSizes, DeviceLayout, held_bytes
+from megatrain.engine.layout import (
+    TIER,
+    VISION,
+    VISION_GRAD,
+    VISION_TRAIN,
+    BlockSizes,
+    DeviceLayout,
+    held_bytes,
+)
 from megatrain.engine.plan import EnginePlan, tier_size
 from megatrain.engine.tiling import TilePolicy, untiled_layers
 from megatrain.model.loading import load_causal_lm, load_config
+from megatrain.model.multimodal import trained_vision
 from megatrain.model.structure import discover
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.planning import model_spec
@@ -105,3 +115,26 @@ def test_layout_under_two_ranks(tmp_path: Path) -> None:
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "layout ok on rank 0" in run.stdout  # rank 1 is quiet; its assert sets the code
+
+
+@pytest.mark.parametrize(("tower", "projector"), [(True, True), (False, True)])
+def test_layout_of_trained_vision_modules(tower: bool, projector: bool) -> None:
+    """Trained vision parts: their weights and fp32 gradient on the device, the rest frozen."""
+    spec = model_spec(load_config(None, model_type="qwen2_5_vl", tiny=True), "bf16")
+    structure = discover(load_causal_lm(None, model_type="qwen2_5_vl", tiny=True))
+    trained = trained_vision(structure, tower=tower, projector=projector)
+    store = HostStore(structure, compute_dtype=torch.bfloat16, pin_memory=False, vision=trained)
+    plan = dataclasses.replace(
+        _plan(spec.num_layers, 0, None, frozenset()),
+        train_vision=tower,
+        train_projector=projector,
+    )
+    planned = DeviceLayout.of(plan, block_sizes(spec), torch.bfloat16)
+    engine = StreamingEngine(structure, store, CpuAdamW(AdamWHyper()), plan)
+    try:
+        held = held_bytes(engine.device_buffers())
+    finally:
+        engine.close()
+    assert held == planned.bytes_by_name()
+    assert held[VISION_TRAIN] > 0 and held[VISION_GRAD] == 2 * held[VISION_TRAIN]
+    assert (VISION in held) == (not tower)

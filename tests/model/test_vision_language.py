@@ -7,12 +7,14 @@ Qwen3-VL (M-RoPE per packed sample; Qwen3-VL's deepstack injections between laye
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatrain.batch import Batch
 from megatrain.model.loading import load_causal_lm
-from megatrain.model.multimodal import MultimodalInputs
+from megatrain.model.multimodal import MultimodalInputs, unused_vision_params
 from megatrain.model.structure import discover
 from megatrain.model.tiny_vision import IMAGE_ID, image_inputs, tiny_vlm_config
 from megatrain.verify import run_verify, verify_config
@@ -108,3 +110,35 @@ def test_image_inputs_match_the_models_token_counts() -> None:
         config = tiny_vlm_config(model_type)
         _, counts = image_inputs(config, [(16, 16)])
         assert counts[0] in (4, 16), (model_type, counts)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "seq", "flags"),
+    [
+        ("qwen3_vl", 48, ("--model.freeze_vision", "false", "--model.freeze_projector", "false")),
+        ("llava", 64, ("--model.freeze_vision", "false")),  # its last layer unused: frozen
+        ("gemma3", 64, ("--model.freeze_projector", "false")),
+    ],
+)
+def test_verify_with_trained_vision(model_type: str, seq: int, flags: tuple[str, ...]) -> None:
+    """Trained vision parts (fp32 master, host AdamW; the backward runs the capture again)
+    equal plain PyTorch training the same parameters, deepstack injections included."""
+    cfg = verify_config(None, list(flags), model_type=model_type, tiny=True, seq_len=seq)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, packing=True))
+    reports = run_verify(cfg, steps=2)
+    assert all(r.excess <= 1 for r in reports), [(r.excess, r.worst) for r in reports]
+
+
+def test_parameters_the_features_never_reach_stay_frozen() -> None:
+    st = discover(load_causal_lm(None, model_type="llava", tiny=True))
+    unused = unused_vision_params(st)
+    names = {n for n, p in st.causal_lm.named_parameters() if id(p) in unused}
+    # vision_feature_layer -2 of a 2-layer tower: its last layer and final norm are unused
+    assert names and all(
+        n.startswith(("model.vision_tower.encoder.layers.1.", "model.vision_tower.post_"))
+        for n in names
+    )
+    assert (
+        unused_vision_params(discover(load_causal_lm(None, model_type="qwen2_5_vl", tiny=True)))
+        == set()
+    )
