@@ -413,6 +413,52 @@ SCENARIOS: dict[str, Scenario] = {
         _VLM_RUNS,
         timeout_s=300,
     ),
+    "user_vlm_trained": Scenario(
+        "issue 26: user_vlm's image run with the vision tower and projector trained "
+        "(model.freeze_vision / freeze_projector false), and bf16 verify on CUDA of the tiny "
+        "VLMs with images (Qwen's windowed vision attention through the varlen kernel)",
+        (
+            _verify(
+                "--model-type",
+                "qwen2_5_vl",
+                "--tiny",
+                "--dtype",
+                "bf16",
+                "--packed",
+                "--seq-len",
+                "48",
+            ),
+            _verify(
+                "--model-type",
+                "qwen3_vl",
+                "--tiny",
+                "--dtype",
+                "bf16",
+                "--seq-len",
+                "48",
+                "--model.freeze_vision",
+                "false",
+                "--model.freeze_projector",
+                "false",
+            ),
+            _verify("--model-type", "gemma3", "--tiny", "--dtype", "bf16", "--seq-len", "64"),
+            _verify(
+                "--model-type", "llava", "--tiny", "--dtype", "bf16", "--seq-len", "64", "--packed"
+            ),
+            _cli(
+                "vlm7b_images_trained",
+                *_VLM,
+                "--images",
+                "0.25",
+                "--",
+                "--model.freeze_vision",
+                "false",
+                "--model.freeze_projector",
+                "false",
+            ),
+        ),
+        timeout_s=300,
+    ),
     "grpo_7b": Scenario(
         "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length), the "
         "product default (static KV cache, compiled forward, one CUDA graph per token; the "

@@ -299,6 +299,19 @@ def vision_width(config: PretrainedConfig) -> int:
     return int(getattr(vision, "embed_dim", None) or vision.hidden_size)
 
 
+def vision_saved_bytes_per_patch(config: PretrainedConfig, itemsize: int) -> int:
+    """What the vision tower's autograd keeps per patch (all its blocks) when it trains:
+    per block 12 x width (attention input, q/k/v and their rotary copies, output, norms kept
+    in fp32) and 7 x intermediate (the MLP's gate, up, activation, down input, in and out of
+    fp32). Calibrated on an H100 (docs/performance.md run 38: Qwen2.5-VL-7B's tower, 8,192
+    patches a micro-batch, ~19 GiB): ~77 KiB a patch and block there."""
+    vision = config.vision_config
+    depth = getattr(vision, "depth", None) or vision.num_hidden_layers
+    width = vision_width(config)
+    inner = getattr(vision, "intermediate_size", None) or 4 * width
+    return int(depth * (12 * width + 7 * inner) * itemsize)
+
+
 def vision_numel(structure: Any) -> int:
     """Parameters of a vision-language model's vision modules (0 for a text-only model)."""
     return sum(vision_split(structure))

@@ -55,6 +55,7 @@ from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.layout import SLOTS, VISION, VISION_TRAIN, DeviceLayout
 from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.engine.schedule import StepSchedule
+from megatrain.model.multimodal import patches_per_image_token, vision_saved_bytes_per_patch
 from megatrain.planning.activations import LayerProfile, layer_profile, loss_chunk
 from megatrain.planning.hardware import Hardware, detect, gib
 from megatrain.planning.host_memory import HostMemory, host_memory, pinned_reserved
@@ -234,6 +235,16 @@ def gpu_memory(
             "embedding gradient staging": streamed_table * 2 if bf16 else 0,
         },
     }
+    vision = setup.vision
+    front = spec.structure.front
+    if front is not None and (vision.tower or vision.projector) and vision.image_share:
+        patches = tokens_mb * vision.image_share * patches_per_image_token(front.config)
+        phases["vision backward"] = {  # engine/vision.py: after the layers, per micro-batch
+            "first hidden gradients": tokens * d * c,
+            "vision tower activations (one micro-batch)": int(
+                patches * vision_saved_bytes_per_patch(front.config, c)
+            ),
+        }
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     items = {k: v for k, v in {**base, **phases[phase]}.items() if v}
     return GpuMemory(
