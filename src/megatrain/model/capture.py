@@ -139,6 +139,16 @@ class LayerCallCapture:
             "receive what layer i returned); this architecture is not supported"
         )
 
+    def _opened_mask(self, value: Any) -> Any:
+        """`_attend_somewhere` once per mask object of this capture (layers share masks)."""
+        if isinstance(value, dict):
+            return {k: self._opened_mask(v) for k, v in value.items()}
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in self._masks:
+            self._masks[id(value)] = (value, _attend_somewhere(value))
+        return self._masks[id(value)][1]
+
     def _check_additive(
         self, inputs_embeds: torch.Tensor, kwargs: dict[str, Any], result: CapturedCalls
     ) -> None:
@@ -162,6 +172,7 @@ class LayerCallCapture:
 
     def _run_body(self, inputs_embeds: torch.Tensor, kwargs: dict[str, Any]) -> CapturedCalls:
         self._calls, self._first, self._last_out = [], None, None
+        self._masks: dict[int, tuple[torch.Tensor, Any]] = {}  # id -> (mask, opened mask)
         layers = self.structure.layers
         originals = list(layers)
         for i, layer in enumerate(originals):
@@ -218,6 +229,7 @@ class LayerCallCapture:
             # vision modules), never the hidden states
             self._calls[-1].after = hidden - last
         _check_no_grad_kwargs(args, kwargs, index)
+        kwargs = {k: self._opened_mask(v) for k, v in kwargs.items()}
         self._calls.append(
             LayerCall(args=tuple(args), kwargs=kwargs, hidden_as_kwarg=hidden_as_kwarg)
         )
@@ -226,6 +238,21 @@ class LayerCallCapture:
         out = hidden.detach() + self._shift if self._shift else hidden.detach()
         self._last_out = out
         return (out,) if self._trying_tuple else out
+
+
+def _attend_somewhere(value: torch.Tensor) -> torch.Tensor:
+    """A boolean attention mask [B, 1, Q, K] whose query rows attend to nothing (padding rows
+    of a bidirectional image mask, Gemma 3's) with those rows opened to every key: CUDA's
+    sdpa kernels turn an empty row into NaN, which reaches the weights' gradients through the
+    zero gradient of that padding row. The row's output is never read by a real token (its key
+    is masked for them) nor by the loss, so nothing else changes; transformers does the same
+    for its own sdpa masks."""
+    if value.dtype != torch.bool or value.dim() != 4:
+        return value
+    empty = ~value.any(-1, keepdim=True)
+    if not bool(empty.any()):
+        return value
+    return value | empty
 
 
 def _between_layers_error(structure: ModelStructure, index: int) -> str:
