@@ -126,6 +126,7 @@ class BackwardPass:
         views = [block.view(acc, e) for e in block.entries]
         for mb in mbs:
             if self.vision.trains and mb.calls[i].after is not None:
+                assert mb.grad is not None
                 mb.after_grads[i] = mb.grad  # the gradient at layer i's injected output
             self._layer_backward(i, mb, views, len(mbs))
         timer.stop()

@@ -56,7 +56,9 @@ class VisionModules:
     def buffers(self) -> dict[str, list[torch.Tensor]]:
         """The persistent device tensors, by layout name (engine/layout.py)."""
         trained = {id(p) for p in self.params}
-        frozen = [p for m in self.modules.values() for p in m.parameters() if id(p) not in trained]
+        frozen: list[torch.Tensor] = [
+            p for m in self.modules.values() for p in m.parameters() if id(p) not in trained
+        ]
         return {
             VISION: frozen,
             VISION_TRAIN: [] if self.weights is None else [self.weights],

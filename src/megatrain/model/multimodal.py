@@ -72,12 +72,13 @@ class MultimodalInputs:
 
     def __init__(self, front: nn.Module) -> None:
         self.front = front
-        self.image_id = image_token_id(front.config)
+        config: Any = front.config
+        self.image_id = image_token_id(config)
         params = inspect.signature(type(front).forward).parameters
         self._type_keys = [k for k in ("token_type_ids", "mm_token_type_ids") if k in params]
         self._rope = getattr(front, "get_rope_index", None)
         self._rope_params = set(inspect.signature(self._rope).parameters) if self._rope else set()
-        vision = getattr(front.config, "vision_config", None)
+        vision = getattr(config, "vision_config", None)
         self._merge = getattr(vision, "spatial_merge_size", 1)
 
     def kwargs(
@@ -114,8 +115,8 @@ class MultimodalInputs:
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
-        grids = [] if not images or "image_grid_thw" not in images else images["image_grid_thw"]
-        pending = [tuple(g) for g in torch.as_tensor(grids).tolist()]
+        grids = images.get("image_grid_thw") if images else None
+        pending = [] if grids is None else [tuple(g) for g in grids.tolist()]
         rows = torch.empty(3, B, S, dtype=torch.int64, device=input_ids.device)
         starts = (position_ids == 0).cpu()
         counts = (input_ids == self.image_id).cumsum(1).cpu()
@@ -256,7 +257,7 @@ def unused_vision_params(structure: Any) -> set[int]:
 def _leaves(roots: list[torch.Tensor]) -> set[int]:
     """ids of the leaf tensors the autograd graph of `roots` reaches."""
     seen: set[Any] = set()
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    stack: list[Any] = [t.grad_fn for t in roots if t.grad_fn is not None]
     found: set[int] = set()
     while stack:
         fn = stack.pop()

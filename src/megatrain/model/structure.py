@@ -80,8 +80,9 @@ def discover(causal_lm: PreTrainedModel) -> ModelStructure:
         )
     body = children[body_attr]
     front, vision = None, {}
-    if isinstance(getattr(body, "language_model", None), nn.Module):  # a vision-language model
-        front, body, vision = body, body.language_model, vision_modules(body)
+    language = getattr(body, "language_model", None)
+    if isinstance(language, nn.Module):  # a vision-language model
+        front, body, vision = body, language, vision_modules(body)
     embed = causal_lm.get_input_embeddings()
     lm_head = causal_lm.get_output_embeddings()
     if embed is None or lm_head is None or not hasattr(lm_head, "weight"):

@@ -238,11 +238,11 @@ def gpu_memory(
     vision = setup.vision
     front = spec.structure.front
     if front is not None and (vision.tower or vision.projector) and vision.image_share:
-        patches = tokens_mb * vision.image_share * patches_per_image_token(front.config)
+        patches = tokens_mb * vision.image_share * patches_per_image_token(spec.config)
         phases["vision backward"] = {  # engine/vision.py: after the layers, per micro-batch
             "first hidden gradients": tokens * d * c,
             "vision tower activations (one micro-batch)": int(
-                patches * vision_saved_bytes_per_patch(front.config, c)
+                patches * vision_saved_bytes_per_patch(spec.config, c)
             ),
         }
     phase = max(phases, key=lambda p: sum(phases[p].values()))

@@ -193,8 +193,8 @@ def _vision_s(spec: ModelSpec, hw: Hardware, setup: Setup) -> tuple[float, float
     if not vision.image_share or front is None:
         return 0.0, 0.0
     tokens = setup.tokens_mb * setup.grad_accum * vision.image_share
-    flops = 2.0 * vision_numel(spec.structure) * tokens * patches_per_image_token(front.config)
-    rate = hw.flops_per_s(spec.compute_dtype, vision_width(front.config)) * VISION_RATE_FRACTION
+    flops = 2.0 * vision_numel(spec.structure) * tokens * patches_per_image_token(spec.config)
+    rate = hw.flops_per_s(spec.compute_dtype, vision_width(spec.config)) * VISION_RATE_FRACTION
     again = 3.0 if vision.tower else 1.0 if vision.projector else 0.0
     return flops / rate, again * flops / rate
 

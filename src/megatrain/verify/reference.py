@@ -61,11 +61,8 @@ class Reference:
         self.model: Any = model.to(device)
         self.device, self.clip_norm = device, clip_norm
         self.named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.inputs = (
-            MultimodalInputs(model.model)
-            if hasattr(getattr(model, "model", None), "language_model")
-            else None
-        )
+        body: Any = getattr(model, "model", None)  # a vision-language model's multimodal body
+        self.inputs = MultimodalInputs(body) if hasattr(body, "language_model") else None
         self.master = dict(self.named)
         if bf16_master:
             self.master = {n: torch.nn.Parameter(p.detach().clone()) for n, p in self.named.items()}
