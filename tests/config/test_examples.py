@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.config import load_config
+from megatrain.model.tiny_vision import DEMO_VLM_OVERRIDES
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))  # demo.yaml included once it exists
@@ -46,8 +47,11 @@ def test_example_loads_and_is_headed_by_its_command(path: Path) -> None:
     if path.stem == "dpo_demo" or path.stem.endswith("_dpo"):
         command = "dpo"
     assert f"megatrain {command} --config examples/{path.name}" in _header(path)
-    if path.name in ("demo.yaml", "dpo_demo.yaml"):
+    if path.name in ("demo.yaml", "dpo_demo.yaml", "vlm_demo.yaml"):
         assert cfg.model.model_type is not None and cfg.model.tiny
+        if path.name == "vlm_demo.yaml":  # the tiny model matches the demo processor
+            overrides = cfg.model.config_overrides
+            assert {k: overrides[k] for k in DEMO_VLM_OVERRIDES} == DEMO_VLM_OVERRIDES
         return
     if path.name == "grpo_demo.yaml":  # starts from the export of the demo's warm start
         warm_start = "outputs/grpo_warm_start"  # its own folder: the full demo writes outputs/demo
