@@ -110,13 +110,7 @@ class Embedder:
         inverse = inverse.to(device, non_blocking=True)
         with torch.set_grad_enabled(training):
             embeds = self.module(inverse)
-            captured = capture.capture(
-                embeds,
-                dev.attention_mask,
-                dev.position_ids,
-                input_ids=dev.input_ids,
-                images=dev.images,
-            )
+            captured = capture.of_batch(embeds, dev)
         self.module.weight = None
         weights = None
         if with_router_weights and dev.attention_mask is not None:

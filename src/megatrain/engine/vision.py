@@ -109,13 +109,7 @@ class VisionModules:
         dev = mb.device_batch
         with torch.enable_grad():
             embeds = embedder.embeds(mb).detach()
-            captured = capture.capture(
-                embeds,
-                dev.attention_mask,
-                dev.position_ids,
-                input_ids=dev.input_ids,
-                images=dev.images,
-            )
+            captured = capture.of_batch(embeds, dev)
         outs, grads = [captured.first_hidden], [mb.grad]
         for i, call in enumerate(captured.calls):
             if call.after is not None and call.after.requires_grad:

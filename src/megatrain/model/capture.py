@@ -149,6 +149,16 @@ class LayerCallCapture:
             self._masks[id(value)] = (value, _attend_somewhere(value))
         return self._masks[id(value)][1]
 
+    def of_batch(self, inputs_embeds: torch.Tensor, batch: Any) -> CapturedCalls:
+        """`capture` of a micro-batch on the device (megatrain.batch.Batch)."""
+        return self.capture(
+            inputs_embeds,
+            batch.attention_mask,
+            batch.position_ids,
+            input_ids=batch.input_ids,
+            images=batch.images,
+        )
+
     def _check_additive(
         self, inputs_embeds: torch.Tensor, kwargs: dict[str, Any], result: CapturedCalls
     ) -> None:
