@@ -128,6 +128,11 @@ def _time_lines(est: Estimate) -> list[str]:
             f"{t.gpu_optimizer_s:.3f}",
             "assumed rate",
         ),
+        *(
+            [_row("  vision modules (in GPU compute)", f"{t.vision_s:.3f}", "per image token")]
+            if t.vision_s
+            else []
+        ),
         _row("step (overlapped)", f"{t.step_s:.3f}", f"bound by {t.bound}"),
         _row(
             "collectives (all-gather, reduce-scatter)",

@@ -103,6 +103,7 @@ class StepTime:
     # gradient: the engine's forward visits and loads, the head's forward; Replay.forward_passes)
     tokens_per_s: float  # of the whole job (every rank)
     model_tflops: float  # 6 x active params x tokens/s
+    vision_s: float = 0.0  # a VLM's vision modules, forward + backward (in compute_s)
 
 
 def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
@@ -180,6 +181,7 @@ def step_time(
         forward_s=forward_s,
         tokens_per_s=tokens / step_s,
         model_tflops=6 * spec.active_params * tokens / step_s / 1e12,
+        vision_s=vision_fwd + vision_bwd,
     )
 
 
