@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForImageTextToText
@@ -69,3 +70,13 @@ def test_trained_vision_tower_resumes_exactly(tmp_path: Path) -> None:
     finally:
         trainer.close()
     assert len(straight) == 6 and seen + resumed == straight
+
+
+def test_grpo_refuses_a_vision_language_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    grpo_demo = VLM_DEMO.parent / "grpo_demo.yaml"
+    vlm = ["--model.name_or_path", "null", "--model.model_type", "qwen2_5_vl"]
+    vlm += ["--model.tiny", "true", "--model.tokenizer", "demo_vlm"]
+    assert main(["grpo", "--config", str(grpo_demo), *vlm, *_args(tmp_path)]) == 2
+    assert "vision-language model" in capsys.readouterr().err

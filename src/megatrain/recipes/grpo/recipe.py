@@ -36,6 +36,7 @@ from megatrain.config import TrainConfig
 from megatrain.data.pipeline import pad_token_id_of
 from megatrain.engine.head import TokenObjective
 from megatrain.metrics import MetricsLogger
+from megatrain.model.loading import is_vision_language
 from megatrain.package_assets import demo_assets_dir
 from megatrain.recipes.base import Recipe
 from megatrain.recipes.builder import RunBuilder
@@ -126,6 +127,12 @@ class GRPOTrainer(Recipe):
         self.rewards = [load_reward(n, format_pattern=g.format_pattern) for n in g.reward_funcs]
 
     def plan_run(self) -> GRPOPlan:
+        if is_vision_language(self.builder.hf_config):  # before anything loads
+            raise ValueError(
+                f"model type {self.builder.hf_config.model_type!r} is a vision-language model: "
+                "megatrain grpo generates with the language model only and does not take one "
+                "yet; train it with megatrain train or megatrain dpo (docs/vision.md)"
+            )
         return grpo_plan(self.builder)  # both phases: the fit check covers the rollout too
 
     def report_plan(self, plan: GRPOPlan) -> None:
