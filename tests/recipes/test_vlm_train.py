@@ -78,5 +78,6 @@ def test_grpo_refuses_a_vision_language_model(
     grpo_demo = VLM_DEMO.parent / "grpo_demo.yaml"
     vlm = ["--model.name_or_path", "null", "--model.model_type", "qwen2_5_vl"]
     vlm += ["--model.tiny", "true", "--model.tokenizer", "demo_vlm"]
+    vlm += ["--model.config_overrides", "{vocab_size: 486}"]
     assert main(["grpo", "--config", str(grpo_demo), *vlm, *_args(tmp_path)]) == 2
     assert "vision-language model" in capsys.readouterr().err
