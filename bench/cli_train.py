@@ -20,15 +20,15 @@ step x images per row; metrics.jsonl counts no images) and images_per_s.
 
 Writes what a user would have: a model folder holding only the shape's config.json
 (`model.random_init: true`), a pre-training text corpus (the demo's lines, repeated), and a YAML
-config with the default settings except the shape, the batch and the run length (clipping on,
-as by default; no checkpoint within the run: `save_every` beyond it). Then runs
-`python -m megatrain train --config FILE` in a fresh process with the environment as it is (no
-allocator or other variable set here), its output into $OUT/<name>/train.log, and reads
-$OUT/<name>/run/metrics.jsonl: the median step time over the steps after the first two
-(compiling, warm-up), tokens/s of the job and per GPU, MFU and model TFLOPS per GPU, the
-GPU allocator's peak (reserved: what the card must hold) and host RSS, any step-down of the
-plan, beside the prediction the run printed; for dpo, the reference pass (its
-"reference_pass" record: seconds, tokens/s). One RESULT line.
+config with the default settings except the shape, the batch and the run length (clipping on, as by
+default; no checkpoint within the run: `save_every` beyond it). Then runs `python -m megatrain
+train --config FILE` in a fresh process with the environment as it is (no allocator or other
+variable set here), its output into $OUT/<name>/train.log, and reads $OUT/<name>/run/metrics.jsonl:
+the median step time over the steps after the first `--warmup` (2: compiling, warm-up), tokens/s of
+the job and per GPU, MFU and model TFLOPS per GPU, the time per phase (time/*), the GPU allocator's
+peak (reserved: what the card must hold) and host RSS, any step-down of the plan, beside the
+prediction the run printed; for dpo, the reference pass (its "reference_pass" record: seconds,
+tokens/s). One RESULT line.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
     return path
 
 
-def summarize(name: str, out: Path, rc: int, log_text: str) -> dict[str, Any]:
+def summarize(name: str, out: Path, rc: int, log_text: str, warmup: int = 2) -> dict[str, Any]:
     records = (
         [
             json.loads(line)
@@ -151,7 +151,7 @@ def summarize(name: str, out: Path, rc: int, log_text: str) -> dict[str, Any]:
         else []
     )
     train = [r for r in records if r["kind"] == "train"]
-    steady = train[2:] or train
+    steady = train[warmup:] or train
     step_s = statistics.median(r["step_s"] for r in steady) if steady else None
     summary: dict[str, Any] = {"name": name, "rc": rc, "steps": len(train)}
     if step_s:
@@ -205,6 +205,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32, help="rows per optimizer step")
     ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     ap.add_argument("--timeout", type=int, default=560)
     ap.add_argument("--nproc", type=int, default=1, help="ranks: torchrun --nproc-per-node N")
     ap.add_argument(
@@ -256,7 +257,7 @@ def main() -> None:
             ).returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    summary = summarize(a.name, out, rc, logfile.read_text())
+    summary = summarize(a.name, out, rc, logfile.read_text(), a.warmup)
     data = "pairs as sft rows" if a.sft_of_pairs else "pairs" if a.command == "dpo" else "corpus"
     if a.images is not None:
         data = "image rows" if a.images else "image rows as text"

@@ -7,13 +7,14 @@
 
 A system `megatrain:KEY=VALUE+...` is the engine with those config overrides.
 
-Same model shape (random init), tokens, dtypes (bf16 compute, fp32 master weights and AdamW),
-seq 2048, no gradient clipping (as the peers' job in bench/peers.py). Each system runs in its
-own process: this engine (bench/train_shape.py), GPU-resident HF training with fused AdamW,
-torch FSDP2 with CPU offload, DeepSpeed ZeRO-3 with parameter and optimizer offload
-(bench/peers.py). The GPU-resident run reaches larger token counts by gradient accumulation of
-8192-token micro-batches. Prints a markdown table (tokens/s, model TFLOPS = 6 x params x
-tokens/s, GPU peak, host RSS, ratios) and writes it to $OUT/compare.md.
+Same model shape (random init), tokens, dtypes (bf16 compute, fp32 master weights and AdamW), seq
+2048, no gradient clipping (as the peers' job in bench/peers.py). Each system runs in its own
+process: `megatrain train` as a user runs it (bench/cli_train.py: a config file, 2 more steps to
+warm up, optimizer.max_grad_norm 0), GPU-resident HF training with fused AdamW, torch FSDP2 with
+CPU offload, DeepSpeed ZeRO-3 with parameter and optimizer offload (bench/peers.py). The
+GPU-resident run reaches larger token counts by gradient accumulation of 8192-token micro-batches.
+Prints a markdown table (tokens/s, model TFLOPS = 6 x params x tokens/s, GPU peak, host RSS,
+ratios) and writes it to $OUT/compare.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -53,7 +55,6 @@ def main() -> None:
     ap.add_argument("--peer-tokens", default="8192", help="token counts the offload peers run")
     ap.add_argument("--systems", default="megatrain,gpu,fsdp2,deepspeed")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--opt-threads", type=int, default=14)
     a = ap.parse_args()
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -64,22 +65,16 @@ def main() -> None:
         for system in a.systems.split(","):
             log = out / f"{system}_{tokens}.log"
             if system.split(":")[0] == "megatrain":
+                # `megatrain train` as a user runs it (bench/cli_train.py), no clipping as the
+                # peers' job unless the system's overrides set it; the first two steps warm up
+                name = re.sub(r"[^\w.]+", "_", system)
                 cmd = [
                     py,
-                    str(HERE / "train_shape.py"),
-                    "--preset",
-                    a.preset,
-                    "--seq",
-                    str(a.seq),
-                    "--batch",
-                    str(micro * MICRO_ROWS),
-                    "--micro",
-                    str(micro),
-                    "--steps",
-                    str(a.steps),
-                    "--opt-threads",
-                    str(a.opt_threads),
-                    *variant_overrides(system),
+                    str(HERE / "cli_train.py"),
+                    *("--name", f"{name}_{tokens}", "--preset", a.preset),
+                    *("--seq", str(a.seq), "--rows", str(micro * MICRO_ROWS)),
+                    *("--micro", str(MICRO_ROWS), "--steps", str(a.steps + 2)),
+                    *("--", "--optimizer.max_grad_norm", "0", *variant_overrides(system)),
                 ]
             elif system == "gpu":
                 cmd = [
@@ -116,6 +111,10 @@ def main() -> None:
             else:
                 continue
             res = run(cmd, log)
+            if res is not None and system.startswith("megatrain"):  # cli_train: metrics.jsonl's
+                # 6 x params x tokens/s as the peers'; the allocated peak as theirs (not reserved)
+                res["model_tflops"] = res.get("tflops_per_gpu", 0.0)
+                res["gpu_peak_gib"] = res.get("gpu_alloc_peak_gib")
             if res is not None:
                 rows.append(dict(res, system=system, tokens=tokens))
     table = render(rows)
@@ -152,7 +151,7 @@ def render(rows: list[dict]) -> str:
 
         lines.append(
             f"| {r['system']} | {r['tokens']:,} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['model_tflops']:.0f} | {r['gpu_peak_gib']} | {r['host_rss_gib']} | "
+            f"{r['model_tflops']:.0f} | {r.get('gpu_peak_gib')} | {r.get('host_rss_gib')} | "
             f"{ratio(gpu, 'step_s')} | {ratio(ds, 'tokens_per_s')} | "
             f"{ratio(fs, 'tokens_per_s')} |"
         )

@@ -2,7 +2,7 @@
 
     python bench/run.py --list
     python bench/run.py verify_cuda compare adamw       # in this order, one log per scenario
-    python bench/run.py train_shape -- --preset qwen2.5-7b --batch 32 --micro 8 --compile
+    python bench/run.py long_context_auto -- --memory.mlp_tiles 4
 
 Every scenario names what it measures; arguments after `--` go to each command of the
 scenarios run (for one-off variations). Each command runs with a timeout, its output goes to

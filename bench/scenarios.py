@@ -6,7 +6,6 @@ by the runner. Results of past runs live in docs/performance.md, not here.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,41 +26,10 @@ def _verify(*flags: str) -> tuple[str, ...]:
     return (PY, "-m", "megatrain", "verify", "--device", "cuda", *flags)
 
 
-def _train(*flags: str) -> tuple[str, ...]:
-    return (PY, "bench/train_shape.py", "--opt-threads", "14", *flags)
-
-
-_LLAMA_8B = (
-    "--preset",
-    "llama3.1-8b",
-    "--batch",
-    "1",
-    "--steps",
-    "1",
-    "--max-grad-norm",
-    "1.0",
-    "--memory.gpu_state_blocks",
-    "0",
-)
-
-
 def _torchrun(*argv: str) -> tuple[str, ...]:
     """`argv` (a script and its flags) as $NGPU ranks on this node."""
     torchrun = (PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "$NGPU")
     return ("env", "OMP_NUM_THREADS=$THREADS", *torchrun, *argv)
-
-
-# Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step (4 rows of 2048 per rank);
-# --probe: the printed prediction uses this host's measured rates; the GPU tier "auto" in one
-# process and in the ranks (each rank plans its GPU; the tier's states sharded over them)
-_RANKS_JOB = ("--preset", "qwen2.5-7b", "--batch", "4", "--seq", "2048", "--steps", "3")
-_RANKS_TIER = ("--max-grad-norm", "1.0", "--probe", "--memory.gpu_state_blocks", "auto")
-_RANKS_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", *_RANKS_TIER)
-_STREAMED_MEGATRAIN = (*_RANKS_JOB, "--micro", "1", "--max-grad-norm", "1.0", "--probe")
-_STREAMED_MEGATRAIN += ("--memory.gpu_state_blocks", "0")
-# the weak-scaling job: 32k tokens per GPU per step (16 rows of 2048 per rank, 4 micro-batches)
-_WEAK_MEGATRAIN = ("--preset", "qwen2.5-7b", "--batch", "16", "--micro", "4", "--seq", "2048")
-_WEAK_MEGATRAIN += ("--steps", "3", *_RANKS_TIER)
 
 
 def _grpo(*flags: str) -> tuple[str, ...]:
@@ -80,6 +48,48 @@ def _table(base: str, run: str) -> tuple[str, ...]:
 
 
 _DENSE = ("--preset", "llama3.1-8b", "--seq", "2048", "--micro", "4")
+_STREAMED = ("--memory.gpu_state_blocks", "0")  # overrides: every block's AdamW on the host
+_INT8 = ("--optimizer.state_dtype", "int8")
+# issue 11: the Llama-3.1-8B shape, one row a step, 1 warm-up step; the engine before long-row
+# support: layer inputs on the GPU, no tiles
+_ROW_8B = ("--preset", "llama3.1-8b", "--rows", "1", "--micro", "1", "--warmup", "1")
+_OLD_ENGINE = ("--memory.activation_offload", "off", "--memory.checkpoint_every", "1")
+_OLD_ENGINE += ("--memory.mlp_tiles", "1")
+# Qwen2.5-3B shape, 8k tokens a step in one micro-batch of 4 rows
+_SHAPE_3B = ("--preset", "qwen2.5-3b", "--rows", "4", "--micro", "4")
+# ranks (issue 10): Qwen2.5-7B shape, seq 2048, 8k tokens per GPU per step (4 rows of 2048 per
+# rank, one micro-batch), clipping on and the GPU tier auto (sharded over the ranks) as by
+# default; the peers' job the same rows
+_RANKS_JOB = ("--preset", "qwen2.5-7b", "--batch", "4", "--seq", "2048", "--steps", "3")
+_RANKS = ("--preset", "qwen2.5-7b", "--seq", "2048", "--rows", "4", "--micro", "4")
+_RANKS += ("--steps", "5")
+# the weak-scaling job: 32k tokens per GPU per step (16 rows of 2048 per rank, micro-batches of 4)
+_WEAK = (*_RANKS, "--rows", "16")
+_NGPU = ("--nproc", "$NGPU")
+# capacity on the ranks: 4k tokens per GPU, 2 steps after a warm-up; ranks load in turns, the last
+# waits longer than the default collective timeout (docs/multi_gpu.md: the variable users set)
+_CAPACITY = ("--rows", "2", "--micro", "2", "--steps", "3", "--warmup", "1", *_NGPU)
+_SLOW_LOAD = ("env", "MEGATRAIN_COLLECTIVE_TIMEOUT_S=1800")
+# ranks loading at once: 2 of 4 (470 GiB predicted) rather than the 3 that the default 4 GiB
+# margin allows (489 of 503 GiB, too close to measure)
+_RANKS_32B = ("--preset", "qwen2.5-32b", *_CAPACITY, "--timeout", "580", "--")
+_RANKS_32B += ("--memory.host_margin_gib", "16")
+_RANKS_14B = ("--preset", "qwen2.5-14b", *_CAPACITY, "--timeout", "410", "--")
+# issue 13: 64k tokens/step in 4 micro-batches of 8 rows, compiled; int8 AdamW states at 14B and
+# at a Qwen2.5-72B shape cut to 62 layers (56.9B), 8k tokens/step
+_COMPILED_8B = (*_DENSE, "--rows", "32", "--micro", "8", "--steps", "5", "--")
+_COMPILED_8B += ("--training.compile_layers", "true")
+_INT8_14B = ("--preset", "qwen2.5-14b", "--rows", "4", "--micro", "4", "--steps", "5")
+_INT8_14B += ("--timeout", "320", "--", *_INT8)
+_INT8_56B = ("--preset", "qwen2.5-72b", "--layers", "62", "--rows", "4", "--micro", "4")
+_INT8_56B += ("--steps", "4", "--warmup", "1", "--timeout", "550", "--", *_INT8)
+_FULL512K = ("--steps", "1", "--warmup", "0", "--timeout", "1680")  # one step, none to warm up
+_ROW512K_RUNS = (
+    _cli("row512k_4l", *_ROW_8B, "--seq", "524288", "--layers", "4", "--steps", "2",
+         "--timeout", "400", "--", *_STREAMED),
+    (PY, "bench/attention_kernels.py", "--seq", "524288", "--sdpa", "cudnn", "--modes",
+     "whole,split", "--reps", "1"),
+)  # fmt: skip
 _HYBRID = ("--preset", "qwen3.5-27b", "--layers", "16", "--seq", "2048", "--rows", "32")
 _GRPO_8X8 = (
     "--command", "grpo", "--preset", "qwen2.5-7b", "--rows", "8", "--micro", "8", "--",
@@ -230,32 +240,33 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     ),
     "train_shape": Scenario(
-        "the engine on a preset shape (Qwen2.5-3B, 8k tokens/step): step time, timeline, memory",
-        (_train("--preset", "qwen2.5-3b", "--batch", "4", "--micro", "1", "--steps", "5"),),
+        "megatrain train on a preset shape (Qwen2.5-3B, 8k tokens/step, 5 steps after 2 to "
+        "warm up): step time, time per phase, memory, the prediction beside",
+        (_cli("shape3b", *_SHAPE_3B, "--steps", "7"),),
     ),
     "long_context": Scenario(
-        "issue 11: Llama-3.1-8B shape, one 128k-token row per step, clipping on, fp32 AdamW: the "
-        "engine before long-row support (offload and tiling off) and the new one (auto plan), "
-        "2 steps each on the same model; GPU time per phase, peak, host RSS, predictions",
-        (_train(*_LLAMA_8B, "--seq", "131072", "--old-too", "--sdpa", "cudnn"),),
+        "issue 11: Llama-3.1-8B shape, one 128k-token row per step, clipping on, fp32 AdamW, "
+        "GPU tier 0: the engine before long-row support (offload and tiling off, as config "
+        "overrides) and the auto plan, 1 step after one warm-up each (each run loads its own "
+        "model); GPU time per phase, peak, host RSS, predictions",
+        tuple(
+            _cli(name, *_ROW_8B, "--seq", "131072", "--steps", "2", "--timeout", "290", "--", *o)
+            for name, o in (("row128k_old", (*_STREAMED, *_OLD_ENGINE)), ("row128k", _STREAMED))
+        ),
         timeout_s=590,
     ),
     "long_context_auto": Scenario(
-        "issue 11: as long_context, the engine as `megatrain train` runs it (auto plan, torch's "
-        "default sdpa order) alone: the plan's choice at 128k, GPU peak against pred_gpu_gib",
-        (_train(*_LLAMA_8B, "--seq", "131072"),),
+        "issue 11: as long_context, megatrain train alone (auto plan, torch's default sdpa "
+        "order): the plan's choice at 128k, GPU peak against the predicted",
+        (_cli("row128k", *_ROW_8B, "--seq", "131072", "--steps", "2", "--", *_STREAMED),),
         timeout_s=420,
     ),
     "long_context_512k": Scenario(
-        "issue 11: the same shape with 4 of its 32 layers at 524,288 tokens (new path, auto "
-        "plan; `-- --layers N` for N), 1 step: GPU peak beside the plan's (pred_gpu_gib, "
-        "pred_gpu_items_gib); then the cuDNN attention kernel alone at that length, in one "
-        "call and in the engine's head groups: time, TFLOPS, backward memory",
-        (
-            _train(
-                *_LLAMA_8B, "--seq", "524288", "--layers", "4", "--sdpa", "cudnn", "--attn-bench"
-            ),
-        ),
+        "issue 11: the same shape with 4 of its 32 layers at 524,288 tokens (auto plan), 1 "
+        "step after a warm-up: GPU peak beside the predicted; then the "
+        "cuDNN attention kernel alone at that length, in one call and in the engine's head "
+        "groups: time, TFLOPS, backward memory",
+        _ROW512K_RUNS,
         timeout_s=590,
     ),
     "long_context_full512k": Scenario(
@@ -264,7 +275,7 @@ SCENARIOS: dict[str, Scenario] = {
         "$OUT, poll for the process, read its log in the next command); the auto plan for this "
         "host (a 256 GiB one: on the 125 GiB H100 host the GPU is short, run 26), step "
         "time, GPU peak, host RSS, predictions",
-        (_train(*_LLAMA_8B, "--seq", "524288", "--steps", "0", "--sdpa", "cudnn"),),
+        (_cli("row512k_full", *_ROW_8B, "--seq", "524288", *_FULL512K, "--", *_STREAMED),),
         timeout_s=1700,
     ),
     "compare": Scenario(
@@ -274,76 +285,23 @@ SCENARIOS: dict[str, Scenario] = {
         timeout_s=580,
     ),
     "compiled_8b": Scenario(
-        "issue 13: Llama-3.1-8B shape, 64k tokens/step, clipping on, compiled layers: GPU idle "
-        "share, model TFLOPS, the plan's prediction beside",
-        (
-            _train(
-                "--preset",
-                "llama3.1-8b",
-                "--batch",
-                "32",
-                "--seq",
-                "2048",
-                "--micro",
-                "4",
-                "--steps",
-                "3",
-                "--max-grad-norm",
-                "1.0",
-                "--compile",
-                "--probe",
-            ),
-        ),
+        "issue 13: Llama-3.1-8B shape, 64k tokens/step (4 micro-batches of 8 rows), clipping on, "
+        "compiled layers, 3 steps after 2 to warm up: GPU idle share (time/compute_s against "
+        "step_s), model TFLOPS, the prediction beside",
+        (_cli("compiled8b", *_COMPILED_8B),),
         timeout_s=330,
     ),
     "capacity_int8": Scenario(
-        "issue 13: Qwen2.5-14B shape with int8 AdamW states on this host, 3 steps, clipping "
-        "on: host RSS against 8 B/param and the prediction",
-        (
-            _train(
-                "--preset",
-                "qwen2.5-14b",
-                "--batch",
-                "4",
-                "--seq",
-                "2048",
-                "--micro",
-                "1",
-                "--steps",
-                "3",
-                "--max-grad-norm",
-                "1.0",
-                "--probe",
-                "--optimizer.state_dtype",
-                "int8",
-            ),
-        ),
+        "issue 13: Qwen2.5-14B shape with int8 AdamW states on this host, 8k tokens/step, 3 "
+        "steps after 2 to warm up, clipping on: host RSS against 8 B/param and the prediction",
+        (_cli("int8_14b", *_INT8_14B),),
         timeout_s=330,
     ),
     "capacity_int8_56b": Scenario(
         "issue 13: the largest int8 model on a 512 GiB host with one GPU: a Qwen2.5-72B shape "
-        "cut to 62 of its 80 layers (56.9B), 3 steps, clipping on, host RSS against 8 B/param",
-        (
-            _train(
-                "--preset",
-                "qwen2.5-72b",
-                "--layers",
-                "62",
-                "--batch",
-                "4",
-                "--seq",
-                "2048",
-                "--steps",
-                "3",
-                "--max-grad-norm",
-                "1.0",
-                "--probe",
-                "--opt-threads",
-                str(max(1, (os.cpu_count() or 16) - 2)),
-                "--optimizer.state_dtype",
-                "int8",
-            ),
-        ),
+        "cut to 62 of its 80 layers (56.9B), 8k tokens/step, 3 steps after a warm-up, clipping "
+        "on, host RSS against 8 B/param",
+        (_cli("int8_56b", *_INT8_56B),),
         timeout_s=560,
     ),
     "user_dense": Scenario(
@@ -480,24 +438,26 @@ SCENARIOS: dict[str, Scenario] = {
         timeout_s=400,
     ),
     "estimate_check": Scenario(
-        "the estimate against measured runs of this machine (3B 8k/32k, 7B 16k)",
+        "the estimate each megatrain train run printed against what it measured (3B 8k/32k, "
+        "7B 16k; 2 steps to warm up); a table last",
         (
-            (PY, "bench/estimate_check.py", "--probe-out", "$OUT/hw.json"),
-            _train("--preset", "qwen2.5-3b", "--batch", "4", "--micro", "1", "--steps", "5"),
-            _train("--preset", "qwen2.5-3b", "--batch", "16", "--micro", "4", "--steps", "4"),
-            _train("--preset", "qwen2.5-7b", "--batch", "8", "--micro", "2", "--steps", "6"),
-            (PY, "bench/estimate_check.py", "$OUT/results.jsonl", "--hardware", "$OUT/hw.json"),
+            _cli("est3b_8k", *_SHAPE_3B, "--steps", "7", "--timeout", "150"),
+            _cli("est3b_32k", *_SHAPE_3B, "--rows", "16", "--steps", "6", "--timeout", "180"),
+            _cli("est7b_16k", *_RANKS, "--rows", "8", "--steps", "8", "--timeout", "250"),
+            (PY, "bench/estimate_check.py", "$OUT/results.jsonl"),
         ),
     ),
     "ranks_compare": Scenario(
         "ranks (issue 10): Qwen2.5-7B shape, seq 2048, clipping on, 8k tokens per GPU per step: "
-        "one GPU and $NGPU GPUs with torchrun, both with the GPU tier auto (sharded over the "
-        "ranks), DeepSpeed ZeRO-3 offload on the same GPUs and rows (needs peers_install); "
-        "tokens/s, per GPU (the bar: $NGPU ranks above one GPU), GPU peak per rank, host RSS",
+        "megatrain train on one GPU and on $NGPU GPUs (--nproc: torchrun), the GPU tier auto "
+        "(sharded over the ranks), DeepSpeed ZeRO-3 offload on the same GPUs and rows (needs "
+        "peers_install); tokens/s, per GPU (the bar: $NGPU ranks above one GPU), GPU peak, "
+        "host RSS; a table of the two megatrain runs",
         (
-            (PY, "bench/train_shape.py", *_RANKS_MEGATRAIN),
-            _torchrun("bench/train_shape.py", *_RANKS_MEGATRAIN),
+            _cli("ranks7b_1gpu", *_RANKS),
+            _cli("ranks7b_ngpu", *_RANKS, *_NGPU),
             _torchrun("bench/peers.py", "--mode", "deepspeed", *_RANKS_JOB, "--clip", "1.0"),
+            _table("ranks7b_1gpu", "ranks7b_ngpu"),
         ),
         timeout_s=420,
     ),
@@ -506,18 +466,20 @@ SCENARIOS: dict[str, Scenario] = {
         "of 2048, 4 micro-batches of 4), no DeepSpeed: one GPU and $NGPU GPUs, GPU tier auto; "
         "the bar: tokens/s per GPU on $NGPU GPUs >= 0.9x one GPU",
         (
-            (PY, "bench/train_shape.py", *_WEAK_MEGATRAIN),
-            _torchrun("bench/train_shape.py", *_WEAK_MEGATRAIN),
+            _cli("weak7b_1gpu", *_WEAK),
+            _cli("weak7b_ngpu", *_WEAK, *_NGPU),
+            _table("weak7b_1gpu", "weak7b_ngpu"),
         ),
         timeout_s=480,
     ),
     "ranks_host_optimizer": Scenario(
-        "ranks (issue 10): as ranks_compare's MegaTrain runs with every block streamed "
+        "ranks (issue 10): as ranks_compare's megatrain runs with every block streamed "
         "(gpu_state_blocks 0), so each rank's CPU AdamW runs its part of every block: one GPU "
-        "and $NGPU ranks, --probe; the step time against the prediction from the probed rate",
+        "and $NGPU ranks; the step time against the prediction",
         (
-            (PY, "bench/train_shape.py", *_STREAMED_MEGATRAIN),
-            _torchrun("bench/train_shape.py", *_STREAMED_MEGATRAIN),
+            _cli("streamed7b_1gpu", *_RANKS, "--", *_STREAMED),
+            _cli("streamed7b_ngpu", *_RANKS, *_NGPU, "--", *_STREAMED),
+            _table("streamed7b_1gpu", "streamed7b_ngpu"),
         ),
         timeout_s=300,
     ),
@@ -534,40 +496,18 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "ranks_capacity": Scenario(
         "ranks (issue 10): Qwen2.5-32B shape on $NGPU GPUs (4 on a 512 GiB host), 4k tokens "
-        "per GPU, 3 steps: host RSS of the node against the estimate's prediction (training "
-        "and loading peak)",
-        (
-            (
-                "env",
-                "MEGATRAIN_COLLECTIVE_TIMEOUT_S=1800",  # ranks load in turns: the last waits
-                *_torchrun(
-                    "bench/train_shape.py",
-                    *("--preset", "qwen2.5-32b", "--batch", "2", "--micro", "1"),
-                    *("--seq", "2048", "--steps", "2", "--max-grad-norm", "1.0"),
-                    # ranks loading at once: 2 of 4 (470 GiB predicted) rather than the 3 that
-                    # the default 4 GiB margin allows (489 of 503 GiB, too close to measure)
-                    *("--memory.host_margin_gib", "16"),
-                ),
-            ),
-        ),
+        "per GPU, 2 steps after a warm-up: host RSS of the node against the estimate's "
+        "prediction (training and loading peak)",
+        ((*_SLOW_LOAD, *_cli("ranks32b", *_RANKS_32B)),),
         timeout_s=590,
     ),
     "ranks_capacity14": Scenario(
         "ranks (issue 10), capacity on a 2-GPU host (256 GiB): Qwen2.5-14B shape (14.8B) on "
-        "$NGPU GPUs, 4k tokens per GPU, 2 steps, first with every block's states on the host "
-        "(gpu_state_blocks 0: the whole 14 B/param, 193 GiB, in the node's RAM), then with the "
-        "GPU tier auto; host RSS and the node's peak against the estimate (training, loading)",
+        "$NGPU GPUs, 4k tokens per GPU, 2 steps after a warm-up, first with every block's "
+        "states on the host (gpu_state_blocks 0: the whole 14 B/param, 193 GiB, in the node's "
+        "RAM), then with the GPU tier auto; host RSS and the node's peak against the estimate",
         tuple(
-            (
-                "env",
-                "MEGATRAIN_COLLECTIVE_TIMEOUT_S=1800",
-                *_torchrun(
-                    "bench/train_shape.py",
-                    *("--preset", "qwen2.5-14b", "--batch", "2", "--micro", "1"),
-                    *("--seq", "2048", "--steps", "2", "--max-grad-norm", "1.0"),
-                    *("--memory.gpu_state_blocks", tier),
-                ),
-            )
+            (*_SLOW_LOAD, *_cli(f"ranks14b_{tier}", *_RANKS_14B, "--memory.gpu_state_blocks", tier))
             for tier in ("0", "auto")
         ),
         timeout_s=420,
