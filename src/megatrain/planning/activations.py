@@ -52,6 +52,7 @@ from megatrain.layouts import LAYOUTS
 from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
 from megatrain.model.kernels import reference_kernels
 from megatrain.planning.spec import ModelSpec
+from megatrain.planning.traffic import op_traffic
 
 _CAPTURE_ROWS = 2
 _CAPTURE_SEQ = 8192
@@ -81,6 +82,7 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.attention_backward = 0
         self.ops = 0  # aten ops dispatched: kernels the GPU would launch
+        self.traffic = 0  # bytes those ops read and write (planning/traffic.py)
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def exclude(self, *tensors: torch.Tensor) -> None:
@@ -101,6 +103,7 @@ class _LiveBytes(TorchDispatchMode):
         else:
             out = func(*args, **(kwargs or {}))
         tree_map(self._track, out)
+        self.traffic += op_traffic(func, args, kwargs, out)
         if func.overloadpacket in _ATTENTION_BACKWARD:
             self.attention_backward = max(self.attention_backward, self.live)
         return out
@@ -201,6 +204,8 @@ class LayerProfile:
     # the transient while that block exists: what the layer holds right after its attention
     # backward, plus the block (max over layer groups); 0: no fused attention
     attention_peak_bytes: int = 0
+    # per layer: bytes its ops move through GPU memory, forward and recompute + backward
+    traffic: tuple[tuple[int, int], ...] = ()
 
     @property
     def workspace_extra_bytes(self) -> int:
@@ -234,21 +239,22 @@ def layer_profile(
         ]
         workspace = attention_workspace(spec, rows, seq, split_heads)
         peak, attention_peak, ops = 0, 0, [(0, 0)] * spec.num_layers
+        traffic = [(0, 0)] * spec.num_layers
         for group in spec.structure.groups:
             first = group.layer_indices[0]
             layer = spec.structure.layers[first]
             skip = {0} if first in untiled else None
             with tiled_per_token([layer], TilePolicy(mlp_tiles), split_heads, skip):
-                group_peak, attention, group_ops = _measure(
+                group_peak, attention, group_ops, group_traffic = _measure(
                     spec, calls[group.layer_indices[0]], layer, rows, seq
                 )
             peak = max(peak, group_peak)
             if attention:
                 attention_peak = max(attention_peak, attention + workspace)
             for i in group.layer_indices:
-                ops[i] = group_ops
+                ops[i], traffic[i] = group_ops, group_traffic
         spec.cache[key] = LayerProfile(
-            peak, shapes.bytes_of(captured.calls), ops, workspace, attention_peak
+            peak, shapes.bytes_of(captured.calls), ops, workspace, attention_peak, tuple(traffic)
         )
     profile: LayerProfile = spec.cache[key]
     return profile
@@ -299,8 +305,9 @@ def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int]:
 
 def _measure(
     spec: ModelSpec, call: LayerCall, layer: torch.nn.Module, rows: int, seq: int
-) -> tuple[int, int, tuple[int, int]]:
-    """(peak, held right after the attention backward, (forward ops, all ops)) of one layer."""
+) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
+    """(peak, held right after the attention backward, (forward ops, all ops), (forward
+    traffic, all traffic)) of one layer."""
     params = list(layer.parameters())
     x = torch.empty(
         rows, seq, spec.hidden_size, dtype=spec.compute_dtype, device="meta", requires_grad=True
@@ -310,10 +317,11 @@ def _measure(
     tracker.exclude(x, grad_out)  # the layer input and mb.grad: counted by the caller
     with torch.enable_grad(), reference_kernels(layer), _GpuKernels(), tracker:
         out = call.run(layer, x)
-        forward_ops = tracker.ops
+        forward_ops, forward_traffic = tracker.ops, tracker.traffic
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)
         del out, grads
-    return tracker.peak, tracker.attention_backward, (forward_ops, tracker.ops)
+    traffic = (forward_traffic, tracker.traffic)
+    return tracker.peak, tracker.attention_backward, (forward_ops, tracker.ops), traffic
 
 
 def _capture(spec: ModelSpec, seq: int, layout: str) -> tuple[CapturedCalls, int, int]:

@@ -148,6 +148,7 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         setup,
         schedule=schedule,
         layer_ops=profile.ops,
+        layer_traffic=profile.traffic,
         loss_ops=-(-setup.tokens_mb // chunk) * loss_chunk(spec, chunk)[1],
     )
     return Estimate(

@@ -17,9 +17,18 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
   copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
   after the block's backward, or with clipping after the norm sync of the step's end;
-- compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster
-  and issues COMPILED_OPS_FRACTION of the eager op count (inductor fuses the elementwise work
-  around the matmuls: norms, rotary, activation, residuals);
+- memory-bound layers: a layer's GPU time is the longer of its FLOPs at that rate and its
+  memory traffic (the bytes its non-matmul aten ops read and write, counted on meta:
+  planning/traffic.py) at HBM_FRACTION of the HBM bandwidth. Dense and MoE layers stay
+  FLOP-bound (the fitted rate covers their elementwise work); transformers' torch fallback of
+  Gated DeltaNet (`torch_chunk_gated_delta_rule`) is memory-bound: its loop over 64-token chunks
+  indexes full-sequence fp32 tensors (`x[:, :, i]`), and each index's backward writes a zeroed
+  tensor of the full size which autograd then adds up, chunks x sequence bytes (Qwen3.5-27B
+  shape, 4 x 2048 tokens: 224 GB a forward + backward against 16 GB for a Llama-3.1-8B layer);
+- compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
+  issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
+  eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,
+  activation, residuals);
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
   + backward dispatch the op counts measured on meta (planning/activations.py). Small or
   MoE layers (many small kernels) become host-bound: the GPU waits for the launches.
@@ -46,6 +55,7 @@ without clipping updates start as gradients land, with clipping all start after 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +85,16 @@ measured compiled steps; checked again in docs/performance.md run 13)."""
 COMPILED_OPS_FRACTION = 0.3
 """Host launches of a compiled layer against the eager op count (assumed: fused elementwise
 chains; the matmuls and attention stay separate kernels)."""
+HBM_FRACTION = 0.55
+"""Achieved share of `Hardware.gpu_hbm_gbps` by a memory-bound eager layer's unfused kernels
+(fitted: docs/performance.md run 35, the Qwen3.5-27B shape cut to 16 layers on an H100, torch's
+Gated DeltaNet fallback, 17.51 s measured, 16.84 predicted; 8.44 s when the traffic was not
+counted). Strided copies, zero fills and small per-chunk kernels stay well under the datasheet.
+Checked on one such layer alone (H100, issue 24, 4 x 2048 tokens, forward + backward): 0.118 s
+eager (0.122 predicted), 0.063-0.078 s compiled (0.073)."""
+COMPILED_TRAFFIC_FRACTION = 0.6
+"""A compiled layer's memory traffic against the eager count (fitted: run 32, the same shape
+with `compile_layers: true`, 11.36 s measured, 11.83 predicted)."""
 GPU_ADAMW_GPARAMS_S = 60.0
 """Fused AdamW on the GPU (assumed, H100): ~34 bytes per parameter through HBM (read p, g, m,
 v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
@@ -123,10 +143,13 @@ def step_time(
     schedule: StepSchedule,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
+    layer_traffic: Sequence[tuple[int, int]] = (),
 ) -> StepTime:
     """`schedule`: the engine's loads and layer visits (engine/schedule.py; a recompute visit
     runs a layer's forward again); `layer_ops`: per layer (forward ops, recompute + backward
-    ops) of one micro-batch; `loss_ops`: ops of one micro-batch's loss (all its chunks)."""
+    ops) of one micro-batch; `loss_ops`: ops of one micro-batch's loss (all its chunks);
+    `layer_traffic`: per layer (forward, recompute + backward) bytes its ops move through GPU
+    memory in one micro-batch (empty: none counted)."""
     plan = setup.engine
     rows, seq, micro_batches, ranks = (
         setup.micro_batch_size,
@@ -144,6 +167,7 @@ def step_time(
         clipping=plan.clip_norm is not None,
         layer_ops=layer_ops,
         loss_ops=loss_ops,
+        layer_traffic=layer_traffic,
         tier=TierSplit.of(spec.num_layers, plan.gpu_state_blocks),
         state_dtype=setup.state_dtype,
         compiled=plan.compile_layers,
@@ -212,6 +236,7 @@ def _costs(
     clipping: bool,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
+    layer_traffic: Sequence[tuple[int, int]],
     tier: TierSplit,
     state_dtype: str,
     compiled: bool,
@@ -220,7 +245,6 @@ def _costs(
     tokens = rows * seq * micro_batches
     launch = hw.op_launch_s * micro_batches
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
-    layer_rate = rate * (COMPILED_SPEEDUP if compiled else 1.0)
     layer_launch = launch * (COMPILED_OPS_FRACTION if compiled else 1.0)
     elem = torch.finfo(spec.compute_dtype).bits // 8  # weights up and gradients down
     fwd = [
@@ -230,6 +254,7 @@ def _costs(
         tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
         for la in spec.layers
     ]
+    fwd_s, bwd_s = _layer_s(spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled)
     recomputes = [op.layer for op in schedule.backward if op.kind == RECOMPUTE]
     loss = 6.0 * spec.lm_head_params * tokens
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
@@ -252,11 +277,8 @@ def _costs(
     gather_table = up(0) if ranks.world > 1 else 0.0  # the forward's rows come from it
     scatter = [ranks.collective_s(p * 4) for p in params]  # fp32 gradients, on the compute stream
     costs = Costs(
-        fwd_s=[f / layer_rate + (gather_table if i == 0 else 0.0) for i, f in enumerate(fwd)],
-        bwd_s=[
-            b / layer_rate + scatter[1 + i] + (scatter[0] if i == 0 else 0.0)
-            for i, b in enumerate(bwd)
-        ],
+        fwd_s=[f + (gather_table if i == 0 else 0.0) for i, f in enumerate(fwd_s)],
+        bwd_s=[b + scatter[1 + i] + (scatter[0] if i == 0 else 0.0) for i, b in enumerate(bwd_s)],
         loss_s=loss / rate + scatter[-1],
         head_fwd_s=loss / 3.0 / rate,
         h2d_s=[up(i) for i in range(1, n + 1)],
@@ -278,6 +300,30 @@ def _costs(
         clipping=clipping,
     )
     return costs, sum(fwd) + sum(bwd) + sum(fwd[i] for i in recomputes) + loss
+
+
+def _layer_s(
+    spec: ModelSpec,
+    hw: Hardware,
+    fwd: list[float],
+    bwd: list[float],
+    traffic: Sequence[tuple[int, int]],
+    micro_batches: int,
+    compiled: bool,
+) -> tuple[list[float], list[float]]:
+    """GPU seconds of each layer's forward and recompute + backward (all micro-batches): its
+    FLOPs at the achieved rate, or its memory traffic at HBM_FRACTION of the HBM bandwidth where
+    that takes longer (a memory-bound layer; the achieved rate covers a matmul-bound layer's
+    elementwise work, fitted so). Compiled: COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION
+    of the traffic."""
+    rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
+    rate *= COMPILED_SPEEDUP if compiled else 1.0
+    hbm = hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION
+    hbm /= (COMPILED_TRAFFIC_FRACTION if compiled else 1.0) * micro_batches
+    moved = list(traffic) or [(0, 0)] * len(fwd)
+    fwd_s = [max(f / rate, m / hbm) for f, (m, _) in zip(fwd, moved, strict=True)]
+    bwd_s = [max(b / rate, m / hbm) for b, (_, m) in zip(bwd, moved, strict=True)]
+    return fwd_s, bwd_s
 
 
 def _collectives_s(spec: ModelSpec, ranks: Ranks, c: Costs) -> float:
