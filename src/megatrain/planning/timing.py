@@ -100,10 +100,11 @@ GPU_ADAMW_GPARAMS_S = 60.0
 v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
 
 
-# The vision tower's achieved rate against the engine's at the tower's width: measured on an
-# H100 (docs/performance.md run 37: Qwen2.5-VL-7B's tower, 64 images of 448 x 448 pixels a
-# step, 0.70 s more forward for 88 TFLOP, ~126 TFLOPS: its windows, rotary tables and merges are
-# small kernels); one family and card measured, so the term is rough elsewhere.
+# The vision tower's achieved rate against the engine's at the tower's width, fitted to the
+# step time of docs/performance.md run 37 (Qwen2.5-VL-7B on an H100, 64 images of 448 x 448
+# pixels a step: 7.94 s measured, 7.79 s predicted; the forward grew 0.70 s for 88 TFLOP: the
+# tower's windows, rotary tables and merges are small kernels); one family and card measured,
+# so the term is rough elsewhere.
 VISION_RATE_FRACTION = 0.24
 
 
