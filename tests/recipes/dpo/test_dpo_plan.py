@@ -43,7 +43,8 @@ def _dpo(*extra: str) -> list[str]:
 
 def test_forward_pass_is_the_forward_flops_when_compute_bound() -> None:
     spec = model_spec(tiny_config("llama"), "bf16")
-    hw = Hardware(op_launch_s=0.0, h2d_gbps=1e9, d2h_gbps=1e9)  # copies and launches ~free
+    # copies, launches and memory traffic ~free
+    hw = Hardware(op_launch_s=0.0, h2d_gbps=1e9, d2h_gbps=1e9, gpu_hbm_gbps=1e12)
     est = predict(spec, seq_len=SEQ, micro_batch_size=ROWS, grad_accum=ACCUM, hardware=hw)
     tokens = SEQ * ROWS * ACCUM
     layers = sum(2.0 * la.active_params + attention_flops_per_token(la, SEQ) for la in spec.layers)
