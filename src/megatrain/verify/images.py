@@ -16,6 +16,7 @@ from torch import nn
 
 from megatrain.batch import IGNORE_INDEX, Batch
 from megatrain.model.multimodal import image_token_id
+from megatrain.model.structure import vision_modules
 from megatrain.model.tiny_vision import image_inputs
 
 
@@ -29,10 +30,9 @@ def _sizes(config: Any) -> list[tuple[int, int]]:
 def vision_modules_of(model: nn.Module) -> list[nn.Module]:
     """The multimodal body's modules other than its language model (none for a text LM)."""
     front = getattr(model, "model", None)
-    language = getattr(front, "language_model", None)
-    if front is None or language is None:
+    if not isinstance(front, nn.Module) or not hasattr(front, "language_model"):
         return []
-    return [m for m in front.children() if m is not language]
+    return list(vision_modules(front).values())
 
 
 def _special_ids(config: Any) -> tuple[int, int | None, int | None]:
