@@ -242,7 +242,8 @@ class LayerCallCapture:
             # vision modules), never the hidden states
             self._calls[-1].after = hidden - last
         _check_no_grad_kwargs(args, kwargs, index)
-        kwargs = {k: self._opened_mask(v) for k, v in kwargs.items()}
+        if self._inputs is not None:  # a VLM's image masks (causal text masks never are empty)
+            kwargs = {k: self._opened_mask(v) for k, v in kwargs.items()}
         self._calls.append(
             LayerCall(args=tuple(args), kwargs=kwargs, hidden_as_kwarg=hidden_as_kwarg)
         )
