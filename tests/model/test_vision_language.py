@@ -14,9 +14,9 @@ import torch
 
 from megatrain.batch import Batch
 from megatrain.model.loading import load_causal_lm
-from megatrain.model.multimodal import MultimodalInputs, unused_vision_params
+from megatrain.model.multimodal import MultimodalInputs, image_inputs, unused_vision_params
 from megatrain.model.structure import discover
-from megatrain.model.tiny_vision import IMAGE_ID, image_inputs, tiny_vlm_config
+from megatrain.model.tiny_vision import IMAGE_ID, tiny_vlm_config
 from megatrain.verify import run_verify, verify_config
 from megatrain.verify.images import with_images
 

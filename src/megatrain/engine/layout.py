@@ -60,8 +60,9 @@ class BlockSizes:
 
         layers = tuple(full(b) for b in store.layers)
         tower, projector = vision_split(store.structure)
-        unused = getattr(store, "vision_unused", 0)
-        return cls(layers, full(store.embed), full(store.head), tied, tower, projector, unused)
+        return cls(
+            layers, full(store.embed), full(store.head), tied, tower, projector, store.vision_unused
+        )
 
 
 @dataclass(frozen=True)

@@ -114,12 +114,18 @@ def model_class(config: PretrainedConfig) -> Any:
     return AutoModelForCausalLM
 
 
+_BODY_HOLDS_LANGUAGE: dict[str, bool] = {}  # model type -> its class's layout (sizes aside)
+
+
 def _multimodal_body(config: PretrainedConfig) -> bool:
     """The image-text-to-text model of `config` has a body holding its language model (built
-    on the meta device: no memory)."""
-    with torch.device("meta"), no_init_weights():
-        model = AutoModelForImageTextToText.from_config(config)
-    return isinstance(getattr(getattr(model, "model", None), "language_model", None), nn.Module)
+    once per model type on the meta device: no memory; the plan and the load both ask)."""
+    if config.model_type not in _BODY_HOLDS_LANGUAGE:
+        with torch.device("meta"), no_init_weights():
+            model = AutoModelForImageTextToText.from_config(config)
+        body = getattr(getattr(model, "model", None), "language_model", None)
+        _BODY_HOLDS_LANGUAGE[config.model_type] = isinstance(body, nn.Module)
+    return _BODY_HOLDS_LANGUAGE[config.model_type]
 
 
 def check_decoder_only(config: PretrainedConfig, where: str) -> None:

@@ -7,9 +7,8 @@ the family's own features (Qwen's windowed and full blocks, patch merging and M-
 deepstack taps, Gemma 3's pooled SigLIP tokens, LLaVA's CLIP feature layer). Image-token ids are
 placed inside the tiny vocabulary (its last ids), so a tokenizer of that size can address them.
 
-`image_inputs(config, n)` makes pixel inputs of the right shapes for `n` images and says how many
-placeholder tokens each one takes: what the family's processor would produce, without a
-processor (tests of the engine need no tokenizer).
+Pixel inputs of the right shapes for these configs, without a processor, come from
+model/multimodal.py `image_inputs` (verify and the unused-parameter probe use it too).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from megatrain.model.multimodal import image_inputs, image_token_id  # noqa: F401 (re-exported)
 from megatrain.model.tiny import tiny_config
 
 VOCAB = 256

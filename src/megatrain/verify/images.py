@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from megatrain.batch import IGNORE_INDEX, Batch
-from megatrain.model.multimodal import image_token_id
+from megatrain.model.multimodal import image_inputs, image_token_id
 from megatrain.model.structure import vision_modules
-from megatrain.model.tiny_vision import image_inputs
 
 
 def _sizes(config: Any) -> list[tuple[int, int]]:
