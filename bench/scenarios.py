@@ -90,6 +90,7 @@ _ROW512K_RUNS = (
     (PY, "bench/attention_kernels.py", "--seq", "524288", "--sdpa", "cudnn", "--modes",
      "whole,split", "--reps", "1"),
 )  # fmt: skip
+_MOE = ("--preset", "qwen3-30b-a3b", "--layers", "12", "--rows", "32", "--steps", "8")
 _HYBRID = ("--preset", "qwen3.5-27b", "--layers", "16", "--seq", "2048", "--rows", "32")
 _GRPO_8X8 = (
     "--command", "grpo", "--preset", "qwen2.5-7b", "--rows", "8", "--micro", "8", "--",
@@ -146,6 +147,17 @@ SCENARIOS: dict[str, Scenario] = {
             _verify("--model-type", "qwen3_moe", "--tiny", "--dtype", "bf16"),
             _verify("--model-type", "qwen3_5_text", "--tiny", "--dtype", "bf16"),
             _verify("--model-type", "llama", "--tiny"),
+        ),
+        timeout_s=200,
+    ),
+    "verify_hybrid": Scenario(
+        "issue 24: bf16 verify on CUDA of the hybrid families (Qwen3.5 text and whole, "
+        "Qwen3-Next) with whatever kernels are installed (flash-linear-attention when it is): "
+        "the run's `kernels:` line says which",
+        (
+            _verify("--model-type", "qwen3_5_text", "--tiny", "--dtype", "bf16", "--packed"),
+            _verify("--model-type", "qwen3_next", "--tiny", "--dtype", "bf16", "--packed"),
+            _verify("--model-type", "qwen3_5", "--tiny", "--dtype", "bf16", "--seq-len", "48"),
         ),
         timeout_s=200,
     ),
@@ -238,6 +250,74 @@ SCENARIOS: dict[str, Scenario] = {
             (PY, "bench/layer_speed.py", "--preset", "qwen2.5-7b", "--tokens", "8192"),
             (PY, "bench/layer_speed.py", "--preset", "qwen2.5-7b", "--tokens", "8192", "--compile"),
         ),
+    ),
+    "moe_layer": Scenario(
+        "issue 24: one Qwen3-30B-A3B decoder layer (128 experts, top 8) at 8k tokens, under "
+        "each of transformers' experts implementations (grouped_mm, batched_mm, eager) and "
+        "compiled, beside a Llama-3.1-8B layer; TFLOPS on active parameters, the top kernels "
+        "in $OUT/moe_profile.txt",
+        (
+            (
+                PY,
+                "bench/layer_speed.py",
+                "--preset",
+                "qwen3-30b-a3b",
+                "--tokens",
+                "8192",
+                "--experts",
+                "grouped_mm,batched_mm,eager",
+                "--profile",
+                "$OUT/moe_profile.txt",
+            ),
+            (
+                PY,
+                "bench/layer_speed.py",
+                "--preset",
+                "qwen3-30b-a3b",
+                "--tokens",
+                "8192",
+                "--experts",
+                "grouped_mm",
+                "--compile",
+                "--profile",
+                "$OUT/moe_profile.txt",
+            ),
+            (PY, "bench/layer_speed.py", "--preset", "llama3.1-8b", "--tokens", "8192"),
+            (
+                PY,
+                "bench/layer_speed.py",
+                "--preset",
+                "llama3.1-8b",
+                "--tokens",
+                "8192",
+                "--compile",
+            ),
+        ),
+        timeout_s=200,
+    ),
+    "user_moe": Scenario(
+        "issue 24: megatrain train on a Qwen3-30B-A3B shape cut to 12 layers at 64k "
+        "tokens/step (defaults: its MoE layers eager) and the same compiled, beside the "
+        "Llama-3.1-8B shape compiled at 64k (the reference of the same call); 8 steps each",
+        (
+            _cli("moe64k", *_MOE, "--timeout", "150"),
+            _cli("moe64k_c", *_MOE, "--timeout", "170", "--", "--training.compile_layers", "true"),
+            _cli(
+                "dense64k",
+                *_DENSE,
+                "--rows",
+                "32",
+                "--steps",
+                "8",
+                "--timeout",
+                "210",
+                "--",
+                "--training.compile_layers",
+                "true",
+            ),
+            (PY, "bench/cli_table.py", "--names", "dense64k,moe64k,moe64k_c"),
+        ),
+        timeout_s=220,
     ),
     "train_shape": Scenario(
         "megatrain train on a preset shape (Qwen2.5-3B, 8k tokens/step, 5 steps after 2 to "

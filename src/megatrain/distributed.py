@@ -86,10 +86,10 @@ def timeout_s() -> float:
     return value
 
 
-def init_process_group(env: RankEnv, device: torch.device) -> None:
-    """Join the job's process group (once per process); non-zero ranks print nothing."""
-    if dist.is_initialized():
-        return
+_JOB_STORE: list[dist.Store] = []  # the rendezvous store of the first process group
+
+
+def _join(env: RankEnv, device: torch.device, store: dist.Store | None = None) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
@@ -97,11 +97,45 @@ def init_process_group(env: RankEnv, device: torch.device) -> None:
         rank=env.rank,
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s()),
+        store=store,
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def init_process_group(env: RankEnv, device: torch.device) -> None:
+    """Join the job's process group (once per process); non-zero ranks print nothing."""
+    if dist.is_initialized():
+        return
+    _join(env, device)
+    _JOB_STORE[:] = [dist.distributed_c10d._get_default_store()]
     if env.rank != 0:
         # Progress and messages come from rank 0; errors (stderr) from whichever rank has one.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+
+
+def job_store() -> dist.Store:
+    """The job's key-value store (torchrun's rendezvous): it outlives an aborted process group,
+    so ranks can still tell each other what happened."""
+    assert _JOB_STORE, "init the process group first"
+    return _JOB_STORE[0]
+
+
+def abort() -> None:
+    """Abort this rank's process group: its collectives in flight, and any this rank is blocked
+    in, end with an error instead of waiting for a rank that will not come (NCCL's
+    ncclCommAbort; gloo closes its connections). Another thread may call it."""
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+
+
+def rejoin(placement: Placement, generation: int) -> None:
+    """After `abort()` on every rank: a new process group of the same ranks, its keys under
+    `generation` in the job's store (the old group's keys stay where they were)."""
+    store = dist.PrefixStore(f"megatrain/group{generation}/", job_store())
+    env = RankEnv(
+        placement.rank, placement.world_size, placement.local_rank, placement.local_world_size
+    )
+    _join(env, placement.device, store)
 
 
 def barrier() -> None:

@@ -135,6 +135,40 @@ def test_two_ranks_match_one_process(runs: tuple[Path, Path, list[float]]) -> No
     assert moved < WEIGHT_ATOL
 
 
+def test_out_of_memory_on_one_rank_steps_every_rank_down(
+    runs: tuple[Path, Path, list[float]], tmp_path: Path
+) -> None:
+    """Rank 1 runs out of GPU memory in step 2 (tests/distributed/oom_rank.py) of a run planned
+    with 2 GPU-tier blocks while rank 0 waits for it in a reduce-scatter: both ranks abort the
+    process group, undo the step, join a new group and step down to the CPU's "auto" plan (no
+    tier), and the run ends as the 2-rank run planned without a tier from the start (`runs`):
+    the same losses and weights within the tier test's tolerances (step 1 ran the tier's AdamW,
+    which differs from the host kernel in the last rounding of each weight)."""
+    two, _, _ = runs
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        str(REPO / "tests" / "distributed" / "oom_rank.py"), "train", "--config", str(DEMO),
+        "--training.output_dir", str(tmp_path), *COMMON,
+        "--training.gradient_accumulation_steps", "2", "--memory.gpu_state_blocks", "2",
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (down,) = _records(tmp_path, "plan_step_down")
+    assert down["step"] == 2 and down["gpu_state_blocks"] == [2, 0]
+    assert run.stderr.count("ran out of GPU memory and is run again") == 1  # rank 0 says it
+    train, planned = _records(tmp_path, "train"), _records(two, "train")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in train], dtype=torch.float64),
+        torch.tensor([r["loss"] for r in planned], dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0.0,
+    )
+    recovered = load_file(str(tmp_path / "hf_model" / "model.safetensors"))
+    for name, ref in load_file(str(two / "hf_model" / "model.safetensors")).items():
+        torch.testing.assert_close(recovered[name], ref, rtol=0.0, atol=WEIGHT_ATOL)
+
+
 def test_two_nodes_train_as_two_ranks_of_one(
     runs: tuple[Path, Path, list[float]], tmp_path: Path
 ) -> None:

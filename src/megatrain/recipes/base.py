@@ -75,7 +75,7 @@ from megatrain.model.kernels import kernel_report
 from megatrain.planning.disk import check_run_disk, checkpoint_nbytes, run_disk_bytes
 from megatrain.recipes import records
 from megatrain.recipes.builder import RunBuilder
-from megatrain.recipes.oom import recovering_step
+from megatrain.recipes.oom import RankFailures, recovering_step
 from megatrain.run_files import CONFIG_FILE
 from megatrain.trackers import tracker_names
 
@@ -107,6 +107,9 @@ class Recipe:
             world_size=self.builder.placement.world_size,
             keep_last=cfg.checkpoint.keep_last,
         )
+        placement = self.builder.placement
+        # several ranks: an out-of-memory step on one reaches them all (recipes/oom.py)
+        self.rank_failures = RankFailures(placement) if placement.world_size > 1 else None
         self.run_id = ""  # the claim's; a resumed run takes its checkpoint's
         self.step = 0
         self.saved_step: int | None = None  # the step of this run's last checkpoint
@@ -297,6 +300,8 @@ class Recipe:
         try:
             if self.engine is not None:  # None: a step-down's engine rebuild failed
                 self.engine.close()
+            if self.rank_failures is not None:
+                self.rank_failures.close()
             close_process_group()
         finally:
             self._release_folder()

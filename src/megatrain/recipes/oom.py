@@ -12,22 +12,35 @@ runs the same micro-batches again on an engine built from the next smaller plan
 the missing bytes added to the margin, so "auto" layer-input and tile choices follow). Tier
 blocks leaving the GPU move their master and AdamW states back to the host unchanged.
 
+Several ranks step down together (`RankFailures`). The rank that ran out of memory cannot
+simply stop: the others would wait inside the step's next collective for it. It writes the
+failed step and its shortfall into the job's key-value store (torchrun's rendezvous store,
+which outlives a process group) and aborts its process group; on every other rank a watcher
+thread, polling that store while a step runs, aborts the group too, so whatever collective the
+rank is blocked in ends with an error. Every rank then undoes its part of the step, the ranks
+join a new process group (its keys under a new prefix of the same store), agree on the
+largest shortfall, and each steps down the same plan (the GPU-tier count is agreed as ever:
+the least over ranks) before the step runs again everywhere.
+
 Not recoverable, stopped with one paragraph (`GpuOutOfMemory`) naming what to change: a step
-whose updates had begun (optimizer.max_grad_norm 0 updates each layer as its gradient lands),
-several ranks (the others wait inside a collective for the failed one: they cannot step down
-together without aborting the process group), and a plan that cannot get smaller.
+whose updates had begun on any rank (optimizer.max_grad_norm 0 updates each layer as its
+gradient lands), and a plan that cannot get smaller.
 """
 
 from __future__ import annotations
 
 import gc
 import re
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatrain.checkpoint.rng import rng_state, set_rng_state
+from megatrain.distributed import Placement, abort, job_store, rank_max, rejoin
 from megatrain.engine.engine import StepResult, StreamingEngine
 from megatrain.engine.plan import tier_order
 from megatrain.errors import GpuOutOfMemory
@@ -70,60 +83,214 @@ def step_down(
     the `store` then) and step `builder`'s plan down, the store's blocks beyond the smaller
     tier back on the host; the caller builds a new engine from `builder` and reruns the step
     (from outside its `except` block, so that the failed step's tensors are freed). Raises
-    GpuOutOfMemory when it cannot."""
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
-    where = f"step {step} ran out of GPU memory ({first_line})"
-    if builder.placement.world_size > 1:
-        raise GpuOutOfMemory(
-            f"{where} on rank {builder.placement.rank}. Several ranks cannot step the plan down "
-            f"together yet; resume from the last checkpoint after you {_FIX}"
-        ) from error
+    GpuOutOfMemory when it cannot. One process; several ranks: `RankFailures.step_down`."""
+    where = _where(error, step)
     if engine is not None and engine.updates_begun:
-        raise GpuOutOfMemory(
-            f"{where} after its first optimizer updates were applied (optimizer.max_grad_norm "
-            f"0 updates each layer as its gradient lands), so it cannot be undone. Resume from "
-            f"the last checkpoint after you {_FIX}"
-        ) from error
-    store = engine.store if engine is not None else store
-    assert store is not None, "step_down needs the engine or the store"
-    change = builder.step_down(shortfall_bytes(error, builder.device))
+        raise GpuOutOfMemory(_BEGUN.format(where=where, fix=_FIX)) from error
+    change = _smaller_plan(builder, shortfall_bytes(error, builder.device), where, error)
+    if engine is not None:
+        engine.abandon_step()
+    _tier_to_host(builder, engine.store if engine is not None else store, change)
+    return change
+
+
+_BEGUN = (
+    "{where} after its first optimizer updates were applied (optimizer.max_grad_norm 0 "
+    "updates each layer as its gradient lands), so it cannot be undone. Resume from the last "
+    "checkpoint after you {fix}"
+)
+
+
+def _where(error: BaseException, step: int) -> str:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+    return f"step {step} ran out of GPU memory ({first_line})"
+
+
+def _smaller_plan(
+    builder: PlanBuilder, shortfall: int, where: str, error: BaseException | None
+) -> StepDown:
+    change = builder.step_down(shortfall)
     if change is None:
         raise GpuOutOfMemory(
             f"{where} and the plan has nothing left to give up "
             f"({builder.engine_plan().describe()}). To fit, {_FIX}"
         ) from error
-    if engine is not None:
-        engine.abandon_step()
+    return change
+
+
+def _tier_to_host(builder: PlanBuilder, store: HostStore | None, change: StepDown) -> None:
+    assert store is not None, "step_down needs the engine or the store"
     for block in tier_order(store.layers, store.embed, store.head)[change.after.gpu_state_blocks :]:
         if block.master.device.type != "cpu":  # a tier block leaving the GPU
             block.to_host(pin=builder.pin_memory)
-    return change
+
+
+class RankFailures:
+    """Out-of-memory steps under several ranks: one rank's failure reaches every rank, and all
+    step down together (the module docstring has the protocol)."""
+
+    POLL_S = 0.05  # how often the watcher looks at the store while a step runs
+    GRACE_S = 10.0  # how long a rank whose collective failed looks for another's announcement
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        self.store = job_store()
+        self.generation = 0  # process groups joined since the first; the store keys' prefix
+        self._lock = threading.Lock()
+        self._aborted = -1  # the generation whose group this rank has aborted
+        self._armed = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rank-failures", daemon=True)
+        self._thread.start()
+
+    def _key(self, generation: int | None = None) -> str:
+        return f"megatrain/oom/{self.generation if generation is None else generation}"
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """While the body runs (a step, an engine build), another rank's announcement aborts
+        this rank's process group."""
+        self._armed.set()
+        try:
+            yield
+        finally:
+            self._armed.clear()
+
+    def _watch(self) -> None:
+        while not self._closed.is_set():
+            if not self._armed.wait(0.5):
+                continue
+            generation = self.generation
+            try:
+                announced = self.store.check([self._key(generation)])
+            except Exception:  # the store is gone: the job is ending
+                return
+            if announced:
+                self._abort(generation)
+            time.sleep(self.POLL_S)
+
+    def _abort(self, generation: int) -> None:
+        with self._lock:
+            if generation == self.generation and self._aborted != generation:
+                self._aborted = generation
+                abort()
+
+    def joins(self, error: BaseException) -> bool:
+        """Whether `error` is part of an out-of-memory step: this rank's own, or what another
+        rank's announcement (and the aborted group) made of this rank's step."""
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        if not isinstance(error, Exception):
+            return False
+        deadline = time.monotonic() + self.GRACE_S
+        while not self.store.check([self._key()]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(self.POLL_S)
+        return True
+
+    def step_down(
+        self,
+        error: BaseException,
+        *,
+        step: int,
+        builder: PlanBuilder,
+        engine: StreamingEngine | None = None,
+        store: HostStore | None = None,
+    ) -> StepDown:
+        """`step_down` on every rank at once, after `joins(error)`: announce (this rank's own
+        out of memory), abort, undo this rank's part, join a new group, agree, step down."""
+        own = isinstance(error, torch.OutOfMemoryError)
+        failed = self._key()
+        shortfall = shortfall_bytes(error, builder.device) if own else 0
+        if own:
+            self.store.set(f"{failed}/rank{self.placement.rank}", str(shortfall))
+            self.store.set(failed, str(step))
+        self._abort(self.generation)
+        begun = engine is not None and engine.updates_begun
+        if engine is not None and not begun:
+            engine.abandon_step()
+        with self._lock:
+            self.generation += 1
+        rejoin(self.placement, self.generation)
+        announced = int(self.store.get(failed))
+        ranks = f"on rank {self.placement.rank}" if own else "on another rank"
+        where = f"step {announced} ran out of GPU memory {ranks}"
+        if own:
+            where = f"{_where(error, announced)} on rank {self.placement.rank}"
+        # the same answers on every rank, from the new group
+        if rank_max(int(begun or announced != step)):
+            if own:
+                raise GpuOutOfMemory(_BEGUN.format(where=where, fix=_FIX)) from error
+            raise SystemExit(1)  # the rank that ran out of memory says why
+        shortfall = rank_max(shortfall)
+        try:
+            change = _smaller_plan(builder, shortfall, where, error if own else None)
+        except GpuOutOfMemory:
+            if own:
+                raise
+            raise SystemExit(1) from None
+        _tier_to_host(builder, engine.store if engine is not None else store, change)
+        return change
+
+    def close(self) -> None:
+        self._closed.set()
 
 
 def recovering_step(
     recipe: Recipe, step: int, run: Callable[[StreamingEngine], StepResult], metrics: Any
 ) -> StepResult:
-    """`run(recipe.engine)`, optimizer step `step`; out of GPU memory, undone, the plan stepped
-    down, the engine rebuilt from `recipe.builder` (recipes/base.py; its `structure` and
-    `store`) and the step run again; the recipe's `engine` and `cfg` are replaced. Each
-    change is reported once: a paragraph on the console and a `plan_step_down` record in
-    `metrics` (MetricsLogger)."""
+    """`run(recipe.engine)`, optimizer step `step`; out of GPU memory (on any rank), undone,
+    the plan stepped down, the engine rebuilt from `recipe.builder` (recipes/base.py; its
+    `structure` and `store`) and the step run again; the recipe's `engine` and `cfg` are
+    replaced. Each change is reported once: a paragraph on the console and a
+    `plan_step_down` record in `metrics` (MetricsLogger)."""
 
     def report(change: StepDown) -> None:
         message = f"step {step} ran out of GPU memory and is run again: {change.describe()}"
         metrics.log_event(step, "plan_step_down", change.record(), message)
 
+    failures = recipe.rank_failures
     while True:
         rng = rng_state()
         try:
-            return run(recipe.engine)
-        except torch.OutOfMemoryError as e:
-            change = step_down(e, step=step, builder=recipe.builder, engine=recipe.engine)
+            with _watching(failures):
+                return run(recipe.engine)
+        except Exception as e:
+            change = _recover(e, step, recipe, failures, engine=recipe.engine)
         # outside the except block: the failed step's frames, and the GPU memory they
         # hold, are gone
         report(change)
         _rebuild_engine(recipe, step, report)
         set_rng_state(rng)
+
+
+def _watching(failures: RankFailures | None) -> Any:
+    return failures.watching() if failures is not None else _nothing()
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _recover(
+    error: Exception,
+    step: int,
+    recipe: Recipe,
+    failures: RankFailures | None,
+    *,
+    engine: StreamingEngine | None = None,
+) -> StepDown:
+    """The step-down after `error` (re-raised when it is not part of an out-of-memory step)."""
+    builder = recipe.builder
+    if failures is not None and failures.joins(error):
+        return failures.step_down(
+            error, step=step, builder=builder, engine=engine, store=recipe.store
+        )
+    if failures is None and isinstance(error, torch.OutOfMemoryError):
+        return step_down(error, step=step, builder=builder, engine=engine, store=recipe.store)
+    raise error
 
 
 def _rebuild_engine(recipe: Recipe, step: int, report: Callable[[StepDown], None]) -> None:
@@ -136,9 +303,10 @@ def _rebuild_engine(recipe: Recipe, step: int, report: Callable[[StepDown], None
         gc.collect()
         torch.cuda.empty_cache()
         try:
-            recipe.engine = recipe.builder.engine(recipe.structure, recipe.store)
+            with _watching(recipe.rank_failures):
+                recipe.engine = recipe.builder.engine(recipe.structure, recipe.store)
             return
-        except torch.OutOfMemoryError as e:
-            change = step_down(e, step=step, builder=recipe.builder, store=recipe.store)
+        except Exception as e:
+            change = _recover(e, step, recipe, recipe.rank_failures)
         report(change)
         recipe.cfg = recipe.builder.cfg

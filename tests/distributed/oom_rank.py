@@ -1,0 +1,36 @@
+"""torchrun entry of tests/distributed/test_distributed_ranks.py: `python -m megatrain ARGS`
+with one out-of-memory error planted on rank 1, in step 2's backward of decoder layer 1 (the
+last layers' gradients already reduce-scattered and shipped; rank 0 waits for rank 1 in layer
+1's reduce-scatter)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from megatrain.cli import main
+from megatrain.engine.engine import StreamingEngine
+
+OOM = "CUDA out of memory. Tried to allocate 1.50 GiB. GPU 1 has a total capacity of 79.19 GiB"
+
+
+def plant(step: int, layer: int) -> None:
+    real = StreamingEngine._backward_layer
+    seen = {"backwards": 0, "raised": False}
+
+    def backward_layer(self, i, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if i == 0:
+            seen["backwards"] += 1
+        if not seen["raised"] and i == layer and seen["backwards"] == step - 1:
+            seen["raised"] = True
+            raise torch.OutOfMemoryError(OOM)
+        return real(self, i, *args, **kwargs)
+
+    StreamingEngine._backward_layer = backward_layer  # type: ignore[method-assign]
+
+
+if os.environ.get("RANK") == "1":
+    plant(step=2, layer=1)
+sys.exit(main(sys.argv[1:]))
