@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +112,10 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
 
     # set once a step's first update is queued: from then on that step cannot be undone
     updates_begun = False
+    # called once the step's gradient norm is on the host, before its first update; raises to
+    # stop the step (several ranks: another rank's out-of-memory step, recipes/oom.py; on CUDA
+    # an aborted collective ends without an error, so the norm alone does not tell)
+    before_updates: Callable[[], None] | None = None
 
     def __init__(
         self,
@@ -267,6 +271,8 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         coef = 1.0
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            if self.before_updates is not None:
+                self.before_updates()
             self.updates_begun = True
             for block in self.tier.blocks:  # before the next forward uses them (same stream)
                 self._update_tier(block, lr, coef)

@@ -175,6 +175,13 @@ class RankFailures:
                 self._aborted = generation
                 abort()
 
+    def check(self) -> None:
+        """Raise if another rank announced an out-of-memory step: the engine's
+        `before_updates`, so no update of a step that another rank failed is applied (on
+        CUDA this rank's collectives, aborted, end without an error)."""
+        if self.store.check([self._key()]):
+            raise RuntimeError("another rank ran out of GPU memory in this step")
+
     def joins(self, error: BaseException) -> bool:
         """Whether `error` is part of an out-of-memory step: this rank's own, or what another
         rank's announcement (and the aborted group) made of this rank's step."""
@@ -254,6 +261,8 @@ def recovering_step(
     while True:
         rng = rng_state()
         try:
+            if failures is not None:
+                recipe.engine.before_updates = failures.check
             with _watching(failures):
                 return run(recipe.engine)
         except Exception as e:
