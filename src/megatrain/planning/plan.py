@@ -152,6 +152,7 @@ class RunShape:
             pin_memory=self.pin_memory,
             ranks=self.ranks,
             vision=self.vision,
+            cuda=self.check_gpu,
         )
 
 
