@@ -99,6 +99,7 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["host"]["store_bytes"] = self.host.store_bytes
+        out["gpu"]["allocated_bytes"] = self.gpu.allocated_bytes
         out["hardware"]["measured"] = list(self.hardware.measured)
         return out
 
