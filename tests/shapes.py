@@ -71,3 +71,26 @@ QWEN3_30B_A3B_12 = dict(  # bench/common.py "qwen3-30b-a3b", cut to 12 layers
     rope_theta=1000000.0,
     max_position_embeddings=32768,
 )
+QWEN25_VL_7B_TEXT = dict(  # bench/vlm_data.py "qwen2.5-vl-7b": the language model
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    vocab_size=152064,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24]),
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
+QWEN25_VL_7B_VISION = dict(  # its vision tower
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    out_hidden_size=3584,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+)

@@ -6,7 +6,8 @@ too small or too split for the next phase's tensors: runs planned at 76 of 79 Gi
 memory in step 2 or 3 with 3.9-5.3 GiB "reserved by PyTorch but unallocated" (Llama-3.1-8B shape
 at 64k tokens per step; one 512k-token row), and a GRPO step found 4.4 GiB unusable after its
 rollout. Expandable segments map memory into one growing range per stream, so what is freed is
-usable at any size, and the plan's GiB are the allocator's GiB.
+usable at any size; what stays reserved beyond the allocated bytes at the peak (about one block
+of the peak phase's largest tensor) the plan counts as its own item (planning/allocator_slack.py).
 
 Invariant: the user's own setting wins (`PYTORCH_CUDA_ALLOC_CONF` or `PYTORCH_ALLOC_CONF` in the
 environment is never changed). Called once per process by the CLI before anything touches CUDA

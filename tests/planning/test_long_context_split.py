@@ -8,7 +8,8 @@ estimate of that run must land within 5% of their sum: the meta measurement coun
 tensor the layer makes (not its input and output gradient, counted once as boundary
 activations and last hidden), the workspace term that one block. With the split the block is
 an eighth (one key-value group of 4 query heads per call), the norms' outputs are not kept
-(engine/norm_fusion.py) and the full model fits, with a 256 or a 128 GiB host.
+(engine/norm_fusion.py) and the full model fits with a 256 GiB host (with 128 GiB it misses
+the 2 GiB margin by a few MiB once the allocator's slack is counted).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_the_oom_run_reconstructed(monkeypatch: pytest.MonkeyPatch) -> None:
     # there, a little less than on top of its peak elsewhere
     extra = est.gpu.items["attention backward workspace"]
     assert 0 < extra <= SEQ * 32 * BLOCK_PER_HEAD_TOKEN
-    assert abs(est.gpu.peak_bytes / observed - 1) <= 0.05
+    assert abs(est.gpu.allocated_bytes / observed - 1) <= 0.05  # an allocation, not reserved
 
 
 def test_512k_fits_one_h100_with_256_gib() -> None:
@@ -91,10 +92,15 @@ def test_512k_fits_one_h100_with_256_gib() -> None:
     assert least.gpu.peak_bytes <= H100_TOTAL - 20 * GIB
 
 
-def test_512k_fits_one_h100_with_128_gib() -> None:
+def test_512k_on_128_gib_is_refused_by_less_than_the_margin() -> None:
     """The host holds 4 inputs: one kept every 4 layers, 3 recomputed, and the GPU the rest
-    of the kept ones and a segment's recomputed inputs (7 x 4 GiB) beside the layer."""
+    of the kept ones and a segment's recomputed inputs (7 x 4 GiB) beside the layer. With the
+    allocator's slack (a 4 GiB layer input, planning/allocator_slack.py) that reserved peak
+    passes the 2 GiB margin by a few MiB: the plan refuses it, still within the card."""
     plan = _plan(SEQ, 128)
-    assert plan.fits, plan.problems
     b = plan.boundaries
     assert b is not None and (b.every, b.count("host"), b.count("none")) == (4, 4, 24)
+    assert not plan.fits
+    gpu = plan.estimate.gpu
+    assert gpu.items["allocator slack (reserved beyond allocated)"] == 4 * GIB
+    assert H100_TOTAL - 2 * GIB < gpu.peak_bytes < H100_TOTAL - 1.9 * GIB

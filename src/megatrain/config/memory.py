@@ -19,7 +19,9 @@ class MemoryConfig:
     pin_memory: bool = True
     """Pin the host bf16 weight shadow and transfer buffers (faster, asynchronous copies)."""
     gpu_margin_gib: float = 2.0
-    """GPU memory micro_batch_size "auto" leaves free."""
+    """GPU memory every plan leaves free beside its predicted peak (the allocator's reserved
+    peak: allocated bytes plus the allocator's slack): micro_batch_size, the GPU tier, layer
+    inputs and MLP tiles "auto", and the fit check."""
     host_margin_gib: float = 4.0
     """Host memory the resource check keeps free for the OS and data loading."""
     gpu_state_blocks: int | str = "auto"

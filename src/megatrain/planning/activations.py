@@ -18,6 +18,9 @@ the captured sequence length becomes the real one, and a leading dimension equal
 captured rows becomes the real micro-batch size. The same tensors give the per-micro-batch
 bytes of the captured arguments, which the engine keeps for the whole step.
 
+Both measurements also report the largest single storage created (`largest_bytes`): the size
+the CUDA caching allocator's slack at the peak follows (planning/allocator_slack.py).
+
 What the GPU runs differently from meta tensors, and is substituted here:
 - `F.scaled_dot_product_attention` picks a fused kernel on CUDA (flash without a mask, memory
   efficient with one); on meta it would fall back to the math path, which materializes the
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,14 +75,16 @@ def _is_float(t: Any) -> bool:
 
 
 class _LiveBytes(TorchDispatchMode):
-    """Peak of the bytes held by storages created inside the mode (meta tensors included), and
-    the most held right after a fused attention backward (its inputs and gradients live): the
-    kernel's workspace comes on top of that moment, not of the layer's peak."""
+    """Peak of the bytes held by storages created inside the mode (meta tensors included), the
+    largest of those storages, and the most held right after a fused attention backward (its
+    inputs and gradients live): the kernel's workspace comes on top of that moment, not of the
+    layer's peak."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.largest = 0  # bytes of the largest storage created inside the mode
         self.attention_backward = 0
         self.ops = 0  # aten ops dispatched: kernels the GPU would launch
         self.traffic = 0  # bytes those ops read and write (planning/traffic.py)
@@ -116,6 +121,7 @@ class _LiveBytes(TorchDispatchMode):
                 self._seen[storage] = nbytes
                 self.live += nbytes
                 self.peak = max(self.peak, self.live)
+                self.largest = max(self.largest, nbytes)
                 weakref.finalize(storage, self._free, nbytes)
         return t
 
@@ -206,6 +212,8 @@ class LayerProfile:
     attention_peak_bytes: int = 0
     # per layer: bytes its ops move through GPU memory, forward and recompute + backward
     traffic: tuple[tuple[int, int], ...] = ()
+    # the largest single tensor of one layer's recompute + backward, max over layer groups
+    largest_bytes: int = 0
 
     @property
     def workspace_extra_bytes(self) -> int:
@@ -238,23 +246,27 @@ def layer_profile(
             for c in captured.calls
         ]
         workspace = attention_workspace(spec, rows, seq, split_heads)
-        peak, attention_peak, ops = 0, 0, [(0, 0)] * spec.num_layers
+        peak, attention_peak, largest, ops = 0, 0, 0, [(0, 0)] * spec.num_layers
         traffic = [(0, 0)] * spec.num_layers
         for group in spec.structure.groups:
             first = group.layer_indices[0]
             layer = spec.structure.layers[first]
             skip = {0} if first in untiled else None
             with tiled_per_token([layer], TilePolicy(mlp_tiles), split_heads, skip):
-                group_peak, attention, group_ops, group_traffic = _measure(
-                    spec, calls[group.layer_indices[0]], layer, rows, seq
-                )
-            peak = max(peak, group_peak)
-            if attention:
-                attention_peak = max(attention_peak, attention + workspace)
+                m = _measure(spec, calls[first], layer, rows, seq)
+            peak, largest = max(peak, m.peak), max(largest, m.largest)
+            if m.attention:
+                attention_peak = max(attention_peak, m.attention + workspace)
             for i in group.layer_indices:
-                ops[i], traffic[i] = group_ops, group_traffic
+                ops[i], traffic[i] = m.ops, m.traffic
         spec.cache[key] = LayerProfile(
-            peak, shapes.bytes_of(captured.calls), ops, workspace, attention_peak, tuple(traffic)
+            peak,
+            shapes.bytes_of(captured.calls),
+            ops,
+            workspace,
+            attention_peak,
+            tuple(traffic),
+            largest,
         )
     profile: LayerProfile = spec.cache[key]
     return profile
@@ -282,9 +294,17 @@ def attention_workspace(spec: ModelSpec, rows: int, seq: int, split_heads: bool)
     return peak
 
 
-def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int]:
-    """(peak transient bytes, aten ops) of one fused loss chunk (engine/head.py), forward and
-    backward, parameter gradients included."""
+class LossChunk(NamedTuple):
+    """One fused loss chunk (engine/head.py), forward and backward, parameter gradients
+    included."""
+
+    peak_bytes: int  # transient
+    ops: int  # aten ops
+    largest_bytes: int  # its largest single tensor
+
+
+def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> LossChunk:
+    """One loss chunk of `chunk_tokens` measured on meta (cached on the spec)."""
     key = ("loss", chunk_tokens)
     if key not in spec.cache:
         st, dtype = spec.structure, spec.compute_dtype
@@ -298,16 +318,24 @@ def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> tuple[int, int]:
             loss = F.cross_entropy(logits(st.final_norm(h)).float(), targets, reduction="sum")
             grads = torch.autograd.grad(loss, [h, *params], allow_unused=True)
             del loss, grads
-        spec.cache[key] = (tracker.peak, tracker.ops)
-    result: tuple[int, int] = spec.cache[key]
+        spec.cache[key] = LossChunk(tracker.peak, tracker.ops, tracker.largest)
+    result: LossChunk = spec.cache[key]
     return result
+
+
+@dataclass(frozen=True)
+class _Measured:
+    peak: int
+    attention: int  # held right after the attention backward
+    ops: tuple[int, int]  # forward ops, all ops
+    traffic: tuple[int, int]  # forward traffic, all traffic
+    largest: int  # the largest single storage
 
 
 def _measure(
     spec: ModelSpec, call: LayerCall, layer: torch.nn.Module, rows: int, seq: int
-) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
-    """(peak, held right after the attention backward, (forward ops, all ops), (forward
-    traffic, all traffic)) of one layer."""
+) -> _Measured:
+    """One layer's recompute + backward on meta (the tracker's figures)."""
     params = list(layer.parameters())
     x = torch.empty(
         rows, seq, spec.hidden_size, dtype=spec.compute_dtype, device="meta", requires_grad=True
@@ -320,8 +348,13 @@ def _measure(
         forward_ops, forward_traffic = tracker.ops, tracker.traffic
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)
         del out, grads
-    traffic = (forward_traffic, tracker.traffic)
-    return tracker.peak, tracker.attention_backward, (forward_ops, tracker.ops), traffic
+    return _Measured(
+        tracker.peak,
+        tracker.attention_backward,
+        (forward_ops, tracker.ops),
+        (forward_traffic, tracker.traffic),
+        tracker.largest,
+    )
 
 
 def _capture(spec: ModelSpec, seq: int, layout: str) -> tuple[CapturedCalls, int, int]:

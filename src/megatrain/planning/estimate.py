@@ -20,8 +20,10 @@ Host (bytes per parameter P; the store of store/host.py, every block):
 - Several ranks (`ranks`, planning/ranks.py): the host numbers are per node (its ranks'
   shards and baselines), the GPU numbers per rank, the step time per rank with collectives.
 
-GPU (what `torch.cuda.max_memory_allocated` sees; c = bytes of the compute dtype, L layers,
-T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph head block):
+GPU (what `torch.cuda.max_memory_reserved` sees: `max_memory_allocated`, the items below, plus
+the caching allocator's slack at the peak phase, planning/allocator_slack.py; c = bytes of the
+compute dtype, L layers, T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest
+layer, Ph head block):
 - persistent: num_slots x Pl x c weight slots; 2 x Pl x 4 fp32 gradient accumulators;
   2 x Pl x 2 bf16 staging (bf16 only) (Pl over the streamed layers); the GPU tier, per
   parameter fp32 master + m + v + gradient (16) + bf16 weights (2, bf16 only; in fp32 compute
@@ -39,7 +41,9 @@ T tokens per step, Tm per micro-batch, D hidden, V vocab, Pl largest layer, Ph h
 - transient, the largest of: one layer's recompute + backward on one micro-batch (measured
   on meta, planning/activations.py) plus its fused attention backward's block (per head
   group at long rows: engine/attention_heads.py), one loss chunk (+ its micro-batch's
-  hidden gradient), the embedding gradient's bf16 staging at the end of the backward.
+  hidden gradient), the embedding gradient's bf16 staging at the end of the backward;
+- allocator slack: the largest single transient tensor of the peak phase (on CUDA only); the
+  peak phase is the one whose allocated bytes plus its slack are the most.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.engine.schedule import StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_saved_bytes_per_patch
 from megatrain.planning.activations import LayerProfile, layer_profile, loss_chunk
+from megatrain.planning.allocator_slack import SLACK_ITEM, allocator_slack
 from megatrain.planning.hardware import Hardware, detect, gib
 from megatrain.planning.host_memory import HostMemory, host_memory, pinned_reserved
 from megatrain.planning.long_context import device_inputs, host_input_bytes
@@ -68,9 +73,14 @@ from megatrain.planning.timing import StepTime, step_time
 @dataclass(frozen=True)
 class GpuMemory:
     items: dict[str, int]  # at the peak phase, name -> bytes; sums to peak_bytes
-    peak_bytes: int
+    peak_bytes: int  # reserved by the allocator (allocated + its slack): what the card holds
     peak_phase: str  # "layer backward", "loss" or "embedding backward"
     persistent_bytes: int  # what the engine keeps between steps (engine/layout.py)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The peak phase's `torch.cuda.max_memory_allocated`: the peak less the slack."""
+        return self.peak_bytes - self.items.get(SLACK_ITEM, 0)
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["host"]["store_bytes"] = self.host.store_bytes
+        out["gpu"]["allocated_bytes"] = self.gpu.allocated_bytes
         out["hardware"]["measured"] = list(self.hardware.measured)
         return out
 
@@ -149,7 +160,7 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         schedule=schedule,
         layer_ops=profile.ops,
         layer_traffic=profile.traffic,
-        loss_ops=-(-setup.tokens_mb // chunk) * loss_chunk(spec, chunk)[1],
+        loss_ops=-(-setup.tokens_mb // chunk) * loss_chunk(spec, chunk).ops,
     )
     return Estimate(
         model=spec.describe(),
@@ -215,16 +226,12 @@ def gpu_memory(
     spec: ModelSpec, profile: LayerProfile, setup: Setup, layout: DeviceLayout, chunk_tokens: int
 ) -> GpuMemory:
     """The GPU at each phase of the step: the engine's persistent buffers (`layout`) plus what
-    the phase holds; the peak phase's items."""
+    the phase holds and the allocator's slack over it; the peak phase's items."""
     c = spec.compute_dtype.itemsize
     d, ranks, mbs = spec.hidden_size, setup.ranks, setup.grad_accum
-    tokens_mb, tokens = setup.tokens_mb, setup.tokens_mb * setup.grad_accum
-    tier = TierSplit.of(spec.num_layers, setup.engine.gpu_state_blocks)
-    streamed_table = 0 if tier.embed else spec.embed_params
-    boundaries = setup.engine.boundary_plan(spec.num_layers)
     base = {
         **layout.bytes_by_name(),
-        "embedding rows": mbs * min(tokens_mb, spec.vocab_size) * d * c,
+        "embedding rows": mbs * min(setup.tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": mbs * profile.captured_bytes,
         "reduce-scatter output (ranks, fp32)": (
             ranks.shard(max((la.params for la in spec.layers), default=0)) * 4
@@ -232,26 +239,51 @@ def gpu_memory(
             else 0
         ),
     }
-    inputs = device_inputs(boundaries)
+    phases = _phases(spec, profile, setup, chunk_tokens)
+    phase = max(phases, key=lambda p: sum(phases[p].values()))
+    items = {k: v for k, v in {**base, **phases[phase]}.items() if v}
+    return GpuMemory(
+        items=items,
+        peak_bytes=sum(items.values()),
+        peak_phase=phase,
+        persistent_bytes=layout.total_bytes,
+    )
+
+
+def _phases(
+    spec: ModelSpec, profile: LayerProfile, setup: Setup, chunk_tokens: int
+) -> dict[str, dict[str, int]]:
+    """What each phase of the step holds beside the persistent buffers, its allocator slack
+    (planning/allocator_slack.py: the phase's largest transient tensor) included."""
+    c, d = spec.compute_dtype.itemsize, spec.hidden_size
+    tokens_mb, tokens = setup.tokens_mb, setup.tokens_mb * setup.grad_accum
+    mb_hidden = tokens_mb * d * c  # one micro-batch's hidden states (or their gradient)
+    tier = TierSplit.of(spec.num_layers, setup.engine.gpu_state_blocks)
+    staging = (
+        spec.embed_params * 2 if spec.compute_dtype == torch.bfloat16 and not tier.embed else 0
+    )
+    inputs = device_inputs(setup.engine.boundary_plan(spec.num_layers))
     boundary = {
         "boundary activations": (spec.num_layers if inputs is None else inputs) * tokens * d * c,
         "last hidden / its gradient": tokens * d * c,
     }
-    bf16 = spec.compute_dtype == torch.bfloat16
+    loss = loss_chunk(spec, chunk_tokens)
     phases = {
         "layer backward": {
             **boundary,
             "one layer recompute + backward": _layer_peak(spec, profile, setup),
             "attention backward workspace": profile.workspace_extra_bytes,
         },
-        "loss": {
-            **boundary,
-            "loss chunk + hidden gradient": loss_chunk(spec, chunk_tokens)[0] + tokens_mb * d * c,
-        },
+        "loss": {**boundary, "loss chunk + hidden gradient": loss.peak_bytes + mb_hidden},
         "embedding backward": {
             "layer-0 inputs + gradients": 2 * tokens * d * c,
-            "embedding gradient staging": streamed_table * 2 if bf16 else 0,
+            "embedding gradient staging": staging,
         },
+    }
+    largest = {
+        "layer backward": max(profile.largest_bytes, profile.workspace_bytes),
+        "loss": loss.largest_bytes,
+        "embedding backward": max(mb_hidden, staging),
     }
     vision = setup.vision
     front = spec.structure.front
@@ -263,14 +295,12 @@ def gpu_memory(
                 patches * vision_saved_bytes_per_patch(spec.config, c)
             ),
         }
-    phase = max(phases, key=lambda p: sum(phases[p].values()))
-    items = {k: v for k, v in {**base, **phases[phase]}.items() if v}
-    return GpuMemory(
-        items=items,
-        peak_bytes=sum(items.values()),
-        peak_phase=phase,
-        persistent_bytes=layout.total_bytes,
-    )
+        # the tower's tensors are not measured (tens of MiB a micro-batch at run 38's shape):
+        # the phase keeps the layer backward's, which run 38's slack supports
+        largest["vision backward"] = max(mb_hidden, largest["layer backward"])
+    for name, held in phases.items():
+        held[SLACK_ITEM] = allocator_slack(largest[name], cuda=setup.cuda)
+    return phases
 
 
 def _notes(hw: Hardware) -> list[str]:

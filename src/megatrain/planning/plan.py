@@ -9,8 +9,9 @@ then judges (same shape, same loss chunk, same pinning), so "auto" never picks a
 refuses for a reason it did not see; the engine runs the EnginePlan that estimate measured.
 `megatrain estimate` and `megatrain train` both read the plan from planning/builder.py. The
 GPU tier (engine/tier.py) is chosen after the batch: "auto" (`memory.gpu_state_blocks`) gives
-it the most blocks (engine/plan.py `tier_order`) whose predicted GPU peak still fits with
-`gpu_margin_gib` free; on the CPU "auto" is 0; a given count is clamped to the model's blocks.
+it the most blocks (engine/plan.py `tier_order`) whose predicted GPU peak (the allocator's
+reserved peak, planning/allocator_slack.py) still fits with `gpu_margin_gib` free; on the CPU
+"auto" is 0; a given count is clamped to the model's blocks.
 Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host
 (a node that cannot hold its ranks' shards is refused before loading); the tier is picked
 against one rank's GPU (states sharded, weights whole: planning/estimate.py).
@@ -152,6 +153,7 @@ class RunShape:
             pin_memory=self.pin_memory,
             ranks=self.ranks,
             vision=self.vision,
+            cuda=self.check_gpu,
         )
 
 

@@ -95,9 +95,10 @@ def _gpu_lines(est: Estimate) -> list[str]:
         f"{'GPU peak (at: ' + g.peak_phase + ')':<{_W + 2}}{'GiB':>10}",
         *(_row(name, _gib(n)) for name, n in g.items.items()),
         _row(
-            "total (torch.cuda.max_memory_allocated)",
+            "total (torch.cuda.max_memory_reserved)",
             _gib(g.peak_bytes),
-            f"of {_gib(hw.gpu_bytes)} GiB ({hw.source('gpu_bytes')})",
+            f"of {_gib(hw.gpu_bytes)} GiB ({hw.source('gpu_bytes')}); allocated "
+            f"{_gib(g.allocated_bytes)}",
         ),
     ]
 

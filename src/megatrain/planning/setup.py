@@ -43,6 +43,7 @@ class Setup:
     data_bytes: int = 0  # the tokenized data in host memory
     ranks: Ranks = ONE_PROCESS  # several: per-rank batch and GPU, per-node host
     vision: VisionLoad = NO_VISION
+    cuda: bool = True  # the GPU is a CUDA device (its allocator's slack counts: GPU estimate)
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "grad_accum"):
