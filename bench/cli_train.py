@@ -28,7 +28,8 @@ the median step time over the steps after the first `--warmup` (2: compiling, wa
 the job and per GPU, MFU and model TFLOPS per GPU, the time per phase (time/*), the GPU allocator's
 peak (reserved: what the card must hold) and host RSS, any step-down of the plan, beside the
 prediction the run printed; for dpo, the reference pass (its "reference_pass" record: seconds,
-tokens/s). One RESULT line.
+tokens/s); the command's wall time and its part outside the steps (outside_steps_s: start, data,
+plan, model init and store, exit). One RESULT line.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +142,9 @@ def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
     return path
 
 
-def summarize(name: str, out: Path, rc: int, log_text: str, warmup: int = 2) -> dict[str, Any]:
+def summarize(
+    name: str, out: Path, rc: int, log_text: str, warmup: int = 2, wall_s: float | None = None
+) -> dict[str, Any]:
     records = (
         [
             json.loads(line)
@@ -154,6 +158,9 @@ def summarize(name: str, out: Path, rc: int, log_text: str, warmup: int = 2) -> 
     steady = train[warmup:] or train
     step_s = statistics.median(r["step_s"] for r in steady) if steady else None
     summary: dict[str, Any] = {"name": name, "rc": rc, "steps": len(train)}
+    if wall_s is not None:  # the command's wall time; beside the steps: start, data, model build
+        summary["wall_s"] = round(wall_s, 1)
+        summary["outside_steps_s"] = round(wall_s - sum(r["step_s"] for r in train), 1)
     if step_s:
         tokens = steady[0]["tokens"]
         summary |= {
@@ -250,6 +257,7 @@ def main() -> None:
     command = [*launch, "-m", "megatrain", a.command, "--config", str(config), *overrides]
     log(f"{a.name}: {' '.join(command)}")
     logfile = out / "train.log"
+    start = time.monotonic()
     with open(logfile, "w") as f:
         try:
             rc = subprocess.run(
@@ -257,7 +265,8 @@ def main() -> None:
             ).returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    summary = summarize(a.name, out, rc, logfile.read_text(), a.warmup)
+    wall_s = time.monotonic() - start
+    summary = summarize(a.name, out, rc, logfile.read_text(), a.warmup, wall_s)
     data = "pairs as sft rows" if a.sft_of_pairs else "pairs" if a.command == "dpo" else "corpus"
     if a.images is not None:
         data = "image rows" if a.images else "image rows as text"

@@ -125,6 +125,25 @@ _VLM_RUNS = (
     (PY, "bench/cli_table.py", "--names", "vlm7b_text,vlm7b_images", "--step-ratio",
      "vlm7b_images/vlm7b_text", "--ratio", "vlm7b_images/vlm7b_text"),
 )  # fmt: skip
+# issue 24: one shape per architecture on one GPU, 64k tokens a step (32 rows of 2048, micro-batches
+# of 4), AdamW states the fit check's advice makes fit (`megatrain estimate --config` on the run's
+# own config; docs/architectures_draft.md has the figures). Full Qwen3.5-27B, int8 (bf16: 252.9
+# GiB > 247 available on the 251 GiB host); GPT-OSS-20B whole, bf16 (196.5 GiB; int8 on the 125
+# GiB host still needs 158.0); Qwen3-Next-80B-A3B cut to 19 of its 48 layers, the most that fit
+# the 251 GiB host with int8 (loading peak 245.8 of 247 GiB). The _125G rows: the most layers
+# that fit the 125 GiB host (int8). --timeout: the run's share of the device command's 600 s
+_ARCH = ("--seq", "2048", "--rows", "32", "--micro", "4")
+_BF16 = ("--optimizer.state_dtype", "bf16")
+_ARCH_QWEN35 = ("--preset", "qwen3.5-27b", *_ARCH, "--steps", "3", "--warmup", "1")
+_ARCH_QWEN35 += ("--timeout", "570", "--", *_INT8)
+_ARCH_GPT_OSS = ("--preset", "gpt-oss-20b", *_ARCH, "--steps", "6")
+_ARCH_GPT_OSS += ("--timeout", "560", "--", *_BF16)
+_ARCH_QWEN3_NEXT = ("--preset", "qwen3-next-80b-a3b", "--layers", "19", *_ARCH, "--steps", "6")
+_ARCH_QWEN3_NEXT += ("--timeout", "560", "--", *_INT8)
+_ARCH_GPT_OSS_125G = ("--preset", "gpt-oss-20b", "--layers", "17", *_ARCH, "--steps", "6")
+_ARCH_GPT_OSS_125G += ("--timeout", "560", "--", *_INT8)
+_ARCH_QWEN3_NEXT_125G = ("--preset", "qwen3-next-80b-a3b", "--layers", "8", *_ARCH, "--steps", "6")
+_ARCH_QWEN3_NEXT_125G += ("--timeout", "560", "--", *_INT8)
 
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
@@ -496,6 +515,41 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         ),
         timeout_s=300,
+    ),
+    "arch_qwen35_full": Scenario(
+        "issue 24 (dense/hybrid row): the whole Qwen3.5-27B text shape (64 layers, 26.9B) on "
+        "one GPU of the 251 GiB host (the 2-GPU machine), int8 AdamW states, 64k tokens/step, "
+        "3 steps (the median of the last 2): tokens/s, TFLOPS, host RSS, GPU peak, the "
+        "prediction beside",
+        (_cli("qwen35_full", *_ARCH_QWEN35),),
+        timeout_s=590,
+    ),
+    "arch_gpt_oss_20b": Scenario(
+        "issue 24 (MoE row): the whole GPT-OSS-20B shape (24 layers, 32 experts top 4, "
+        "sliding and full attention with sinks; 20.9B, 4.2B active) on one GPU of the 251 GiB "
+        "host (the 2-GPU machine: the 125 GiB one cannot hold it, arch_gpt_oss_20b_125g), bf16 "
+        "AdamW states, 64k tokens/step, 6 steps",
+        (_cli("gpt_oss_20b", *_ARCH_GPT_OSS),),
+        timeout_s=590,
+    ),
+    "arch_gpt_oss_20b_125g": Scenario(
+        "issue 24: arch_gpt_oss_20b cut to the 17 of its 24 layers that fit the 125 GiB host "
+        "(the 1-GPU machine) with int8 AdamW states (15.2B, 3.3B active), 6 steps",
+        (_cli("gpt_oss_17l", *_ARCH_GPT_OSS_125G),),
+        timeout_s=590,
+    ),
+    "arch_qwen3_next": Scenario(
+        "issue 24 (hybrid MoE row): a Qwen3-Next-80B-A3B shape cut to 19 of its 48 layers (31.9B, "
+        "1.9B active), the most that fit the 251 GiB host (the 2-GPU machine, one GPU) with int8 "
+        "AdamW states, 64k tokens/step, 6 steps",
+        (_cli("qwen3_next_19l", *_ARCH_QWEN3_NEXT),),
+        timeout_s=590,
+    ),
+    "arch_qwen3_next_125g": Scenario(
+        "issue 24: arch_qwen3_next cut to the 8 layers that fit the 125 GiB host (the 1-GPU "
+        "machine) with int8 AdamW states (13.8B, 1.2B active), 6 steps",
+        (_cli("qwen3_next_8l", *_ARCH_QWEN3_NEXT_125G),),
+        timeout_s=590,
     ),
     "grpo_7b": Scenario(
         "GRPO steps on the Qwen2.5-7B shape (random weights, completions at full length), the "
