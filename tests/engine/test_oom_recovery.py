@@ -21,6 +21,7 @@ import torch
 from megatrain.config import load_config
 from megatrain.engine.engine import StreamingEngine
 from megatrain.errors import GpuOutOfMemory
+from megatrain.recipes.oom import is_out_of_memory
 from megatrain.recipes.sft import Trainer
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
@@ -53,8 +54,11 @@ def _losses(trainer: Trainer) -> list[float]:
         trainer.close()
 
 
-def _oom_once(monkeypatch: pytest.MonkeyPatch, *, step: int, layer: int) -> list[int]:
-    """Raise OutOfMemoryError once, in `step`'s backward of decoder layer `layer`."""
+def _oom_once(
+    monkeypatch: pytest.MonkeyPatch, *, step: int, layer: int, error: Exception | None = None
+) -> list[int]:
+    """Raise OutOfMemoryError (or `error`) once, in `step`'s backward of decoder layer
+    `layer`."""
     real = StreamingEngine._backward_layer
     seen = {"backwards": 0}
     raised: list[int] = []
@@ -64,7 +68,7 @@ def _oom_once(monkeypatch: pytest.MonkeyPatch, *, step: int, layer: int) -> list
             seen["backwards"] += 1
         if not raised and i == layer and seen["backwards"] == step - 1:
             raised.append(i)
-            raise torch.OutOfMemoryError(OOM)
+            raise error if error is not None else torch.OutOfMemoryError(OOM)
         return real(self, i, *args, **kwargs)
 
     monkeypatch.setattr(StreamingEngine, "_backward_layer", backward_layer)
@@ -122,3 +126,32 @@ def test_updates_already_applied_stop_with_one_paragraph(
     trainer = _trainer(tmp_path, 3, "--optimizer.max_grad_norm", "0")
     with pytest.raises(GpuOutOfMemory, match="first optimizer updates were applied"):
         _losses(trainer)
+
+
+def test_a_kernel_packages_cuda_out_of_memory_steps_down_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton reports a launch the driver could not place (flash-linear-attention's autotuning
+    beside a packed plan) as a RuntimeError, not torch's OutOfMemoryError: recovered the same."""
+    expected = _losses(_trainer(tmp_path / "small", 0))
+    triton = RuntimeError("Triton Error [CUDA]: out of memory")
+    raised = _oom_once(monkeypatch, step=2, layer=1, error=triton)
+    trainer = _trainer(tmp_path / "recovered", 3)
+    assert _losses(trainer) == expected and raised == [1]
+    assert trainer.builder.engine_plan().gpu_state_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (torch.OutOfMemoryError(OOM), True),
+        (RuntimeError("Triton Error [CUDA]: out of memory"), True),
+        (RuntimeError("CUDA error: out of memory"), True),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"), True),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
+        (ValueError("out of memory"), False),
+    ],
+)
+def test_what_counts_as_out_of_memory(error: Exception, expected: bool) -> None:
+    assert is_out_of_memory(error) is expected

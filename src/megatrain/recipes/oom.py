@@ -2,7 +2,9 @@
 
 The plan packs the GPU to within `memory.gpu_margin_gib`; a prediction a little short (an
 architecture's kernels, the allocator's own slack) must not end a run hours in. When a step
-raises torch's OutOfMemoryError before any of its optimizer updates began (with clipping, the
+raises torch's OutOfMemoryError (or a kernel package's CUDA out-of-memory error: Triton's
+autotuning loads kernels into memory the plan cannot see) before any of its optimizer updates
+began (with clipping, the
 default, updates start only after the whole backward), nothing of it is applied: the engine
 waits for its copies, puts back the bf16 weights that the shipped gradients overwrote in the
 host shadows (from the untouched fp32 master) and closes; `recovering_step` (what every
@@ -58,6 +60,24 @@ _FIX = (
     "per step) or data.cutoff_len, or give the plan more room: memory.gpu_margin_gib, "
     "memory.gpu_state_blocks 0, memory.activation_offload on, memory.mlp_tiles (more tiles)"
 )
+
+
+_DRIVER_OOM = ("out of memory", "ALLOC_FAILED")  # CUDA's, Triton's launch, cuBLAS / cuDNN
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is the GPU running out of memory: torch's OutOfMemoryError, or a kernel
+    package's CUDA error saying so (Triton's launch of a kernel whose module or local memory
+    the driver could not place: "Triton Error [CUDA]: out of memory"; cuBLAS / cuDNN
+    *_ALLOC_FAILED), which torch does not turn into its own."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return (
+        isinstance(error, RuntimeError)
+        and ("CUDA" in text or "CUBLAS" in text or "CUDNN" in text)
+        and any(marker in text for marker in _DRIVER_OOM)
+    )
 
 
 def shortfall_bytes(error: BaseException, device: torch.device) -> int:
@@ -185,7 +205,7 @@ class RankFailures:
     def joins(self, error: BaseException) -> bool:
         """Whether `error` is part of an out-of-memory step: this rank's own, or what another
         rank's announcement (and the aborted group) made of this rank's step."""
-        if isinstance(error, torch.OutOfMemoryError):
+        if is_out_of_memory(error):
             return True
         if not isinstance(error, Exception):
             return False
@@ -207,7 +227,7 @@ class RankFailures:
     ) -> StepDown:
         """`step_down` on every rank at once, after `joins(error)`: announce (this rank's own
         out of memory), abort, undo this rank's part, join a new group, agree, step down."""
-        own = isinstance(error, torch.OutOfMemoryError)
+        own = is_out_of_memory(error)
         failed = self._key()
         shortfall = shortfall_bytes(error, builder.device) if own else 0
         if own:
@@ -297,7 +317,7 @@ def _recover(
         return failures.step_down(
             error, step=step, builder=builder, engine=engine, store=recipe.store
         )
-    if failures is None and isinstance(error, torch.OutOfMemoryError):
+    if failures is None and is_out_of_memory(error):
         return step_down(error, step=step, builder=builder, engine=engine, store=recipe.store)
     raise error
 
