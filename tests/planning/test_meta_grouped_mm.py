@@ -8,7 +8,8 @@ import torch
 
 from megatrain.model.tiny import tiny_config
 from megatrain.planning import model_spec
-from megatrain.planning.activations import _GpuKernels, _LiveBytes, _MetaGroupedMM, layer_profile
+from megatrain.planning.activations import _LiveBytes, layer_profile
+from megatrain.planning.meta_kernels import GpuKernels, MetaGroupedMM
 
 
 def test_stand_in_holds_the_fallbacks_bytes() -> None:
@@ -16,7 +17,7 @@ def test_stand_in_holds_the_fallbacks_bytes() -> None:
     x = torch.empty(tokens, k, device="meta", requires_grad=True)
     w = torch.empty(experts, k, n, device="meta", requires_grad=True)
     with _LiveBytes() as live:
-        out = _MetaGroupedMM.apply(x, w)
+        out = MetaGroupedMM.apply(x, w)
         assert out.shape == (tokens, n) and live.live == 4 * tokens * n
         gx, gw = torch.autograd.grad(out, [x, w], torch.empty_like(out))
     assert gx.shape == x.shape and gw.shape == w.shape
@@ -26,7 +27,7 @@ def test_stand_in_holds_the_fallbacks_bytes() -> None:
 
 def test_fp32_moe_profile_routes_grouped_matmuls_to_the_stand_in() -> None:
     seen: list[torch.dtype] = []
-    route = _GpuKernels.__torch_function__
+    route = GpuKernels.__torch_function__
 
     def spy(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is getattr(torch, "_grouped_mm", None) or func is getattr(
@@ -36,11 +37,11 @@ def test_fp32_moe_profile_routes_grouped_matmuls_to_the_stand_in() -> None:
         return route(self, func, types, args, kwargs)
 
     spec = model_spec(tiny_config("qwen3_moe"), "fp32")
-    _GpuKernels.__torch_function__ = spy  # type: ignore[method-assign]
+    GpuKernels.__torch_function__ = spy  # type: ignore[method-assign]
     try:
         profile = layer_profile(spec, 2, 64, "full")
     finally:
-        _GpuKernels.__torch_function__ = route  # type: ignore[method-assign]
+        GpuKernels.__torch_function__ = route  # type: ignore[method-assign]
     assert seen and set(seen) == {torch.float32}
     # at least what the experts' weight gradients alone hold: gate_up and down, all experts
     cfg = tiny_config("qwen3_moe")

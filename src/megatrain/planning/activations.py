@@ -25,14 +25,15 @@ What the GPU runs differently from meta tensors, and is substituted here:
 - `F.scaled_dot_product_attention` picks a fused kernel on CUDA (flash without a mask, memory
   efficient with one); on meta it would fall back to the math path, which materializes the
   [B, H, S, S] scores. It is routed to the flash / efficient aten ops, which keep O(tokens),
-  except where CUDA itself runs the math path (`_fused_attention`).
+  except where CUDA itself runs the math path (meta_kernels.py).
 - optional kernel packages a layer calls (flash-linear-attention, causal-conv1d) cannot run on
   meta: the layer is measured with their torch reference code (model/kernels.py), an upper
   bound on the fused kernels' memory.
 - grouped_mm (MoE experts) has a bf16-only meta kernel; fp32 runs transformers' loop fallback
   on the GPU, whose backward reads the expert offsets on the host in some transformers releases
-  (5.17), impossible on meta: `_MetaGroupedMM` stands in with the fallback's memory (the output;
-  for backward, the saved input and weight and gradients like both).
+  (5.17), impossible on meta: `MetaGroupedMM` (meta_kernels.py) stands in with the
+  fallback's memory (the output; for backward, the saved input and weight and gradients like
+  both).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -54,24 +54,12 @@ from megatrain.engine.tiling import TilePolicy, tiled_per_token
 from megatrain.layouts import LAYOUTS
 from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
 from megatrain.model.kernels import reference_kernels
+from megatrain.planning.meta_kernels import ATTENTION_BACKWARD, GROUPED_MM, GpuKernels, is_float
 from megatrain.planning.spec import ModelSpec
 from megatrain.planning.traffic import op_traffic
 
 _CAPTURE_ROWS = 2
 _CAPTURE_SEQ = 8192
-
-
-_ATTENTION_BACKWARD = tuple(
-    getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}_attention_backward")
-    for kernel in ("flash", "efficient", "cudnn")
-)
-
-
-_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
-
-
-def _is_float(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -97,19 +85,19 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops += 1
-        if func.overloadpacket is _GROUPED_MM and args[0].dtype != torch.bfloat16:
+        if func.overloadpacket is GROUPED_MM and args[0].dtype != torch.bfloat16:
             # fp32 experts on meta: the meta kernel takes bf16 only; shapes are the same. Here,
             # at the dispatch level, also where a backward re-runs a layer's tiles.
             dtype = args[0].dtype
-            args = tree_map(lambda t: t.bfloat16() if _is_float(t) else t, args)
+            args = tree_map(lambda t: t.bfloat16() if is_float(t) else t, args)
             out = tree_map(
-                lambda t: t.to(dtype) if _is_float(t) else t, func(*args, **(kwargs or {}))
+                lambda t: t.to(dtype) if is_float(t) else t, func(*args, **(kwargs or {}))
             )
         else:
             out = func(*args, **(kwargs or {}))
         tree_map(self._track, out)
         self.traffic += op_traffic(func, args, kwargs, out)
-        if func.overloadpacket in _ATTENTION_BACKWARD:
+        if func.overloadpacket in ATTENTION_BACKWARD:
             self.attention_backward = max(self.attention_backward, self.live)
         return out
 
@@ -127,76 +115,6 @@ class _LiveBytes(TorchDispatchMode):
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes
-
-
-class _GpuKernels(TorchFunctionMode):
-    """Route attention and grouped matmuls to the kernels (and memory) the GPU would use."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return _fused_attention(*args, **kwargs)
-        grouped = (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
-        if func in grouped and args[0].dtype != torch.bfloat16:
-            return _MetaGroupedMM.apply(args[0], args[1])
-        return func(*args, **kwargs)
-
-
-class _MetaGroupedMM(torch.autograd.Function):
-    """transformers' fp32 grouped-matmul fallback, as memory: out [tokens, N] from input
-    [tokens, K] and weight [experts, K, N]; backward keeps both and returns gradients like them."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return x.new_empty(x.shape[0], weight.shape[2])
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, weight = ctx.saved_tensors
-        return torch.empty_like(x), torch.empty_like(weight)
-
-
-def _fused_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """sdpa's CUDA backend choice: flash or cuDNN (half precision, no mask; grouped-query
-    heads as they are, the key and value gradients too), else memory-efficient (any mask,
-    but equal heads), else the math path, which materializes the scores: fp32 with
-    grouped-query heads and no mask (HF passes enable_gqa only without a mask) lands there
-    (H200, Qwen3 fp32, 4096 tokens: 2.7 GiB above the fused-kernel prediction, about three
-    [heads, seq, seq] fp32 tensors)."""
-    grouped = enable_gqa and k.shape[-3] != q.shape[-3]
-    flash = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
-    if grouped and not flash:
-        return F.scaled_dot_product_attention(  # the mode is off inside its handler: math
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=True,
-        )
-    if flash:  # grouped heads as they are; the expanded gradients: attention_workspace
-        return torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, dropout_p, is_causal, False, scale=scale
-        )[0]
-    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as sdpa does before the kernel
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            attn_mask.logical_not(), float("-inf")
-        )
-    return torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale
-    )[0]
 
 
 @dataclass(frozen=True)
@@ -343,7 +261,7 @@ def _measure(
     grad_out = torch.empty_like(x)
     tracker = _LiveBytes()
     tracker.exclude(x, grad_out)  # the layer input and mb.grad: counted by the caller
-    with torch.enable_grad(), reference_kernels(layer), _GpuKernels(), tracker:
+    with torch.enable_grad(), reference_kernels(layer), GpuKernels(), tracker:
         out = call.run(layer, x)
         forward_ops, forward_traffic = tracker.ops, tracker.traffic
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)
