@@ -127,7 +127,7 @@ _VLM_RUNS = (
 )  # fmt: skip
 # issue 24: one shape per architecture on one GPU, 64k tokens a step (32 rows of 2048, micro-batches
 # of 4), AdamW states the fit check's advice makes fit (`megatrain estimate --config` on the run's
-# own config; docs/architectures_draft.md has the figures). Full Qwen3.5-27B, int8 (bf16: 252.9
+# own config; bench/architecture_rows.md has the figures). Full Qwen3.5-27B, int8 (bf16: 252.9
 # GiB > 247 available on the 251 GiB host); GPT-OSS-20B whole, bf16 (196.5 GiB; int8 on the 125
 # GiB host still needs 158.0); Qwen3-Next-80B-A3B cut to 19 of its 48 layers, the most that fit
 # the 251 GiB host with int8 (loading peak 245.8 of 247 GiB). The _125G rows: the most layers
