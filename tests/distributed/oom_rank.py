@@ -1,7 +1,7 @@
 """torchrun entry of tests/distributed/test_distributed_ranks.py: `python -m megatrain ARGS`
-with one out-of-memory error planted on rank 1, in step 2's backward of decoder layer 1 (the
-last layers' gradients already reduce-scattered and shipped; rank 0 waits for rank 1 in layer
-1's reduce-scatter)."""
+with one error planted on rank 1, in step 2's backward of decoder layer 1 (the last layers'
+gradients already reduce-scattered and shipped; rank 0 waits for rank 1 in layer 1's
+reduce-scatter): out of GPU memory, or with PLANT=error a ValueError of that rank's own."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def plant(step: int, layer: int) -> None:
             seen["backwards"] += 1
         if not seen["raised"] and i == layer and seen["backwards"] == step - 1:
             seen["raised"] = True
+            if os.environ.get("PLANT") == "error":
+                raise ValueError("planted: a bad value on rank 1")
             raise torch.OutOfMemoryError(OOM)
         return real(self, i, *args, **kwargs)
 

@@ -29,6 +29,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,28 @@ def test_out_of_memory_on_one_rank_steps_every_rank_down(
     recovered = load_file(str(tmp_path / "hf_model" / "model.safetensors"))
     for name, ref in load_file(str(two / "hf_model" / "model.safetensors")).items():
         torch.testing.assert_close(recovered[name], ref, rtol=0.0, atol=WEIGHT_ATOL)
+
+
+def test_an_error_on_one_rank_stops_the_other_without_waiting(tmp_path: Path) -> None:
+    """Rank 1 stops with an error of its own in step 2 while rank 0 waits for it in a
+    reduce-scatter: rank 0 learns it through the job's store and exits at once, quietly (no
+    traceback from megatrain), long before the collective timeout (120 s here); rank 1's error
+    reaches the user once, as its one line."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        str(REPO / "tests" / "distributed" / "oom_rank.py"), "train", "--config", str(DEMO),
+        "--training.output_dir", str(tmp_path), *COMMON,
+        "--training.gradient_accumulation_steps", "2",
+    ]  # fmt: skip
+    started = time.monotonic()
+    run = subprocess.run(
+        cmd, env=dict(_env(), PLANT="error"), capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode != 0
+    assert time.monotonic() - started < 100  # the collective timeout alone is 120 s
+    assert run.stderr.count("planted: a bad value on rank 1") == 1, run.stderr[-3000:]
+    # torchrun prints its own launcher's traceback on any failure; none of megatrain's frames
+    assert "src/megatrain/" not in run.stderr, run.stderr[-3000:]
 
 
 def test_two_nodes_train_as_two_ranks_of_one(

@@ -24,6 +24,10 @@ join a new process group (its keys under a new prefix of the same store), agree 
 largest shortfall, and each steps down the same plan (the GPU-tier count is agreed as ever:
 the least over ranks) before the step runs again everywhere.
 
+A rank that stops with any other error during a step says so through the same store first:
+the others abort their group and exit quietly, rather than wait in a collective until its
+timeout (MEGATRAIN_COLLECTIVE_TIMEOUT_S) and print its traceback.
+
 Not recoverable, stopped with one paragraph (`GpuOutOfMemory`) naming what to change: a step
 whose updates had begun on any rank (optimizer.max_grad_norm 0 updates each layer as its
 gradient lands), and a plan that cannot get smaller.
@@ -145,12 +149,14 @@ def _tier_to_host(builder: PlanBuilder, store: HostStore | None, change: StepDow
             block.to_host(pin=builder.pin_memory)
 
 
+_FAILED = "megatrain/failed"  # a rank's error that ends the job (the rank's number)
+
+
 class RankFailures:
     """Out-of-memory steps under several ranks: one rank's failure reaches every rank, and all
     step down together (the module docstring has the protocol)."""
 
     POLL_S = 0.05  # how often the watcher looks at the store while a step runs
-    GRACE_S = 10.0  # how long a rank whose collective failed looks for another's announcement
 
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
@@ -182,7 +188,7 @@ class RankFailures:
                 continue
             generation = self.generation
             try:
-                announced = self.store.check([self._key(generation)])
+                announced = self.store.check([self._key(generation)]) or self.store.check([_FAILED])
             except Exception:  # the store is gone: the job is ending
                 return
             if announced:
@@ -196,25 +202,28 @@ class RankFailures:
                 abort()
 
     def check(self) -> None:
-        """Raise if another rank announced an out-of-memory step: the engine's
+        """Raise if another rank announced an out-of-memory step or an error: the engine's
         `before_updates`, so no update of a step that another rank failed is applied (on
         CUDA this rank's collectives, aborted, end without an error)."""
-        if self.store.check([self._key()]):
-            raise RuntimeError("another rank ran out of GPU memory in this step")
+        if self.store.check([self._key()]) or self.failed_elsewhere():
+            raise RuntimeError("another rank's step failed")
 
     def joins(self, error: BaseException) -> bool:
         """Whether `error` is part of an out-of-memory step: this rank's own, or what another
-        rank's announcement (and the aborted group) made of this rank's step."""
-        if is_out_of_memory(error):
-            return True
-        if not isinstance(error, Exception):
-            return False
-        deadline = time.monotonic() + self.GRACE_S
-        while not self.store.check([self._key()]):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(self.POLL_S)
-        return True
+        rank's announcement (and the aborted group) made of this rank's step. A rank announces
+        before it aborts its group, so a consequence here always finds the announcement."""
+        return is_out_of_memory(error) or self.store.check([self._key()])
+
+    def failed_elsewhere(self) -> bool:
+        """Whether another rank stopped with an error of its own (it reports it)."""
+        return self.store.check([_FAILED])
+
+    def announce_failure(self) -> None:
+        """This rank stops with an error that is not an out-of-memory step: the others, told
+        through the store, abort their group and exit quietly instead of waiting inside a
+        collective until its timeout."""
+        self.store.set(_FAILED, str(self.placement.rank))
+        self._abort(self.generation)
 
     def step_down(
         self,
@@ -313,12 +322,17 @@ def _recover(
 ) -> StepDown:
     """The step-down after `error` (re-raised when it is not part of an out-of-memory step)."""
     builder = recipe.builder
-    if failures is not None and failures.joins(error):
+    if failures is None:
+        if is_out_of_memory(error):
+            return step_down(error, step=step, builder=builder, engine=engine, store=recipe.store)
+        raise error
+    if failures.joins(error):
         return failures.step_down(
             error, step=step, builder=builder, engine=engine, store=recipe.store
         )
-    if failures is None and is_out_of_memory(error):
-        return step_down(error, step=step, builder=builder, engine=engine, store=recipe.store)
+    if failures.failed_elsewhere():
+        raise SystemExit(1) from None  # the rank whose error it was says what happened
+    failures.announce_failure()
     raise error
 
 
