@@ -116,9 +116,10 @@ def describe(layer: nn.Module) -> str | None:
 
 
 def kernel_report(structure: ModelStructure) -> list[str]:
-    """`describe` of each layer group's first layer, where there is something to say."""
+    """`describe` of each layer group's first layer, where there is something to say; each
+    line once (a hybrid's groups share one layer class, whose module-level kernels both find)."""
     lines = (describe(structure.layers[g.layer_indices[0]]) for g in structure.groups)
-    return [line for line in lines if line]
+    return list(dict.fromkeys(line for line in lines if line))
 
 
 class _Elementwise(torch.autograd.Function):
