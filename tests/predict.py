@@ -5,15 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from transformers import PretrainedConfig
 
+from megatrain.config.shorthand import shorthand_config
+from megatrain.distributed import Placement
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.head import default_chunk_tokens
 from megatrain.engine.plan import EnginePlan
 from megatrain.engine.tiling import TilePolicy, untiled_layers
 from megatrain.planning.batch_size import pick_micro_batch
+from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.estimate import Estimate, estimate, model_spec
 from megatrain.planning.hardware import Hardware
+from megatrain.planning.plan import ResourcePlan
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
 from megatrain.planning.setup import Setup
 from megatrain.planning.spec import ModelSpec
@@ -117,3 +122,28 @@ def ranks_estimate(spec: ModelSpec, ranks: Ranks, hardware: Hardware, tier: int 
         gpu_state_blocks=tier,
         ranks=ranks,
     )
+
+
+def cli_row_plan(
+    shape: dict[str, Any], hardware: Hardware, device: str = "cuda", **settings: Any
+) -> ResourcePlan:
+    """The plan of a bench/cli_train.py row (`megatrain train` on a random-init `shape`:
+    pre-training rows of 2048, micro-batch 4, 32 rows a step, clipping 1.0) with `settings`
+    (dotted keys) over those defaults, on `hardware`: how the H100 runs of
+    docs/performance.md are reconstructed without a GPU."""
+    values: dict[str, Any] = {
+        "model.model_type": shape["model_type"],
+        "model.random_init": True,
+        "data.stage": "pt",
+        "data.cutoff_len": 2048,
+        "training.seq_len": 2048,
+        "training.micro_batch_size": 4,
+        "training.gradient_accumulation_steps": 8,
+        "optimizer.max_grad_norm": 1.0,
+        **{f"model.config_overrides.{k}": v for k, v in shape.items() if k != "model_type"},
+        **settings,
+    }
+    values["data.cutoff_len"] = values["training.seq_len"]
+    cfg = shorthand_config(None, values=values)
+    placement = Placement(torch.device(device))
+    return PlanBuilder(cfg, hardware=hardware, placement=placement).plan(layout="full")

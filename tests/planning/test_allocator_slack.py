@@ -12,16 +12,15 @@ import pytest
 import torch
 
 from megatrain.config import load_config
-from megatrain.config.shorthand import shorthand_config
 from megatrain.distributed import Placement
 from megatrain.planning.allocator_slack import SLACK_ITEM, allocator_slack
-from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.estimate import GpuMemory, model_spec
 from megatrain.planning.hardware import GIB, Hardware
 from megatrain.planning.plan import RunShape, plan_resources
 from megatrain.planning.setup import VisionLoad
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.plan import grpo_plan, rollout_reserve
+from predict import cli_row_plan
 from shapes import (
     LLAMA31_8B,
     QWEN3_30B_A3B_12,
@@ -37,24 +36,8 @@ CUDA = Placement(torch.device("cuda"))
 
 
 def _train(shape: dict[str, Any], device: str = "cuda", **settings: Any) -> GpuMemory:
-    """`megatrain train` of bench/cli_train.py (pre-training rows of 2048, micro-batch 4, 32
-    rows a step, clipping 1.0) with `settings` (dotted keys) over those defaults."""
-    values: dict[str, Any] = {
-        "model.model_type": shape["model_type"],
-        "model.random_init": True,
-        "data.stage": "pt",
-        "data.cutoff_len": 2048,
-        "training.seq_len": 2048,
-        "training.micro_batch_size": 4,
-        "training.gradient_accumulation_steps": 8,
-        "optimizer.max_grad_norm": 1.0,
-        **{f"model.config_overrides.{k}": v for k, v in shape.items() if k != "model_type"},
-        **settings,
-    }
-    values["data.cutoff_len"] = values["training.seq_len"]
-    cfg = shorthand_config(None, values=values)
-    placement = Placement(torch.device(device))
-    return PlanBuilder(cfg, hardware=H100, placement=placement).plan(layout="full").estimate.gpu
+    """`megatrain train` of bench/cli_train.py with `settings` over its defaults."""
+    return cli_row_plan(shape, H100, device, **settings).estimate.gpu
 
 
 def _grpo() -> GpuMemory:

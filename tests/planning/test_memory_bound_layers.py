@@ -9,13 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
-from megatrain.config.shorthand import shorthand_config
-from megatrain.distributed import Placement
-from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.estimate import COMPILED_LINEAR_ATTENTION_PEAK
 from megatrain.planning.hardware import Hardware
+from predict import cli_row_plan
 from shapes import LLAMA31_8B, QWEN3_30B_A3B_12, QWEN35_27B_16
 
 H100 = Hardware().with_overrides(gpu_gib=79.2, host_gib=125)
@@ -28,22 +25,7 @@ LLAMA31_8B_RUN = dict(  # the 8B rows' rope scaling (it changes no FLOPs, kept f
 
 
 def _plan(shape: dict[str, object], compiled: bool) -> Any:
-    overrides = {k: v for k, v in shape.items() if k != "model_type"}
-    values = {
-        "model.model_type": shape["model_type"],
-        "model.random_init": True,
-        "data.stage": "pt",
-        "data.cutoff_len": 2048,
-        "training.seq_len": 2048,
-        "training.micro_batch_size": 4,
-        "training.gradient_accumulation_steps": 8,
-        "optimizer.max_grad_norm": 1.0,
-        "training.compile_layers": compiled,
-        **{f"model.config_overrides.{k}": v for k, v in overrides.items()},
-    }
-    cfg = shorthand_config(None, values=values)
-    builder = PlanBuilder(cfg, hardware=H100, placement=Placement(torch.device("cuda")))
-    return builder.plan(layout="full")
+    return cli_row_plan(shape, H100, **{"training.compile_layers": compiled})
 
 
 @pytest.mark.parametrize(
