@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -116,7 +117,8 @@ def init_process_group(env: RankEnv, device: torch.device) -> None:
 def job_store() -> dist.Store:
     """The job's key-value store (torchrun's rendezvous): it outlives an aborted process group,
     so ranks can still tell each other what happened."""
-    assert _JOB_STORE, "init the process group first"
+    if not _JOB_STORE:  # a process group made elsewhere (tests): its store
+        _JOB_STORE.append(dist.distributed_c10d._get_default_store())
     return _JOB_STORE[0]
 
 
@@ -207,11 +209,37 @@ def rank_sums(values: list[float]) -> list[float]:
     return t.tolist()  # sync point
 
 
+_TURN_POLL_S = 0.5
+_turn_rounds = [0]  # node_turns calls so far: the same on every rank, so the store keys match
+
+
+def _waiting_together(fn: Callable[[], None] | None, key: str) -> None:
+    """`_together` without a collective: the ranks meet in the job's store, so ranks that wait
+    for a long `fn` elsewhere (a turn of loading a large model) wait without the collective
+    timeout. A rank that died ends the job through torchrun, which stops the others."""
+    store = job_store()
+    failed: BaseException | None = None
+    if fn is not None:
+        try:
+            fn()
+        except BaseException as e:  # re-raised below, after the others know
+            failed = e
+            store.set(f"{key}/failed", str(dist.get_rank()))
+    store.add(f"{key}/done", 1)
+    while store.add(f"{key}/done", 0) < dist.get_world_size():
+        time.sleep(_TURN_POLL_S)
+    if failed is not None:
+        raise failed
+    if store.check([f"{key}/failed"]):
+        raise SystemExit(1)
+
+
 def node_turns(build: Callable[[], T], placement: Placement, *, at_once: int) -> T:
     """`build()` on every rank, `at_once` of each node's ranks at a time (local ranks 0 to
     at_once - 1 first, and so on), each of them with its share of the node's cores: one at a
     time with all of them, or all at once. A failure on any rank stops every rank at the end
-    of that turn (its error raised where it happened)."""
+    of that turn (its error raised where it happened). The ranks meet between turns in the
+    job's store, not in a collective: a turn may take longer than the collective timeout."""
     result: list[T] = []
     cores, before = os.cpu_count() or 1, torch.get_num_threads()
     local = placement.local_world_size
@@ -220,11 +248,13 @@ def node_turns(build: Callable[[], T], placement: Placement, *, at_once: int) ->
     def run() -> None:
         result.append(build())
 
+    _turn_rounds[0] += 1
     try:
         # torchrun sets OMP_NUM_THREADS=1: init is CPU work
         torch.set_num_threads(max(1, cores // at_once))
         for turn in range(-(-local // at_once)):
-            _together(run if placement.local_rank // at_once == turn else None)
+            key = f"megatrain/turns/{_turn_rounds[0]}/{turn}"
+            _waiting_together(run if placement.local_rank // at_once == turn else None, key)
     finally:
         torch.set_num_threads(before)
     return result[0]
