@@ -29,6 +29,10 @@ class GRPOConfig:
     """Prompt tokens kept after the chat template (the last ones: left truncation); None: all."""
     max_completion_length: int = 256
     """Most tokens generated per completion (the end-of-sequence token counts)."""
+    min_completion_length: int = 0
+    """End-of-sequence held back until a completion has this many tokens (transformers'
+    min_new_tokens, vLLM's min_tokens); 0: none. max_completion_length generates every
+    completion at full length (a fixed cost per step: benchmarks)."""
     temperature: float = 1.0
     """Sampling temperature; the log-probs of the loss use the same temperature, as TRL does."""
     top_p: float = 1.0
@@ -80,6 +84,13 @@ class GRPOConfig:
         check_int("grpo.prompts_per_step", self.prompts_per_step, minimum=1)
         check_int("grpo.max_prompt_length", self.max_prompt_length, minimum=1, optional=True)
         check_int("grpo.max_completion_length", self.max_completion_length, minimum=1)
+        check_int("grpo.min_completion_length", self.min_completion_length, minimum=0)
+        if self.min_completion_length > self.max_completion_length:
+            raise ValueError(
+                f"grpo.min_completion_length={self.min_completion_length} is above "
+                f"grpo.max_completion_length={self.max_completion_length}: completions cannot "
+                "be longer than the maximum; lower it (0: no minimum)"
+            )
         check_number("grpo.temperature", self.temperature, low=0.0, low_open=True)
         check_number("grpo.top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         check_number("grpo.beta", self.beta, low=0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,3 +133,31 @@ def test_save_final_false_writes_no_final_checkpoint(tmp_path: Path) -> None:
     flags = ["--checkpoint.save_final", "false", "--checkpoint.save_every", "100"]
     _run(tmp_path / "run", reward, *flags, "--training.max_steps", "2")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_min_completion_length_reaches_the_rollouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grpo.min_completion_length is what each rollout holds the end token back for (the
+    samplers' own tests check the holding: tests/recipes/grpo/test_grpo_decode.py)."""
+    import megatrain.recipes.grpo.recipe as recipe
+
+    asked: list[int] = []
+    real = recipe.generate
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs["min_new_tokens"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "generate", generate)
+    reward = _reward_file(tmp_path)
+    records = _run(
+        tmp_path / "run", reward, "--grpo.min_completion_length", "5", "--training.max_steps", "2"
+    )
+    assert asked == [5, 5]
+    assert [r["completion_length"] for r in records if r["kind"] == "train"] == [5.0, 5.0]
+
+
+def test_min_completion_length_above_the_maximum_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"grpo.min_completion_length=6 is above"):
+        load_config(DEMO, [*TINY, "--grpo.min_completion_length", "6"])

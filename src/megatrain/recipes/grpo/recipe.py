@@ -144,7 +144,7 @@ class GRPOTrainer(Recipe):
         self.reference = b.reference(self.store) if self.cfg.grpo.beta > 0 else None
         self.pad_id = pad_token_id_of(self.tokenizer)
         self.eos_ids = [self.tokenizer.eos_token_id]
-        self.min_completion_tokens = 0  # bench/grpo_shape.py: max_completion_length (full length)
+        self.min_completion_tokens = self.cfg.grpo.min_completion_length
         self.decode = decode_mode(b)[0]  # how resident rollouts decode (recipes/grpo/decode.py)
 
     def count_steps(self) -> int:

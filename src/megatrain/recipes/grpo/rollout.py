@@ -135,8 +135,8 @@ def generate(
 ) -> Rollout:
     """Completions of `prompts` (one per row; repeat a prompt for several), left-padded batch.
 
-    `min_new_tokens`: end-of-sequence suppressed before that many tokens (benchmarks set it to
-    `max_new_tokens` to generate every completion at full length).
+    `min_new_tokens`: end-of-sequence suppressed before that many tokens
+    (grpo.min_completion_length; `max_new_tokens` generates every completion at full length).
     """
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id)
