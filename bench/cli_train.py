@@ -11,6 +11,14 @@ more, data.stage dpo, the dpo section's defaults (sigmoid, reference precomputed
 train --sft-of-pairs`: the same pairs as SFT rows (two a pair, padded, one sample per row), so
 its step trains on the same rows' tokens as a DPO step on `--rows/2` pairs.
 
+`--command grpo`: the grpo keys as overrides; with `--prompt-tokens P`, generated prompts of
+exactly P tokens (longer ones, left-truncated by grpo.max_prompt_length), completions of --seq
+minus P tokens all at full length (grpo.min_completion_length), a random reward
+(bench/grpo_rewards.py) so the advantages are not zero. The RESULT adds the rollout's figures
+(time/generation_s, decode_step_ms, the GPU peak per phase, decoding tokens/s) beside the
+run's printed rollout estimate, and `op_us_fit`: the time per op that would have predicted the
+measured decoding step (planning/rollout.py DECODE_OP_S).
+
 `--images SHARE` (train): a Qwen2.5-VL preset (bench/vlm_data.py) on generated image rows in
 LLaMA-Factory's mllm format, packed sft, one sample of `--seq` tokens a row with about SHARE of
 them image tokens (`--image-side` pixels, 448: 256 tokens an image); `--images 0`: the same rows
@@ -57,6 +65,11 @@ DEMO_TEXT = ROOT / "src" / "megatrain" / "assets" / "demo" / "demo_text.txt"
 PREDICTED = re.compile(
     r"resources: host ([\d.]+) GiB, GPU peak ([\d.]+) GiB, step ([\d.]+) s \(predicted\)"
 )
+# megatrain grpo's rollout estimate (recipes/grpo/plan.py format_rollout)
+PREDICTED_GRPO = re.compile(r"GRPO step: rollout ([\d.]+) s \+ training ([\d.]+) s")
+PREDICTED_DECODE = re.compile(
+    r"decoding steps x ([\d.]+) ms(?: \(reads ([\d.]+) ms \+ (\d+) ops x ([\d.]+) us\))?"
+)
 
 
 def corpus(path: Path, chars: int) -> Path:
@@ -91,11 +104,25 @@ def vlm_data(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     return {"stage": "sft", "packing": True, **section, **limits, "cutoff_len": a.seq}
 
 
+def grpo_prompts(path: Path, count: int) -> Path:
+    """GRPO prompts longer than any --prompt-tokens (4096 letters): grpo.max_prompt_length keeps
+    exactly their last tokens."""
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(count):
+            text = "Count the letters.\n" + " ".join(rng.choice("abcdefgh") for _ in range(4096))
+            f.write(json.dumps({"prompt": text}) + "\n")
+    return path
+
+
 def data_section(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The config's `data`: the pt corpus, or the pairs (dpo) or their rows (--sft-of-pairs),
-    or the image rows (--images)."""
+    or the image rows (--images), or long prompts (grpo --prompt-tokens)."""
     if a.images is not None:
         return vlm_data(a, out)
+    if a.command == "grpo" and a.prompt_tokens:
+        count = a.rows * a.nproc * (a.steps + 2)  # rows >= prompts per step
+        return {"dataset": str(grpo_prompts(out / "prompts.jsonl", count)), "cutoff_len": a.seq}
     if a.command != "dpo" and not a.sft_of_pairs:
         text = corpus(out.parent / "corpus.txt", max(4 * a.seq, 4_000_000))
         return {"stage": "pt", "dataset": str(text), "cutoff_len": a.seq}
@@ -136,6 +163,14 @@ def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
         "logging": {"progress_bar": False, "log_every": 1, "report_to": "none"},
         "checkpoint": {"save_every": 10 * a.steps, "save_final": False, "export_hf": False},
     }
+    if a.command == "grpo" and a.prompt_tokens:
+        cfg["grpo"] = {
+            "max_prompt_length": a.prompt_tokens,
+            "max_completion_length": a.seq - a.prompt_tokens,
+            # every completion at full length: a fixed cost per step
+            "min_completion_length": a.seq - a.prompt_tokens,
+            "reward_funcs": [f"{ROOT / 'bench' / 'grpo_rewards.py'}:random_reward"],
+        }
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     (out / "overrides.txt").write_text(" ".join(overrides))
@@ -188,6 +223,15 @@ def summarize(
             "ref_s": ref["seconds"],
             "ref_tokens_per_s": round(ref["tokens_per_s"]),
         }
+    for key in ("generation_tokens_per_s", "completion_length"):  # grpo
+        values = [r[key] for r in steady if key in r]
+        if values:
+            summary[key] = round(statistics.median(values), 1)
+    for key in ("gpu_peak_gib/rollout", "gpu_peak_gib/train"):
+        values = [r[key] for r in train if key in r]
+        if values:
+            summary[key.replace("/", "_")] = max(values)
+    summary |= _grpo_prediction(log_text, summary.get("time", {}).get("decode_step_ms"))
     downs = [r for r in records if r["kind"] == "plan_step_down"]
     if downs:
         summary["step_downs"] = downs
@@ -201,6 +245,22 @@ def summarize(
     if rc:
         summary["error"] = log_text.strip().splitlines()[-1][-300:] if log_text.strip() else ""
     return summary
+
+
+def _grpo_prediction(log_text: str, decode_ms: float | None) -> dict[str, Any]:
+    """megatrain grpo's printed rollout estimate; with a measured decoding step, the time per
+    op that would have predicted it (planning/rollout.py DECODE_OP_S, graph replays only)."""
+    found: dict[str, Any] = {}
+    step = PREDICTED_GRPO.search(log_text)
+    if step:
+        found |= {"pred_rollout_s": float(step.group(1)), "pred_train_s": float(step.group(2))}
+    decode = PREDICTED_DECODE.search(log_text)
+    if decode:
+        found["pred_decode_step_ms"] = float(decode.group(1))
+        if decode.group(2) and decode_ms:
+            reads_ms, ops = float(decode.group(2)), int(decode.group(3))
+            found["op_us_fit"] = round(1e3 * (decode_ms - reads_ms) / ops, 3)
+    return found
 
 
 def main() -> None:
@@ -219,7 +279,15 @@ def main() -> None:
         "--command",
         choices=["train", "grpo", "dpo"],
         default="train",
-        help="grpo: give the prompts and the grpo keys as overrides; dpo: preference pairs",
+        help="grpo: the grpo keys as overrides (and the prompts, or --prompt-tokens); dpo: "
+        "preference pairs",
+    )
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="grpo: prompts of exactly this many tokens, completions of --seq minus them, every "
+        "one at full length (grpo.min_completion_length), a random reward",
     )
     ap.add_argument(
         "--images",
@@ -268,6 +336,8 @@ def main() -> None:
     wall_s = time.monotonic() - start
     summary = summarize(a.name, out, rc, logfile.read_text(), a.warmup, wall_s)
     data = "pairs as sft rows" if a.sft_of_pairs else "pairs" if a.command == "dpo" else "corpus"
+    if a.command == "grpo":
+        data = "long prompts" if a.prompt_tokens else "prompts (overrides)"
     if a.images is not None:
         data = "image rows" if a.images else "image rows as text"
         # metrics.jsonl counts no images: from the data, one sample a packed row (vlm_data.py)

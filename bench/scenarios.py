@@ -32,8 +32,12 @@ def _torchrun(*argv: str) -> tuple[str, ...]:
     return ("env", "OMP_NUM_THREADS=$THREADS", *torchrun, *argv)
 
 
-def _grpo(*flags: str) -> tuple[str, ...]:
-    return (PY, "bench/grpo_shape.py", "--preset", "qwen2.5-7b", *flags)
+def _grpo(name: str, *flags: str) -> tuple[str, ...]:
+    """`megatrain grpo` on the Qwen2.5-7B shape (bench/cli_train.py): 8 prompts of 512 tokens a
+    step, completions of 1024 at full length (grpo.min_completion_length), a random reward;
+    `flags`: cli_train's, then `--` and config overrides."""
+    shape = ("--command", "grpo", "--preset", "qwen2.5-7b", "--prompt-tokens", "512")
+    return _cli(name, *shape, "--seq", "1536", "--warmup", "1", *flags)
 
 
 def _cli(name: str, *flags: str) -> tuple[str, ...]:
@@ -98,6 +102,16 @@ _GRPO_8X8 = (
     "--grpo.max_prompt_length", "96", "--grpo.max_completion_length", "1024",
     "--grpo.reward_funcs", "[exact_answer]", "--grpo.compile_decode", "graphs",
 )  # fmt: skip
+
+
+def _grpo_prompts(generations: int) -> tuple[str, ...]:
+    """8 prompts a step, `generations` completions each, the seed's learning rate."""
+    return (
+        *("--grpo.prompts_per_step", "8", "--grpo.num_generations", str(generations)),
+        *("--optimizer.learning_rate", "1e-6"),
+    )
+
+
 # issue 25: 16 pairs (32 rows of ~2040 tokens, 64k tokens) per step, 2 pairs per micro-batch, 8
 # steps: the pairs as SFT rows (megatrain train), then megatrain dpo (sigmoid, the reference
 # precomputed: one forward-only pass over the 132 pairs before step 1); --timeout: each run's
@@ -557,17 +571,31 @@ SCENARIOS: dict[str, Scenario] = {
         "generations per prompt (2 steps), 512 + 1024 tokens; generation vs training time, "
         "GPU peak per phase, host RSS, the estimate beside",
         (
-            _grpo("--generations", "2"),
-            _grpo("--generations", "8", "--micro", "8", "--steps", "2"),
+            _grpo(
+                "grpo7b_2",
+                *("--rows", "16", "--micro", "4", "--steps", "3", "--"),
+                *_grpo_prompts(2),
+            ),
+            _grpo(
+                "grpo7b_8",
+                *("--rows", "64", "--micro", "8", "--steps", "2", "--"),
+                *_grpo_prompts(8),
+            ),
         ),
         timeout_s=300,
     ),
     "grpo_decode": Scenario(
         "GRPO rollouts on the Qwen2.5-7B shape, 8 prompts x 2 responses, 512 + 1024 tokens, "
         "grpo.compile_decode graphs (eager kernels in the graph, nothing compiled): ms per "
-        "decoding step against grpo_7b's compiled one, prefill + capture, op_s_fit for "
+        "decoding step against grpo_7b's compiled one, prefill + capture, op_us_fit for "
         "planning/rollout.py's DECODE_OP_S",
-        (_grpo("--generations", "2", "--steps", "3", "--grpo.compile_decode", "graphs"),),
+        (
+            _grpo(
+                "grpo7b_graphs",
+                *("--rows", "16", "--micro", "4", "--steps", "3", "--"),
+                *(*_grpo_prompts(2), "--grpo.compile_decode", "graphs"),
+            ),
+        ),
         timeout_s=400,
     ),
     "estimate_check": Scenario(

@@ -38,8 +38,8 @@ from megatrain.planning.spec import ModelSpec
 SAMPLER_OPS = 40  # aten ops of one generate() step outside the model: logits warpers, sampling
 # GPU time per aten op of a decoding step replayed as a CUDA graph (one token per sequence),
 # beside the weight and KV reads, by decode mode: placeholders of a few microseconds (fused
-# kernels cover several ops), TO BE FITTED from H100 runs of bench/grpo_shape.py (its RESULT
-# line's op_s_fit, with grpo.compile_decode graphs and true).
+# kernels cover several ops), fitted to H100 runs (docs/performance.md run 21: 2.0-2.2 us and
+# 1.1 us); bench/cli_train.py's GRPO RESULT prints op_us_fit, the value that fits its run.
 DECODE_OP_S = {"graphs": 2.0e-6, "compiled": 1.0e-6}
 DECODE_MODES = ("generate", *DECODE_OP_S)  # generate: transformers' eager generate
 

@@ -25,7 +25,7 @@ from typing import Any
 from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.plan import ResourcePlan
-from megatrain.planning.rollout import RolloutEstimate, rollout_estimate
+from megatrain.planning.rollout import DECODE_OP_S, RolloutEstimate, rollout_estimate
 from megatrain.recipes.grpo.decode import static_decode_problem
 
 
@@ -175,6 +175,11 @@ def format_rollout(plan: GRPOPlan) -> str:
     where = "GPU" if plan.on_gpu else "CPU"
     path = "layers streamed per decoding step" if r.streamed else f"whole model on the {where}"
     decode = "" if r.streamed else f"\n  decoding: {plan.decode_reason}"
+    per_step = ""
+    if r.decode in DECODE_OP_S:  # a graph replay: the reads, then each op at DECODE_OP_S
+        op_s = DECODE_OP_S[r.decode]
+        reads_ms = 1e3 * (r.decode_token_s - r.decode_ops * op_s)
+        per_step = f" (reads {reads_ms:.2f} ms + {r.decode_ops} ops x {1e6 * op_s:.1f} us)"
     lines = [
         f"GRPO rollout phase ({path}: {plan.reason}){decode}",
         f"  {r.sequences} sequences x ({r.prompt_tokens} prompt + {r.completion_tokens} "
@@ -183,7 +188,7 @@ def format_rollout(plan: GRPOPlan) -> str:
         f"  {'rollout GPU peak (freed before training)':<44}{gib(r.gpu_peak_bytes):>14}",
         f"  weight copy {r.weight_copy_s:.2f} s + prefill {r.prefill_s:.2f} s + "
         + (f"graph capture {r.capture_s:.2f} s + " if r.capture_s else "")
-        + f"{r.completion_tokens} decoding steps x {1e3 * r.decode_token_s:.1f} ms = "
+        + f"{r.completion_tokens} decoding steps x {1e3 * r.decode_token_s:.1f} ms{per_step} = "
         f"{r.rollout_s:.1f} s ({r.tokens_per_s:,.0f} tokens/s)",
         f"GRPO step: rollout {r.rollout_s:.1f} s + training "
         f"{plan.training.estimate.time.step_s:.1f} s = {plan.step_s:.1f} s",
