@@ -235,12 +235,12 @@ class RankFailures:
         store: HostStore | None = None,
     ) -> StepDown:
         """`step_down` on every rank at once, after `joins(error)`: announce (this rank's own
-        out of memory), abort, undo this rank's part, join a new group, agree, step down."""
+        out of memory: the step), abort, undo this rank's part, join a new group, agree on the
+        largest shortfall, step down."""
         own = is_out_of_memory(error)
         failed = self._key()
         shortfall = shortfall_bytes(error, builder.device) if own else 0
         if own:
-            self.store.set(f"{failed}/rank{self.placement.rank}", str(shortfall))
             self.store.set(failed, str(step))
         self._abort(self.generation)
         begun = engine is not None and engine.updates_begun
@@ -250,10 +250,11 @@ class RankFailures:
             self.generation += 1
         rejoin(self.placement, self.generation)
         announced = int(self.store.get(failed))
-        ranks = f"on rank {self.placement.rank}" if own else "on another rank"
-        where = f"step {announced} ran out of GPU memory {ranks}"
-        if own:
-            where = f"{_where(error, announced)} on rank {self.placement.rank}"
+        where = (
+            f"{_where(error, announced)} on rank {self.placement.rank}"
+            if own
+            else f"step {announced} ran out of GPU memory on another rank"
+        )
         # the same answers on every rank, from the new group
         if rank_max(int(begun or announced != step)):
             if own:
