@@ -171,13 +171,19 @@ def on_every_rank(fn: Callable[[], None]) -> None:
     _together(fn)
 
 
-def _together(fn: Callable[[], None] | None) -> None:
-    failed: BaseException | None = None
+def _failure_of(fn: Callable[[], None] | None) -> BaseException | None:
+    """What `fn()` raised (None: nothing, or no `fn`): re-raised by the caller once the other
+    ranks know."""
     if fn is not None:
         try:
             fn()
-        except BaseException as e:  # re-raised below, after the others know
-            failed = e
+        except BaseException as e:
+            return e
+    return None
+
+
+def _together(fn: Callable[[], None] | None) -> None:
+    failed = _failure_of(fn)
     flag = torch.tensor([1 if failed is not None else 0], dtype=torch.int64, device=_device())
     dist.all_reduce(flag)
     if failed is not None:
@@ -218,13 +224,9 @@ def _waiting_together(fn: Callable[[], None] | None, key: str) -> None:
     for a long `fn` elsewhere (a turn of loading a large model) wait without the collective
     timeout. A rank that died ends the job through torchrun, which stops the others."""
     store = job_store()
-    failed: BaseException | None = None
-    if fn is not None:
-        try:
-            fn()
-        except BaseException as e:  # re-raised below, after the others know
-            failed = e
-            store.set(f"{key}/failed", str(dist.get_rank()))
+    failed = _failure_of(fn)
+    if failed is not None:
+        store.set(f"{key}/failed", str(dist.get_rank()))
     store.add(f"{key}/done", 1)
     while store.add(f"{key}/done", 0) < dist.get_world_size():
         time.sleep(_TURN_POLL_S)
