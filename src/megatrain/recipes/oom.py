@@ -156,7 +156,7 @@ class RankFailures:
     """Out-of-memory steps under several ranks: one rank's failure reaches every rank, and all
     step down together (the module docstring has the protocol)."""
 
-    POLL_S = 0.05  # how often the watcher looks at the store while a step runs
+    POLL_S = 0.2  # how often the watcher looks at the store while a step runs (2 keys a look)
 
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
