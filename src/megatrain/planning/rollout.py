@@ -10,7 +10,9 @@ GPU, what the rollout holds at its peak (recipes/grpo/rollout.py frees all of it
   streamed, embedding + head + `num_slots` layer slots, (Pe + Ph + slots x Pl) x c;
 - KV cache: 2 x La x Hkv x dh x c x N x (Lp + Lc) (transformers' dynamic cache at full length);
 - sampling: the last position's logits and the sampler's fp32 scores, N x V x (c + 2 x 4);
-- prefill transient: one layer's MLP on the prompts, N x Lp x (2 I + D) x c.
+- prefill transient: one layer's MLP on the prompts, N x Lp x (2 I + D) x c;
+- the allocator's slack on CUDA (planning/allocator_slack.py): the phase's largest transient
+  tensor, one MLP intermediate N x Lp x I x c or the fp32 scores N x V x 4.
 
 Time (seconds, one generation batch):
 - weight copy: resident P x c / h2d once;
@@ -32,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.planning.activations import layer_profile
+from megatrain.planning.allocator_slack import SLACK_ITEM, allocator_slack
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.spec import ModelSpec
 
@@ -97,9 +100,11 @@ def rollout_estimate(
     streamed: bool = False,
     num_slots: int | None = None,
     decode: str = "generate",
+    cuda: bool = True,
 ) -> RolloutEstimate:
     """Predict the rollout phase of one generation batch (see the module docstring);
-    `decode`: one of DECODE_MODES, on CUDA (the CPU runs static decoding without graphs)."""
+    `decode`: one of DECODE_MODES, on CUDA (the CPU runs static decoding without graphs);
+    `cuda`: the allocator's slack counts (planning/allocator_slack.py)."""
     c = spec.compute_dtype.itemsize
     n, lp, lc = sequences, prompt_tokens, completion_tokens
     layer_bytes = sum(la.params for la in spec.layers) * c
@@ -117,6 +122,8 @@ def rollout_estimate(
         "logits + sampler scores": n * spec.vocab_size * (c + 8),
         "prefill transient (one MLP)": n * lp * (2 * width + spec.hidden_size) * c,
     }
+    # the phase's largest transient tensor: one prefill MLP intermediate, or the fp32 scores
+    items[SLACK_ITEM] = allocator_slack(max(n * lp * width * c, n * spec.vocab_size * 4), cuda=cuda)
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     hbm = hw.gpu_hbm_gbps * 1e9
     read_s = weights / hbm  # streamed: the resident embedding and head, the slots' reads

@@ -15,6 +15,7 @@ from megatrain.config import load_config
 from megatrain.distributed import Placement
 from megatrain.planning import Hardware
 from megatrain.planning.activations import layer_profile
+from megatrain.planning.allocator_slack import SLACK_ITEM
 from megatrain.planning.hardware import GIB
 from megatrain.planning.rollout import SAMPLER_OPS, rollout_estimate
 from megatrain.recipes.builder import RunBuilder
@@ -59,7 +60,13 @@ def test_rollout_bytes_and_seconds_follow_their_formulas() -> None:
         "KV cache": N * (LP + LC) * kv_token,
         "logits + sampler scores": N * VOCAB * (c + 8),
         "prefill transient (one MLP)": N * LP * (2 * MLP + HIDDEN) * c,
+        # the largest transient tensor: one MLP intermediate or the fp32 scores
+        SLACK_ITEM: max(N * LP * MLP * c, N * VOCAB * 4),
     }
+    cpu = rollout_estimate(
+        spec, hw, sequences=N, prompt_tokens=LP, completion_tokens=LC, cuda=False
+    )
+    assert cpu.gpu_items[SLACK_ITEM] == 0  # no caching allocator off CUDA
     hbm, rate = hw.gpu_hbm_gbps * 1e9, hw.flops_per_s(torch.bfloat16, HIDDEN)
     ops = sum(f for f, _ in layer_profile(spec, 1, 16, "padded").ops) + SAMPLER_OPS
     decode = (

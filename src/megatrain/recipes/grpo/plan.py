@@ -77,6 +77,7 @@ def rollout_of(builder: PlanBuilder, *, streamed: bool) -> RolloutEstimate:
         streamed=streamed,
         num_slots=cfg.memory.num_slots,
         decode="generate" if streamed or not builder.placement.is_cuda else decode,
+        cuda=builder.placement.is_cuda,
     )
 
 
