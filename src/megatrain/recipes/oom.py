@@ -40,7 +40,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -305,12 +305,7 @@ def recovering_step(
 
 
 def _watching(failures: RankFailures | None) -> Any:
-    return failures.watching() if failures is not None else _nothing()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+    return failures.watching() if failures is not None else nullcontext()
 
 
 def _recover(
