@@ -351,6 +351,42 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=220,
     ),
+    "moe_compiled": Scenario(
+        "issue 24: the compiled rows through megatrain train, beside the Llama-3.1-8B shape "
+        "compiled at 64k (the reference of the machine): the Qwen3-30B-A3B shape cut to 12 "
+        "layers with compile_layers true (8 steps), the Qwen3.5-27B shape cut to 16 layers "
+        "with compile_layers true on torch's kernels (6 steps); a table last",
+        (
+            _cli("dense64k", *_DENSE, "--rows", "32", "--steps", "6", "--timeout", "170"),
+            _cli("moe64k_c", *_MOE, "--timeout", "170", "--", "--training.compile_layers", "true"),
+            _cli(
+                "hybrid64k_c",
+                *_HYBRID,
+                *("--steps", "6", "--timeout", "230"),
+                *("--", "--training.compile_layers", "true"),
+            ),
+            (PY, "bench/cli_table.py", "--names", "dense64k,moe64k_c,hybrid64k_c"),
+        ),
+        timeout_s=590,
+    ),
+    "hybrid_fla": Scenario(
+        "issue 24: the Qwen3.5-27B shape cut to 16 layers at 64k with flash-linear-attention "
+        "installed (Triton >= 3.7.1 and fla in the runner's site folder: "
+        "bench/triton_parts.sh), defaults (auto: hybrid layers eager) and compile_layers "
+        "true, 6 steps each; then the qwen3_5_text bf16 verify with fla's kernels",
+        (
+            _cli("hybrid64k_fla", *_HYBRID, "--steps", "6", "--timeout", "200"),
+            _cli(
+                "hybrid64k_fla_c",
+                *_HYBRID,
+                *("--steps", "6", "--timeout", "230"),
+                *("--", "--training.compile_layers", "true"),
+            ),
+            _verify("--model-type", "qwen3_5_text", "--tiny", "--dtype", "bf16", "--packed"),
+            (PY, "bench/cli_table.py", "--names", "hybrid64k_fla,hybrid64k_fla_c"),
+        ),
+        timeout_s=590,
+    ),
     "train_shape": Scenario(
         "megatrain train on a preset shape (Qwen2.5-3B, 8k tokens/step, 5 steps after 2 to "
         "warm up): step time, time per phase, memory, the prediction beside",
