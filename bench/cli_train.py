@@ -232,7 +232,7 @@ def summarize(
         if values:
             summary[key.replace("/", "_")] = max(values)
     summary |= _grpo_prediction(log_text, summary.get("time", {}).get("decode_step_ms"))
-    downs = [r for r in records if r["kind"] == "plan_step_down"]
+    downs = [r for r in records if r["kind"] in ("plan_step_down", "oom_retry")]
     if downs:
         summary["step_downs"] = downs
     found = PREDICTED.search(log_text)

@@ -1,7 +1,8 @@
 """torchrun entry of tests/distributed/test_distributed_ranks.py: `python -m megatrain ARGS`
 with one error planted on rank 1, in step 2's backward of decoder layer 1 (the last layers'
 gradients already reduce-scattered and shipped; rank 0 waits for rank 1 in layer 1's
-reduce-scatter): out of GPU memory, or with PLANT=error a ValueError of that rank's own."""
+reduce-scatter): out of GPU memory, with PLANT=triton a kernel launch's out-of-memory error
+(outside PyTorch's allocator), or with PLANT=error a ValueError of that rank's own."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def plant(step: int, layer: int) -> None:
             seen["raised"] = True
             if os.environ.get("PLANT") == "error":
                 raise ValueError("planted: a bad value on rank 1")
+            if os.environ.get("PLANT") == "triton":
+                raise RuntimeError("Triton Error [CUDA]: out of memory")
             raise torch.OutOfMemoryError(OOM)
         return real(self, i, *args, **kwargs)
 

@@ -136,6 +136,38 @@ def test_two_ranks_match_one_process(runs: tuple[Path, Path, list[float]]) -> No
     assert moved < WEIGHT_ATOL
 
 
+def _oom_run(tmp_path: Path, plant: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The 2-rank run planned with 2 GPU-tier blocks, an out-of-memory error planted on rank 1
+    in step 2 (tests/distributed/oom_rank.py; `plant`: its PLANT)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        str(REPO / "tests" / "distributed" / "oom_rank.py"), "train", "--config", str(DEMO),
+        "--training.output_dir", str(tmp_path), *COMMON,
+        "--training.gradient_accumulation_steps", "2", "--memory.gpu_state_blocks", "2",
+    ]  # fmt: skip
+    env = _env() if plant is None else dict(_env(), PLANT=plant)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def _same_run(tmp_path: Path, planned: Path) -> None:
+    """`tmp_path`'s run ended as `planned`'s: every step, the same losses and weights within
+    the tier test's tolerances (step 1 ran the tier's AdamW, which differs from the host
+    kernel in the last rounding of each weight)."""
+    train, expected = _records(tmp_path, "train"), _records(planned, "train")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in train], dtype=torch.float64),
+        torch.tensor([r["loss"] for r in expected], dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0.0,
+    )
+    recovered = load_file(str(tmp_path / "hf_model" / "model.safetensors"))
+    for name, ref in load_file(str(planned / "hf_model" / "model.safetensors")).items():
+        torch.testing.assert_close(recovered[name], ref, rtol=0.0, atol=WEIGHT_ATOL)
+
+
 def test_out_of_memory_on_one_rank_steps_every_rank_down(
     runs: tuple[Path, Path, list[float]], tmp_path: Path
 ) -> None:
@@ -146,28 +178,26 @@ def test_out_of_memory_on_one_rank_steps_every_rank_down(
     the same losses and weights within the tier test's tolerances (step 1 ran the tier's AdamW,
     which differs from the host kernel in the last rounding of each weight)."""
     two, _, _ = runs
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-        str(REPO / "tests" / "distributed" / "oom_rank.py"), "train", "--config", str(DEMO),
-        "--training.output_dir", str(tmp_path), *COMMON,
-        "--training.gradient_accumulation_steps", "2", "--memory.gpu_state_blocks", "2",
-    ]  # fmt: skip
-    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = _oom_run(tmp_path)
     (down,) = _records(tmp_path, "plan_step_down")
     assert down["step"] == 2 and down["gpu_state_blocks"] == [2, 0]
     assert run.stderr.count("ran out of GPU memory and is run again") == 1  # rank 0 says it
-    train, planned = _records(tmp_path, "train"), _records(two, "train")
-    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-    torch.testing.assert_close(
-        torch.tensor([r["loss"] for r in train], dtype=torch.float64),
-        torch.tensor([r["loss"] for r in planned], dtype=torch.float64),
-        rtol=LOSS_RTOL,
-        atol=0.0,
-    )
-    recovered = load_file(str(tmp_path / "hf_model" / "model.safetensors"))
-    for name, ref in load_file(str(two / "hf_model" / "model.safetensors")).items():
-        torch.testing.assert_close(recovered[name], ref, rtol=0.0, atol=WEIGHT_ATOL)
+    _same_run(tmp_path, two)
+
+
+def test_a_kernel_launch_out_of_memory_on_one_rank_reruns_the_step_everywhere(
+    runs: tuple[Path, Path, list[float]], tmp_path: Path
+) -> None:
+    """Rank 1's step 2 fails in a kernel launch outside PyTorch's allocator (Triton's out of
+    memory): every rank undoes the step, joins a new group and runs it again on the same plan
+    (2 tier blocks kept), one `oom_retry` record, no step-down; the run ends as planned."""
+    two, _, _ = runs
+    run = _oom_run(tmp_path, plant="triton")
+    (retry,) = _records(tmp_path, "oom_retry")
+    assert retry["step"] == 2
+    assert not _records(tmp_path, "plan_step_down")
+    assert run.stderr.count("ran out of GPU memory and is run again") == 1  # rank 0 says it
+    _same_run(tmp_path, two)
 
 
 def test_an_error_on_one_rank_stops_the_other_without_waiting(tmp_path: Path) -> None:

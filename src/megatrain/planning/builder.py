@@ -41,6 +41,7 @@ class StepDown:
     margin_gib: tuple[float, float]  # memory.gpu_margin_gib planned with, before and after
     peak_bytes: tuple[int, int]  # predicted GPU peak, before and after
     step_s: tuple[float, float]  # predicted step time, before and after
+    event = "plan_step_down"  # the metrics.jsonl record's kind
 
     def describe(self) -> str:
         """One paragraph: what the plan changed, and what it costs."""

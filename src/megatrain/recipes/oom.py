@@ -28,6 +28,12 @@ A rank that stops with any other error during a step says so through the same st
 the others abort their group and exit quietly, rather than wait in a collective until its
 timeout (MEGATRAIN_COLLECTIVE_TIMEOUT_S) and print its traceback.
 
+A kernel package's launch that the driver could not place (Triton loading a kernel's module
+and local memory, first while flash-linear-attention autotunes) asks for memory outside
+PyTorch's allocator, which may hold several GiB cached but unused at that moment: the first
+such failure of a step is undone and the step run again on the same plan once the allocator's
+cache is released (`SamePlan`); only a second one in the same step steps the plan down.
+
 Not recoverable, stopped with one paragraph (`GpuOutOfMemory`) naming what to change: a step
 whose updates had begun on any rank (optimizer.max_grad_norm 0 updates each layer as its
 gradient lands), and a plan that cannot get smaller.
@@ -41,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,6 +91,31 @@ def is_out_of_memory(error: BaseException) -> bool:
     )
 
 
+def outside_allocator(error: BaseException) -> bool:
+    """Whether `error` is an out-of-memory error of the driver, not of PyTorch's allocator (a
+    kernel package's launch): releasing the allocator's cache may be all it needs."""
+    return is_out_of_memory(error) and not isinstance(error, torch.OutOfMemoryError)
+
+
+@dataclass(frozen=True)
+class SamePlan:
+    """A step undone after a launch ran out of memory outside PyTorch's allocator, to run
+    again on the same plan once the allocator's cached blocks are released."""
+
+    error: str  # the error's first line
+    event = "oom_retry"  # the metrics.jsonl record's kind
+
+    def describe(self) -> str:
+        return (
+            f"a kernel launch ran out of GPU memory outside PyTorch's allocator ({self.error}), "
+            "which held memory cached but unused: the cache was released and the step runs on "
+            "the same plan (a second such failure in the step steps the plan down)"
+        )
+
+    def record(self) -> dict[str, Any]:
+        return {"error": self.error}
+
+
 def shortfall_bytes(error: BaseException, device: torch.device) -> int:
     """What the failed allocation asked for (from torch's message; 1 GiB if it does not say),
     plus what the allocator held reserved but unused at the failure."""
@@ -102,15 +134,22 @@ def step_down(
     builder: PlanBuilder,
     engine: StreamingEngine | None = None,
     store: HostStore | None = None,
-) -> StepDown:
+    same_plan_ok: bool = False,
+) -> StepDown | SamePlan:
     """Undo the failed `step` on `engine` (None: building the engine ran out of memory; give
     the `store` then) and step `builder`'s plan down, the store's blocks beyond the smaller
     tier back on the host; the caller builds a new engine from `builder` and reruns the step
-    (from outside its `except` block, so that the failed step's tensors are freed). Raises
-    GpuOutOfMemory when it cannot. One process; several ranks: `RankFailures.step_down`."""
+    (from outside its `except` block, so that the failed step's tensors are freed). With
+    `same_plan_ok`, a launch that failed outside PyTorch's allocator keeps the plan
+    (`SamePlan`). Raises GpuOutOfMemory when it cannot. One process; several ranks:
+    `RankFailures.step_down`."""
     where = _where(error, step)
     if engine is not None and engine.updates_begun:
         raise GpuOutOfMemory(_BEGUN.format(where=where, fix=_FIX)) from error
+    if same_plan_ok and outside_allocator(error):
+        if engine is not None:
+            engine.abandon_step()
+        return SamePlan(_first_line(error))
     change = _smaller_plan(builder, shortfall_bytes(error, builder.device), where, error)
     if engine is not None:
         engine.abandon_step()
@@ -125,9 +164,12 @@ _BEGUN = (
 )
 
 
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+
+
 def _where(error: BaseException, step: int) -> str:
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
-    return f"step {step} ran out of GPU memory ({first_line})"
+    return f"step {step} ran out of GPU memory ({_first_line(error)})"
 
 
 def _smaller_plan(
@@ -233,10 +275,12 @@ class RankFailures:
         builder: PlanBuilder,
         engine: StreamingEngine | None = None,
         store: HostStore | None = None,
-    ) -> StepDown:
+        same_plan_ok: bool = False,
+    ) -> StepDown | SamePlan:
         """`step_down` on every rank at once, after `joins(error)`: announce (this rank's own
         out of memory: the step), abort, undo this rank's part, join a new group, agree on the
-        largest shortfall, step down."""
+        largest shortfall, step down; or keep the plan (`SamePlan`) where every rank that ran
+        out of memory did so outside PyTorch's allocator and `same_plan_ok`."""
         own = is_out_of_memory(error)
         failed = self._key()
         shortfall = shortfall_bytes(error, builder.device) if own else 0
@@ -260,6 +304,9 @@ class RankFailures:
             if own:
                 raise GpuOutOfMemory(_BEGUN.format(where=where, fix=_FIX)) from error
             raise SystemExit(1)  # the rank that ran out of memory says why
+        # a rank whose own failure was the allocator's (or a repeat) rules the plan smaller
+        if not rank_max(int(own and not (same_plan_ok and outside_allocator(error)))):
+            return SamePlan(_first_line(error) if own else "on another rank")
         shortfall = rank_max(shortfall)
         try:
             change = _smaller_plan(builder, shortfall, where, error if own else None)
@@ -281,13 +328,15 @@ def recovering_step(
     the plan stepped down, the engine rebuilt from `recipe.builder` (recipes/base.py; its
     `structure` and `store`) and the step run again; the recipe's `engine` and `cfg` are
     replaced. Each change is reported once: a paragraph on the console and a
-    `plan_step_down` record in `metrics` (MetricsLogger)."""
+    `plan_step_down` record in `metrics` (MetricsLogger); a launch that ran out of memory
+    outside PyTorch's allocator first reruns the step on the same plan (`oom_retry`)."""
 
-    def report(change: StepDown) -> None:
+    def report(change: StepDown | SamePlan) -> None:
         message = f"step {step} ran out of GPU memory and is run again: {change.describe()}"
-        metrics.log_event(step, "plan_step_down", change.record(), message)
+        metrics.log_event(step, change.event, change.record(), message)
 
     failures = recipe.rank_failures
+    same_plan_ok = True  # once a step
     while True:
         rng = rng_state()
         try:
@@ -296,9 +345,12 @@ def recovering_step(
             with _watching(failures):
                 return run(recipe.engine)
         except Exception as e:
-            change = _recover(e, step, recipe, failures, engine=recipe.engine)
+            change = _recover(
+                e, step, recipe, failures, engine=recipe.engine, same_plan_ok=same_plan_ok
+            )
         # outside the except block: the failed step's frames, and the GPU memory they
         # hold, are gone
+        same_plan_ok = same_plan_ok and not isinstance(change, SamePlan)
         report(change)
         _rebuild_engine(recipe, step, report)
         set_rng_state(rng)
@@ -315,16 +367,20 @@ def _recover(
     failures: RankFailures | None,
     *,
     engine: StreamingEngine | None = None,
-) -> StepDown:
+    same_plan_ok: bool = False,
+) -> StepDown | SamePlan:
     """The step-down after `error` (re-raised when it is not part of an out-of-memory step)."""
-    builder = recipe.builder
-    if failures is None:
-        if is_out_of_memory(error):
-            return step_down(error, step=step, builder=builder, engine=engine, store=recipe.store)
+    if failures is None and not is_out_of_memory(error):
         raise error
-    if failures.joins(error):
-        return failures.step_down(
-            error, step=step, builder=builder, engine=engine, store=recipe.store
+    if failures is None or failures.joins(error):
+        down = step_down if failures is None else failures.step_down
+        return down(
+            error,
+            step=step,
+            builder=recipe.builder,
+            engine=engine,
+            store=recipe.store,
+            same_plan_ok=same_plan_ok,
         )
     if failures.failed_elsewhere():
         raise SystemExit(1) from None  # the rank whose error it was says what happened
@@ -332,7 +388,9 @@ def _recover(
     raise error
 
 
-def _rebuild_engine(recipe: Recipe, step: int, report: Callable[[StepDown], None]) -> None:
+def _rebuild_engine(
+    recipe: Recipe, step: int, report: Callable[[StepDown | SamePlan], None]
+) -> None:
     """A new engine from the builder's (smaller) plan; stepped down again while even
     building it runs out of GPU memory. The recipe's config becomes the plan's (what its
     checkpoints save)."""
