@@ -72,6 +72,7 @@ def test_plan_profiles_a_layer_whose_package_kernels_refuse_meta(tmp_path: Path)
     assert int(out.split("PEAK ")[1].split()[0]) > 0
     report = out.split("REPORT ")[1]
     assert "flash-linear-attention kernels" in report and "upper bound" in report
+    assert "their time as the fused kernels" in report
 
 
 def _torch_rule(x: torch.Tensor) -> torch.Tensor:
