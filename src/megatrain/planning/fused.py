@@ -25,12 +25,13 @@ from torch.utils._pytree import tree_flatten
 
 FUSED_LAUNCHES = (9, 14)
 """Kernels one fused package call launches, (forward, backward): flash-linear-attention's
-`chunk_gated_delta_rule` (fla/ops/gated_delta_rule/chunk.py, with the query-key l2 norm in the
-kernel as Qwen3.5 calls it). Forward: the two l2 norms, the gate's chunk cumsum, the zeroed
-A, the fused kkt + solve, recompute_w_u, the state pass, the output, its cast: 9. Backward:
-recompute_w_u, the state pass again, dv_local, dhu, dqkwg, the WY backward, two adds, the
-reverse cumsum, two l2 norm backwards, the gradients' casts: about 14. Used for every package
-call (causal-conv1d's convolution launches fewer: a few launches either way)."""
+`chunk_gated_delta_rule` (fla/ops/gated_delta_rule/chunk.py, read at fla-org's commit
+bc3b101d; the query-key l2 norm in the kernel, as Qwen3.5 calls it). Forward: the two l2
+norms, the gate's chunk cumsum, the zeroed A, the fused kkt + solve, recompute_w_u, the state
+pass, the output, its cast: 9. Backward: recompute_w_u, the state pass again, dv_local, dhu,
+dqkwg, the WY backward, two adds, the reverse cumsum, two l2 norm backwards, the gradients'
+casts: about 14. Used for every package call (causal-conv1d's convolution launches fewer: a
+few launches either way)."""
 FUSED_BACKWARD_TRAFFIC = 2.0
 """A fused call's backward traffic against its forward's (the bytes of its tensor inputs and
 outputs): the inputs read again, the output gradients read, the input gradients written."""
