@@ -2,14 +2,11 @@
 torch reference instead (a Triton kernel launched on meta tensors reads address 0 on a GPU:
 the illegal memory access the Qwen3.5 profile hit with flash-linear-attention installed).
 
-A stand-in `fla` package (a few files in tmp_path) whose kernels refuse meta tensors and
-otherwise run transformers' torch reference takes the place of the real one, which needs a GPU.
+A stand-in `fla` package (tests/fake_fla.py) takes the place of the real one, which needs a GPU.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import textwrap
 import types
@@ -18,32 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fake_fla import run_with_fake_fla
 from megatrain.model import kernels
-
-_FAKE_FLA = {
-    "fla/__init__.py": '__version__ = "0.6.0"\n',
-    "fla/ops/__init__.py": "",
-    "fla/ops/gated_delta_rule/__init__.py": textwrap.dedent(
-        """
-        def _run(name, *args, **kwargs):
-            import os
-            import torch
-            from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
-            if os.environ.get("FAKE_FLA_REFUSES"):  # as fla 0.6 on Hopper with Triton 3.6
-                raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs: refused")
-            if any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):
-                raise RuntimeError("fla kernel launched on meta tensors")
-            return getattr(m, name).__wrapped__(*args, **kwargs)
-
-        def chunk_gated_delta_rule(*args, **kwargs):
-            return _run("torch_chunk_gated_delta_rule", *args, **kwargs)
-
-        def fused_recurrent_gated_delta_rule(*args, **kwargs):
-            return _run("torch_recurrent_gated_delta_rule", *args, **kwargs)
-        """
-    ),
-}
 
 _PROFILE = textwrap.dedent(
     """
@@ -84,33 +57,22 @@ _REFUSED = textwrap.dedent(
 )
 
 
-def _run_with_fake_fla(tmp_path: Path, script: str, **env_extra: str) -> str:
-    for name, text in _FAKE_FLA.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), **env_extra)
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
 def test_a_refused_package_falls_back_to_the_torch_reference_for_the_run(
     tmp_path: Path,
 ) -> None:
     """fla installed but refusing (its guard would raise in the first backward): the engine's
     layers run transformers' torch reference, and the report says why."""
-    out = _run_with_fake_fla(tmp_path, _REFUSED, FAKE_FLA_REFUSES="1")
+    out = run_with_fake_fla(tmp_path, _REFUSED, FAKE_FLA_REFUSES="1")
     assert "fla refuses this Triton" in out.split("REPORT ")[1].splitlines()[0]
     assert out.count("LOSS ") == 2
 
 
 def test_plan_profiles_a_layer_whose_package_kernels_refuse_meta(tmp_path: Path) -> None:
-    out = _run_with_fake_fla(tmp_path, _PROFILE)
+    out = run_with_fake_fla(tmp_path, _PROFILE)
     assert int(out.split("PEAK ")[1].split()[0]) > 0
     report = out.split("REPORT ")[1]
     assert "flash-linear-attention kernels" in report and "upper bound" in report
+    assert "their time as the fused kernels" in report
 
 
 def _torch_rule(x: torch.Tensor) -> torch.Tensor:

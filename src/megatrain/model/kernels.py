@@ -18,7 +18,9 @@ measures such a layer with `reference_kernels`: functions swapped for their torc
 and package modules for a stand-in with the memory of an elementwise op (the output like the
 first input; the inputs kept for the backward). The torch reference materialises more than the
 fused kernels (chunked [C x C] blocks in fp32), so the profiled peak is an upper bound where a
-package runs; the report says so (`describe`).
+package runs; its time is the package's, not the reference's: the plan counts each such call
+as the package's few fused kernels (planning/fused.py), except for a refused package, whose
+reference the run really runs (`refusals`). The report says so (`describe`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ PACKAGES = ("fla", "causal_conv1d", "mamba_ssm", "flash_attn", "liger_kernel")
 """Import names of the optional kernel packages a layer may call (never required)."""
 
 DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 def _package(obj: Any) -> str | None:
@@ -104,7 +107,8 @@ def describe(layer: nn.Module) -> str | None:
         packages = sorted({DISTRIBUTIONS.get(p, p) for p in calls.values()})
         return (
             f"{name} runs {', '.join(packages)} kernels ({', '.join(sorted(calls))}); the plan "
-            "profiles them as their torch reference code (an upper bound on their memory)"
+            "profiles their memory as their torch reference code (an upper bound) and counts "
+            "their time as the fused kernels"
         )
     if reference:
         return (
@@ -145,9 +149,12 @@ def _stand_in(module: nn.Module) -> Callable[..., torch.Tensor]:
 
 
 @contextlib.contextmanager
-def reference_kernels(layer: nn.Module) -> Iterator[None]:
-    """Within: `layer` runs torch code only (see the module docstring); restored on exit."""
-    undo = _swap_to_reference(layer, stand_in_modules=True)
+def reference_kernels(layer: nn.Module, fused: Wrap | None = None) -> Iterator[None]:
+    """Within: `layer` runs torch code only (see the module docstring); restored on exit.
+    `fused` wraps the reference of each package function that really runs on the GPU (a
+    package not refused), for the plan to count it as the package's kernels
+    (planning/fused.py)."""
+    undo = _swap_to_reference(layer, stand_in_modules=True, fused=fused)
     try:
         yield
     finally:
@@ -166,12 +173,23 @@ def fall_back_where_refused(structure: ModelStructure) -> None:
 
 
 def _swap_to_reference(
-    layer: nn.Module, *, stand_in_modules: bool, only: set[str] | None = None
+    layer: nn.Module,
+    *,
+    stand_in_modules: bool,
+    only: set[str] | None = None,
+    fused: Wrap | None = None,
 ) -> list[Callable[[], None]]:
     """Swap `layer`'s package kernels (those of `only`'s packages, or all) for their torch
-    reference; package modules for the elementwise stand-in if `stand_in_modules` (memory on
-    meta only: it computes nothing). Returns the undo steps."""
+    reference, wrapped by `fused` where the package is not refused (`refusals`); package
+    modules for the elementwise stand-in if `stand_in_modules` (memory on meta only: it
+    computes nothing). Returns the undo steps."""
     undo: list[Callable[[], None]] = []
+
+    def reference(package: str | None, torch_code: Any) -> Any:
+        """`torch_code` (None: the model's own path for a missing kernel), marked as fused."""
+        if fused is None or torch_code is None or package in refusals():
+            return torch_code
+        return fused(torch_code)
 
     def swap(owner: dict[str, Any], attr: str, value: Any) -> None:
         """Set owner[attr] (a module's instance dict or a file's globals) until undone."""
@@ -190,10 +208,10 @@ def _swap_to_reference(
             swap(vars(module), "forward", _stand_in(module))
         for attr, value in list(vars(module).items()):
             if callable(value) and chosen(_package(value)):
-                swap(vars(module), attr, namespace.get(f"torch_{attr}"))
+                swap(vars(module), attr, reference(_package(value), namespace.get(f"torch_{attr}")))
         for attr, value in list(namespace.items()):
             if chosen(_wrapped_package(value)):
-                swap(namespace, attr, value.__wrapped__)
+                swap(namespace, attr, reference(_wrapped_package(value), value.__wrapped__))
     return undo
 
 

@@ -28,7 +28,10 @@ What the GPU runs differently from meta tensors, and is substituted here:
   except where CUDA itself runs the math path (meta_kernels.py).
 - optional kernel packages a layer calls (flash-linear-attention, causal-conv1d) cannot run on
   meta: the layer is measured with their torch reference code (model/kernels.py), an upper
-  bound on the fused kernels' memory.
+  bound on the fused kernels' memory. Not on their time: the ops and traffic of the reference
+  (forward, and its autograd nodes in the backward) are left out of the time counts, and each
+  call counts as the package's fused kernels, a few launches moving its inputs and outputs
+  (planning/fused.py); a refused package's reference, which the run does run, counts in full.
 - grouped_mm (MoE experts) has a bf16-only meta kernel; fp32 runs transformers' loop fallback
   on the GPU, whose backward reads the expert offsets on the host in some transformers releases
   (5.17), impossible on meta: `MetaGroupedMM` (meta_kernels.py) stands in with the
@@ -54,6 +57,7 @@ from megatrain.engine.tiling import TilePolicy, tiled_per_token
 from megatrain.layouts import LAYOUTS
 from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
 from megatrain.model.kernels import reference_kernels
+from megatrain.planning.fused import FusedCalls
 from megatrain.planning.meta_kernels import ATTENTION_BACKWARD, GROUPED_MM, GpuKernels, is_float
 from megatrain.planning.spec import ModelSpec
 from megatrain.planning.traffic import op_traffic
@@ -66,7 +70,8 @@ class _LiveBytes(TorchDispatchMode):
     """Peak of the bytes held by storages created inside the mode (meta tensors included), the
     largest of those storages, and the most held right after a fused attention backward (its
     inputs and gradients live): the kernel's workspace comes on top of that moment, not of the
-    layer's peak."""
+    layer's peak. Also the time counts: kernels launched and bytes they move, a kernel
+    package's call (`fused.wrap`) counted as its fused kernels."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,9 +79,20 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.largest = 0  # bytes of the largest storage created inside the mode
         self.attention_backward = 0
-        self.ops = 0  # aten ops dispatched: kernels the GPU would launch
-        self.traffic = 0  # bytes those ops read and write (planning/traffic.py)
+        self.fused = FusedCalls()  # package calls counted as their fused kernels (fused.py)
+        self._dispatched = 0  # aten ops counted for time
+        self._moved = 0  # bytes those ops read and write (planning/traffic.py)
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    @property
+    def ops(self) -> int:
+        """Kernels the GPU would launch: the aten ops dispatched, a fused package call's own."""
+        return self._dispatched + self.fused.launches
+
+    @property
+    def traffic(self) -> int:
+        """Bytes those kernels read and write."""
+        return self._moved + self.fused.traffic
 
     def exclude(self, *tensors: torch.Tensor) -> None:
         """Storages made outside the mode that its views must not count (held elsewhere)."""
@@ -84,7 +100,8 @@ class _LiveBytes(TorchDispatchMode):
             self._seen[t.untyped_storage()] = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
+        timed = self.fused.counts()
+        self._dispatched += int(timed)
         if func.overloadpacket is GROUPED_MM and args[0].dtype != torch.bfloat16:
             # fp32 experts on meta: the meta kernel takes bf16 only; shapes are the same. Here,
             # at the dispatch level, also where a backward re-runs a layer's tiles.
@@ -96,7 +113,8 @@ class _LiveBytes(TorchDispatchMode):
         else:
             out = func(*args, **(kwargs or {}))
         tree_map(self._track, out)
-        self.traffic += op_traffic(func, args, kwargs, out)
+        if timed:
+            self._moved += op_traffic(func, args, kwargs, out)
         if func.overloadpacket in ATTENTION_BACKWARD:
             self.attention_backward = max(self.attention_backward, self.live)
         return out
@@ -261,7 +279,7 @@ def _measure(
     grad_out = torch.empty_like(x)
     tracker = _LiveBytes()
     tracker.exclude(x, grad_out)  # the layer input and mb.grad: counted by the caller
-    with torch.enable_grad(), reference_kernels(layer), GpuKernels(), tracker:
+    with torch.enable_grad(), reference_kernels(layer, tracker.fused.wrap), GpuKernels(), tracker:
         out = call.run(layer, x)
         forward_ops, forward_traffic = tracker.ops, tracker.traffic
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)

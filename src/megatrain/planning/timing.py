@@ -24,7 +24,14 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   Gated DeltaNet (`torch_chunk_gated_delta_rule`) is memory-bound: its loop over 64-token chunks
   indexes full-sequence fp32 tensors (`x[:, :, i]`), and each index's backward writes a zeroed
   tensor of the full size which autograd then adds up, chunks x sequence bytes (Qwen3.5-27B
-  shape, 4 x 2048 tokens: 224 GB a forward + backward against 16 GB for a Llama-3.1-8B layer);
+  shape, 4 x 2048 tokens: 224 GB a forward + backward against 16 GB for a Llama-3.1-8B layer).
+  With flash-linear-attention installed the GPU runs its fused kernels: the profile counts each
+  call as those (planning/fused.py; 33 GB a forward + backward for that layer) and the layer is
+  FLOP-bound, under-predicted (docs/performance.md run 41, H100: the layers' forward and
+  recompute + backward 5.83 s predicted, 8.29 s measured, 26 ms a Gated DeltaNet layer and
+  micro-batch if the attention layers are right): the max leaves its elementwise work beside
+  the matmuls (convolution, gates, norms, casts: 23 ms of traffic at HBM_FRACTION) under its
+  FLOPs, where the fitted rate covers a dense layer's;
 - compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
   issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
   eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,
