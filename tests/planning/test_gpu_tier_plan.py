@@ -34,12 +34,14 @@ def qwen3b() -> ModelSpec:
     return model_spec(Qwen2Config(**QWEN3B))
 
 
-def _est(spec: ModelSpec, tier: int, dtype: str = "bf16", clipping: bool = True) -> Estimate:
+def _est(
+    spec: ModelSpec, tier: int, dtype: str = "bf16", clipping: bool = True, grad_accum: int = 2
+) -> Estimate:
     return predict(
         spec,
         seq_len=4096,
         micro_batch_size=1,
-        grad_accum=2,
+        grad_accum=grad_accum,
         compute_dtype=dtype,
         padded=False,
         clipping=clipping,
@@ -94,15 +96,16 @@ def test_embedding_and_head_join_after_the_layers(qwen3b: ModelSpec) -> None:
 @pytest.mark.parametrize("clipping", [True, False])
 def test_tier_takes_copies_and_cpu_updates_off_the_step(qwen3b: ModelSpec, clipping: bool) -> None:
     k, layer = 8, qwen3b.layers[0].params
-    base = _est(qwen3b, 0, clipping=clipping).time
-    tier = _est(qwen3b, k, clipping=clipping).time
+    # 4k tokens per step: at 8k the default host's AdamW (5.2 Gparams/s) keeps up with compute
+    base = _est(qwen3b, 0, clipping=clipping, grad_accum=1).time
+    tier = _est(qwen3b, k, clipping=clipping, grad_accum=1).time
     cpu_rate, link = H100.optimizer_gparams_s * 1e9, H100.h2d_gbps * 1e9
     assert tier.optimizer_s == pytest.approx(base.optimizer_s - k * layer / cpu_rate)
     assert tier.h2d_s == pytest.approx(base.h2d_s - 2 * k * layer * 2 / link)  # up twice
     assert tier.d2h_s == pytest.approx(base.d2h_s - k * layer * 2 / (H100.d2h_gbps * 1e9))
     assert tier.gpu_optimizer_s == pytest.approx(k * layer / (GPU_ADAMW_GPARAMS_S * 1e9))
     assert base.gpu_optimizer_s == 0.0 and tier.compute_s == base.compute_s
-    # 8k tokens per step of a 3B model wait on the CPU optimizer: the tier shortens the step
+    # 4k tokens per step of a 3B model wait on the CPU optimizer: the tier shortens the step
     assert base.bound == "CPU optimizer"
     assert tier.step_s < base.step_s - 0.5 * k * layer / cpu_rate
 

@@ -3,12 +3,16 @@
 
 Defaults are the H100 test host of the peers' baseline runs (docs/performance.md) and the
 engine's own H200 run (2026-11-26): 789 TFLOP/s bf16 matmul of which the engine achieves about
-half at 4k-32k tokens per step, 43-55 GB/s pinned copies each way, the C AdamW kernel at 2.26
-Gparams/s on 14 threads beside a busy main thread, and about 1.7 GiB of process RSS that is not
-the store (python, torch, CUDA context and libraries; 46.2 GiB RSS of that run minus the store
-with its pinned blocks rounded up). `detect()` replaces the memory sizes with this
-machine's, `probe()` also measures the rates (a few seconds). `measured` names the fields that
-came from this machine or from the user (`--gpu-gib`); everything else is assumed. Two defaults
+half at 4k-32k tokens per step, 43-55 GB/s pinned copies each way, the C AdamW kernel (fp32
+states) at 5.2 Gparams/s inside `megatrain train` runs on the 16-vCPU, 125 GiB H100 host
+(docs/performance.md run 41, 2026-11-27: the host blocks' parameters over the step's AdamW busy
+time, 4.9-5.4 in four rows, 5.25 pooled; run 17's micro-benchmark of the kernel gave 5.18
+alone, 3.93 beside a synthetic busy thread, which the runs' main thread does not slow as much),
+and about 1.7 GiB of process RSS that is not the store (python, torch, CUDA context and
+libraries; 46.2 GiB RSS of that run minus the store with its pinned blocks rounded up).
+`detect()` replaces the memory sizes with this machine's, `probe()` also measures the rates (a
+few seconds). `measured` names the fields that came from this machine or from the user
+(`--gpu-gib`); everything else is assumed. Two defaults
 are fitted, not measured: `achieved_fraction_fp32` and `op_launch_s` (tests/test_resources.py
 holds the runs they were fitted to and the held-out runs that check them).
 """
@@ -45,7 +49,8 @@ class Hardware:
     gpu_tflops_fp32: float = 51.0  # dense fp32 matmul (no TF32), 4096^3 on the H200 host
     achieved_fraction: float = 0.5  # bf16: engine FLOPs / matmul peak (H200 run: 400 of 790)
     achieved_fraction_fp32: float = 0.75  # fitted to one H200 fp32 run (160M llama)
-    optimizer_gparams_s: float = 2.26  # C AdamW kernel, busy main thread beside it
+    # C AdamW kernel, fp32 states, inside runs on the H100 host (run 41: 4.9-5.4 Gparams/s)
+    optimizer_gparams_s: float = 5.2
     optimizer_state_dtype: str = "fp32"  # the state dtype whose kernel that rate is of
     process_baseline_bytes: int = int(1.7 * GIB)  # RSS of the process besides the store
     op_launch_s: float = 1.5e-5  # host time per aten op of HF layer code (fitted: H200 MoE run)

@@ -5,7 +5,9 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   2 x context x heads x (qk_dim + v_dim), context = the mean causal span (window-capped);
 - layer i backward: recompute forward + backward = 3 x 2 x active params + 3.5 x attention
   (flash backward is about 2.5 forwards), so a step is 8 x params x T FLOPs plus attention;
-- loss: 6 x V x D x T (lm_head forward + backward, never recomputed);
+- loss: 6 x V x D x T (lm_head forward + backward, never recomputed), at its own achieved
+  rate (LOSS_RATE_FRACTION of the bf16 peak, at most the layers' rate: the fp32 logits'
+  elementwise work weighs more than in the matmul-heavy layers);
 - a forward-only pass (engine.logprobs: DPO's reference pass): the forward's loads and layer
   visits, the head's forward 2 x V x D x T, no backward, gradient copies or optimizer; its
   launches counted as the loss's (which include the backward's: an upper bound);
@@ -19,19 +21,35 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   after the block's backward, or with clipping after the norm sync of the step's end;
 - memory-bound layers: a layer's GPU time is the longer of its FLOPs at that rate and its
   memory traffic (the bytes its non-matmul aten ops read and write, counted on meta:
-  planning/traffic.py) at HBM_FRACTION of the HBM bandwidth. Dense and MoE layers stay
-  FLOP-bound (the fitted rate covers their elementwise work); transformers' torch fallback of
+  planning/traffic.py) at HBM_FRACTION of the HBM bandwidth. Dense layers stay FLOP-bound (the
+  fitted rate covers their elementwise work); transformers' torch fallback of
   Gated DeltaNet (`torch_chunk_gated_delta_rule`) is memory-bound: its loop over 64-token chunks
   indexes full-sequence fp32 tensors (`x[:, :, i]`), and each index's backward writes a zeroed
   tensor of the full size which autograd then adds up, chunks x sequence bytes (Qwen3.5-27B
   shape, 4 x 2048 tokens: 224 GB a forward + backward against 16 GB for a Llama-3.1-8B layer).
-  With flash-linear-attention installed the GPU runs its fused kernels: the profile counts each
-  call as those (planning/fused.py; 33 GB a forward + backward for that layer) and the layer is
-  FLOP-bound, under-predicted (docs/performance.md run 41, H100: the layers' forward and
-  recompute + backward 5.83 s predicted, 8.29 s measured, 26 ms a Gated DeltaNet layer and
-  micro-batch if the attention layers are right): the max leaves its elementwise work beside
-  the matmuls (convolution, gates, norms, casts: 23 ms of traffic at HBM_FRACTION) under its
-  FLOPs, where the fitted rate covers a dense layer's;
+  Linear-attention layers take FLOPs and traffic one after the other, as MoE layers below:
+  beside their matmuls they run a chain of elementwise kernels (short convolution, gates,
+  norms, casts) that the fitted rate of a dense layer does not cover. With
+  flash-linear-attention installed the GPU runs its fused kernels: the profile counts each call
+  as those (planning/fused.py; 33 GB a forward + backward for that layer; the chunked kernel
+  itself measured 1.69 ms forward, 3.44 ms backward at 4 x 2048 tokens on an H100), and the
+  layers' forward and recompute + backward come out at 8.31 s of GPU time against 8.29 s
+  measured (docs/performance.md run 41; the max of the two gave 6.10 s). The torch fallback's
+  rows, memory-bound, read 1.20x (eager, run 35) and 0.85x (compiled, run 32) of their
+  measured steps with the sum, where the max, which HBM_FRACTION was fitted with, read 0.98x
+  and 1.00x: the fallback is the slow path the run warns about, the fused one is what users
+  run;
+- MoE layers (routed experts): FLOPs and traffic add up. The routing's index, scatter and
+  elementwise kernels (half an eager layer's time) move 4x the bytes per FLOP of a dense
+  layer and sit between the expert matmuls, so neither hides the other: one Qwen3-30B-A3B layer
+  at 4 x 2048 tokens on an H100 (issue 24) takes 6.31 ms forward, 18.46 ms forward + backward
+  eager (5.83 and 19.05 predicted; max(FLOPs, traffic) gave 3.12 and 10.74). Compiled, inductor
+  fuses most of the routing: COMPILED_ROUTING_FRACTION of its traffic stays;
+- gradient sum: each micro-batch's parameter gradients are added into the layer's fp32
+  accumulator (engine/backward.py), 8 + 2 bytes a parameter at HBM_FRACTION, outside any
+  compiled region. It scales with a layer's parameters, not its FLOPs: 4% of a Llama-3.1-8B
+  layer's eager time at 4 x 2048 tokens, 14% of a Qwen3-30B-A3B layer's (11x its active
+  parameters), 0.33 s of that MoE shape's 12-layer rows (2.6-3.6 s), which missed it before;
 - compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
   issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
   eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,
@@ -55,9 +73,13 @@ when the layer `num_slots` earlier is done with them, the next forward waits for
 update before copying it, the worker takes the landed block the next forward needs first;
 without clipping updates start as gradients land, with clipping all start after the backward
 (engine/engine.py). The last step's duration is the prediction. On the H200 run this gives
-1.47 s (measured 1.52 s) at 8k tokens per step, where the CPU optimizer bounds the step, and
-2.29 s (measured 2.21 s) at 32k, where GPU compute does; tests/test_resources.py has more
-(dense, MoE, fp32; within 11% except MoE with clipping, under-predicted by 22-26%).
+1.48 s (measured 1.52 s) at 8k tokens per step, where the CPU optimizer bounds the step, and
+2.35 s (measured 2.21 s) at 32k, where GPU compute does; tests/planning/test_resources.py has
+more (dense, MoE, fp32), tests/planning/test_memory_bound_layers.py the H100 rows of
+docs/performance.md runs 32-41 (Llama-3.1-8B compiled 6.92 s predicted, 7.27 measured; the
+Qwen3-30B-A3B shape cut to 12 layers 3.58 / 3.62 eager, 2.57 / 2.58 compiled; the Qwen3.5-27B
+shape cut to 16 layers with torch's Gated DeltaNet 17.12 / 17.51 eager, 11.31 / 11.36
+compiled).
 """
 
 from __future__ import annotations
@@ -82,7 +104,9 @@ STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.45}
 another kernel (the default, or a probe of fp32): `probe(state_dtype=...)` measures the run's own
 kernel, and then the ratio is 1. bf16: the C kernels with a busy main thread beside them on the
 H100 host of docs/performance.md run 10 (4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9
-parameters, 0.41 inside a 14.8B-parameter run (run 13); 0.45 between them. The ratio depends on
+parameters, 0.41 inside a 14.8B-parameter run (run 13); 0.45 between them. Against the default
+fp32 rate (5.2 Gparams/s in runs on that host, run 41) 0.45 gives 2.34, the low end of int8's
+2.3-2.6 in runs there. The ratio depends on
 the host (fp32 is bandwidth-bound, int8 compute-bound): on the 64-vCPU host of run 19 int8 ran
 6.5 Gparams/s inside a 56.9B run where fp32 probed 5.41."""
 COMPILED_SPEEDUP = 1.2
@@ -102,6 +126,19 @@ eager (0.122 predicted), 0.063-0.078 s compiled (0.073)."""
 COMPILED_TRAFFIC_FRACTION = 0.6
 """A compiled layer's memory traffic against the eager count (fitted: run 32, the same shape
 with `compile_layers: true`, 11.36 s measured, 11.83 predicted)."""
+COMPILED_ROUTING_FRACTION = 0.2
+"""A compiled MoE layer's routing traffic against the eager count (fitted: one Qwen3-30B-A3B
+layer on an H100 at 8192 tokens, issue 24: forward 2.91 ms, forward + backward 8.83 ms compiled
+against 2.88 and 9.08 predicted; 0.6 would give 4.1 and 13.4)."""
+LOSS_RATE_FRACTION = 0.43
+"""Achieved share of `Hardware.gpu_tflops_bf16` by the loss (engine/head.py: the lm_head
+matmuls and cross-entropy over fp32 logits, chunk by chunk), FLOPs 6 x V x D x T; its own rate,
+not the layers' (which reach 0.70 at hidden 4096): the fp32 logits' elementwise work weighs
+more against its single matmul. Fitted to the loss's GPU seconds in docs/performance.md run 41
+(H100, 64k tokens a step): Llama-3.1-8B 0.560 s (0.468 of peak; 0.609 predicted), the
+Qwen3-30B-A3B shape (hidden 2048) 0.417 s (0.372; 0.361), the Qwen3.5-27B shape (hidden 5120)
+1.441 s (0.440; 1.474); the pooled FLOPs over the pooled seconds give 0.434. Capped at the
+layers' rate, which is lower below hidden ~1500."""
 GPU_ADAMW_GPARAMS_S = 60.0
 """Fused AdamW on the GPU (assumed, H100): ~34 bytes per parameter through HBM (read p, g, m,
 v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
@@ -265,6 +302,9 @@ def _costs(
     fwd_s, bwd_s = _layer_s(spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled)
     recomputes = [op.layer for op in schedule.backward if op.kind == RECOMPUTE]
     loss = 6.0 * spec.lm_head_params * tokens
+    loss_rate = rate  # never above the layers' rate (narrow models: small matmuls)
+    if spec.compute_dtype == torch.bfloat16:  # as flops_per_s: only bf16's rate is fitted
+        loss_rate = min(rate, hw.gpu_tflops_bf16 * 1e12 * LOSS_RATE_FRACTION)
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
     probed = STATE_DTYPE_SPEED[hw.optimizer_state_dtype]  # 1 when the rate is this kernel's
     opt_rate = hw.optimizer_gparams_s * 1e9 * STATE_DTYPE_SPEED[state_dtype] / probed
@@ -287,8 +327,8 @@ def _costs(
     costs = Costs(
         fwd_s=[f + (gather_table if i == 0 else 0.0) for i, f in enumerate(fwd_s)],
         bwd_s=[b + scatter[1 + i] + (scatter[0] if i == 0 else 0.0) for i, b in enumerate(bwd_s)],
-        loss_s=loss / rate + scatter[-1],
-        head_fwd_s=loss / 3.0 / rate,
+        loss_s=loss / loss_rate + scatter[-1],
+        head_fwd_s=loss / 3.0 / loss_rate,
         h2d_s=[up(i) for i in range(1, n + 1)],
         h2d_head_s=up(n + 1) + table,
         d2h_s=[p * elem / d2h for p in shard[1:-1]],
@@ -322,16 +362,37 @@ def _layer_s(
     """GPU seconds of each layer's forward and recompute + backward (all micro-batches): its
     FLOPs at the achieved rate, or its memory traffic at HBM_FRACTION of the HBM bandwidth where
     that takes longer (a memory-bound layer; the achieved rate covers a matmul-bound layer's
-    elementwise work, fitted so). Compiled: COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION
-    of the traffic."""
+    elementwise work, fitted so); a layer with routed experts or linear attention takes both,
+    one after the other (experts compiled: COMPILED_ROUTING_FRACTION of the traffic). Compiled:
+    COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION of the traffic. The backward adds the
+    gradient sum."""
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     rate *= COMPILED_SPEEDUP if compiled else 1.0
-    hbm = hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION
-    hbm /= (COMPILED_TRAFFIC_FRACTION if compiled else 1.0) * micro_batches
+    hbm = hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION / micro_batches  # traffic is per micro-batch
+    share = COMPILED_TRAFFIC_FRACTION if compiled else 1.0
+    routing = COMPILED_ROUTING_FRACTION if compiled else 1.0
     moved = list(traffic) or [(0, 0)] * len(fwd)
-    fwd_s = [max(f / rate, m / hbm) for f, (m, _) in zip(fwd, moved, strict=True)]
-    bwd_s = [max(b / rate, m / hbm) for b, (_, m) in zip(bwd, moved, strict=True)]
+
+    def seconds(flops: float, nbytes: int, layer: LayerSpec) -> float:
+        if layer.active_params < layer.params or layer.attn_heads == 0:  # experts, linear attn
+            return flops / rate + nbytes * routing / hbm
+        return max(flops / rate, nbytes * share / hbm)
+
+    layers = spec.layers
+    fwd_s = [seconds(f, m, la) for f, (m, _), la in zip(fwd, moved, layers, strict=True)]
+    bwd_s = [
+        seconds(b, m, la) + gradient_sum_s(la, spec.compute_dtype, hw) * micro_batches
+        for b, (_, m), la in zip(bwd, moved, layers, strict=True)
+    ]
     return fwd_s, bwd_s
+
+
+def gradient_sum_s(layer: LayerSpec, compute_dtype: torch.dtype, hw: Hardware) -> float:
+    """GPU seconds of adding one micro-batch's parameter gradients of `layer` into its fp32
+    accumulator (engine/backward.py, outside any compiled region): the gradient and the sum read,
+    the sum written, at HBM_FRACTION of the HBM bandwidth."""
+    nbytes = layer.params * (2 * 4 + compute_dtype.itemsize)
+    return nbytes / (hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION)
 
 
 def _collectives_s(spec: ModelSpec, ranks: Ranks, c: Costs) -> float:
