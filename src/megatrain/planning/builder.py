@@ -41,12 +41,14 @@ class StepDown:
     margin_gib: tuple[float, float]  # memory.gpu_margin_gib planned with, before and after
     peak_bytes: tuple[int, int]  # predicted GPU peak, before and after
     step_s: tuple[float, float]  # predicted step time, before and after
+    # every failure was a launch outside PyTorch's allocator (recipes/oom.py): the plan goes
+    # back up once the step has run (kernel autotuning, in the first steps)
+    transient: bool = False
     event = "plan_step_down"  # the metrics.jsonl record's kind
 
-    def describe(self) -> str:
-        """One paragraph: what the plan changed, and what it costs."""
+    def changes(self) -> str:
         b, a = self.before, self.after
-        changes = [
+        return ", ".join(
             f"{name}{x} -> {y}"
             for name, x, y in (
                 ("memory.gpu_state_blocks ", b.gpu_state_blocks, a.gpu_state_blocks),
@@ -54,9 +56,19 @@ class StepDown:
                 ("MLP tiles ", b.tile_count, a.tile_count),
             )
             if x != y
-        ]
+        )
+
+    def describe(self) -> str:
+        """One paragraph: what the plan changed, and what it costs."""
+        a, b = self.after, self.before
+        if self.transient:
+            return (
+                f"the plan stepped down for this step: {self.changes()}. The failures were "
+                "kernel launches outside PyTorch's allocator (a kernel package autotuning), "
+                "so the plan goes back up once the step has run"
+            )
         return (
-            f"the plan stepped down: {', '.join(changes)} (planned with "
+            f"the plan stepped down: {self.changes()} (planned with "
             f"memory.gpu_margin_gib {self.margin_gib[1]:g} instead of {self.margin_gib[0]:g}); "
             f"predicted GPU peak {gib(self.peak_bytes[0])} -> {gib(self.peak_bytes[1])}, step "
             f"{self.step_s[0]:.2f} s -> {self.step_s[1]:.2f} s. To start with this plan: "
@@ -77,6 +89,7 @@ class StepDown:
             "gpu_margin_gib": list(self.margin_gib),
             "pred_gpu_peak_gib": [round(n / GIB, 2) for n in self.peak_bytes],
             "pred_step_s": [round(t, 3) for t in self.step_s],
+            "transient": self.transient,
         }
 
 
@@ -244,6 +257,20 @@ class PlanBuilder:
             before,
             after,
             (mem.gpu_margin_gib, margin),
+            (old_plan.estimate.gpu.peak_bytes, new_plan.estimate.gpu.peak_bytes),
+            (old_plan.estimate.time.step_s, new_plan.estimate.time.step_s),
+        )
+
+    def step_up(self, memory: Any) -> StepDown:
+        """Back to the plan of `memory` (the memory config before a transient step-down): the
+        change, as a StepDown whose `before` is the smaller plan."""
+        before, old_plan, margin = self.engine_plan(), self.plan(), self.cfg.memory.gpu_margin_gib
+        self._replan(memory)
+        new_plan = self.plan()
+        return StepDown(
+            before,
+            self.engine_plan(),
+            (margin, memory.gpu_margin_gib),
             (old_plan.estimate.gpu.peak_bytes, new_plan.estimate.gpu.peak_bytes),
             (old_plan.estimate.time.step_s, new_plan.estimate.time.step_s),
         )

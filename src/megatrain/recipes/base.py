@@ -110,6 +110,7 @@ class Recipe:
         placement = self.builder.placement
         # several ranks: an out-of-memory step on one reaches them all (recipes/oom.py)
         self.rank_failures = RankFailures(placement) if placement.world_size > 1 else None
+        self.plan_stepped_up = False  # a transient step-down went back up once (recipes/oom.py)
         self.run_id = ""  # the claim's; a resumed run takes its checkpoint's
         self.step = 0
         self.saved_step: int | None = None  # the step of this run's last checkpoint

@@ -41,6 +41,7 @@ gradient lands), and a plan that cannot get smaller.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 import threading
@@ -151,6 +152,7 @@ def step_down(
             engine.abandon_step()
         return SamePlan(_first_line(error))
     change = _smaller_plan(builder, shortfall_bytes(error, builder.device), where, error)
+    change = dataclasses.replace(change, transient=outside_allocator(error))
     if engine is not None:
         engine.abandon_step()
     _tier_to_host(builder, engine.store if engine is not None else store, change)
@@ -304,8 +306,9 @@ class RankFailures:
             if own:
                 raise GpuOutOfMemory(_BEGUN.format(where=where, fix=_FIX)) from error
             raise SystemExit(1)  # the rank that ran out of memory says why
-        # a rank whose own failure was the allocator's (or a repeat) rules the plan smaller
-        if not rank_max(int(own and not (same_plan_ok and outside_allocator(error)))):
+        # a rank whose own failure was the allocator's rules the plan smaller for good
+        allocator = rank_max(int(own and not outside_allocator(error)))
+        if same_plan_ok and not allocator:
             return SamePlan(_first_line(error) if own else "on another rank")
         shortfall = rank_max(shortfall)
         try:
@@ -314,6 +317,7 @@ class RankFailures:
             if own:
                 raise
             raise SystemExit(1) from None
+        change = dataclasses.replace(change, transient=not allocator)
         _tier_to_host(builder, engine.store if engine is not None else store, change)
         return change
 
@@ -337,13 +341,15 @@ def recovering_step(
 
     failures = recipe.rank_failures
     same_plan_ok = True  # once a step
+    planned = recipe.builder.cfg.memory  # the plan a transient step-down goes back to
     while True:
         rng = rng_state()
         try:
             if failures is not None:
                 recipe.engine.before_updates = failures.check
             with _watching(failures):
-                return run(recipe.engine)
+                result = run(recipe.engine)
+            break
         except Exception as e:
             change = _recover(
                 e, step, recipe, failures, engine=recipe.engine, same_plan_ok=same_plan_ok
@@ -351,9 +357,36 @@ def recovering_step(
         # outside the except block: the failed step's frames, and the GPU memory they
         # hold, are gone
         same_plan_ok = same_plan_ok and not isinstance(change, SamePlan)
+        if isinstance(change, StepDown) and not change.transient:
+            planned = recipe.builder.cfg.memory  # smaller for good
         report(change)
         _rebuild_engine(recipe, step, report)
         set_rng_state(rng)
+    if planned != recipe.builder.cfg.memory and not recipe.plan_stepped_up:
+        _step_up(recipe, planned, step, metrics)
+    return result
+
+
+def _step_up(recipe: Recipe, memory: Any, step: int, metrics: Any) -> None:
+    """Back to the plan before this step's transient step-down (once a run: a launch outside
+    the allocator that fails again later steps down for good)."""
+    recipe.engine.close()  # every update of the step applied before blocks move
+    change = recipe.builder.step_up(memory)
+    recipe.plan_stepped_up = True
+    message = (
+        f"after step {step} the plan goes back up: {change.changes()} (the step-down came from "
+        "kernel launches outside PyTorch's allocator, which a kernel package's autotuning "
+        "makes in its first steps); predicted step "
+        f"{change.step_s[0]:.2f} s -> {change.step_s[1]:.2f} s"
+    )
+    metrics.log_event(step, "plan_step_up", change.record(), message)
+    _rebuild_engine(
+        recipe,
+        step,
+        lambda down: metrics.log_event(
+            step, down.event, down.record(), f"step {step}: {down.describe()}"
+        ),
+    )
 
 
 def _watching(failures: RankFailures | None) -> Any:
