@@ -36,8 +36,8 @@ def _compiled(model_type: str, placement: Placement = GPU, **values: object) -> 
         ("llama", {"data.packing": False}, False),  # padded rows: every length recompiles
         ("llama", {"memory.mlp_tiles": 4}, False),  # tiles run eager
         ("llama", {"training.compile_layers": False}, False),
-        ("qwen3_moe", {}, False),  # MoE layers: not measured compiled
-        ("qwen3_5_text", {}, False),  # hybrid linear attention: not measured compiled
+        ("qwen3_moe", {}, True),  # MoE layers: compiled peak as eager, 1.40x faster (run 41)
+        ("qwen3_5_text", {}, False),  # hybrid linear attention: slower compiled with fla
     ],
 )
 def test_auto_compiles_only_where_the_plan_holds(

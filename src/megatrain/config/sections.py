@@ -124,8 +124,9 @@ class TrainingConfig:
     """torch.compile each decoder layer: 1.35x the model TFLOPS of eager layers on an H100
     (Llama-3.1-8B shape, 64k tokens per step: 430 against 319), a minute or so of compiling in
     the first step. "auto": on a GPU, for rows of one fixed length (packed, pre-training) when
-    every layer is plain attention + MLP and needs no MLP tiles (the plan profiles eager layers
-    of those kinds, which the compiled ones do not exceed); otherwise, on the CPU and in
+    every layer is softmax attention with an MLP or routed experts (MoE: 1.40x) and needs no MLP
+    tiles (the plan profiles eager layers of those kinds, which the compiled ones do not
+    exceed; planning/builder.py COMPILE_AUTO_KINDS); otherwise, on the CPU and in
     `megatrain grpo` (rows of every length) eager. true / false: as given."""
     overwrite_output_dir: bool = False
     """Start a new run (resume_from: null) in a non-empty output_dir. The previous run's files
