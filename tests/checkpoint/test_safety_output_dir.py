@@ -159,13 +159,20 @@ def test_a_start_that_failed_after_its_claim_is_reused(
         m.setattr(StreamingEngine, "train_step", out_of_memory)
         with pytest.raises(RuntimeError, match="out of memory"):
             _train(tmp_path, "--training.max_steps", "1", *tensorboard)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "config.yaml", "tensorboard"]
+    # a CUDA error outside the allocator: the step ran once more (its record in metrics.jsonl)
+    # before the run stopped
+    kept = [LOCK_FILE, "config.yaml", "metrics.jsonl", "tensorboard"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
     _train(tmp_path, "--training.max_steps", "1", "--optimizer.learning_rate", "1e-3", *tensorboard)
     assert _train_steps(tmp_path / "metrics.jsonl") == [1]
     assert load_config(tmp_path / "config.yaml").optimizer.learning_rate == 1e-3
-    # the failed start's TensorBoard events are kept aside, with its config
+    # the failed start's TensorBoard events and its retry's record are kept aside, with its config
     (previous,) = tmp_path.glob("previous-*")
-    assert sorted(p.name for p in previous.iterdir()) == ["config.yaml", "tensorboard"]
+    assert sorted(p.name for p in previous.iterdir()) == [
+        "config.yaml",
+        "metrics.jsonl",
+        "tensorboard",
+    ]
 
 
 def test_only_megatrains_own_config_counts_as_a_failed_start(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The step time of memory-bound and MoE layers (planning/timing.py `_layer_s`,
+"""The step time of memory-bound and MoE layers (planning/layer_time.py,
 planning/traffic.py) against the H100 runs of docs/performance.md: the rows of runs 32, 35, 40
 and 41 as the estimator sees them on the assumed H100 test host (no GPU needed), 64k tokens a
 step (32 pre-training rows of 2048, micro-batch 4), clipping 1.0, bf16, and one MoE layer timed
@@ -19,7 +19,7 @@ from megatrain.planning import model_spec
 from megatrain.planning.activations import layer_profile
 from megatrain.planning.estimate import COMPILED_LINEAR_ATTENTION_PEAK
 from megatrain.planning.hardware import Hardware
-from megatrain.planning.timing import _layer_s, attention_flops_per_token, gradient_sum_s
+from megatrain.planning.layer_time import attention_flops_per_token, gradient_sum_s, layer_seconds
 from predict import cli_row_plan
 from shapes import LLAMA31_8B, QWEN3_30B_A3B_12, QWEN35_27B_16
 
@@ -95,7 +95,7 @@ def test_an_moe_layer_matches_its_h100_timing(
     fwd = tokens * (2.0 * layer.active_params + attention)
     bwd = tokens * (6.0 * layer.active_params + 3.5 * attention)
     traffic = layer_profile(spec, 4, 2048, "full").traffic
-    (fwd_s,), (bwd_s,) = _layer_s(spec, H100, [fwd], [bwd], traffic, 1, compiled)
+    (fwd_s,), (bwd_s,) = layer_seconds(spec, H100, [fwd], [bwd], traffic, 1, compiled)
     bwd_s -= gradient_sum_s(layer, spec.compute_dtype, H100)
     assert abs(fwd_s * 1e3 / forward_ms - 1) <= 0.10, fwd_s
     assert abs(bwd_s * 1e3 / forward_backward_ms - 1) <= 0.10, bwd_s

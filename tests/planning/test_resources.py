@@ -23,7 +23,7 @@ from megatrain.planning import (
 )
 from megatrain.planning.activations import layer_profile, loss_chunk
 from megatrain.planning.hardware import GIB, gib
-from megatrain.planning.timing import attention_flops_per_token
+from megatrain.planning.layer_time import attention_flops_per_token
 from predict import pick_batch, predict
 from shapes import QWEN25_3B as QWEN3B
 

@@ -25,10 +25,11 @@ The rules (`check_output_dir`):
   are moved into `previous-<UTC time>/` inside the folder, never deleted; other files are left
   alone. So metrics.jsonl never mixes two runs and `resume_from: auto` never picks up the old
   run;
-- a failed start: a folder whose only run files are a config.yaml MegaTrain wrote and the
-  trackers' folders (a start that failed after its claim, while loading the weights or in its
-  first step: metrics.jsonl is created at the first record) counts as empty; the new run's
-  config.yaml replaces it, and tracker folders are moved into `previous-<UTC time>/`;
+- a failed start: a folder whose only run files are a config.yaml MegaTrain wrote, the
+  trackers' folders and a metrics.jsonl without a step's record (a start that failed after its
+  claim, while loading the weights or in its first step, where a retry of the step may have
+  written an event) counts as empty; the new run's config.yaml replaces it, and the trackers'
+  folders and the metrics.jsonl are moved into `previous-<UTC time>/`;
 - a resumed run continues the folder (its metrics are cut back to the checkpoint's step by
   megatrain.metrics); a non-empty `hf_model/` that is not a MegaTrain export is refused up
   front, not after training, when the export would have to replace it.
@@ -98,7 +99,9 @@ class OutputFolder:
         """Make the folder this run's (previous run moved aside, config.yaml written) and
         return a new run id (a resumed run takes its checkpoint's instead)."""
         cfg, out = self.cfg, self.path
-        leftovers = _failed_start(out) and any((out / d).exists() for d in TRACKER_FOLDERS)
+        leftovers = _failed_start(out) and any(
+            (out / d).exists() for d in (*TRACKER_FOLDERS, METRICS_FILE)
+        )
         if cfg.checkpoint.resume_from is None and (cfg.training.overwrite_output_dir or leftovers):
             _move_previous_run(out)  # a failed start's tracker logs too: moved, never deleted
         save_config(cfg, self.path / CONFIG_FILE)
@@ -175,18 +178,32 @@ def _entries(out: Path) -> list[str]:
     failed start's config.yaml."""
     if not out.is_dir():
         return []
-    skip = {LOCK_FILE} | ({CONFIG_FILE, *TRACKER_FOLDERS} if _failed_start(out) else set())
+    skip = {LOCK_FILE} | (
+        {CONFIG_FILE, METRICS_FILE, *TRACKER_FOLDERS} if _failed_start(out) else set()
+    )
     return sorted(p.name for p in out.iterdir() if p.name not in skip)
 
 
 def _failed_start(out: Path) -> bool:
     """Whether the folder holds only what a start that recorded no step leaves: a config.yaml
-    that MegaTrain wrote, and the folders of trackers opened as training started."""
+    that MegaTrain wrote, the folders of trackers opened as training started, and a
+    metrics.jsonl of events only (a step's out-of-memory retry, say) if any."""
     present = {name for name in RUN_FILES if (out / name).exists()}
+    if METRICS_FILE in present and not _recorded_a_step(out / METRICS_FILE):
+        present.discard(METRICS_FILE)
     if CONFIG_FILE not in present or present - {CONFIG_FILE, *TRACKER_FOLDERS}:
         return False
     with open(out / CONFIG_FILE, encoding="utf-8", errors="replace") as f:
         return f.read(len(CONFIG_HEADER)) == CONFIG_HEADER
+
+
+def _recorded_a_step(metrics: Path) -> bool:
+    """Whether metrics.jsonl holds a training step's record (or cannot be read as records)."""
+    try:
+        with open(metrics, encoding="utf-8") as f:
+            return any(json.loads(line).get("kind") == "train" for line in f if line.strip())
+    except (OSError, ValueError, AttributeError):
+        return True  # not ours to judge: kept as a run's
 
 
 def _lock(out: Path) -> IO[str] | None:

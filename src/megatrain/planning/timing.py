@@ -19,41 +19,8 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
   copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
   after the block's backward, or with clipping after the norm sync of the step's end;
-- memory-bound layers: a layer's GPU time is the longer of its FLOPs at that rate and its
-  memory traffic (the bytes its non-matmul aten ops read and write, counted on meta:
-  planning/traffic.py) at HBM_FRACTION of the HBM bandwidth. Dense layers stay FLOP-bound (the
-  fitted rate covers their elementwise work); transformers' torch fallback of
-  Gated DeltaNet (`torch_chunk_gated_delta_rule`) is memory-bound: its loop over 64-token chunks
-  indexes full-sequence fp32 tensors (`x[:, :, i]`), and each index's backward writes a zeroed
-  tensor of the full size which autograd then adds up, chunks x sequence bytes (Qwen3.5-27B
-  shape, 4 x 2048 tokens: 224 GB a forward + backward against 16 GB for a Llama-3.1-8B layer).
-  Linear-attention layers take FLOPs and traffic one after the other, as MoE layers below:
-  beside their matmuls they run a chain of elementwise kernels (short convolution, gates,
-  norms, casts) that the fitted rate of a dense layer does not cover. With
-  flash-linear-attention installed the GPU runs its fused kernels: the profile counts each call
-  as those (planning/fused.py; 33 GB a forward + backward for that layer; the chunked kernel
-  itself measured 1.69 ms forward, 3.44 ms backward at 4 x 2048 tokens on an H100), and the
-  layers' forward and recompute + backward come out at 8.31 s of GPU time against 8.29 s
-  measured (docs/performance.md run 41; the max of the two gave 6.10 s). The torch fallback's
-  rows, memory-bound, read 1.20x (eager, run 35) and 0.85x (compiled, run 32) of their
-  measured steps with the sum, where the max, which HBM_FRACTION was fitted with, read 0.98x
-  and 1.00x: the fallback is the slow path the run warns about, the fused one is what users
-  run;
-- MoE layers (routed experts): FLOPs and traffic add up. The routing's index, scatter and
-  elementwise kernels (half an eager layer's time) move 4x the bytes per FLOP of a dense
-  layer and sit between the expert matmuls, so neither hides the other: one Qwen3-30B-A3B layer
-  at 4 x 2048 tokens on an H100 (issue 24) takes 6.31 ms forward, 18.46 ms forward + backward
-  eager (5.83 and 19.05 predicted; max(FLOPs, traffic) gave 3.12 and 10.74). Compiled, inductor
-  fuses most of the routing: COMPILED_ROUTING_FRACTION of its traffic stays;
-- gradient sum: each micro-batch's parameter gradients are added into the layer's fp32
-  accumulator (engine/backward.py), 8 + 2 bytes a parameter at HBM_FRACTION, outside any
-  compiled region. It scales with a layer's parameters, not its FLOPs: 4% of a Llama-3.1-8B
-  layer's eager time at 4 x 2048 tokens, 14% of a Qwen3-30B-A3B layer's (11x its active
-  parameters), 0.33 s of that MoE shape's 12-layer rows (2.6-3.6 s), which missed it before;
-- compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
-  issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
-  eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,
-  activation, residuals);
+- layer GPU time (planning/layer_time.py): FLOPs at the achieved rate, memory traffic, MoE
+  routing, linear attention, the gradient sum, compiled layers;
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
   + backward dispatch the op counts measured on meta (planning/activations.py). Small or
   MoE layers (many small kernels) become host-bound: the GPU waits for the launches.
@@ -93,10 +60,14 @@ from megatrain.engine.plan import TierSplit
 from megatrain.engine.schedule import LOAD, RECOMPUTE, StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_numel, vision_width
 from megatrain.planning.hardware import Hardware
+from megatrain.planning.layer_time import (
+    attention_flops_per_token,
+    layer_seconds,
+)
 from megatrain.planning.ranks import Ranks
 from megatrain.planning.replay import Costs, Replay
 from megatrain.planning.setup import Setup
-from megatrain.planning.spec import LayerSpec, ModelSpec
+from megatrain.planning.spec import ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
 STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.45}
@@ -109,27 +80,9 @@ fp32 rate (5.2 Gparams/s in runs on that host, run 41) 0.45 gives 2.34, the low 
 2.3-2.6 in runs there. The ratio depends on
 the host (fp32 is bandwidth-bound, int8 compute-bound): on the 64-vCPU host of run 19 int8 ran
 6.5 Gparams/s inside a 56.9B run where fp32 probed 5.41."""
-COMPILED_SPEEDUP = 1.2
-"""Compiled layers against eager ones, GPU time of forward, recompute and backward (fitted:
-Llama-3.1-8B and Qwen2.5-14B shapes on an H100, eager-fitted predictions 1.17x and 1.25x the
-measured compiled steps; checked again in docs/performance.md run 13)."""
 COMPILED_OPS_FRACTION = 0.3
 """Host launches of a compiled layer against the eager op count (assumed: fused elementwise
 chains; the matmuls and attention stay separate kernels)."""
-HBM_FRACTION = 0.55
-"""Achieved share of `Hardware.gpu_hbm_gbps` by a memory-bound eager layer's unfused kernels
-(fitted: docs/performance.md run 35, the Qwen3.5-27B shape cut to 16 layers on an H100, torch's
-Gated DeltaNet fallback, 17.51 s measured, 16.84 predicted; 8.44 s when the traffic was not
-counted). Strided copies, zero fills and small per-chunk kernels stay well under the datasheet.
-Checked on one such layer alone (H100, issue 24, 4 x 2048 tokens, forward + backward): 0.118 s
-eager (0.122 predicted), 0.063-0.078 s compiled (0.073)."""
-COMPILED_TRAFFIC_FRACTION = 0.6
-"""A compiled layer's memory traffic against the eager count (fitted: run 32, the same shape
-with `compile_layers: true`, 11.36 s measured, 11.83 predicted)."""
-COMPILED_ROUTING_FRACTION = 0.2
-"""A compiled MoE layer's routing traffic against the eager count (fitted: one Qwen3-30B-A3B
-layer on an H100 at 8192 tokens, issue 24: forward 2.91 ms, forward + backward 8.83 ms compiled
-against 2.88 and 9.08 predicted; 0.6 would give 4.1 and 13.4)."""
 LOSS_RATE_FRACTION = 0.43
 """Achieved share of `Hardware.gpu_tflops_bf16` by the loss (engine/head.py: the lm_head
 matmuls and cross-entropy over fp32 logits, chunk by chunk), FLOPs 6 x V x D x T; its own rate,
@@ -169,15 +122,6 @@ class StepTime:
     tokens_per_s: float  # of the whole job (every rank)
     model_tflops: float  # 6 x active params x tokens/s
     vision_s: float = 0.0  # a VLM's vision modules, forward + backward (in compute_s)
-
-
-def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
-    """Forward FLOPs of softmax attention for one token, averaged over causal positions."""
-    if layer.attn_heads == 0:
-        return 0.0
-    w = layer.window
-    span = (seq + 1) / 2 if w is None or seq <= w else (w * (w + 1) / 2 + (seq - w) * w) / seq
-    return 2.0 * span * layer.attn_heads * (layer.attn_qk_dim + layer.attn_v_dim)
 
 
 def step_time(
@@ -299,7 +243,7 @@ def _costs(
         tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
         for la in spec.layers
     ]
-    fwd_s, bwd_s = _layer_s(spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled)
+    fwd_s, bwd_s = layer_seconds(spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled)
     recomputes = [op.layer for op in schedule.backward if op.kind == RECOMPUTE]
     loss = 6.0 * spec.lm_head_params * tokens
     loss_rate = rate  # never above the layers' rate (narrow models: small matmuls)
@@ -348,51 +292,6 @@ def _costs(
         clipping=clipping,
     )
     return costs, sum(fwd) + sum(bwd) + sum(fwd[i] for i in recomputes) + loss
-
-
-def _layer_s(
-    spec: ModelSpec,
-    hw: Hardware,
-    fwd: list[float],
-    bwd: list[float],
-    traffic: Sequence[tuple[int, int]],
-    micro_batches: int,
-    compiled: bool,
-) -> tuple[list[float], list[float]]:
-    """GPU seconds of each layer's forward and recompute + backward (all micro-batches): its
-    FLOPs at the achieved rate, or its memory traffic at HBM_FRACTION of the HBM bandwidth where
-    that takes longer (a memory-bound layer; the achieved rate covers a matmul-bound layer's
-    elementwise work, fitted so); a layer with routed experts or linear attention takes both,
-    one after the other (experts compiled: COMPILED_ROUTING_FRACTION of the traffic). Compiled:
-    COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION of the traffic. The backward adds the
-    gradient sum."""
-    rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
-    rate *= COMPILED_SPEEDUP if compiled else 1.0
-    hbm = hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION / micro_batches  # traffic is per micro-batch
-    share = COMPILED_TRAFFIC_FRACTION if compiled else 1.0
-    routing = COMPILED_ROUTING_FRACTION if compiled else 1.0
-    moved = list(traffic) or [(0, 0)] * len(fwd)
-
-    def seconds(flops: float, nbytes: int, layer: LayerSpec) -> float:
-        if layer.active_params < layer.params or layer.attn_heads == 0:  # experts, linear attn
-            return flops / rate + nbytes * routing / hbm
-        return max(flops / rate, nbytes * share / hbm)
-
-    layers = spec.layers
-    fwd_s = [seconds(f, m, la) for f, (m, _), la in zip(fwd, moved, layers, strict=True)]
-    bwd_s = [
-        seconds(b, m, la) + gradient_sum_s(la, spec.compute_dtype, hw) * micro_batches
-        for b, (_, m), la in zip(bwd, moved, layers, strict=True)
-    ]
-    return fwd_s, bwd_s
-
-
-def gradient_sum_s(layer: LayerSpec, compute_dtype: torch.dtype, hw: Hardware) -> float:
-    """GPU seconds of adding one micro-batch's parameter gradients of `layer` into its fp32
-    accumulator (engine/backward.py, outside any compiled region): the gradient and the sum read,
-    the sum written, at HBM_FRACTION of the HBM bandwidth."""
-    nbytes = layer.params * (2 * 4 + compute_dtype.itemsize)
-    return nbytes / (hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION)
 
 
 def _collectives_s(spec: ModelSpec, ranks: Ranks, c: Costs) -> float:

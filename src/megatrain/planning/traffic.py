@@ -4,7 +4,7 @@ An op reads its tensor arguments and writes its results; a view (select, transpo
 reshape) moves nothing. Matmuls and fused attention are left out: the planner times them by
 their FLOPs. The sum over a layer's other ops is what its elementwise, copy and reduction kernels
 move through HBM when none is fused (eager layers): the planner's bound on a memory-bound
-layer's time (planning/timing.py, `HBM_FRACTION`).
+layer's time (planning/layer_time.py, `HBM_FRACTION`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 _VIEWS = frozenset({"_unsafe_view", "lift_fresh", "alias"})  # views without alias annotations
-_FLOPS = frozenset(  # timed by their FLOPs (planning/timing.py)
+_FLOPS = frozenset(  # timed by their FLOPs (planning/layer_time.py)
     {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
     | {
         f"_scaled_dot_product_{kernel}_attention{end}"

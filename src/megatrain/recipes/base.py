@@ -75,7 +75,8 @@ from megatrain.model.kernels import kernel_report
 from megatrain.planning.disk import check_run_disk, checkpoint_nbytes, run_disk_bytes
 from megatrain.recipes import records
 from megatrain.recipes.builder import RunBuilder
-from megatrain.recipes.oom import RankFailures, recovering_step
+from megatrain.recipes.oom import recovering_step
+from megatrain.recipes.rank_failures import RankFailures
 from megatrain.run_files import CONFIG_FILE
 from megatrain.trackers import tracker_names
 
@@ -108,7 +109,7 @@ class Recipe:
             keep_last=cfg.checkpoint.keep_last,
         )
         placement = self.builder.placement
-        # several ranks: an out-of-memory step on one reaches them all (recipes/oom.py)
+        # several ranks: an out-of-memory step on one reaches them all (recipes/rank_failures.py)
         self.rank_failures = RankFailures(placement) if placement.world_size > 1 else None
         self.plan_stepped_up = False  # a transient step-down went back up once (recipes/oom.py)
         self.run_id = ""  # the claim's; a resumed run takes its checkpoint's

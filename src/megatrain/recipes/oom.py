@@ -14,19 +14,7 @@ runs the same micro-batches again on an engine built from the next smaller plan
 the missing bytes added to the margin, so "auto" layer-input and tile choices follow). Tier
 blocks leaving the GPU move their master and AdamW states back to the host unchanged.
 
-Several ranks step down together (`RankFailures`). The rank that ran out of memory cannot
-simply stop: the others would wait inside the step's next collective for it. It writes the
-failed step and its shortfall into the job's key-value store (torchrun's rendezvous store,
-which outlives a process group) and aborts its process group; on every other rank a watcher
-thread, polling that store while a step runs, aborts the group too, so whatever collective the
-rank is blocked in ends with an error. Every rank then undoes its part of the step, the ranks
-join a new process group (its keys under a new prefix of the same store), agree on the
-largest shortfall, and each steps down the same plan (the GPU-tier count is agreed as ever:
-the least over ranks) before the step runs again everywhere.
-
-A rank that stops with any other error during a step says so through the same store first:
-the others abort their group and exit quietly, rather than wait in a collective until its
-timeout (MEGATRAIN_COLLECTIVE_TIMEOUT_S) and print its traceback.
+Several ranks step down together: recipes/rank_failures.py.
 
 A kernel package's launch that the driver could not place (Triton loading a kernel's module
 and local memory, first while flash-linear-attention autotunes) asks for memory outside
@@ -44,17 +32,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import re
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatrain.checkpoint.rng import rng_state, set_rng_state
-from megatrain.distributed import Placement, abort, job_store, rank_max, rejoin
 from megatrain.engine.engine import StepResult, StreamingEngine
 from megatrain.engine.plan import tier_order
 from megatrain.errors import GpuOutOfMemory
@@ -64,10 +49,11 @@ from megatrain.store.host import HostStore
 
 if TYPE_CHECKING:  # the base recipe imports this module
     from megatrain.recipes.base import Recipe
+    from megatrain.recipes.rank_failures import RankFailures
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _TRIED = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
-_FIX = (
+FIX = (
     "lower training.micro_batch_size (raise gradient_accumulation_steps to keep the tokens "
     "per step) or data.cutoff_len, or give the plan more room: memory.gpu_margin_gib, "
     "memory.gpu_state_blocks 0, memory.activation_offload on, memory.mlp_tiles (more tiles)"
@@ -144,185 +130,53 @@ def step_down(
     `same_plan_ok`, a launch that failed outside PyTorch's allocator keeps the plan
     (`SamePlan`). Raises GpuOutOfMemory when it cannot. One process; several ranks:
     `RankFailures.step_down`."""
-    where = _where(error, step)
+    where = where_failed(error, step)
     if engine is not None and engine.updates_begun:
-        raise GpuOutOfMemory(_BEGUN.format(where=where, fix=_FIX)) from error
+        raise GpuOutOfMemory(UPDATES_BEGUN.format(where=where, fix=FIX)) from error
     if same_plan_ok and outside_allocator(error):
         if engine is not None:
             engine.abandon_step()
-        return SamePlan(_first_line(error))
-    change = _smaller_plan(builder, shortfall_bytes(error, builder.device), where, error)
+        return SamePlan(first_line(error))
+    change = smaller_plan(builder, shortfall_bytes(error, builder.device), where, error)
     change = dataclasses.replace(change, transient=outside_allocator(error))
     if engine is not None:
         engine.abandon_step()
-    _tier_to_host(builder, engine.store if engine is not None else store, change)
+    tier_to_host(builder, engine.store if engine is not None else store, change)
     return change
 
 
-_BEGUN = (
+UPDATES_BEGUN = (
     "{where} after its first optimizer updates were applied (optimizer.max_grad_norm 0 "
     "updates each layer as its gradient lands), so it cannot be undone. Resume from the last "
     "checkpoint after you {fix}"
 )
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
 
 
-def _where(error: BaseException, step: int) -> str:
-    return f"step {step} ran out of GPU memory ({_first_line(error)})"
+def where_failed(error: BaseException, step: int) -> str:
+    return f"step {step} ran out of GPU memory ({first_line(error)})"
 
 
-def _smaller_plan(
+def smaller_plan(
     builder: PlanBuilder, shortfall: int, where: str, error: BaseException | None
 ) -> StepDown:
     change = builder.step_down(shortfall)
     if change is None:
         raise GpuOutOfMemory(
             f"{where} and the plan has nothing left to give up "
-            f"({builder.engine_plan().describe()}). To fit, {_FIX}"
+            f"({builder.engine_plan().describe()}). To fit, {FIX}"
         ) from error
     return change
 
 
-def _tier_to_host(builder: PlanBuilder, store: HostStore | None, change: StepDown) -> None:
+def tier_to_host(builder: PlanBuilder, store: HostStore | None, change: StepDown) -> None:
     assert store is not None, "step_down needs the engine or the store"
     for block in tier_order(store.layers, store.embed, store.head)[change.after.gpu_state_blocks :]:
         if block.master.device.type != "cpu":  # a tier block leaving the GPU
             block.to_host(pin=builder.pin_memory)
-
-
-_FAILED = "megatrain/failed"  # a rank's error that ends the job (the rank's number)
-
-
-class RankFailures:
-    """Out-of-memory steps under several ranks: one rank's failure reaches every rank, and all
-    step down together (the module docstring has the protocol)."""
-
-    POLL_S = 0.2  # how often the watcher looks at the store while a step runs (2 keys a look)
-
-    def __init__(self, placement: Placement) -> None:
-        self.placement = placement
-        self.store = job_store()
-        self.generation = 0  # process groups joined since the first; the store keys' prefix
-        self._lock = threading.Lock()
-        self._aborted = -1  # the generation whose group this rank has aborted
-        self._armed = threading.Event()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="rank-failures", daemon=True)
-        self._thread.start()
-
-    def _key(self, generation: int | None = None) -> str:
-        return f"megatrain/oom/{self.generation if generation is None else generation}"
-
-    @contextmanager
-    def watching(self) -> Iterator[None]:
-        """While the body runs (a step, an engine build), another rank's announcement aborts
-        this rank's process group."""
-        self._armed.set()
-        try:
-            yield
-        finally:
-            self._armed.clear()
-
-    def _watch(self) -> None:
-        while not self._closed.is_set():
-            if not self._armed.wait(0.5):
-                continue
-            generation = self.generation
-            try:
-                announced = self.store.check([self._key(generation)]) or self.store.check([_FAILED])
-            except Exception:  # the store is gone: the job is ending
-                return
-            if announced:
-                self._abort(generation)
-            time.sleep(self.POLL_S)
-
-    def _abort(self, generation: int) -> None:
-        with self._lock:
-            if generation == self.generation and self._aborted != generation:
-                self._aborted = generation
-                abort()
-
-    def check(self) -> None:
-        """Raise if another rank announced an out-of-memory step or an error: the engine's
-        `before_updates`, so no update of a step that another rank failed is applied (on
-        CUDA this rank's collectives, aborted, end without an error)."""
-        if self.store.check([self._key()]) or self.failed_elsewhere():
-            raise RuntimeError("another rank's step failed")
-
-    def joins(self, error: BaseException) -> bool:
-        """Whether `error` is part of an out-of-memory step: this rank's own, or what another
-        rank's announcement (and the aborted group) made of this rank's step. A rank announces
-        before it aborts its group, so a consequence here always finds the announcement."""
-        return is_out_of_memory(error) or self.store.check([self._key()])
-
-    def failed_elsewhere(self) -> bool:
-        """Whether another rank stopped with an error of its own (it reports it)."""
-        return self.store.check([_FAILED])
-
-    def announce_failure(self) -> None:
-        """This rank stops with an error that is not an out-of-memory step: the others, told
-        through the store, abort their group and exit quietly instead of waiting inside a
-        collective until its timeout."""
-        self.store.set(_FAILED, str(self.placement.rank))
-        self._abort(self.generation)
-
-    def step_down(
-        self,
-        error: BaseException,
-        *,
-        step: int,
-        builder: PlanBuilder,
-        engine: StreamingEngine | None = None,
-        store: HostStore | None = None,
-        same_plan_ok: bool = False,
-    ) -> StepDown | SamePlan:
-        """`step_down` on every rank at once, after `joins(error)`: announce (this rank's own
-        out of memory: the step), abort, undo this rank's part, join a new group, agree on the
-        largest shortfall, step down; or keep the plan (`SamePlan`) where every rank that ran
-        out of memory did so outside PyTorch's allocator and `same_plan_ok`."""
-        own = is_out_of_memory(error)
-        failed = self._key()
-        shortfall = shortfall_bytes(error, builder.device) if own else 0
-        if own:
-            self.store.set(failed, str(step))
-        self._abort(self.generation)
-        begun = engine is not None and engine.updates_begun
-        if engine is not None and not begun:
-            engine.abandon_step()
-        with self._lock:
-            self.generation += 1
-        rejoin(self.placement, self.generation)
-        announced = int(self.store.get(failed))
-        where = (
-            f"{_where(error, announced)} on rank {self.placement.rank}"
-            if own
-            else f"step {announced} ran out of GPU memory on another rank"
-        )
-        # the same answers on every rank, from the new group
-        if rank_max(int(begun or announced != step)):
-            if own:
-                raise GpuOutOfMemory(_BEGUN.format(where=where, fix=_FIX)) from error
-            raise SystemExit(1)  # the rank that ran out of memory says why
-        # a rank whose own failure was the allocator's rules the plan smaller for good
-        allocator = rank_max(int(own and not outside_allocator(error)))
-        if same_plan_ok and not allocator:
-            return SamePlan(_first_line(error) if own else "on another rank")
-        shortfall = rank_max(shortfall)
-        try:
-            change = _smaller_plan(builder, shortfall, where, error if own else None)
-        except GpuOutOfMemory:
-            if own:
-                raise
-            raise SystemExit(1) from None
-        change = dataclasses.replace(change, transient=not allocator)
-        _tier_to_host(builder, engine.store if engine is not None else store, change)
-        return change
-
-    def close(self) -> None:
-        self._closed.set()
 
 
 def recovering_step(

@@ -17,7 +17,7 @@ from megatrain.commands.estimate import add_arguments, run
 from megatrain.model.tiny import tiny_config
 from megatrain.planning import Hardware, model_spec
 from megatrain.planning.hardware import GIB
-from megatrain.planning.timing import attention_flops_per_token
+from megatrain.planning.layer_time import attention_flops_per_token
 from predict import predict
 
 SEQ, ROWS, ACCUM = 64, 8, 3

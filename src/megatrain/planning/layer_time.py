@@ -1,0 +1,123 @@
+"""GPU seconds of a decoder layer's forward and of its recompute + backward, from the FLOPs and
+memory traffic its meta profile counts (planning/activations.py); planning/timing.py builds a
+step's costs from them.
+
+- memory-bound layers: a layer's GPU time is the longer of its FLOPs at the achieved rate
+  (`Hardware.flops_per_s`) and its
+  memory traffic (the bytes its non-matmul aten ops read and write, counted on meta:
+  planning/traffic.py) at HBM_FRACTION of the HBM bandwidth. Dense layers stay FLOP-bound (the
+  fitted rate covers their elementwise work); transformers' torch fallback of
+  Gated DeltaNet (`torch_chunk_gated_delta_rule`) is memory-bound: its loop over 64-token chunks
+  indexes full-sequence fp32 tensors (`x[:, :, i]`), and each index's backward writes a zeroed
+  tensor of the full size which autograd then adds up, chunks x sequence bytes (Qwen3.5-27B
+  shape, 4 x 2048 tokens: 224 GB a forward + backward against 16 GB for a Llama-3.1-8B layer).
+  Linear-attention layers take FLOPs and traffic one after the other, as MoE layers below:
+  beside their matmuls they run a chain of elementwise kernels (short convolution, gates,
+  norms, casts) that the fitted rate of a dense layer does not cover. With
+  flash-linear-attention installed the GPU runs its fused kernels: the profile counts each call
+  as those (planning/fused.py; 33 GB a forward + backward for that layer; the chunked kernel
+  itself measured 1.69 ms forward, 3.44 ms backward at 4 x 2048 tokens on an H100), and the
+  layers' forward and recompute + backward come out at 8.31 s of GPU time against 8.29 s
+  measured (docs/performance.md run 41; the max of the two gave 6.10 s). The torch fallback's
+  rows, memory-bound, read 1.20x (eager, run 35) and 0.85x (compiled, run 32) of their
+  measured steps with the sum, where the max, which HBM_FRACTION was fitted with, read 0.98x
+  and 1.00x: the fallback is the slow path the run warns about, the fused one is what users
+  run;
+- MoE layers (routed experts): FLOPs and traffic add up. The routing's index, scatter and
+  elementwise kernels (half an eager layer's time) move 4x the bytes per FLOP of a dense
+  layer and sit between the expert matmuls, so neither hides the other: one Qwen3-30B-A3B layer
+  at 4 x 2048 tokens on an H100 (issue 24) takes 6.31 ms forward, 18.46 ms forward + backward
+  eager (5.83 and 19.05 predicted; max(FLOPs, traffic) gave 3.12 and 10.74). Compiled, inductor
+  fuses most of the routing: COMPILED_ROUTING_FRACTION of its traffic stays;
+- gradient sum: each micro-batch's parameter gradients are added into the layer's fp32
+  accumulator (engine/backward.py), 8 + 2 bytes a parameter at HBM_FRACTION, outside any
+  compiled region. It scales with a layer's parameters, not its FLOPs: 4% of a Llama-3.1-8B
+  layer's eager time at 4 x 2048 tokens, 14% of a Qwen3-30B-A3B layer's (11x its active
+  parameters), 0.33 s of that MoE shape's 12-layer rows (2.6-3.6 s), which missed it before;
+- compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
+  issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
+  eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,
+  activation, residuals);
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatrain.planning.hardware import Hardware
+from megatrain.planning.spec import LayerSpec, ModelSpec
+
+COMPILED_SPEEDUP = 1.2
+"""Compiled layers against eager ones, GPU time of forward, recompute and backward (fitted:
+Llama-3.1-8B and Qwen2.5-14B shapes on an H100, eager-fitted predictions 1.17x and 1.25x the
+measured compiled steps; checked again in docs/performance.md run 13)."""
+HBM_FRACTION = 0.55
+"""Achieved share of `Hardware.gpu_hbm_gbps` by a memory-bound eager layer's unfused kernels
+(fitted: docs/performance.md run 35, the Qwen3.5-27B shape cut to 16 layers on an H100, torch's
+Gated DeltaNet fallback, 17.51 s measured, 16.84 predicted; 8.44 s when the traffic was not
+counted). Strided copies, zero fills and small per-chunk kernels stay well under the datasheet.
+Checked on one such layer alone (H100, issue 24, 4 x 2048 tokens, forward + backward): 0.118 s
+eager (0.122 predicted), 0.063-0.078 s compiled (0.073)."""
+COMPILED_TRAFFIC_FRACTION = 0.6
+"""A compiled layer's memory traffic against the eager count (fitted: run 32, the same shape
+with `compile_layers: true`, 11.36 s measured, 11.83 predicted)."""
+COMPILED_ROUTING_FRACTION = 0.2
+"""A compiled MoE layer's routing traffic against the eager count (fitted: one Qwen3-30B-A3B
+layer on an H100 at 8192 tokens, issue 24: forward 2.91 ms, forward + backward 8.83 ms compiled
+against 2.88 and 9.08 predicted; 0.6 would give 4.1 and 13.4)."""
+
+
+def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
+    """Forward FLOPs of softmax attention for one token, averaged over causal positions."""
+    if layer.attn_heads == 0:
+        return 0.0
+    w = layer.window
+    span = (seq + 1) / 2 if w is None or seq <= w else (w * (w + 1) / 2 + (seq - w) * w) / seq
+    return 2.0 * span * layer.attn_heads * (layer.attn_qk_dim + layer.attn_v_dim)
+
+
+def layer_seconds(
+    spec: ModelSpec,
+    hw: Hardware,
+    fwd: list[float],
+    bwd: list[float],
+    traffic: Sequence[tuple[int, int]],
+    micro_batches: int,
+    compiled: bool,
+) -> tuple[list[float], list[float]]:
+    """GPU seconds of each layer's forward and recompute + backward (all micro-batches): its
+    FLOPs at the achieved rate, or its memory traffic at HBM_FRACTION of the HBM bandwidth where
+    that takes longer (a memory-bound layer; the achieved rate covers a matmul-bound layer's
+    elementwise work, fitted so); a layer with routed experts or linear attention takes both,
+    one after the other (experts compiled: COMPILED_ROUTING_FRACTION of the traffic). Compiled:
+    COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION of the traffic. The backward adds the
+    gradient sum."""
+    rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
+    rate *= COMPILED_SPEEDUP if compiled else 1.0
+    hbm = hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION / micro_batches  # traffic is per micro-batch
+    share = COMPILED_TRAFFIC_FRACTION if compiled else 1.0
+    routing = COMPILED_ROUTING_FRACTION if compiled else 1.0
+    moved = list(traffic) or [(0, 0)] * len(fwd)
+
+    def seconds(flops: float, nbytes: int, layer: LayerSpec) -> float:
+        if layer.active_params < layer.params or layer.attn_heads == 0:  # experts, linear attn
+            return flops / rate + nbytes * routing / hbm
+        return max(flops / rate, nbytes * share / hbm)
+
+    layers = spec.layers
+    fwd_s = [seconds(f, m, la) for f, (m, _), la in zip(fwd, moved, layers, strict=True)]
+    bwd_s = [
+        seconds(b, m, la) + gradient_sum_s(la, spec.compute_dtype, hw) * micro_batches
+        for b, (_, m), la in zip(bwd, moved, layers, strict=True)
+    ]
+    return fwd_s, bwd_s
+
+
+def gradient_sum_s(layer: LayerSpec, compute_dtype: torch.dtype, hw: Hardware) -> float:
+    """GPU seconds of adding one micro-batch's parameter gradients of `layer` into its fp32
+    accumulator (engine/backward.py, outside any compiled region): the gradient and the sum read,
+    the sum written, at HBM_FRACTION of the HBM bandwidth."""
+    nbytes = layer.params * (2 * 4 + compute_dtype.itemsize)
+    return nbytes / (hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION)
