@@ -52,6 +52,7 @@ def _table(base: str, run: str) -> tuple[str, ...]:
 
 
 _DENSE = ("--preset", "llama3.1-8b", "--seq", "2048", "--micro", "4")
+_COMPILE = ("--", "--training.compile_layers", "true")  # a _cli row's override: compiled
 _STREAMED = ("--memory.gpu_state_blocks", "0")  # overrides: every block's AdamW on the host
 _INT8 = ("--optimizer.state_dtype", "int8")
 # issue 11: the Llama-3.1-8B shape, one row a step, 1 warm-up step; the engine before long-row
@@ -329,7 +330,8 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "user_moe": Scenario(
         "issue 24: megatrain train on a Qwen3-30B-A3B shape cut to 12 layers at 64k "
-        "tokens/step (defaults: its MoE layers eager) and the same compiled, beside the "
+        "tokens/step (defaults: eager until run 41, compiled by auto since) and the same "
+        "compiled, beside the "
         "Llama-3.1-8B shape compiled at 64k (the reference of the same call); 8 steps each",
         (
             _cli("moe64k", *_MOE, "--timeout", "150"),
@@ -346,7 +348,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "--training.compile_layers",
                 "true",
             ),
-            _cli("moe64k_c", *_MOE, "--timeout", "170", "--", "--training.compile_layers", "true"),
+            _cli("moe64k_c", *_MOE, "--timeout", "170", *_COMPILE),
             (PY, "bench/cli_table.py", "--names", "dense64k,moe64k,moe64k_c"),
         ),
         timeout_s=220,
@@ -358,12 +360,12 @@ SCENARIOS: dict[str, Scenario] = {
         "with compile_layers true on torch's kernels (6 steps); a table last",
         (
             _cli("dense64k", *_DENSE, "--rows", "32", "--steps", "6", "--timeout", "170"),
-            _cli("moe64k_c", *_MOE, "--timeout", "170", "--", "--training.compile_layers", "true"),
+            _cli("moe64k_c", *_MOE, "--timeout", "170", *_COMPILE),
             _cli(
                 "hybrid64k_c",
                 *_HYBRID,
                 *("--steps", "6", "--timeout", "230"),
-                *("--", "--training.compile_layers", "true"),
+                *_COMPILE,
             ),
             (PY, "bench/cli_table.py", "--names", "dense64k,moe64k_c,hybrid64k_c"),
         ),
@@ -393,7 +395,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "hybrid64k_c",
                 *_HYBRID,
                 *("--steps", "5", "--timeout", "420"),
-                *("--", "--training.compile_layers", "true"),
+                *_COMPILE,
             ),
         ),
         timeout_s=590,
@@ -468,7 +470,7 @@ SCENARIOS: dict[str, Scenario] = {
         "steps): Llama-3.1-8B shape at 64k tokens/step compiled, at 128k, and a Qwen3-30B-A3B "
         "shape cut to 12 layers at 64k",
         (
-            _cli("dense64k", *_DENSE, "--rows", "32", "--", "--training.compile_layers", "true"),
+            _cli("dense64k", *_DENSE, "--rows", "32", *_COMPILE),
             _cli("dense128k", *_DENSE, "--rows", "64"),
             _cli("moe64k", "--preset", "qwen3-30b-a3b", "--layers", "12", "--rows", "32"),
         ),
@@ -497,9 +499,7 @@ SCENARIOS: dict[str, Scenario] = {
         "issue 22: a Qwen3.5-27B shape cut to 16 layers at 64k, eager (auto) and compiled",
         (
             _cli("hybrid64k", *_HYBRID, "--steps", "6"),
-            _cli(
-                "hybrid64k_c", *_HYBRID, "--steps", "6", "--", "--training.compile_layers", "true"
-            ),
+            _cli("hybrid64k_c", *_HYBRID, "--steps", "6", *_COMPILE),
         ),
         timeout_s=590,
     ),
