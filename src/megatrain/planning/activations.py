@@ -150,6 +150,8 @@ class LayerProfile:
     traffic: tuple[tuple[int, int], ...] = ()
     # the largest single tensor of one layer's recompute + backward, max over layer groups
     largest_bytes: int = 0
+    # per layer: whether a kernel package's call in it was counted as its fused kernels
+    fused: tuple[bool, ...] = ()
 
     @property
     def workspace_extra_bytes(self) -> int:
@@ -183,7 +185,7 @@ def layer_profile(
         ]
         workspace = attention_workspace(spec, rows, seq, split_heads)
         peak, attention_peak, largest, ops = 0, 0, 0, [(0, 0)] * spec.num_layers
-        traffic = [(0, 0)] * spec.num_layers
+        traffic, fused = [(0, 0)] * spec.num_layers, [False] * spec.num_layers
         for group in spec.structure.groups:
             first = group.layer_indices[0]
             layer = spec.structure.layers[first]
@@ -194,7 +196,7 @@ def layer_profile(
             if m.attention:
                 attention_peak = max(attention_peak, m.attention + workspace)
             for i in group.layer_indices:
-                ops[i], traffic[i] = m.ops, m.traffic
+                ops[i], traffic[i], fused[i] = m.ops, m.traffic, m.fused
         spec.cache[key] = LayerProfile(
             peak,
             shapes.bytes_of(captured.calls),
@@ -203,6 +205,7 @@ def layer_profile(
             attention_peak,
             tuple(traffic),
             largest,
+            tuple(fused),
         )
     profile: LayerProfile = spec.cache[key]
     return profile
@@ -266,6 +269,7 @@ class _Measured:
     ops: tuple[int, int]  # forward ops, all ops
     traffic: tuple[int, int]  # forward traffic, all traffic
     largest: int  # the largest single storage
+    fused: bool  # a kernel package's call counted as its fused kernels
 
 
 def _measure(
@@ -290,6 +294,7 @@ def _measure(
         (forward_ops, tracker.ops),
         (forward_traffic, tracker.traffic),
         tracker.largest,
+        tracker.fused.launches > 0,
     )
 
 

@@ -160,6 +160,7 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         schedule=schedule,
         layer_ops=profile.ops,
         layer_traffic=profile.traffic,
+        layer_fused=profile.fused,
         loss_ops=-(-setup.tokens_mb // chunk) * loss_chunk(spec, chunk).ops,
     )
     return Estimate(

@@ -11,18 +11,16 @@ step's costs from them.
   indexes full-sequence fp32 tensors (`x[:, :, i]`), and each index's backward writes a zeroed
   tensor of the full size which autograd then adds up, chunks x sequence bytes (Qwen3.5-27B
   shape, 4 x 2048 tokens: 224 GB a forward + backward against 16 GB for a Llama-3.1-8B layer).
-  Linear-attention layers take FLOPs and traffic one after the other, as MoE layers below:
-  beside their matmuls they run a chain of elementwise kernels (short convolution, gates,
-  norms, casts) that the fitted rate of a dense layer does not cover. With
-  flash-linear-attention installed the GPU runs its fused kernels: the profile counts each call
-  as those (planning/fused.py; 33 GB a forward + backward for that layer; the chunked kernel
-  itself measured 1.69 ms forward, 3.44 ms backward at 4 x 2048 tokens on an H100), and the
-  layers' forward and recompute + backward come out at 8.31 s of GPU time against 8.29 s
-  measured (docs/performance.md run 41; the max of the two gave 6.10 s). The torch fallback's
-  rows, memory-bound, read 1.20x (eager, run 35) and 0.85x (compiled, run 32) of their
-  measured steps with the sum, where the max, which HBM_FRACTION was fitted with, read 0.98x
-  and 1.00x: the fallback is the slow path the run warns about, the fused one is what users
-  run;
+  With flash-linear-attention installed the GPU runs its fused kernels: the profile counts each
+  call as those (planning/fused.py; 33 GB a forward + backward for that layer; the chunked
+  kernel itself measured 1.69 ms forward, 3.44 ms backward at 4 x 2048 tokens on an H100), and
+  such a layer takes FLOPs and traffic one after the other, as MoE layers below: beside its
+  matmuls and the fused kernel it runs a chain of elementwise kernels (short convolution,
+  gates, norms, casts) that the fitted rate of a dense layer does not cover. The layers'
+  forward and recompute + backward come out at 8.31 s of GPU time against 8.29 s measured
+  (docs/performance.md run 41; the max of the two gave 6.10 s). The torch fallback stays with
+  the max, which HBM_FRACTION was fitted with (its traffic, 224 GB, dwarfs the FLOPs; the sum
+  read 1.20x the eager row and 1.31x the compiled one);
 - MoE layers (routed experts): FLOPs and traffic add up. The routing's index, scatter and
   elementwise kernels (half an eager layer's time) move 4x the bytes per FLOP of a dense
   layer and sit between the expert matmuls, so neither hides the other: one Qwen3-30B-A3B layer
@@ -86,12 +84,14 @@ def layer_seconds(
     traffic: Sequence[tuple[int, int]],
     micro_batches: int,
     compiled: bool,
+    fused: Sequence[bool] = (),
 ) -> tuple[list[float], list[float]]:
     """GPU seconds of each layer's forward and recompute + backward (all micro-batches): its
     FLOPs at the achieved rate, or its memory traffic at HBM_FRACTION of the HBM bandwidth where
     that takes longer (a memory-bound layer; the achieved rate covers a matmul-bound layer's
-    elementwise work, fitted so); a layer with routed experts or linear attention takes both,
-    one after the other (experts compiled: COMPILED_ROUTING_FRACTION of the traffic). Compiled:
+    elementwise work, fitted so); a layer with routed experts, or whose kernel package call
+    counts as fused kernels (`fused`), takes both, one after the other (experts compiled:
+    COMPILED_ROUTING_FRACTION of the traffic). Compiled:
     COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION of the traffic. The backward adds the
     gradient sum."""
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
@@ -100,17 +100,20 @@ def layer_seconds(
     share = COMPILED_TRAFFIC_FRACTION if compiled else 1.0
     routing = COMPILED_ROUTING_FRACTION if compiled else 1.0
     moved = list(traffic) or [(0, 0)] * len(fwd)
+    serial = list(fused) or [False] * len(fwd)
 
-    def seconds(flops: float, nbytes: int, layer: LayerSpec) -> float:
-        if layer.active_params < layer.params or layer.attn_heads == 0:  # experts, linear attn
+    def seconds(flops: float, nbytes: int, layer: LayerSpec, kernels: bool) -> float:
+        if layer.active_params < layer.params:  # routed experts (spec.py)
             return flops / rate + nbytes * routing / hbm
+        if kernels:  # a package's fused kernels and the elementwise work around them
+            return flops / rate + nbytes * share / hbm
         return max(flops / rate, nbytes * share / hbm)
 
-    layers = spec.layers
-    fwd_s = [seconds(f, m, la) for f, (m, _), la in zip(fwd, moved, layers, strict=True)]
+    layers = list(zip(spec.layers, serial, strict=True))
+    fwd_s = [seconds(f, m, la, k) for f, (m, _), (la, k) in zip(fwd, moved, layers, strict=True)]
     bwd_s = [
-        seconds(b, m, la) + gradient_sum_s(la, spec.compute_dtype, hw) * micro_batches
-        for b, (_, m), la in zip(bwd, moved, layers, strict=True)
+        seconds(b, m, la, k) + gradient_sum_s(la, spec.compute_dtype, hw) * micro_batches
+        for b, (_, m), (la, k) in zip(bwd, moved, layers, strict=True)
     ]
     return fwd_s, bwd_s
 

@@ -133,12 +133,14 @@ def step_time(
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
     layer_traffic: Sequence[tuple[int, int]] = (),
+    layer_fused: Sequence[bool] = (),
 ) -> StepTime:
     """`schedule`: the engine's loads and layer visits (engine/schedule.py; a recompute visit
     runs a layer's forward again); `layer_ops`: per layer (forward ops, recompute + backward
     ops) of one micro-batch; `loss_ops`: ops of one micro-batch's loss (all its chunks);
     `layer_traffic`: per layer (forward, recompute + backward) bytes its ops move through GPU
-    memory in one micro-batch (empty: none counted)."""
+    memory in one micro-batch (empty: none counted); `layer_fused`: per layer, whether a kernel
+    package's call in it counts as its fused kernels (planning/layer_time.py)."""
     plan = setup.engine
     rows, seq, micro_batches, ranks = (
         setup.micro_batch_size,
@@ -157,6 +159,7 @@ def step_time(
         layer_ops=layer_ops,
         loss_ops=loss_ops,
         layer_traffic=layer_traffic,
+        layer_fused=layer_fused,
         tier=TierSplit.of(spec.num_layers, plan.gpu_state_blocks),
         state_dtype=setup.state_dtype,
         compiled=plan.compile_layers,
@@ -226,6 +229,7 @@ def _costs(
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
     layer_traffic: Sequence[tuple[int, int]],
+    layer_fused: Sequence[bool],
     tier: TierSplit,
     state_dtype: str,
     compiled: bool,
@@ -243,7 +247,9 @@ def _costs(
         tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
         for la in spec.layers
     ]
-    fwd_s, bwd_s = layer_seconds(spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled)
+    fwd_s, bwd_s = layer_seconds(
+        spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled, layer_fused
+    )
     recomputes = [op.layer for op in schedule.backward if op.kind == RECOMPUTE]
     loss = 6.0 * spec.lm_head_params * tokens
     loss_rate = rate  # never above the layers' rate (narrow models: small matmuls)
