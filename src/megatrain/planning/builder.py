@@ -64,13 +64,13 @@ class StepDown:
 
     def describe(self) -> str:
         """One paragraph: what the plan changed, and what it costs."""
-        a, b = self.after, self.before
         if self.transient:
             return (
                 f"the plan stepped down for this step: {self.changes()}. The failures were "
                 "kernel launches outside PyTorch's allocator (a kernel package autotuning), "
                 "so the plan goes back up once the step has run"
             )
+        a, b = self.after, self.before
         return (
             f"the plan stepped down: {self.changes()} (planned with "
             f"memory.gpu_margin_gib {self.margin_gib[1]:g} instead of {self.margin_gib[0]:g}); "
