@@ -217,6 +217,18 @@ def _vision_s(spec: ModelSpec, hw: Hardware, setup: Setup) -> tuple[float, float
     return flops / rate, again * flops / rate
 
 
+def _layer_flops(spec: ModelSpec, tokens: int, seq: int) -> tuple[list[float], list[float]]:
+    """Each layer's FLOPs in a step: forward, and recompute + backward (the module docstring)."""
+    fwd = [
+        tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
+    ]
+    bwd = [
+        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
+        for la in spec.layers
+    ]
+    return fwd, bwd
+
+
 def _costs(
     spec: ModelSpec,
     hw: Hardware,
@@ -240,13 +252,7 @@ def _costs(
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     layer_launch = launch * (COMPILED_OPS_FRACTION if compiled else 1.0)
     elem = torch.finfo(spec.compute_dtype).bits // 8  # weights up and gradients down
-    fwd = [
-        tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
-    ]
-    bwd = [
-        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
-        for la in spec.layers
-    ]
+    fwd, bwd = _layer_flops(spec, tokens, seq)
     fwd_s, bwd_s = layer_seconds(
         spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled, layer_fused
     )
