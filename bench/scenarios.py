@@ -383,7 +383,7 @@ SCENARIOS: dict[str, Scenario] = {
             _cli(
                 "moe64k_m16_noclip",
                 *(*_MOE, "--micro", "16", "--steps", "6", "--timeout", "150"),
-                *("--", "--training.max_grad_norm", "0"),
+                *("--", "--optimizer.max_grad_norm", "0"),
             ),
             _cli(
                 "moe256k_m16",

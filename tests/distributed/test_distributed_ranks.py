@@ -185,18 +185,22 @@ def test_out_of_memory_on_one_rank_steps_every_rank_down(
     _same_run(tmp_path, two)
 
 
-def test_a_kernel_launch_out_of_memory_on_one_rank_reruns_the_step_everywhere(
+def test_kernel_launches_out_of_memory_on_one_rank_step_every_rank_down_for_one_step(
     runs: tuple[Path, Path, list[float]], tmp_path: Path
 ) -> None:
     """Rank 1's step 2 fails in a kernel launch outside PyTorch's allocator (Triton's out of
-    memory): every rank undoes the step, joins a new group and runs it again on the same plan
-    (2 tier blocks kept), one `oom_retry` record, no step-down; the run ends as planned."""
+    memory), and again in its rerun: every rank undoes the step, joins a new group and runs it
+    again on the same plan (`oom_retry`), then on a smaller plan for that step only (a
+    transient `plan_step_down`), and after it every rank goes back up to the 2 tier blocks
+    (`plan_step_up`, planned alike on each rank); the run ends as planned."""
     two, _, _ = runs
-    run = _oom_run(tmp_path, plant="triton")
+    run = _oom_run(tmp_path, plant="triton2")
     (retry,) = _records(tmp_path, "oom_retry")
-    assert retry["step"] == 2
-    assert not _records(tmp_path, "plan_step_down")
-    assert run.stderr.count("ran out of GPU memory and is run again") == 1  # rank 0 says it
+    (down,) = _records(tmp_path, "plan_step_down")
+    (up,) = _records(tmp_path, "plan_step_up")
+    assert retry["step"] == down["step"] == up["step"] == 2 and down["transient"]
+    assert up["gpu_state_blocks"][1] == 2
+    assert run.stderr.count("ran out of GPU memory and is run again") == 2  # rank 0 says it
     _same_run(tmp_path, two)
 
 

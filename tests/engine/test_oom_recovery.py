@@ -21,6 +21,8 @@ import torch
 from megatrain.config import load_config
 from megatrain.engine.engine import StreamingEngine
 from megatrain.errors import GpuOutOfMemory
+from megatrain.planning.hardware import GIB
+from megatrain.recipes import oom
 from megatrain.recipes.oom import is_out_of_memory
 from megatrain.recipes.sft import Trainer
 
@@ -178,6 +180,29 @@ def test_a_second_kernel_launch_out_of_memory_steps_down_for_the_step_only(
     assert down["step"] == 2 and down["gpu_state_blocks"] == [3, 0] and down["transient"]
     (up,) = _events(run, "plan_step_up")
     assert up["step"] == 2 and up["gpu_state_blocks"] == [0, 3]
+    assert up["outside_allocator_gib"] == 0  # nothing held outside an allocator on the CPU
+    assert [e["step"] for e in _events(run, "train")] == list(range(1, STEPS + 1))
+
+
+def test_the_plan_stays_down_where_kernels_hold_memory_outside_the_allocator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the step-down for one step, the process holds 2 GiB more outside PyTorch's
+    allocator than when the run began (the autotuned kernels' modules and local memory, which
+    stay loaded: run 42 went back up and ran out of memory in the next step). The plan that
+    leaves those free has no more tier blocks than the smaller one (the CPU's "auto" is 0), so
+    the plan stays down and says so; the losses are still those of a run that never failed."""
+    expected = _losses(_trainer(tmp_path / "planned", 3))
+    _oom_once(monkeypatch, step=2, layer=1, error=RuntimeError(TRITON_OOM), times=2)
+    held = iter([0, 2 * GIB])  # as the first step begins, after step 2
+    monkeypatch.setattr(oom, "held_outside_allocator", lambda device: next(held))
+    trainer = _trainer(tmp_path / "recovered", 3)
+    assert _losses(trainer) == expected
+    assert trainer.builder.engine_plan().gpu_state_blocks == 0
+    run = tmp_path / "recovered"
+    assert not _events(run, "plan_step_up")
+    (kept,) = _events(run, "plan_kept")
+    assert kept["step"] == 2 and kept["outside_allocator_gib"] == 2.0
     assert [e["step"] for e in _events(run, "train")] == list(range(1, STEPS + 1))
 
 

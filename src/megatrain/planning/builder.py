@@ -97,6 +97,11 @@ class StepDown:
         }
 
 
+def _quarter_gib(nbytes: int) -> float:
+    """`nbytes` as GiB, rounded up to a quarter: a margin a user can type."""
+    return math.ceil(4 * nbytes / GIB) / 4
+
+
 def _inputs(plan: EnginePlan) -> str:
     return plan.boundaries.describe() if plan.boundaries else "layer inputs on the GPU"
 
@@ -246,7 +251,7 @@ class PlanBuilder:
         """
         cfg, mem = self.cfg, self.cfg.memory
         before, old_plan = self.engine_plan(), self.plan()
-        more_gib = max(1.0, math.ceil(4 * shortfall_bytes / GIB) / 4)
+        more_gib = max(1.0, _quarter_gib(shortfall_bytes))
         margin = mem.gpu_margin_gib + more_gib
         # a given tier count proved too large: the new margin's "auto" count, if smaller
         self._replan(dataclasses.replace(mem, gpu_margin_gib=margin, gpu_state_blocks="auto"))
@@ -265,15 +270,32 @@ class PlanBuilder:
             (old_plan.estimate.time.step_s, new_plan.estimate.time.step_s),
         )
 
-    def step_up(self, memory: Any) -> StepDown:
+    def step_up(self, memory: Any, grown_bytes: int = 0) -> StepDown | None:
         """Back to the plan of `memory` (the memory config before a transient step-down): the
-        change, as a StepDown whose `before` is the smaller plan."""
-        before, old_plan, margin = self.engine_plan(), self.plan(), self.cfg.memory.gpu_margin_gib
+        change, as a StepDown whose `before` is the smaller plan. `grown_bytes`: GPU memory
+        held outside PyTorch's allocator beyond what the run started with (kernel modules and
+        the driver's local memory that a kernel package's autotuning left behind); the plan
+        then leaves that much more free (memory.gpu_margin_gib), and its GPU tier is the
+        smaller of the count before and the count "auto" picks with that margin. None, with
+        nothing changed, when that plan is the current one or has fewer tier blocks."""
+        cfg, before, old_plan = self.cfg, self.engine_plan(), self.plan()
+        margin = cfg.memory.gpu_margin_gib
+        if grown_bytes > 0:
+            self._replan(memory)
+            planned = self.plan().gpu_state_blocks
+            wider = memory.gpu_margin_gib + _quarter_gib(grown_bytes)
+            self._replan(dataclasses.replace(memory, gpu_margin_gib=wider, gpu_state_blocks="auto"))
+            tier = min(planned, self.plan().gpu_state_blocks)
+            memory = dataclasses.replace(memory, gpu_margin_gib=wider, gpu_state_blocks=tier)
         self._replan(memory)
+        after = self.engine_plan()
+        if after == before or after.gpu_state_blocks < before.gpu_state_blocks:
+            self._replan(cfg.memory, cfg)
+            return None
         new_plan = self.plan()
         return StepDown(
             before,
-            self.engine_plan(),
+            after,
             (margin, memory.gpu_margin_gib),
             (old_plan.estimate.gpu.peak_bytes, new_plan.estimate.gpu.peak_bytes),
             (old_plan.estimate.time.step_s, new_plan.estimate.time.step_s),

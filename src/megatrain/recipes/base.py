@@ -112,6 +112,8 @@ class Recipe:
         # several ranks: an out-of-memory step on one reaches them all (recipes/rank_failures.py)
         self.rank_failures = RankFailures(placement) if placement.world_size > 1 else None
         self.plan_stepped_up = False  # a transient step-down went back up once (recipes/oom.py)
+        # GPU memory held outside PyTorch's allocator as the first step began (recipes/oom.py)
+        self.outside_allocator_bytes: int | None = None
         self.run_id = ""  # the claim's; a resumed run takes its checkpoint's
         self.step = 0
         self.saved_step: int | None = None  # the step of this run's last checkpoint

@@ -20,7 +20,12 @@ A kernel package's launch that the driver could not place (Triton loading a kern
 and local memory, first while flash-linear-attention autotunes) asks for memory outside
 PyTorch's allocator, which may hold several GiB cached but unused at that moment: the first
 such failure of a step is undone and the step run again on the same plan once the allocator's
-cache is released (`SamePlan`); only a second one in the same step steps the plan down.
+cache is released (`SamePlan`); only a second one in the same step steps the plan down, for
+that step: after it the plan goes back up (once a run), leaving free what the process then
+holds outside the allocator beyond what it held as the run's first step began (the tuned
+kernels' modules and the driver's local memory stay loaded: run 42 of docs/performance.md went
+back to its full plan and ran out of memory in the next step), or stays down where that leaves
+no larger plan (`plan_kept`).
 
 Not recoverable, stopped with one paragraph (`GpuOutOfMemory`) naming what to change: a step
 whose updates had begun on any rank (optimizer.max_grad_norm 0 updates each layer as its
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatrain.checkpoint.rng import rng_state, set_rng_state
+from megatrain.distributed import rank_max
 from megatrain.engine.engine import StepResult, StreamingEngine
 from megatrain.engine.plan import tier_order
 from megatrain.errors import GpuOutOfMemory
@@ -194,6 +200,8 @@ def recovering_step(
         metrics.log_event(step, change.event, change.record(), message)
 
     failures = recipe.rank_failures
+    if recipe.outside_allocator_bytes is None:  # before the run's first step
+        recipe.outside_allocator_bytes = held_outside_allocator(recipe.builder.device)
     same_plan_ok = True  # once a step
     planned = recipe.builder.cfg.memory  # the plan a transient step-down goes back to
     while True:
@@ -221,19 +229,46 @@ def recovering_step(
     return result
 
 
+def held_outside_allocator(device: torch.device) -> int:
+    """GPU memory this process holds outside PyTorch's allocator: the CUDA context, loaded
+    kernel modules, the driver's local memory for the kernels launched so far (a kernel
+    package's autotuning launches many), NCCL's buffers. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
 def _step_up(recipe: Recipe, memory: Any, step: int, metrics: Any) -> None:
     """Back to the plan before this step's transient step-down (once a run: a launch outside
-    the allocator that fails again later steps down for good)."""
-    recipe.engine.close()  # every update of the step applied before blocks move
-    change = recipe.builder.step_up(memory)
+    the allocator that fails again later steps down for good), leaving free what the process
+    now holds outside PyTorch's allocator beyond what it held when the run's first step began;
+    the plan stays where that leaves it no larger."""
     recipe.plan_stepped_up = True
+    began = recipe.outside_allocator_bytes or 0
+    grown = max(0, held_outside_allocator(recipe.builder.device) - began)
+    if recipe.rank_failures is not None:
+        grown = rank_max(grown)  # every rank plans the same
+    held = f"{grown / GIB:.2f} GiB more outside PyTorch's allocator than when the run began"
+    change = recipe.builder.step_up(memory, grown)
+    if change is None:
+        message = (
+            f"after step {step} the plan stays at {recipe.builder.engine_plan().describe()}: "
+            f"kernel launches hold {held} (a kernel package's loaded and autotuned kernels), "
+            "and the plan before the step-down would not leave that free"
+        )
+        record = {"outside_allocator_gib": round(grown / GIB, 2)}
+        metrics.log_event(step, "plan_kept", record, message)
+        return
+    recipe.engine.close()  # every update of the step applied before blocks move
     message = (
         f"after step {step} the plan goes back up: {change.changes()} (the step-down came from "
         "kernel launches outside PyTorch's allocator, which a kernel package's autotuning "
-        "makes in its first steps); predicted step "
+        f"makes in its first steps; they hold {held}); predicted step "
         f"{change.step_s[0]:.2f} s -> {change.step_s[1]:.2f} s"
     )
-    metrics.log_event(step, "plan_step_up", change.record(), message)
+    record = {**change.record(), "outside_allocator_gib": round(grown / GIB, 2)}
+    metrics.log_event(step, "plan_step_up", record, message)
     _rebuild_engine(
         recipe,
         step,
