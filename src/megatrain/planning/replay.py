@@ -51,11 +51,12 @@ class Replay:
         self.slot_free = [0.0] * c.schedule.num_slots
         self.head_ready = self.head_free = 0.0
         self.tasks: list[tuple[int, float, float]] = []  # (order, submitted, landed)
+        self.waited = 0.0  # the last step's host time waiting for updates (worker.wait)
 
     def run(self, steps: int) -> float:
         duration = 0.0
         for _ in range(steps):
-            start = self.t
+            start, self.waited = self.t, 0.0
             self._forward()
             self._loss()
             self._backward()
@@ -77,15 +78,21 @@ class Replay:
             duration = self.t - start
         return duration
 
+    def _wait_update(self, *done: float) -> None:
+        """Host sync point: worker.wait(block), until the blocks' updates are `done`."""
+        ready = max(done)
+        self.waited += max(0.0, ready - self.t)
+        self.t = max(self.t, ready)
+
     def _load(self, i: int, wait_update: bool) -> None:
         if wait_update:
-            self.t = max(self.t, self.updated[1 + i])  # host sync point: worker.wait(block)
+            self._wait_update(self.updated[1 + i])
         s = self.c.schedule.slot(i)
         begin = max(self.t, self.h, self.slot_free[s])
         self.h = self.slot_ready[s] = begin + self.c.h2d_s[i]
 
     def _load_head(self) -> None:
-        self.t = max(self.t, self.updated[-1], self.updated[0])
+        self._wait_update(self.updated[-1], self.updated[0])
         self.h = self.head_ready = max(self.t, self.h, self.head_free) + self.c.h2d_head_s
 
     def _compute(self, ready: float, seconds: float) -> float:
@@ -103,7 +110,7 @@ class Replay:
 
     def _forward(self) -> None:
         c = self.c
-        self.t = max(self.t, self.updated[0])  # the embedding rows come from updated weights
+        self._wait_update(self.updated[0])  # the embedding rows come from updated weights
         for op in c.schedule.forward:
             if op.kind == LOAD:
                 self._load(op.layer, wait_update=True)

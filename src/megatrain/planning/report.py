@@ -125,6 +125,12 @@ def _time_lines(est: Estimate) -> list[str]:
             f"{hw.optimizer_gparams_s:.2f} Gparams/s ({hw.source('optimizer_gparams_s')})",
         ),
         _row(
+            "  the next forward waits for its updates",
+            f"{t.wait_optimizer_s:.3f}",
+            "in the step; with clipping updates start after the backward (more tokens a step "
+            "spread them)",
+        ),
+        _row(
             "GPU AdamW (GPU tier, on the compute stream)",
             f"{t.gpu_optimizer_s:.3f}",
             "assumed rate",

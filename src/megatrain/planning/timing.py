@@ -113,6 +113,9 @@ class StepTime:
     h2d_s: float  # host-to-device copy stream busy (weights)
     d2h_s: float  # device-to-host copy stream busy (gradients)
     optimizer_s: float  # CPU AdamW busy time per step
+    # of the step, the host waiting for updates before loading blocks (metrics.jsonl
+    # time/wait_optimizer_s): with clipping every update starts after the backward
+    wait_optimizer_s: float
     gpu_optimizer_s: float  # AdamW of the GPU tier on the compute stream (not in compute_s)
     collective_s: float  # all-gathers and reduce-scatters of one step (ranks; 0 alone)
     bound: str  # the resource the step waits on most
@@ -168,7 +171,8 @@ def step_time(
     vision_fwd, vision_bwd = _vision_s(spec, hw, setup)
     costs.fwd_s[0] += vision_fwd  # before layer 0, per micro-batch (engine/vision.py)
     costs.bwd_s[0] += vision_bwd
-    step_s = Replay(costs).run(_STEPS)
+    replay = Replay(costs)
+    step_s = replay.run(_STEPS)
     forward_s = Replay(costs).forward_passes(_STEPS)
     compute_s = sum(costs.fwd_s) + sum(costs.bwd_s) + costs.loss_s
     loads = [op.layer for op in schedule.forward + schedule.backward if op.kind == LOAD]
@@ -190,6 +194,7 @@ def step_time(
         h2d_s=h2d_s,
         d2h_s=d2h_s,
         optimizer_s=optimizer_s,
+        wait_optimizer_s=replay.waited,
         gpu_optimizer_s=gpu_optimizer_s,
         collective_s=_collectives_s(spec, ranks, costs),
         bound=max(busy, key=lambda k: busy[k]),
