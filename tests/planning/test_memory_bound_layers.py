@@ -2,8 +2,8 @@
 planning/traffic.py) against the H100 runs of docs/performance.md: the rows of runs 32, 35, 40,
 41 and 42 as the estimator sees them on the assumed H100 test host (no GPU needed), 64k tokens a
 step (32 pre-training rows of 2048, micro-batch 4, unless a row says otherwise), clipping 1.0,
-bf16, and one MoE layer timed alone (issue 24). A check of the model against recorded measurements, not a timing of this
-machine."""
+bf16, and one MoE layer timed alone (issue 24). A check of the model against recorded
+measurements, not a timing of this machine."""
 
 from __future__ import annotations
 
