@@ -68,7 +68,8 @@ class StepDown:
             return (
                 f"the plan stepped down for this step: {self.changes()}. The failures were "
                 "kernel launches outside PyTorch's allocator (a kernel package autotuning), "
-                "so the plan goes back up once the step has run"
+                "so the plan goes back up once the step has run, as far as the memory the "
+                "tuned kernels keep allows"
             )
         a, b = self.after, self.before
         return (
