@@ -249,6 +249,7 @@ def _step_up(recipe: Recipe, memory: Any, step: int, metrics: Any) -> None:
     grown = max(0, held_outside_allocator(recipe.builder.device) - began)
     if recipe.rank_failures is not None:
         grown = rank_max(grown)  # every rank plans the same
+    outside = {"outside_allocator_gib": round(grown / GIB, 2)}  # both records carry it
     held = f"{grown / GIB:.2f} GiB more outside PyTorch's allocator than when the run began"
     change = recipe.builder.step_up(memory, grown)
     if change is None:
@@ -257,8 +258,7 @@ def _step_up(recipe: Recipe, memory: Any, step: int, metrics: Any) -> None:
             f"kernel launches hold {held} (a kernel package's loaded and autotuned kernels), "
             "and the plan before the step-down would not leave that free"
         )
-        record = {"outside_allocator_gib": round(grown / GIB, 2)}
-        metrics.log_event(step, "plan_kept", record, message)
+        metrics.log_event(step, "plan_kept", outside, message)
         return
     recipe.engine.close()  # every update of the step applied before blocks move
     message = (
@@ -267,8 +267,7 @@ def _step_up(recipe: Recipe, memory: Any, step: int, metrics: Any) -> None:
         f"makes in its first steps; they hold {held}); predicted step "
         f"{change.step_s[0]:.2f} s -> {change.step_s[1]:.2f} s"
     )
-    record = {**change.record(), "outside_allocator_gib": round(grown / GIB, 2)}
-    metrics.log_event(step, "plan_step_up", record, message)
+    metrics.log_event(step, "plan_step_up", {**change.record(), **outside}, message)
     _rebuild_engine(
         recipe,
         step,
