@@ -15,7 +15,8 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
 - CPU AdamW: params / rate per block, one worker thread; the rate is the probed kernel's (the
-  run's state dtype when probed so), else scaled by STATE_DTYPE_SPEED;
+  run's state dtype when probed so), else scaled by `state_dtype_speed`: the compressed
+  kernels' ratio to fp32 grows with the host's AdamW threads (`Hardware.optimizer_threads`);
 - GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
   copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
   after the block's backward, or with clipping after the norm sync of the step's end;
@@ -71,15 +72,32 @@ from megatrain.planning.spec import ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
 STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.45}
-"""CPU AdamW rate per state dtype relative to fp32, used only where the hardware's rate is of
-another kernel (the default, or a probe of fp32): `probe(state_dtype=...)` measures the run's own
-kernel, and then the ratio is 1. bf16: the C kernels with a busy main thread beside them on the
-H100 host of docs/performance.md run 10 (4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9
-parameters, 0.41 inside a 14.8B-parameter run (run 13); 0.45 between them. Against the default
-fp32 rate (5.2 Gparams/s in runs on that host, run 41) 0.45 gives 2.34, the low end of int8's
-2.3-2.6 in runs there. The ratio depends on
-the host (fp32 is bandwidth-bound, int8 compute-bound): on the 64-vCPU host of run 19 int8 ran
-6.5 Gparams/s inside a 56.9B run where fp32 probed 5.41."""
+"""CPU AdamW rate per state dtype relative to fp32 on the 16-vCPU H100 host (AdamW on
+SPEED_REFERENCE_THREADS threads), used only where the hardware's rate is of another kernel (the
+default, or a probe of fp32): `probe(state_dtype=...)` measures the run's own kernel, and then
+its rate is taken as it is. bf16: the C kernels with a busy main thread beside them on that host
+(docs/performance.md run 10: 4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9 parameters, 0.41
+inside a 14.8B-parameter run (run 13); 0.45 between them. Against the default fp32 rate (5.2
+Gparams/s in runs on that host, run 41) 0.45 gives 2.34, the low end of int8's 2.3-2.6 in runs
+there. Elsewhere the ratio follows the host's threads: STATE_DTYPE_THREADS_EXPONENT."""
+STATE_DTYPE_THREADS_EXPONENT = {"fp32": 0.0, "bf16": 0.38, "int8": 0.67}
+"""How a kernel's rate grows with the AdamW threads (`Hardware.optimizer_threads`): as
+(threads / SPEED_REFERENCE_THREADS) ** exponent. fp32 reads and writes 28 B/param and is bound
+by memory bandwidth, not cores: flat (the default 5.2 on every host; the 64-vCPU host of run 19
+probed 5.41 on 62 threads, though the 32-vCPU host ran 6.0-6.9 on 30 in runs 14 and 30, a
+faster memory system the thread count does not predict). The compressed kernels move 16-20
+B/param and spend the rest dequantising and rounding, so cores help them. Fitted to their
+in-run rates (CPU AdamW busy time over the host blocks' parameters), with 0.45 and 1.06 x 5.2
+held at 14 threads:
+- int8, least squares in log space over three runs: 30 threads (32-vCPU host, run 43) 3.43
+  (Qwen3.5-27B, 26.9B; 3.90 predicted, +14%) and 4.29 Gparams/s (Qwen3-Next cut to 19 layers,
+  31.9B; -9%), 62 threads (64-vCPU host, run 19, 56.9B) 6.5 (6.34, -2%);
+- bf16, one run: 30 threads (run 43, GPT-OSS-20B) 7.39 Gparams/s (7.36 predicted). Part of
+  it is that host's faster memory (its fp32 ran 1.2-1.3x the 16-vCPU host's), so beyond 30
+  threads it is an extrapolation (62 threads: 9.7)."""
+SPEED_REFERENCE_THREADS = Hardware().optimizer_threads
+"""AdamW threads of the host STATE_DTYPE_SPEED was measured on, the default hardware's (16
+vCPUs less the two that drive the GPU: threads.optimizer_threads)."""
 COMPILED_OPS_FRACTION = 0.3
 """Host launches of a compiled layer against the eager op count (assumed: fused elementwise
 chains; the matmuls and attention stay separate kernels)."""
@@ -206,6 +224,26 @@ def step_time(
     )
 
 
+def state_dtype_speed(state_dtype: str, threads: int) -> float:
+    """CPU AdamW rate of `state_dtype`'s kernel on `threads` threads against the fp32 kernel's
+    (flat across hosts): STATE_DTYPE_SPEED scaled by STATE_DTYPE_THREADS_EXPONENT."""
+    scale = (threads / SPEED_REFERENCE_THREADS) ** STATE_DTYPE_THREADS_EXPONENT[state_dtype]
+    return STATE_DTYPE_SPEED[state_dtype] * scale
+
+
+def optimizer_gparams_s(hw: Hardware, state_dtype: str) -> float:
+    """The node's CPU AdamW rate with `state_dtype` states: the hardware's rate when it is that
+    kernel's (the default fp32 one, or a probe of the run's own dtype, on the run's threads),
+    else that rate scaled by the two kernels' speeds on `hw.optimizer_threads` threads."""
+    if state_dtype == hw.optimizer_state_dtype:
+        return hw.optimizer_gparams_s
+    threads = hw.optimizer_threads
+    ratio = state_dtype_speed(state_dtype, threads) / state_dtype_speed(
+        hw.optimizer_state_dtype, threads
+    )
+    return hw.optimizer_gparams_s * ratio
+
+
 def _vision_s(spec: ModelSpec, hw: Hardware, setup: Setup) -> tuple[float, float]:
     """(forward, backward) seconds of a vision-language model's vision modules in a step: each
     image token is `patches_per_image_token` patches through the tower, 2 x its parameters in
@@ -267,8 +305,7 @@ def _costs(
     if spec.compute_dtype == torch.bfloat16:  # as flops_per_s: only bf16's rate is fitted
         loss_rate = min(rate, hw.gpu_tflops_bf16 * 1e12 * LOSS_RATE_FRACTION)
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
-    probed = STATE_DTYPE_SPEED[hw.optimizer_state_dtype]  # 1 when the rate is this kernel's
-    opt_rate = hw.optimizer_gparams_s * 1e9 * STATE_DTYPE_SPEED[state_dtype] / probed
+    opt_rate = optimizer_gparams_s(hw, state_dtype) * 1e9
     gpu_opt_rate = GPU_ADAMW_GPARAMS_S * 1e9
     n, resident = spec.num_layers, tier.layers
     # per block in forward order (embedding, layers, head): parameters the host updates
