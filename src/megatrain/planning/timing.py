@@ -62,6 +62,7 @@ from megatrain.engine.schedule import LOAD, RECOMPUTE, StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_numel, vision_width
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.layer_time import (
+    ATTENTION_RECOMPUTE_BACKWARD,
     attention_flops_per_token,
     layer_seconds,
 )
@@ -155,13 +156,15 @@ def step_time(
     loss_ops: int,
     layer_traffic: Sequence[tuple[int, int]] = (),
     layer_fused: Sequence[bool] = (),
+    layer_scores: Sequence[tuple[int, int]] = (),
 ) -> StepTime:
     """`schedule`: the engine's loads and layer visits (engine/schedule.py; a recompute visit
     runs a layer's forward again); `layer_ops`: per layer (forward ops, recompute + backward
     ops) of one micro-batch; `loss_ops`: ops of one micro-batch's loss (all its chunks);
     `layer_traffic`: per layer (forward, recompute + backward) bytes its ops move through GPU
     memory in one micro-batch (empty: none counted); `layer_fused`: per layer, whether a kernel
-    package's call in it counts as its fused kernels (planning/layer_time.py)."""
+    package's call in it counts as its fused kernels; `layer_scores`: per layer, the part of
+    its traffic on eager attention's [S, S] scores (planning/layer_time.py)."""
     plan = setup.engine
     rows, seq, micro_batches, ranks = (
         setup.micro_batch_size,
@@ -181,6 +184,7 @@ def step_time(
         loss_ops=loss_ops,
         layer_traffic=layer_traffic,
         layer_fused=layer_fused,
+        layer_scores=layer_scores,
         tier=TierSplit.of(spec.num_layers, plan.gpu_state_blocks),
         state_dtype=setup.state_dtype,
         compiled=plan.compile_layers,
@@ -266,7 +270,12 @@ def _layer_flops(spec: ModelSpec, tokens: int, seq: int) -> tuple[list[float], l
         tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
     ]
     bwd = [
-        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
+        tokens
+        * (
+            6.0 * la.active_params
+            + ATTENTION_RECOMPUTE_BACKWARD[la.attn_implementation]
+            * attention_flops_per_token(la, seq)
+        )
         for la in spec.layers
     ]
     return fwd, bwd
@@ -285,6 +294,7 @@ def _costs(
     loss_ops: int,
     layer_traffic: Sequence[tuple[int, int]],
     layer_fused: Sequence[bool],
+    layer_scores: Sequence[tuple[int, int]],
     tier: TierSplit,
     state_dtype: str,
     compiled: bool,
@@ -297,7 +307,7 @@ def _costs(
     elem = torch.finfo(spec.compute_dtype).bits // 8  # weights up and gradients down
     fwd, bwd = _layer_flops(spec, tokens, seq)
     fwd_s, bwd_s = layer_seconds(
-        spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled, layer_fused
+        spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled, layer_fused, layer_scores
     )
     recomputes = [op.layer for op in schedule.backward if op.kind == RECOMPUTE]
     loss = 6.0 * spec.lm_head_params * tokens
