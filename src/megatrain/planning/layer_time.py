@@ -32,6 +32,17 @@ step's costs from them.
   compiled region. It scales with a layer's parameters, not its FLOPs: 4% of a Llama-3.1-8B
   layer's eager time at 4 x 2048 tokens, 14% of a Qwen3-30B-A3B layer's (11x its active
   parameters), 0.33 s of that MoE shape's 12-layer rows (2.6-3.6 s), which missed it before;
+- eager attention (`LayerSpec.attn_implementation`: GPT-OSS's sinks, Gemma 2, or asked for):
+  its matmuls fill the whole [B, H, S, S] score matrix before the mask, so its FLOPs count
+  the whole row (no causal half, no window) and its recompute + backward 3 forwards
+  (ATTENTION_RECOMPUTE_BACKWARD); the profile counts the scale, mask, softmax and cast passes
+  over the scores as traffic (planning/traffic.py `on_scores`: 23.7 GB forward and 58.0 GB
+  recompute + backward of a GPT-OSS-20B layer's 33.4 and 87.2 at 4 x 2048 tokens). Compiled,
+  an MoE layer takes that part at COMPILED_TRAFFIC_FRACTION, not at the routing's fraction:
+  inductor fuses the chain around the scores but still reads and writes them. GPT-OSS-20B on
+  an H100 (docs/performance.md run 43, compiled, 64k tokens a step): recompute + backward
+  7.52 s of GPU predicted against 7.94 measured (4.91 with the scores as routing). The
+  fraction is the dense layers' (run 32), not refitted: this backward alone would ask 0.67;
 - compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
   issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
   eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,

@@ -2,9 +2,11 @@
 
 Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dtype):
 - layer i forward: (2 x active params + attention) x T / F; attention per token is
-  2 x context x heads x (qk_dim + v_dim), context = the mean causal span (window-capped);
+  2 x context x heads x (qk_dim + v_dim), context = the mean causal span (window-capped) for
+  the fused kernels, the whole row for eager attention (planning/layer_time.py);
 - layer i backward: recompute forward + backward = 3 x 2 x active params + 3.5 x attention
-  (flash backward is about 2.5 forwards), so a step is 8 x params x T FLOPs plus attention;
+  (flash backward is about 2.5 forwards; eager 3 x: its backward is 2 forwards), so a step is
+  8 x params x T FLOPs plus attention;
 - loss: 6 x V x D x T (lm_head forward + backward, never recomputed), at its own achieved
   rate (LOSS_RATE_FRACTION of the bf16 peak, at most the layers' rate: the fp32 logits'
   elementwise work weighs more than in the matmul-heavy layers);
@@ -47,7 +49,10 @@ more (dense, MoE, fp32), tests/planning/test_memory_bound_layers.py the H100 row
 docs/performance.md runs 32-41 (Llama-3.1-8B compiled 6.92 s predicted, 7.27 measured; the
 Qwen3-30B-A3B shape cut to 12 layers 3.58 / 3.62 eager, 2.57 / 2.58 compiled; the Qwen3.5-27B
 shape cut to 16 layers with torch's Gated DeltaNet 17.12 / 17.51 eager, 11.31 / 11.36
-compiled).
+compiled), tests/planning/test_step_time_32vcpu_host.py run 43's rows on a 32-vCPU host (30
+AdamW threads), compressed states: GPT-OSS-20B (eager attention, bf16 states) 11.25 / 11.77,
+the Qwen3.5-27B shape (64 layers, fla, int8) 35.26 / 33.87, the Qwen3-Next-80B-A3B shape cut
+to 19 layers (fla, int8) 13.48 / 13.61.
 """
 
 from __future__ import annotations
