@@ -60,7 +60,7 @@ from megatrain.model.kernels import reference_kernels
 from megatrain.planning.fused import FusedCalls
 from megatrain.planning.meta_kernels import ATTENTION_BACKWARD, GROUPED_MM, GpuKernels, is_float
 from megatrain.planning.spec import ModelSpec
-from megatrain.planning.traffic import op_traffic
+from megatrain.planning.traffic import on_scores, op_traffic
 
 _CAPTURE_ROWS = 2
 _CAPTURE_SEQ = 8192
@@ -73,8 +73,9 @@ class _LiveBytes(TorchDispatchMode):
     layer's peak. Also the time counts: kernels launched and bytes they move, a kernel
     package's call (`fused.wrap`) counted as its fused kernels."""
 
-    def __init__(self) -> None:
+    def __init__(self, seq: int = 0) -> None:
         super().__init__()
+        self.seq = seq  # the row length whose [S, S] attention scores are told apart (0: none)
         self.live = 0
         self.peak = 0
         self.largest = 0  # bytes of the largest storage created inside the mode
@@ -82,6 +83,7 @@ class _LiveBytes(TorchDispatchMode):
         self.fused = FusedCalls()  # package calls counted as their fused kernels (fused.py)
         self._dispatched = 0  # aten ops counted for time
         self._moved = 0  # bytes those ops read and write (planning/traffic.py)
+        self.scores = 0  # of which ops on [S, S] attention scores (traffic.on_scores)
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     @property
@@ -114,7 +116,10 @@ class _LiveBytes(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         tree_map(self._track, out)
         if timed:
-            self._moved += op_traffic(func, args, kwargs, out)
+            moved = op_traffic(func, args, kwargs, out)
+            self._moved += moved
+            if moved and self.seq and on_scores(args, kwargs, out, self.seq):
+                self.scores += moved
         if func.overloadpacket in ATTENTION_BACKWARD:
             self.attention_backward = max(self.attention_backward, self.live)
         return out
@@ -152,6 +157,9 @@ class LayerProfile:
     largest_bytes: int = 0
     # per layer: whether a kernel package's call in it was counted as its fused kernels
     fused: tuple[bool, ...] = ()
+    # per layer: of `traffic`, the bytes of ops on eager attention's [S, S] scores (forward,
+    # recompute + backward; traffic.on_scores)
+    score_traffic: tuple[tuple[int, int], ...] = ()
 
     @property
     def workspace_extra_bytes(self) -> int:
@@ -186,6 +194,7 @@ def layer_profile(
         workspace = attention_workspace(spec, rows, seq, split_heads)
         peak, attention_peak, largest, ops = 0, 0, 0, [(0, 0)] * spec.num_layers
         traffic, fused = [(0, 0)] * spec.num_layers, [False] * spec.num_layers
+        scores = [(0, 0)] * spec.num_layers
         for group in spec.structure.groups:
             first = group.layer_indices[0]
             layer = spec.structure.layers[first]
@@ -196,7 +205,7 @@ def layer_profile(
             if m.attention:
                 attention_peak = max(attention_peak, m.attention + workspace)
             for i in group.layer_indices:
-                ops[i], traffic[i], fused[i] = m.ops, m.traffic, m.fused
+                ops[i], traffic[i], fused[i], scores[i] = m.ops, m.traffic, m.fused, m.scores
         spec.cache[key] = LayerProfile(
             peak,
             shapes.bytes_of(captured.calls),
@@ -206,6 +215,7 @@ def layer_profile(
             tuple(traffic),
             largest,
             tuple(fused),
+            tuple(scores),
         )
     profile: LayerProfile = spec.cache[key]
     return profile
@@ -270,6 +280,7 @@ class _Measured:
     traffic: tuple[int, int]  # forward traffic, all traffic
     largest: int  # the largest single storage
     fused: bool  # a kernel package's call counted as its fused kernels
+    scores: tuple[int, int]  # of the traffic, on [S, S] attention scores: forward, all
 
 
 def _measure(
@@ -281,11 +292,11 @@ def _measure(
         rows, seq, spec.hidden_size, dtype=spec.compute_dtype, device="meta", requires_grad=True
     )
     grad_out = torch.empty_like(x)
-    tracker = _LiveBytes()
+    tracker = _LiveBytes(seq)
     tracker.exclude(x, grad_out)  # the layer input and mb.grad: counted by the caller
     with torch.enable_grad(), reference_kernels(layer, tracker.fused.wrap), GpuKernels(), tracker:
         out = call.run(layer, x)
-        forward_ops, forward_traffic = tracker.ops, tracker.traffic
+        forward_ops, forward_traffic, forward_scores = tracker.ops, tracker.traffic, tracker.scores
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)
         del out, grads
     return _Measured(
@@ -295,6 +306,7 @@ def _measure(
         (forward_traffic, tracker.traffic),
         tracker.largest,
         tracker.fused.launches > 0,
+        (forward_scores, tracker.scores),
     )
 
 

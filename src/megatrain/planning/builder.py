@@ -162,7 +162,13 @@ class PlanBuilder:
 
     @functools.cached_property
     def hardware(self) -> Hardware:
-        return self._hardware or detect()
+        """The given hardware, else this machine's; optimizer.threads, when set, is the AdamW
+        threads of each of the node's ranks (the compressed kernels' rate follows them)."""
+        hw = self._hardware or detect()
+        threads = self.cfg.optimizer.threads
+        if threads is None:
+            return hw
+        return hw.with_overrides(optimizer_threads=threads * self.placement.local_world_size)
 
     @property
     def pin_memory(self) -> bool:

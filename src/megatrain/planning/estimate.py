@@ -161,6 +161,7 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         layer_ops=profile.ops,
         layer_traffic=profile.traffic,
         layer_fused=profile.fused,
+        layer_scores=profile.score_traffic,
         loss_ops=-(-setup.tokens_mb // chunk) * loss_chunk(spec, chunk).ops,
     )
     return Estimate(

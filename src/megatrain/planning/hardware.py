@@ -10,11 +10,19 @@ time, 4.9-5.4 in four rows, 5.25 pooled; run 17's micro-benchmark of the kernel 
 alone, 3.93 beside a synthetic busy thread, which the runs' main thread does not slow as much),
 and about 1.7 GiB of process RSS that is not the store (python, torch, CUDA context and
 libraries; 46.2 GiB RSS of that run minus the store with its pinned blocks rounded up).
-`detect()` replaces the memory sizes with this machine's, `probe()` also measures the rates (a
-few seconds). `measured` names the fields that came from this machine or from the user
-(`--gpu-gib`); everything else is assumed. Two defaults
-are fitted, not measured: `achieved_fraction_fp32` and `op_launch_s` (tests/test_resources.py
-holds the runs they were fitted to and the held-out runs that check them).
+`detect()` replaces the memory sizes with this machine's, and the CPU AdamW threads with the
+count `megatrain train` gives the kernel here (threads.optimizer_threads: the cores of the
+process's CPU affinity, i.e. vCPUs, less busy ones and the two that drive the GPU; not
+`torch.get_num_threads()`, which counts physical cores where the CPU reports two threads a
+core); `probe()` also measures the rates (a few seconds), the AdamW on those threads.
+`measured` names the fields that came from this machine or from the user (`--gpu-gib`,
+optimizer.threads); everything else is assumed. The default rate is the fp32 kernel's, which
+is bound by memory bandwidth and taken as flat across hosts; the compressed (bf16, int8)
+kernels' rate is derived from it and grows with `optimizer_threads` (planning/timing.py
+`state_dtype_speed`, fitted to runs on 14, 30 and 62 threads) unless probed with the run's
+own state dtype. Two other defaults are fitted, not measured: `achieved_fraction_fp32` and
+`op_launch_s` (tests/planning/test_resources.py holds the runs they were fitted to and the
+held-out runs that check them).
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from dataclasses import dataclass, field
 
 import psutil
 import torch
+
+from megatrain.threads import optimizer_threads as default_optimizer_threads
 
 GIB = 1 << 30
 
@@ -52,6 +62,9 @@ class Hardware:
     # C AdamW kernel, fp32 states, inside runs on the H100 host (run 41: 4.9-5.4 Gparams/s)
     optimizer_gparams_s: float = 5.2
     optimizer_state_dtype: str = "fp32"  # the state dtype whose kernel that rate is of
+    # OpenMP threads of the node's CPU AdamW (threads.optimizer_threads: the usable cores less
+    # two); 14 on the 16-vCPU H100 host. The compressed kernels' rate follows it (timing.py)
+    optimizer_threads: int = 14
     process_baseline_bytes: int = int(1.7 * GIB)  # RSS of the process besides the store
     op_launch_s: float = 1.5e-5  # host time per aten op of HF layer code (fitted: H200 MoE run)
     measured: tuple[str, ...] = field(default=())
@@ -73,10 +86,18 @@ class Hardware:
         return "measured" if name in self.measured else "assumed"
 
     def with_overrides(
-        self, *, gpu_gib: float | None = None, host_gib: float | None = None
+        self,
+        *,
+        gpu_gib: float | None = None,
+        host_gib: float | None = None,
+        optimizer_threads: int | None = None,
     ) -> Hardware:
-        """Memory sizes given by the user (e.g. MemTotal reads low right after boot)."""
+        """Memory sizes given by the user (e.g. MemTotal reads low right after boot), and the
+        CPU AdamW threads (optimizer.threads)."""
         hw, measured = self, set(self.measured)
+        if optimizer_threads is not None:
+            hw = dataclasses.replace(hw, optimizer_threads=optimizer_threads)
+            measured.add("optimizer_threads")
         if gpu_gib is not None:
             hw = dataclasses.replace(hw, gpu_bytes=int(gpu_gib * GIB))
             measured.add("gpu_bytes")
@@ -87,8 +108,13 @@ class Hardware:
 
 
 def detect(*, gpu_gib: float | None = None, host_gib: float | None = None) -> Hardware:
-    """Defaults, with this machine's GPU memory (if CUDA is present) and RAM, then overrides."""
-    hw = Hardware(host_bytes=psutil.virtual_memory().total, measured=("host_bytes",))
+    """Defaults, with this machine's GPU memory (if CUDA is present), RAM and CPU AdamW threads
+    (what `megatrain train` gives the kernel alone on the node), then overrides."""
+    hw = Hardware(
+        host_bytes=psutil.virtual_memory().total,
+        optimizer_threads=default_optimizer_threads(1),
+        measured=("host_bytes", "optimizer_threads"),
+    )
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         hw = dataclasses.replace(
@@ -111,17 +137,20 @@ def probe(
     """`detect()` plus measured rates: the engine's CPU AdamW over ~`optimizer_params` params
     in 25M blocks with a busy Python thread beside it, with the run's `state_dtype` (the
     compressed kernels are compute-bound where fp32 is bandwidth-bound, so their ratio to fp32
-    depends on the host: int8 0.45x fp32 on a 16-vCPU H100 host, 1.2x on a 64-vCPU one); on
-    CUDA also pinned 1 GiB copies each
+    depends on the host: int8 0.45x fp32 on a 16-vCPU H100 host, 1.2x on a 64-vCPU one) and
+    on `optimizer_threads` threads (None: the run's default, detect()'s count, not torch's
+    intra-op default, which is the physical cores where the CPU reports two threads a core);
+    on CUDA also pinned 1 GiB copies each
     way, an 8192^3 bf16 and a 4096^3 fp32 matmul. The process baseline stays the calibrated
     default: right after CUDA start-up a process holds 0.7 GiB (H200 host), a training process
     1.7 GiB beside its store (kernels and modules loaded on first use)."""
     hw = detect()
-    values: dict[str, float | int] = {}
+    threads = optimizer_threads or hw.optimizer_threads
+    values: dict[str, float | int] = {"optimizer_threads": threads}
     if torch.cuda.is_available():
         values.update(_probe_gpu())
     values["optimizer_gparams_s"] = _probe_optimizer(
-        optimizer_params, optimizer_threads, hw.host_bytes, state_dtype
+        optimizer_params, threads, hw.host_bytes, state_dtype
     )
     measured = tuple(sorted({*hw.measured, *values}))
     hw = dataclasses.replace(
@@ -185,7 +214,7 @@ def _empty_host_cache() -> None:
             return
 
 
-def _probe_optimizer(params: int, threads: int | None, host_bytes: int, state_dtype: str) -> float:
+def _probe_optimizer(params: int, threads: int, host_bytes: int, state_dtype: str) -> float:
     """Gparams/s of the engine's CpuAdamW on bf16-shadow blocks with `state_dtype` states, a
     busy thread beside it."""
     from megatrain.optim.adamw import AdamWHyper, CpuAdamW

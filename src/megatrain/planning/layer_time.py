@@ -32,6 +32,17 @@ step's costs from them.
   compiled region. It scales with a layer's parameters, not its FLOPs: 4% of a Llama-3.1-8B
   layer's eager time at 4 x 2048 tokens, 14% of a Qwen3-30B-A3B layer's (11x its active
   parameters), 0.33 s of that MoE shape's 12-layer rows (2.6-3.6 s), which missed it before;
+- eager attention (`LayerSpec.attn_implementation`: GPT-OSS's sinks, Gemma 2, or asked for):
+  its matmuls fill the whole [B, H, S, S] score matrix before the mask, so its FLOPs count
+  the whole row (no causal half, no window) and its recompute + backward 3 forwards
+  (ATTENTION_RECOMPUTE_BACKWARD); the profile counts the scale, mask, softmax and cast passes
+  over the scores as traffic (planning/traffic.py `on_scores`: 23.7 GB forward and 58.0 GB
+  recompute + backward of a GPT-OSS-20B layer's 33.4 and 87.2 at 4 x 2048 tokens). Compiled,
+  an MoE layer takes that part at COMPILED_TRAFFIC_FRACTION, not at the routing's fraction:
+  inductor fuses the chain around the scores but still reads and writes them. GPT-OSS-20B on
+  an H100 (docs/performance.md run 43, compiled, 64k tokens a step): recompute + backward
+  7.52 s of GPU predicted against 7.94 measured (4.91 with the scores as routing). The
+  fraction is the dense layers' (run 32), not refitted: this backward alone would ask 0.67;
 - compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
   issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
   eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,
@@ -67,12 +78,27 @@ layer on an H100 at 8192 tokens, issue 24: forward 2.91 ms, forward + backward 8
 against 2.88 and 9.08 predicted; 0.6 would give 4.1 and 13.4)."""
 
 
+ATTENTION_RECOMPUTE_BACKWARD = {"sdpa": 3.5, "eager": 3.0}
+"""A layer's attention FLOPs in its recompute + backward against its forward's, by
+`LayerSpec.attn_implementation`: the recompute (1) plus the backward, 2.5 forwards for the
+fused kernels (flash recomputes the scores in its backward), 2 for eager attention (two
+gradient matmuls for each of its two matmuls; the probabilities are saved)."""
+
+
 def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
-    """Forward FLOPs of softmax attention for one token, averaged over causal positions."""
+    """Forward FLOPs of softmax attention for one token: averaged over causal positions (the
+    window-capped span) where the fused kernels skip the masked blocks, over the whole row for
+    eager attention, whose matmuls fill the [S, S] score matrix before the mask (no causal
+    half, no window saving)."""
     if layer.attn_heads == 0:
         return 0.0
     w = layer.window
-    span = (seq + 1) / 2 if w is None or seq <= w else (w * (w + 1) / 2 + (seq - w) * w) / seq
+    if layer.attn_implementation == "eager":
+        span: float = seq
+    elif w is None or seq <= w:
+        span = (seq + 1) / 2
+    else:
+        span = (w * (w + 1) / 2 + (seq - w) * w) / seq
     return 2.0 * span * layer.attn_heads * (layer.attn_qk_dim + layer.attn_v_dim)
 
 
@@ -85,13 +111,15 @@ def layer_seconds(
     micro_batches: int,
     compiled: bool,
     fused: Sequence[bool] = (),
+    scores: Sequence[tuple[int, int]] = (),
 ) -> tuple[list[float], list[float]]:
     """GPU seconds of each layer's forward and recompute + backward (all micro-batches): its
     FLOPs at the achieved rate, or its memory traffic at HBM_FRACTION of the HBM bandwidth where
     that takes longer (a memory-bound layer; the achieved rate covers a matmul-bound layer's
     elementwise work, fitted so); a layer with routed experts, or whose kernel package call
     counts as fused kernels (`fused`), takes both, one after the other (experts compiled:
-    COMPILED_ROUTING_FRACTION of the traffic). Compiled:
+    COMPILED_ROUTING_FRACTION of the traffic, except the part of it on eager attention's
+    [S, S] scores, `scores`: COMPILED_TRAFFIC_FRACTION as in any compiled layer). Compiled:
     COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION of the traffic. The backward adds the
     gradient sum."""
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
@@ -101,19 +129,23 @@ def layer_seconds(
     routing = COMPILED_ROUTING_FRACTION if compiled else 1.0
     moved = list(traffic) or [(0, 0)] * len(fwd)
     serial = list(fused) or [False] * len(fwd)
+    on_scores = list(scores) or [(0, 0)] * len(fwd)
 
-    def seconds(flops: float, nbytes: int, layer: LayerSpec, kernels: bool) -> float:
+    def seconds(flops: float, nbytes: int, on_s: int, layer: LayerSpec, kernels: bool) -> float:
         if layer.active_params < layer.params:  # routed experts (spec.py)
-            return flops / rate + nbytes * routing / hbm
+            return flops / rate + ((nbytes - on_s) * routing + on_s * share) / hbm
         if kernels:  # a package's fused kernels and the elementwise work around them
             return flops / rate + nbytes * share / hbm
         return max(flops / rate, nbytes * share / hbm)
 
     layers = list(zip(spec.layers, serial, strict=True))
-    fwd_s = [seconds(f, m, la, k) for f, (m, _), (la, k) in zip(fwd, moved, layers, strict=True)]
+    fwd_s = [
+        seconds(f, m, s, la, k)
+        for f, (m, _), (s, _), (la, k) in zip(fwd, moved, on_scores, layers, strict=True)
+    ]
     bwd_s = [
-        seconds(b, m, la, k) + gradient_sum_s(la, spec.compute_dtype, hw) * micro_batches
-        for b, (_, m), (la, k) in zip(bwd, moved, layers, strict=True)
+        seconds(b, m, s, la, k) + gradient_sum_s(la, spec.compute_dtype, hw) * micro_batches
+        for b, (_, m), (_, s), (la, k) in zip(bwd, moved, on_scores, layers, strict=True)
     ]
     return fwd_s, bwd_s
 

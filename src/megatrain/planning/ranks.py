@@ -11,9 +11,10 @@
   are the rank's shard, its weights whole (planning/estimate.py);
 - step time, per rank: each block's weights are the rank's shard over PCIe, then an all-gather
   of the whole block; each gradient a reduce-scatter (on the compute stream), then the shard
-  over PCIe; the CPU AdamW updates the shard at the node's rate shared by its ranks
-  (`optimizer_gparams_s` is a host-memory-bandwidth-bound rate: ranks on one node split the
-  parameters and the rate, so the optimizer's seconds per step stay; across nodes they halve).
+  over PCIe; the CPU AdamW updates the shard at the node's rate shared by its ranks (the
+  fp32 kernel is bound by the host's memory bandwidth, the compressed ones by the node's
+  AdamW threads, which the ranks split: ranks on one node split the parameters and the rate,
+  so the optimizer's seconds per step stay; across nodes they halve).
 
 Collectives are timed as NCCL rings: an all-gather or reduce-scatter of a B-byte buffer moves
 B x (W - 1) / W bytes through each rank's link at the bus bandwidth: NVLINK_GBPS inside a node,

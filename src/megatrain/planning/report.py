@@ -7,6 +7,7 @@ from megatrain.engine.tiling import TilePolicy
 from megatrain.planning.disk import checkpoint_bytes_per_param
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB
+from megatrain.planning.timing import optimizer_gparams_s
 
 _W = 44  # label column
 
@@ -103,6 +104,16 @@ def _gpu_lines(est: Estimate) -> list[str]:
     ]
 
 
+def _optimizer_note(est: Estimate) -> str:
+    """The CPU AdamW rate the step is timed with, and where it comes from."""
+    hw, state = est.hardware, est.settings["state_dtype"]
+    rate = optimizer_gparams_s(hw, state)
+    source = hw.source("optimizer_gparams_s")
+    if state != hw.optimizer_state_dtype:  # scaled from another kernel's rate
+        source = f"{hw.optimizer_state_dtype} {hw.optimizer_gparams_s:.2f} {source}, scaled"
+    return f"{rate:.2f} Gparams/s, {state} states, {hw.optimizer_threads} threads ({source})"
+
+
 def _time_lines(est: Estimate) -> list[str]:
     s, hw, t = est.settings, est.hardware, est.time
     peak_field = "gpu_tflops_bf16" if s["compute_dtype"] == "bf16" else "gpu_tflops_fp32"
@@ -119,11 +130,7 @@ def _time_lines(est: Estimate) -> list[str]:
         _row(
             "D2H gradients", f"{t.d2h_s:.3f}", f"{hw.d2h_gbps:.0f} GB/s ({hw.source('d2h_gbps')})"
         ),
-        _row(
-            "CPU optimizer",
-            f"{t.optimizer_s:.3f}",
-            f"{hw.optimizer_gparams_s:.2f} Gparams/s ({hw.source('optimizer_gparams_s')})",
-        ),
+        _row("CPU optimizer", f"{t.optimizer_s:.3f}", _optimizer_note(est)),
         _row(
             "  the next forward waits for its updates",
             f"{t.wait_optimizer_s:.3f}",

@@ -48,6 +48,9 @@ class LayerSpec:
     attn_qk_dim: int
     attn_v_dim: int
     window: int | None  # sliding-window size, None for full causal attention
+    # the attention transformers runs: "sdpa" (fused kernels: the causal half, the window) or
+    # "eager" (matmuls over the whole [B, H, S, S] score matrix, then masked)
+    attn_implementation: str = "sdpa"
 
 
 @dataclass
@@ -112,8 +115,9 @@ def build_spec(
     """Build the causal LM of `config` with meta parameters and count its blocks.
 
     Attention is measured as sdpa unless `attn_implementation` (or else the config) says
-    eager, or the architecture has no sdpa support (Gemma 2: transformers runs it eager):
-    flash kernels keep the same O(tokens) memory as sdpa's fused kernels.
+    eager, or the architecture has no sdpa support (Gemma 2, GPT-OSS's sinks: transformers
+    runs it eager): flash kernels keep the same O(tokens) memory as sdpa's fused kernels. The
+    layers record which of the two they run (`LayerSpec.attn_implementation`).
     """
     attn = attn_implementation or getattr(config, "_attn_implementation", None)
     with _params_on_meta():
@@ -147,8 +151,9 @@ def build_spec(
         if id(p) not in embed_ids
     )
     layer_types = getattr(text, "layer_types", None) or []
+    ran = getattr(text, "_attn_implementation", None) or model.config._attn_implementation
     layers = [
-        _layer_spec(layer, layer_types[i] if i < len(layer_types) else "", text)
+        _layer_spec(layer, layer_types[i] if i < len(layer_types) else "", text, ran)
         for i, layer in enumerate(structure.layers)
     ]
     return ModelSpec(
@@ -185,7 +190,9 @@ def _params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _layer_spec(layer: nn.Module, layer_type: str, text: PretrainedConfig) -> LayerSpec:
+def _layer_spec(
+    layer: nn.Module, layer_type: str, text: PretrainedConfig, attn_implementation: str
+) -> LayerSpec:
     params = sum(p.numel() for p in layer.parameters())
     experts = _expert_counts(text)
     active = params
@@ -215,6 +222,7 @@ def _layer_spec(layer: nn.Module, layer_type: str, text: PretrainedConfig) -> La
         attn_qk_dim=int(qk_dim),
         attn_v_dim=int(v_dim),
         window=int(window) if window else None,
+        attn_implementation="eager" if attn_implementation == "eager" else "sdpa",
     )
 
 

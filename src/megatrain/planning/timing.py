@@ -2,9 +2,11 @@
 
 Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dtype):
 - layer i forward: (2 x active params + attention) x T / F; attention per token is
-  2 x context x heads x (qk_dim + v_dim), context = the mean causal span (window-capped);
+  2 x context x heads x (qk_dim + v_dim), context = the mean causal span (window-capped) for
+  the fused kernels, the whole row for eager attention (planning/layer_time.py);
 - layer i backward: recompute forward + backward = 3 x 2 x active params + 3.5 x attention
-  (flash backward is about 2.5 forwards), so a step is 8 x params x T FLOPs plus attention;
+  (flash backward is about 2.5 forwards; eager 3 x: its backward is 2 forwards), so a step is
+  8 x params x T FLOPs plus attention;
 - loss: 6 x V x D x T (lm_head forward + backward, never recomputed), at its own achieved
   rate (LOSS_RATE_FRACTION of the bf16 peak, at most the layers' rate: the fp32 logits'
   elementwise work weighs more than in the matmul-heavy layers);
@@ -15,7 +17,8 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
 - CPU AdamW: params / rate per block, one worker thread; the rate is the probed kernel's (the
-  run's state dtype when probed so), else scaled by STATE_DTYPE_SPEED;
+  run's state dtype when probed so), else scaled by `state_dtype_speed`: the compressed
+  kernels' ratio to fp32 grows with the host's AdamW threads (`Hardware.optimizer_threads`);
 - GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
   copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
   after the block's backward, or with clipping after the norm sync of the step's end;
@@ -46,7 +49,10 @@ more (dense, MoE, fp32), tests/planning/test_memory_bound_layers.py the H100 row
 docs/performance.md runs 32-41 (Llama-3.1-8B compiled 6.92 s predicted, 7.27 measured; the
 Qwen3-30B-A3B shape cut to 12 layers 3.58 / 3.62 eager, 2.57 / 2.58 compiled; the Qwen3.5-27B
 shape cut to 16 layers with torch's Gated DeltaNet 17.12 / 17.51 eager, 11.31 / 11.36
-compiled).
+compiled), tests/planning/test_step_time_32vcpu_host.py run 43's rows on a 32-vCPU host (30
+AdamW threads), compressed states: GPT-OSS-20B (eager attention, bf16 states) 11.25 / 11.77,
+the Qwen3.5-27B shape (64 layers, fla, int8) 35.26 / 33.87, the Qwen3-Next-80B-A3B shape cut
+to 19 layers (fla, int8) 13.48 / 13.61.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from megatrain.engine.schedule import LOAD, RECOMPUTE, StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_numel, vision_width
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.layer_time import (
+    ATTENTION_RECOMPUTE_BACKWARD,
     attention_flops_per_token,
     layer_seconds,
 )
@@ -71,15 +78,32 @@ from megatrain.planning.spec import ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
 STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.45}
-"""CPU AdamW rate per state dtype relative to fp32, used only where the hardware's rate is of
-another kernel (the default, or a probe of fp32): `probe(state_dtype=...)` measures the run's own
-kernel, and then the ratio is 1. bf16: the C kernels with a busy main thread beside them on the
-H100 host of docs/performance.md run 10 (4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9
-parameters, 0.41 inside a 14.8B-parameter run (run 13); 0.45 between them. Against the default
-fp32 rate (5.2 Gparams/s in runs on that host, run 41) 0.45 gives 2.34, the low end of int8's
-2.3-2.6 in runs there. The ratio depends on
-the host (fp32 is bandwidth-bound, int8 compute-bound): on the 64-vCPU host of run 19 int8 ran
-6.5 Gparams/s inside a 56.9B run where fp32 probed 5.41."""
+"""CPU AdamW rate per state dtype relative to fp32 on the 16-vCPU H100 host (AdamW on
+SPEED_REFERENCE_THREADS threads), used only where the hardware's rate is of another kernel (the
+default, or a probe of fp32): `probe(state_dtype=...)` measures the run's own kernel, and then
+its rate is taken as it is. bf16: the C kernels with a busy main thread beside them on that host
+(docs/performance.md run 10: 4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9 parameters, 0.41
+inside a 14.8B-parameter run (run 13); 0.45 between them. Against the default fp32 rate (5.2
+Gparams/s in runs on that host, run 41) 0.45 gives 2.34, the low end of int8's 2.3-2.6 in runs
+there. Elsewhere the ratio follows the host's threads: STATE_DTYPE_THREADS_EXPONENT."""
+STATE_DTYPE_THREADS_EXPONENT = {"fp32": 0.0, "bf16": 0.38, "int8": 0.67}
+"""How a kernel's rate grows with the AdamW threads (`Hardware.optimizer_threads`): as
+(threads / SPEED_REFERENCE_THREADS) ** exponent. fp32 reads and writes 28 B/param and is bound
+by memory bandwidth, not cores: flat (the default 5.2 on every host; the 64-vCPU host of run 19
+probed 5.41 on 62 threads, though the 32-vCPU host ran 6.0-6.9 on 30 in runs 14 and 30, a
+faster memory system the thread count does not predict). The compressed kernels move 16-20
+B/param and spend the rest dequantising and rounding, so cores help them. Fitted to their
+in-run rates (CPU AdamW busy time over the host blocks' parameters), with 0.45 and 1.06 x 5.2
+held at 14 threads:
+- int8, least squares in log space over three runs: 30 threads (32-vCPU host, run 43) 3.43
+  (Qwen3.5-27B, 26.9B; 3.90 predicted, +14%) and 4.29 Gparams/s (Qwen3-Next cut to 19 layers,
+  31.9B; -9%), 62 threads (64-vCPU host, run 19, 56.9B) 6.5 (6.34, -2%);
+- bf16, one run: 30 threads (run 43, GPT-OSS-20B) 7.39 Gparams/s (7.36 predicted). Part of
+  it is that host's faster memory (its fp32 ran 1.2-1.3x the 16-vCPU host's), so beyond 30
+  threads it is an extrapolation (62 threads: 9.7)."""
+SPEED_REFERENCE_THREADS = Hardware().optimizer_threads
+"""AdamW threads of the host STATE_DTYPE_SPEED was measured on, the default hardware's (16
+vCPUs less the two that drive the GPU: threads.optimizer_threads)."""
 COMPILED_OPS_FRACTION = 0.3
 """Host launches of a compiled layer against the eager op count (assumed: fused elementwise
 chains; the matmuls and attention stay separate kernels)."""
@@ -137,13 +161,15 @@ def step_time(
     loss_ops: int,
     layer_traffic: Sequence[tuple[int, int]] = (),
     layer_fused: Sequence[bool] = (),
+    layer_scores: Sequence[tuple[int, int]] = (),
 ) -> StepTime:
     """`schedule`: the engine's loads and layer visits (engine/schedule.py; a recompute visit
     runs a layer's forward again); `layer_ops`: per layer (forward ops, recompute + backward
     ops) of one micro-batch; `loss_ops`: ops of one micro-batch's loss (all its chunks);
     `layer_traffic`: per layer (forward, recompute + backward) bytes its ops move through GPU
     memory in one micro-batch (empty: none counted); `layer_fused`: per layer, whether a kernel
-    package's call in it counts as its fused kernels (planning/layer_time.py)."""
+    package's call in it counts as its fused kernels; `layer_scores`: per layer, the part of
+    its traffic on eager attention's [S, S] scores (planning/layer_time.py)."""
     plan = setup.engine
     rows, seq, micro_batches, ranks = (
         setup.micro_batch_size,
@@ -163,6 +189,7 @@ def step_time(
         loss_ops=loss_ops,
         layer_traffic=layer_traffic,
         layer_fused=layer_fused,
+        layer_scores=layer_scores,
         tier=TierSplit.of(spec.num_layers, plan.gpu_state_blocks),
         state_dtype=setup.state_dtype,
         compiled=plan.compile_layers,
@@ -206,6 +233,26 @@ def step_time(
     )
 
 
+def state_dtype_speed(state_dtype: str, threads: int) -> float:
+    """CPU AdamW rate of `state_dtype`'s kernel on `threads` threads against the fp32 kernel's
+    (flat across hosts): STATE_DTYPE_SPEED scaled by STATE_DTYPE_THREADS_EXPONENT."""
+    scale = (threads / SPEED_REFERENCE_THREADS) ** STATE_DTYPE_THREADS_EXPONENT[state_dtype]
+    return STATE_DTYPE_SPEED[state_dtype] * scale
+
+
+def optimizer_gparams_s(hw: Hardware, state_dtype: str) -> float:
+    """The node's CPU AdamW rate with `state_dtype` states: the hardware's rate when it is that
+    kernel's (the default fp32 one, or a probe of the run's own dtype, on the run's threads),
+    else that rate scaled by the two kernels' speeds on `hw.optimizer_threads` threads."""
+    if state_dtype == hw.optimizer_state_dtype:
+        return hw.optimizer_gparams_s
+    threads = hw.optimizer_threads
+    ratio = state_dtype_speed(state_dtype, threads) / state_dtype_speed(
+        hw.optimizer_state_dtype, threads
+    )
+    return hw.optimizer_gparams_s * ratio
+
+
 def _vision_s(spec: ModelSpec, hw: Hardware, setup: Setup) -> tuple[float, float]:
     """(forward, backward) seconds of a vision-language model's vision modules in a step: each
     image token is `patches_per_image_token` patches through the tower, 2 x its parameters in
@@ -228,7 +275,12 @@ def _layer_flops(spec: ModelSpec, tokens: int, seq: int) -> tuple[list[float], l
         tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
     ]
     bwd = [
-        tokens * (6.0 * la.active_params + 3.5 * attention_flops_per_token(la, seq))
+        tokens
+        * (
+            6.0 * la.active_params
+            + ATTENTION_RECOMPUTE_BACKWARD[la.attn_implementation]
+            * attention_flops_per_token(la, seq)
+        )
         for la in spec.layers
     ]
     return fwd, bwd
@@ -247,6 +299,7 @@ def _costs(
     loss_ops: int,
     layer_traffic: Sequence[tuple[int, int]],
     layer_fused: Sequence[bool],
+    layer_scores: Sequence[tuple[int, int]],
     tier: TierSplit,
     state_dtype: str,
     compiled: bool,
@@ -259,7 +312,7 @@ def _costs(
     elem = torch.finfo(spec.compute_dtype).bits // 8  # weights up and gradients down
     fwd, bwd = _layer_flops(spec, tokens, seq)
     fwd_s, bwd_s = layer_seconds(
-        spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled, layer_fused
+        spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled, layer_fused, layer_scores
     )
     recomputes = [op.layer for op in schedule.backward if op.kind == RECOMPUTE]
     loss = 6.0 * spec.lm_head_params * tokens
@@ -267,8 +320,7 @@ def _costs(
     if spec.compute_dtype == torch.bfloat16:  # as flops_per_s: only bf16's rate is fitted
         loss_rate = min(rate, hw.gpu_tflops_bf16 * 1e12 * LOSS_RATE_FRACTION)
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
-    probed = STATE_DTYPE_SPEED[hw.optimizer_state_dtype]  # 1 when the rate is this kernel's
-    opt_rate = hw.optimizer_gparams_s * 1e9 * STATE_DTYPE_SPEED[state_dtype] / probed
+    opt_rate = optimizer_gparams_s(hw, state_dtype) * 1e9
     gpu_opt_rate = GPU_ADAMW_GPARAMS_S * 1e9
     n, resident = spec.num_layers, tier.layers
     # per block in forward order (embedding, layers, head): parameters the host updates

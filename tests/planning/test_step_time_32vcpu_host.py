@@ -1,0 +1,72 @@
+"""The step time of docs/performance.md run 43 (one H100 of the 2-GPU machine, whose host has
+32 vCPUs, so 30 CPU AdamW threads, and 251 GiB), as the estimator sees it with that host's
+thread count: 64k tokens a step (32 pre-training rows of 2048, micro-batch 4), clipping 1.0,
+bf16, compressed AdamW states (no GPU tier: every block updated by the CPU). Issue 24's bound:
+the step within 25% of the measured one; the CPU AdamW busy time and, where updates gate the
+next forward, the host's wait for them within the same. A check of the model against recorded
+measurements, not a timing of this machine.
+
+Before the host's threads and eager attention's whole score matrix were modelled, the same
+plans predicted 9.50, 38.63 and 18.94 s (GPT-OSS 19% under, Qwen3.5 14% and Qwen3-Next 39%
+over; `megatrain train` printed 9.57, 38.86 and 19.28)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from fake_fla import run_with_fake_fla
+from megatrain.planning.hardware import Hardware
+from predict import cli_row_plan
+from shapes import GPT_OSS_20B
+
+HOST_32 = dict(optimizer_threads=30)
+HOST_32_GIB = dict(gpu_gib=79.2, host_gib=251)
+WITHIN = 0.25  # issue 24
+
+
+def _off(predicted: float, measured: float) -> float:
+    return abs(predicted / measured - 1)
+
+
+def test_gpt_oss_20b_with_eager_attention_and_bf16_states() -> None:
+    """11.766 s a step measured, CPU AdamW 2.829 s (bf16 kernel 7.39 Gparams/s), the next
+    forward waiting 2.287 s for updates; GPU backward (recompute + backward) 7.94 s. Its
+    attention runs eager (sinks): the whole [S, S] scores, counted in full when compiled."""
+    hw = Hardware(**HOST_32).with_overrides(**HOST_32_GIB)
+    time = cli_row_plan(GPT_OSS_20B, hw, **{"optimizer.state_dtype": "bf16"}).estimate.time
+    assert _off(time.step_s, 11.766) <= WITHIN, time.step_s
+    assert _off(time.optimizer_s, 2.829) <= WITHIN, time.optimizer_s
+    assert _off(time.wait_optimizer_s, 2.287) <= WITHIN, time.wait_optimizer_s
+
+
+_FLA_ROWS = textwrap.dedent(
+    f"""
+    from megatrain.planning.hardware import Hardware
+    from predict import cli_row_plan
+    from shapes import QWEN3_NEXT_80B_A3B_19, QWEN35_27B
+
+    hw = Hardware(**{HOST_32}).with_overrides(**{HOST_32_GIB})
+    for name, shape in (("qwen35", QWEN35_27B), ("next", QWEN3_NEXT_80B_A3B_19)):
+        time = cli_row_plan(shape, hw, **{{"optimizer.state_dtype": "int8"}}).estimate.time
+        print(name, time.step_s, time.optimizer_s, time.wait_optimizer_s)
+    """
+)
+
+
+def test_int8_rows_with_flash_linear_attention(tmp_path: Path) -> None:
+    """Both hybrid rows ran with flash-linear-attention installed (its calls count as fused
+    kernels) and int8 states: the Qwen3.5-27B shape, all 64 layers (26.90B), 33.866 s a step,
+    CPU AdamW 7.842 s (3.43 Gparams/s); the Qwen3-Next-80B-A3B shape cut to 19 layers (31.92B,
+    every layer 512 experts), 13.614 s, CPU AdamW 7.443 s (4.29 Gparams/s), waited for 6.557 s.
+    Qwen3.5's wait (3.07 s measured) is not checked: the replay's host runs further ahead of a
+    GPU-bound step than the engine's and waits about twice as long."""
+    out = run_with_fake_fla(tmp_path, _FLA_ROWS)
+    rows = {name: [float(v) for v in rest] for name, *rest in map(str.split, out.splitlines())}
+    step, optimizer, _ = rows["qwen35"]
+    assert _off(step, 33.866) <= WITHIN, step
+    assert _off(optimizer, 7.842) <= WITHIN, optimizer
+    step, optimizer, wait = rows["next"]
+    assert _off(step, 13.614) <= WITHIN, step
+    assert _off(optimizer, 7.443) <= WITHIN, optimizer
+    assert _off(wait, 6.557) <= WITHIN, wait
