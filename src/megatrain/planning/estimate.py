@@ -210,18 +210,31 @@ def _settings(
 # A compiled Gated DeltaNet layer (torch's fallback kernels) keeps more for its backward than
 # the eager layer the meta profile measures: 12.0 GiB against 6.8 for one Qwen3.5-27B layer,
 # forward + backward on 4 x 2048 tokens on an H100 (docs/performance.md run 39); the compiled
-# 16-layer run peaked 3.7 GiB above its eager-profiled plan (run 32). Dense compiled layers peak
-# as planned (run 35), so only linear-attention layers are scaled.
+# 16-layer run peaked 3.7 GiB above its eager-profiled plan (run 32). Dense compiled layers with
+# sdpa attention peak as planned (runs 35, 41), so only linear-attention layers are scaled, and
+# eager attention (below).
 COMPILED_LINEAR_ATTENTION_PEAK = 12.0 / 6.8
+COMPILED_EAGER_SCORES = 2.2
+"""Score-sized tensors ([rows, heads, seq, seq] in the compute dtype) a compiled layer with eager
+attention holds at its backward peak beyond the eager layer the meta profile measures: the
+GPT-OSS-20B shape (eager attention with sinks, compiled by `auto`, micro-batches of 4 x 2048)
+peaked 4.37 GiB allocated above its plan on an H100 (41.21 against 36.84, docs/performance.md
+run 43), 2.2 of its 2.0 GiB score tensors; inductor keeps the scores' chain for the backward
+where the eager layer frees it step by step."""
 
 
 def _layer_peak(spec: ModelSpec, profile: LayerProfile, setup: Setup) -> int:
     """One layer's recompute + backward transient: the meta profile's, for compiled
-    linear-attention layers scaled to what run 39 measured."""
-    hybrid = any("linear_attention" in g.kind for g in spec.structure.groups)
-    if setup.engine.compile_layers and hybrid:
+    linear-attention layers scaled to what run 39 measured, for compiled eager-attention layers
+    with COMPILED_EAGER_SCORES more score tensors."""
+    if not setup.engine.compile_layers:
+        return profile.peak_bytes
+    if any("linear_attention" in g.kind for g in spec.structure.groups):
         return int(profile.peak_bytes * COMPILED_LINEAR_ATTENTION_PEAK)
-    return profile.peak_bytes
+    eager = [la.attn_heads for la in spec.layers if la.attn_implementation == "eager"]
+    heads = max(eager, default=0)
+    scores = setup.micro_batch_size * heads * setup.seq_len**2 * spec.compute_dtype.itemsize
+    return profile.peak_bytes + int(COMPILED_EAGER_SCORES * scores)
 
 
 def gpu_memory(
