@@ -81,7 +81,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         beta: torch.Tensor,
         l2norm: bool,
     ) -> torch.Tensor:
-        guarded = [t.contiguous() for t in (q, k, v, g, beta)]
+        guarded = [t.contiguous() for t in (q, k, v, g, beta)]  # input_guard's, held to the end
         q, k, v, g, beta = guarded
         q_rstd = k_rstd = None
         if l2norm:
