@@ -17,10 +17,11 @@ address 0: an illegal memory access), so the plan's layer profile (planning/acti
 measures such a layer with `reference_kernels`: functions swapped for their torch reference
 and package modules for a stand-in with the memory of an elementwise op (the output like the
 first input; the inputs kept for the backward). The torch reference materialises more than the
-fused kernels (chunked [C x C] blocks in fp32), so the profiled peak is an upper bound where a
-package runs; its time is the package's, not the reference's: the plan counts each such call
-as the package's few fused kernels (planning/fused.py), except for a refused package, whose
-reference the run really runs (`refusals`). The report says so (`describe`).
+fused kernels (chunked [C x C] blocks in fp32): where a package runs, the plan counts each
+such call's time as the package's few fused kernels and, where it models the call (fla's
+chunk_gated_delta_rule: planning/kernel_memory.py), its memory as the package's buffers, else
+as the reference's, an upper bound (planning/fused.py); a refused package's reference is what
+the run really runs (`refusals`), counted in full. The report says so (`describe`).
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ def describe(layer: nn.Module) -> str | None:
         packages = sorted({DISTRIBUTIONS.get(p, p) for p in calls.values()})
         return (
             f"{name} runs {', '.join(packages)} kernels ({', '.join(sorted(calls))}); the plan "
-            "profiles their memory as their torch reference code (an upper bound) and counts "
-            "their time as the fused kernels"
+            "profiles their memory as the package's own buffers where it models the call "
+            "(flash-linear-attention's chunk_gated_delta_rule), else as their torch reference "
+            "code (an upper bound), and counts their time as the fused kernels"
         )
     if reference:
         return (

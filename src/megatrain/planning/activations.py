@@ -27,11 +27,17 @@ What the GPU runs differently from meta tensors, and is substituted here:
   [B, H, S, S] scores. It is routed to the flash / efficient aten ops, which keep O(tokens),
   except where CUDA itself runs the math path (meta_kernels.py).
 - optional kernel packages a layer calls (flash-linear-attention, causal-conv1d) cannot run on
-  meta: the layer is measured with their torch reference code (model/kernels.py), an upper
-  bound on the fused kernels' memory. Not on their time: the ops and traffic of the reference
-  (forward, and its autograd nodes in the backward) are left out of the time counts, and each
-  call counts as the package's fused kernels, a few launches moving its inputs and outputs
-  (planning/fused.py); a refused package's reference, which the run does run, counts in full.
+  meta: the layer runs their torch reference code in their place (model/kernels.py). Where the
+  run calls the package (`FusedCalls.wrap`, planning/fused.py), the call counts for time as
+  the package's fused kernels, a few launches moving its inputs and outputs (the reference's
+  ops and traffic, forward and its autograd nodes in the backward, are left out), and for
+  memory as the package's own buffers where planning/kernel_memory.py models the call (fla's
+  `chunk_gated_delta_rule`: what its autograd Function makes, keeps and frees), else as the
+  reference's, an upper bound. The Qwen3.5-27B shape at 4 x 2048 tokens: a Gated DeltaNet
+  layer's recompute + backward 4.70 GiB with fla's buffers, 7.41 as the reference; with it the
+  plan's layer backward of docs/performance.md run 43's 64-layer row holds 63.52 GiB against
+  63.54 measured (max_memory_allocated). A refused package's reference, which the run does run,
+  counts in full, time and memory.
 - grouped_mm (MoE experts) has a bf16-only meta kernel; fp32 runs transformers' loop fallback
   on the GPU, whose backward reads the expert offsets on the host in some transformers releases
   (5.17), impossible on meta: `MetaGroupedMM` (meta_kernels.py) stands in with the
@@ -71,7 +77,8 @@ class _LiveBytes(TorchDispatchMode):
     largest of those storages, and the most held right after a fused attention backward (its
     inputs and gradients live): the kernel's workspace comes on top of that moment, not of the
     layer's peak. Also the time counts: kernels launched and bytes they move, a kernel
-    package's call (`fused.wrap`) counted as its fused kernels."""
+    package's call (`fused.wrap`) counted as its fused kernels (its memory, tracked here, the
+    package's where planning/kernel_memory.py models it)."""
 
     def __init__(self, seq: int = 0) -> None:
         super().__init__()

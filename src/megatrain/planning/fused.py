@@ -1,14 +1,17 @@
-"""Time of an optional kernel package's call, counted on meta as the package's fused kernels
-(planning/activations.py).
+"""An optional kernel package's call on meta (planning/activations.py), counted for time as
+the package's fused kernels, and for memory as the package's own buffers where modelled.
 
 The layer profile runs a package function's torch reference in its place (model/kernels.py
-`reference_kernels`): right for memory (an upper bound), wrong for time, where the GPU runs
-the package's few fused kernels instead of the reference's many small ops (transformers'
-`torch_chunk_gated_delta_rule`: thousands of them over 64-token chunks, 224 GB of traffic a
-forward + backward at 4 x 2048 tokens of the Qwen3.5-27B shape). `FusedCalls.wrap` wraps the
-reference: the ops its forward dispatches, and in the backward those of the autograd nodes it
-created, are not counted; the call counts instead as FUSED_LAUNCHES kernels that move its
-tensor inputs and outputs once in the forward, FUSED_BACKWARD_TRAFFIC times over in the backward.
+`reference_kernels`): wrong for time, where the GPU runs the package's few fused kernels
+instead of the reference's many small ops (transformers' `torch_chunk_gated_delta_rule`:
+thousands of them over 64-token chunks, 224 GB of traffic a forward + backward at 4 x 2048
+tokens of the Qwen3.5-27B shape), and above the package for memory. `FusedCalls.wrap` wraps
+the reference, and runs in its place the package's memory model where planning/kernel_memory.py
+has one (fla's `chunk_gated_delta_rule`: the tensors fla's autograd Function makes, keeps and
+frees), else the reference itself (an upper bound). The ops the call's forward dispatches, and
+in the backward those of the autograd nodes it created, are not counted for time; the call
+counts instead as FUSED_LAUNCHES kernels that move its tensor inputs and outputs once in the
+forward, FUSED_BACKWARD_TRAFFIC times over in the backward: the same count, model or reference.
 
 Invariant: memory is tracked for every op, counted for time or not.
 """
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
+
+from megatrain.planning.kernel_memory import run_as_package
 
 FUSED_LAUNCHES = (9, 14)
 """Kernels one fused package call launches, (forward, backward): flash-linear-attention's
@@ -57,14 +62,16 @@ class FusedCalls:
         self._depth = 0  # > 0: inside a fused call's forward
 
     def wrap(self, reference: Callable[..., Any]) -> Callable[..., Any]:
-        """`reference`, counted as the package's fused call (the module docstring)."""
+        """`reference`, counted as the package's fused call, its memory the package's where
+        modelled (the module docstring)."""
+        run = run_as_package(reference)
 
         @functools.wraps(reference)
         def call(*args: Any, **kwargs: Any) -> Any:
             first = torch._C._autograd._get_sequence_nr()
             self._depth += 1
             try:
-                out = reference(*args, **kwargs)
+                out = run(*args, **kwargs)
             finally:
                 self._depth -= 1
             made = range(first, torch._C._autograd._get_sequence_nr())
