@@ -72,7 +72,7 @@ QWEN3_30B_A3B_12 = dict(  # bench/common.py "qwen3-30b-a3b", cut to 12 layers
     rope_theta=1000000.0,
     max_position_embeddings=32768,
 )
-GPT_OSS_20B = dict(  # bench/common.py "gpt-oss-20b": eager attention (sinks), 32 experts top 4
+GPT_OSS_20B = dict(  # bench/common.py "gpt-oss-20b": attention sinks, 32 experts top 4
     model_type="gpt_oss",
     hidden_size=2880,
     intermediate_size=2880,

@@ -11,3 +11,7 @@ STATE_DTYPES = ("fp32", "bf16", "int8")
 OFFLOAD_CHOICES = ("auto", "on", "off")
 """memory.activation_offload: whether layer inputs wait in host memory
 (planning/long_context.py)."""
+
+SINK_ATTENTION = "megatrain_sdpa_sinks"
+"""model.attn_implementation: attention with learned sinks (GPT-OSS's `s_aux`) on sdpa's fused
+kernels (model/sink_attention.py); the default where transformers would run such a model eager."""

@@ -1,6 +1,8 @@
 """Eager attention in the step time: the spec records which attention the layers run, eager
 layers count FLOPs over the whole [S, S] score matrix, and the meta profile tells the scores'
-elementwise traffic apart, which a compiled MoE layer does not take as routing."""
+elementwise traffic apart, which a compiled MoE layer does not take as routing. GPT-OSS runs
+eager only when asked (`attn_implementation="eager"`): its default is sdpa with sinks
+(tests/planning/test_sink_attention_plan.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ SEQ = 96  # no tiny dimension (hidden 64, head 16) equals it
 
 
 def test_the_spec_records_the_attention_the_layers_run() -> None:
+    gpt_oss = model_spec(tiny_config("gpt_oss"), attn_implementation="eager")
+    assert {la.attn_implementation for la in gpt_oss.layers} == {"eager"}
     assert {la.attn_implementation for la in model_spec(tiny_config("gpt_oss")).layers} == {
-        "eager"  # sinks: no sdpa path in transformers
+        "sinks"  # no sdpa path in transformers: model/sink_attention.py's
     }
     llama = tiny_config("llama")
     assert {la.attn_implementation for la in model_spec(llama).layers} == {"sdpa"}
@@ -50,13 +54,12 @@ def test_the_profile_tells_the_score_traffic_apart(model_type: str) -> None:
     """Eager: its [S, S] ops are most of a layer's traffic at a long enough row; sdpa's fused
     kernels move none of it."""
     rows = 2
-    eager = layer_profile(model_spec(tiny_config(model_type)), rows, SEQ, "full")
+    eager = layer_profile(
+        model_spec(tiny_config(model_type), attn_implementation="eager"), rows, SEQ, "full"
+    )
     if model_type == "llama":
         sdpa = layer_profile(model_spec(tiny_config("llama")), rows, SEQ, "full")
         assert all(s == (0, 0) for s in sdpa.score_traffic)
-        eager = layer_profile(
-            model_spec(tiny_config("llama"), attn_implementation="eager"), rows, SEQ, "full"
-        )
     heads = model_spec(tiny_config(model_type)).layers[0].attn_heads
     scores = rows * heads * SEQ * SEQ * 2  # one bf16 pass over the scores
     for (fwd, bwd), (sf, sb) in zip(eager.traffic, eager.score_traffic, strict=True):
@@ -64,7 +67,7 @@ def test_the_profile_tells_the_score_traffic_apart(model_type: str) -> None:
 
 
 def test_a_compiled_moe_layer_takes_its_score_traffic_as_a_compiled_layer() -> None:
-    spec = model_spec(tiny_config("gpt_oss"))
+    spec = model_spec(tiny_config("gpt_oss"), attn_implementation="eager")
     hw, n = Hardware(), spec.num_layers
     flops, traffic, scores = [1e9] * n, [(10**9, 3 * 10**9)] * n, [(6 * 10**8, 2 * 10**9)] * n
     fwd, bwd = layer_seconds(spec, hw, flops, flops, traffic, 1, True, (), scores)

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatrain.choices import STATE_DTYPES
+from megatrain.choices import SINK_ATTENTION, STATE_DTYPES
 from megatrain.config.dpo import DPOConfig
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.memory import MemoryConfig
@@ -23,7 +23,14 @@ from megatrain.trackers import TRACKER_NAMES
 if TYPE_CHECKING:
     import torch  # only named in annotations: loading a config loads no torch
 
-ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager", "flash_attention_2", "flex_attention")
+ATTN_IMPLEMENTATIONS = (
+    None,
+    "sdpa",
+    "eager",
+    "flash_attention_2",
+    "flex_attention",
+    SINK_ATTENTION,
+)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 OPTIMIZER_IMPLS = ("auto", "c", "torch")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -44,7 +51,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow the checkpoint's own Python code (config, model, tokenizer)."""
     attn_implementation: str | None = None
-    """None (transformers' choice), "sdpa", "eager", "flash_attention_2" or "flex_attention"."""
+    """None (transformers' choice), "sdpa", "eager", "flash_attention_2", "flex_attention" or
+    "megatrain_sdpa_sinks" (attention sinks as an extra key of sdpa's fused kernels). None gives
+    "megatrain_sdpa_sinks" to a model whose attention has sinks and no sdpa support (GPT-OSS),
+    which transformers would run eager ([B, H, S, S] scores); "eager" keeps that."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields set on the HF config before building the model, e.g. {output_router_logits: true}."""
     compute_dtype: str = "bf16"

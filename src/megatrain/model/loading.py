@@ -6,6 +6,10 @@ copy of the model ever sits in RAM. Weight renaming and fusion (for example MoE 
 into 3-D tensors in transformers 5) is done by `from_pretrained`, and reversed by
 `save_pretrained` at export: never re-implemented here.
 
+Attention: the user's `attn_implementation`, else transformers' choice, except that a model with
+attention sinks that transformers would run eager (no sdpa support: GPT-OSS) gets
+model/sink_attention.py's sdpa path (`use_sinks`, the same rule the plan applies).
+
 Errors: a missing folder, a folder without config.json, and a hub id that cannot be fetched
 (offline, unknown repo, no access) are one paragraph each, naming the key and the fix
 (`hub_error`), instead of transformers' traceback.
@@ -33,6 +37,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from megatrain.model.random_init import init_on_device
+from megatrain.model.sink_attention import use_sinks
 from megatrain.model.tiny import tiny_config
 from megatrain.model.tiny_vision import VLM_MODEL_TYPES, tiny_vlm_config
 from megatrain.yaml_values import parse_yaml_value
@@ -163,6 +168,7 @@ def load_causal_lm(
     Random init happens when `model_type` is given, when `random_init` is set, or when a local
     directory holds a config but no weights. It runs HF's init scheme on `init_device` (a GPU:
     seconds instead of minutes for a large model; model/random_init.py), or on the CPU (None).
+    `attn_implementation` None: transformers' choice, or sdpa with sinks where `use_sinks` says.
     """
     config = load_config(
         source,
@@ -193,6 +199,8 @@ def load_causal_lm(
     else:
         torch.manual_seed(seed)
         model = model_class(config).from_config(config, **kwargs)
+    if attn_implementation is None:
+        use_sinks(model)
     model.train()
     return model
 

@@ -236,7 +236,9 @@ def attention_workspace(spec: ModelSpec, rows: int, seq: int, split_heads: bool)
     and, with grouped-query attention, bf16 key and value gradients expanded to that head.
     Calibrated on one observation: on the H100 the Llama-3.1-8B shape's backward at 524,288
     tokens (32 query / 8 key-value heads of 128, one call) asked for one 16.06 GiB block:
-    32 x (128 x 4 + 4 + 2 x 128 x 2) = 32,896 bytes a token."""
+    32 x (128 x 4 + 4 + 2 x 128 x 2) = 32,896 bytes a token. Attention sinks hand the kernel
+    keys already expanded to the query heads (model/sink_attention.py), whose gradients the
+    profile sees."""
     peak = 0
     for la in spec.layers:
         if not la.attn_heads:
@@ -244,7 +246,7 @@ def attention_workspace(spec: ModelSpec, rows: int, seq: int, split_heads: bool)
         heads = la.attn_heads
         if split_heads:
             heads //= head_calls(la.attn_heads, la.attn_kv_heads, seq)
-        grouped = la.attn_kv_heads != la.attn_heads
+        grouped = la.attn_kv_heads != la.attn_heads and la.attn_implementation != "sinks"
         per_head = la.attn_qk_dim * 4 + 4 + (2 * (la.attn_qk_dim + la.attn_v_dim) if grouped else 0)
         peak = max(peak, rows * seq * heads * per_head)
     return peak

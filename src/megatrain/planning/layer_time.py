@@ -32,9 +32,9 @@ step's costs from them.
   compiled region. It scales with a layer's parameters, not its FLOPs: 4% of a Llama-3.1-8B
   layer's eager time at 4 x 2048 tokens, 14% of a Qwen3-30B-A3B layer's (11x its active
   parameters), 0.33 s of that MoE shape's 12-layer rows (2.6-3.6 s), which missed it before;
-- eager attention (`LayerSpec.attn_implementation`: GPT-OSS's sinks, Gemma 2, or asked for):
-  its matmuls fill the whole [B, H, S, S] score matrix before the mask, so its FLOPs count
-  the whole row (no causal half, no window) and its recompute + backward 3 forwards
+- eager attention (`LayerSpec.attn_implementation`: Gemma 2, or asked for, GPT-OSS's sinks
+  included): its matmuls fill the whole [B, H, S, S] score matrix before the mask, so its FLOPs
+  count the whole row (no causal half, no window) and its recompute + backward 3 forwards
   (ATTENTION_RECOMPUTE_BACKWARD); the profile counts the scale, mask, softmax and cast passes
   over the scores as traffic (planning/traffic.py `on_scores`: 23.7 GB forward and 58.0 GB
   recompute + backward of a GPT-OSS-20B layer's 33.4 and 87.2 at 4 x 2048 tokens). Compiled,
@@ -43,6 +43,9 @@ step's costs from them.
   an H100 (docs/performance.md run 43, compiled, 64k tokens a step): recompute + backward
   7.52 s of GPU predicted against 7.94 measured (4.91 with the scores as routing). The
   fraction is the dense layers' (run 32), not refitted: this backward alone would ask 0.67;
+- attention sinks on sdpa (model/sink_attention.py, GPT-OSS's default): fused kernels (no
+  score traffic, recompute + backward 3.5 forwards), but under a mask, so the whole row's
+  FLOPs as eager (WHOLE_ROW);
 - compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
   issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
   eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,
@@ -78,22 +81,27 @@ layer on an H100 at 8192 tokens, issue 24: forward 2.91 ms, forward + backward 8
 against 2.88 and 9.08 predicted; 0.6 would give 4.1 and 13.4)."""
 
 
-ATTENTION_RECOMPUTE_BACKWARD = {"sdpa": 3.5, "eager": 3.0}
+ATTENTION_RECOMPUTE_BACKWARD = {"sdpa": 3.5, "sinks": 3.5, "eager": 3.0}
 """A layer's attention FLOPs in its recompute + backward against its forward's, by
 `LayerSpec.attn_implementation`: the recompute (1) plus the backward, 2.5 forwards for the
-fused kernels (flash recomputes the scores in its backward), 2 for eager attention (two
-gradient matmuls for each of its two matmuls; the probabilities are saved)."""
+fused kernels (flash and memory-efficient recompute the scores in their backward; "sinks" runs
+the latter), 2 for eager attention (two gradient matmuls for each of its two matmuls; the
+probabilities are saved)."""
+WHOLE_ROW = ("eager", "sinks")
+"""`LayerSpec.attn_implementation`s whose attention computes every score of the row: eager's
+matmuls, and the fused kernel under the mask that attention sinks always pass (a masked
+memory-efficient kernel visits every key block)."""
 
 
 def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
     """Forward FLOPs of softmax attention for one token: averaged over causal positions (the
-    window-capped span) where the fused kernels skip the masked blocks, over the whole row for
-    eager attention, whose matmuls fill the [S, S] score matrix before the mask (no causal
-    half, no window saving)."""
+    window-capped span) where the fused kernels skip the masked blocks, over the whole row
+    (WHOLE_ROW) for eager attention, whose matmuls fill the [S, S] score matrix before the mask,
+    and for attention sinks' masked kernel (no causal half, no window saving)."""
     if layer.attn_heads == 0:
         return 0.0
     w = layer.window
-    if layer.attn_implementation == "eager":
+    if layer.attn_implementation in WHOLE_ROW:
         span: float = seq
     elif w is None or seq <= w:
         span = (seq + 1) / 2

@@ -28,9 +28,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from megatrain.choices import SINK_ATTENTION
 from megatrain.engine.layout import BlockSizes
 from megatrain.model.loading import model_class
 from megatrain.model.multimodal import vision_split
+from megatrain.model.sink_attention import has_sinks, use_sinks
 from megatrain.model.structure import ModelStructure, discover
 
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -48,8 +50,10 @@ class LayerSpec:
     attn_qk_dim: int
     attn_v_dim: int
     window: int | None  # sliding-window size, None for full causal attention
-    # the attention transformers runs: "sdpa" (fused kernels: the causal half, the window) or
-    # "eager" (matmuls over the whole [B, H, S, S] score matrix, then masked)
+    # the attention the layer runs: "sdpa" (fused kernels: the causal half, the window),
+    # "eager" (matmuls over the whole [B, H, S, S] score matrix, then masked) or "sinks"
+    # (model/sink_attention.py: fused kernels' memory, but always a mask, so the kernel visits
+    # every block of the whole [S, S + 1] square: no causal half, no window saving)
     attn_implementation: str = "sdpa"
 
 
@@ -115,9 +119,11 @@ def build_spec(
     """Build the causal LM of `config` with meta parameters and count its blocks.
 
     Attention is measured as sdpa unless `attn_implementation` (or else the config) says
-    eager, or the architecture has no sdpa support (Gemma 2, GPT-OSS's sinks: transformers
-    runs it eager): flash kernels keep the same O(tokens) memory as sdpa's fused kernels. The
-    layers record which of the two they run (`LayerSpec.attn_implementation`).
+    eager, or the architecture has no sdpa support (Gemma 2: transformers runs it eager): flash
+    kernels keep the same O(tokens) memory as sdpa's fused kernels. With no implementation
+    asked for, attention sinks without sdpa support (GPT-OSS) run model/sink_attention.py's
+    sdpa path, as the loader gives them (`use_sinks`). The layers record which of the two they
+    run (`LayerSpec.attn_implementation`).
     """
     attn = attn_implementation or getattr(config, "_attn_implementation", None)
     with _params_on_meta():
@@ -131,6 +137,8 @@ def build_spec(
             model = model_class(config).from_config(
                 config, dtype=compute_dtype, attn_implementation="eager"
             )
+    if attn_implementation in (None, SINK_ATTENTION):
+        use_sinks(model)
     structure = discover(model)
     # Only the body's own buffers (rotary tables) run for real, in the capture; the parts
     # measured on meta tensors need theirs on meta too (e.g. DeepSeek's router bias).
@@ -222,8 +230,16 @@ def _layer_spec(
         attn_qk_dim=int(qk_dim),
         attn_v_dim=int(v_dim),
         window=int(window) if window else None,
-        attn_implementation="eager" if attn_implementation == "eager" else "sdpa",
+        attn_implementation=_attention_kind(layer, attn_implementation),
     )
+
+
+def _attention_kind(layer: nn.Module, attn_implementation: str) -> str:
+    if attn_implementation == "eager":
+        return "eager"
+    if attn_implementation == SINK_ATTENTION and has_sinks(layer):
+        return "sinks"
+    return "sdpa"
 
 
 def _expert_counts(text: PretrainedConfig) -> tuple[int, int] | None:
