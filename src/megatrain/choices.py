@@ -12,6 +12,8 @@ OFFLOAD_CHOICES = ("auto", "on", "off")
 """memory.activation_offload: whether layer inputs wait in host memory
 (planning/long_context.py)."""
 
-SINK_ATTENTION = "megatrain_sdpa_sinks"
+SINK_ATTENTION = "megatrain_sinks"
 """model.attn_implementation: attention with learned sinks (GPT-OSS's `s_aux`) on sdpa's fused
-kernels (model/sink_attention.py); the default where transformers would run such a model eager."""
+kernels (model/sink_attention.py); the default where transformers would run such a model eager.
+No "sdpa" in the name: transformers checks a name containing it against the model's sdpa
+support (`_supports_sdpa`, False for GPT-OSS) and refuses it."""

@@ -295,7 +295,7 @@ def test_wrong_types_name_key_value_and_expected_type(override: list[str], expec
         (
             ["--model.attn_implementation", "flash"],
             "model.attn_implementation='flash' must be one of [None, 'sdpa', 'eager', "
-            "'flash_attention_2', 'flex_attention', 'megatrain_sdpa_sinks']",
+            "'flash_attention_2', 'flex_attention', 'megatrain_sinks']",
         ),
         (
             ["--model.tokenizer", "null"],

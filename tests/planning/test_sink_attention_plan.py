@@ -1,0 +1,106 @@
+"""The plan of a model with attention sinks (GPT-OSS) runs what the engine runs: sdpa with the
+sink as an extra key (model/sink_attention.py) unless eager is asked for.
+
+The spec records those layers as "sinks"; their attention counts the whole row's FLOPs (the
+kernel runs under a mask, which skips no block) and the fused kernels' recompute + backward;
+on meta the layer runs sdpa's memory-efficient op (head dim 64 + 1 padded to 72, with a mask),
+so at the GPT-OSS-20B shape no [B, H, S, S] score tensor exists, and the layer's and the row's
+GPU peaks drop by the score tensors the eager layer holds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig
+
+from megatrain.choices import SINK_ATTENTION
+from megatrain.model.tiny import tiny_config
+from megatrain.planning import Hardware, model_spec
+from megatrain.planning.activations import attention_workspace, layer_profile
+from megatrain.planning.estimate import COMPILED_EAGER_SCORES
+from megatrain.planning.layer_time import ATTENTION_RECOMPUTE_BACKWARD, attention_flops_per_token
+from predict import cli_row_plan
+from shapes import GPT_OSS_20B
+
+ROWS, SEQ = 4, 2048  # the bench rows: micro-batches of 4 x 2048
+
+
+def test_the_spec_records_sinks_unless_eager_is_asked_for() -> None:
+    spec = model_spec(tiny_config("gpt_oss"))
+    assert spec.config._attn_implementation == SINK_ATTENTION
+    assert {la.attn_implementation for la in spec.layers} == {"sinks"}
+    assert {la.window for la in spec.layers} == {None, spec.config.sliding_window}
+    again = model_spec(spec, "fp32")  # rebuilt from the spec's config, which names SINK_ATTENTION
+    assert {la.attn_implementation for la in again.layers} == {"sinks"}
+    asked = model_spec(tiny_config("gpt_oss"), attn_implementation=SINK_ATTENTION)
+    assert {la.attn_implementation for la in asked.layers} == {"sinks"}
+    eager = model_spec(tiny_config("gpt_oss"), attn_implementation="eager")
+    assert {la.attn_implementation for la in eager.layers} == {"eager"}
+    llama = model_spec(tiny_config("llama"), attn_implementation=SINK_ATTENTION)
+    assert {la.attn_implementation for la in llama.layers} == {"sdpa"}  # no sinks: plain sdpa
+
+
+def test_sinks_count_the_whole_row_with_the_fused_backward() -> None:
+    spec = model_spec(tiny_config("gpt_oss"))
+    for la in spec.layers:
+        full = 2.0 * 1000 * la.attn_heads * (la.attn_qk_dim + la.attn_v_dim)
+        assert attention_flops_per_token(la, 1000) == pytest.approx(full)  # windowed ones too
+    assert ATTENTION_RECOMPUTE_BACKWARD["sinks"] == ATTENTION_RECOMPUTE_BACKWARD["sdpa"]
+    la = spec.layers[0]  # keys reach the kernel expanded: no grouped-query gradients to expand
+    assert la.attn_kv_heads < la.attn_heads
+    per_head = la.attn_qk_dim * 4 + 4
+    assert attention_workspace(spec, 2, 96, False) == 2 * 96 * la.attn_heads * per_head
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gpt_oss_20b(attn_implementation: str | None) -> Any:
+    shape = {k: v for k, v in GPT_OSS_20B.items() if k != "model_type"}
+    return model_spec(AutoConfig.for_model("gpt_oss", **shape), None, attn_implementation)
+
+
+def test_the_gpt_oss_20b_layer_holds_no_score_tensor() -> None:
+    """Eager keeps at least the probabilities and their gradient, two [B, H, S, S] tensors, at
+    its backward peak; the sinks layer none."""
+    sinks, eager = _gpt_oss_20b(None), _gpt_oss_20b("eager")
+    with _Ops() as ops:
+        profile = layer_profile(sinks, ROWS, SEQ, "full")
+    layers = {la.attn_implementation for la in sinks.layers}
+    assert layers == {"sinks"} and sinks.layers[0].attn_qk_dim == 64  # + 1, padded to 72
+    groups = len(sinks.structure.groups)  # one measured layer each (sliding, full)
+    assert ops.names["_scaled_dot_product_efficient_attention"] == groups
+    assert ops.names["_scaled_dot_product_efficient_attention_backward"] == groups
+    la = sinks.layers[0]
+    scores = ROWS * la.attn_heads * SEQ * SEQ * sinks.compute_dtype.itemsize  # 2 GiB
+    assert profile.largest_bytes < scores
+    assert profile.peak_bytes + 2 * scores <= layer_profile(eager, ROWS, SEQ, "full").peak_bytes
+
+
+def test_the_gpt_oss_20b_row_plans_sinks_below_the_eager_peak() -> None:
+    """docs/performance.md run 43's row (tests/planning/test_step_time_32vcpu_host.py pins the
+    eager attention it measured) with the default attention: below the compiled eager row's
+    GPU peak by the two score tensors its layer holds and the COMPILED_EAGER_SCORES more its
+    compiled layer holds."""
+    hw = Hardware(optimizer_threads=30).with_overrides(gpu_gib=79.2, host_gib=251)
+    plans = {
+        attn: cli_row_plan(GPT_OSS_20B, hw, **{"optimizer.state_dtype": "bf16", **pin})
+        for attn, pin in (("sinks", {}), ("eager", {"model.attn_implementation": "eager"}))
+    }
+    assert all(plan.engine.compile_layers for plan in plans.values())
+    la = _gpt_oss_20b(None).layers[0]
+    scores = ROWS * la.attn_heads * SEQ * SEQ * 2
+    sinks, eager = (plans[a].estimate for a in ("sinks", "eager"))
+    assert sinks.gpu.peak_bytes + (2 + COMPILED_EAGER_SCORES) * scores <= eager.gpu.peak_bytes
+    assert sinks.time.step_s < eager.time.step_s
