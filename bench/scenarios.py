@@ -155,6 +155,8 @@ _ARCH_GPT_OSS = ("--preset", "gpt-oss-20b", *_ARCH, "--steps", "6")
 _ARCH_GPT_OSS += ("--timeout", "560", "--", *_BF16)
 _ARCH_QWEN3_NEXT = ("--preset", "qwen3-next-80b-a3b", "--layers", "19", *_ARCH, "--steps", "6")
 _ARCH_QWEN3_NEXT += ("--timeout", "560", "--", *_INT8)
+_GPT_OSS_12 = ("--preset", "gpt-oss-20b", "--layers", "12", *_ARCH, "--steps", "6")
+_GPT_OSS_12 += ("--timeout", "280", "--", *_BF16)
 _ARCH_GPT_OSS_125G = ("--preset", "gpt-oss-20b", "--layers", "17", *_ARCH, "--steps", "6")
 _ARCH_GPT_OSS_125G += ("--timeout", "560", "--", *_INT8)
 _ARCH_QWEN3_NEXT_125G = ("--preset", "qwen3-next-80b-a3b", "--layers", "8", *_ARCH, "--steps", "6")
@@ -615,6 +617,28 @@ SCENARIOS: dict[str, Scenario] = {
         "host (the 2-GPU machine: the 125 GiB one cannot hold it, arch_gpt_oss_20b_125g), bf16 "
         "AdamW states, 64k tokens/step, 6 steps",
         (_cli("gpt_oss_20b", *_ARCH_GPT_OSS),),
+        timeout_s=590,
+    ),
+    "gpt_oss_sinks": Scenario(
+        "issue 24: GPT-OSS's attention sinks on sdpa's fused kernels (the default since run 43, "
+        "model/sink_attention.py) against transformers' eager attention: the GPT-OSS-20B shape "
+        "cut to 12 of its 24 layers (fits the 125 GiB host with bf16 states), 64k tokens/step, "
+        "6 steps each; a table last with the ratio",
+        (
+            _cli("gpt_oss_12l", *_GPT_OSS_12),
+            _cli("gpt_oss_12l_eager", *_GPT_OSS_12, "--model.attn_implementation", "eager"),
+            _table("gpt_oss_12l_eager", "gpt_oss_12l"),
+        ),
+        timeout_s=590,
+    ),
+    "verify_fla": Scenario(
+        "issue 24: bf16 verify on CUDA of the hybrid tiny models with flash-linear-attention's "
+        "kernels (fla and Triton >= 3.7.1 in the runner's site folder: bench/triton_parts.sh); "
+        "a cold Triton cache compiles every kernel first (minutes)",
+        (
+            _verify("--model-type", "qwen3_5_text", "--tiny", "--dtype", "bf16", "--packed"),
+            _verify("--model-type", "qwen3_next", "--tiny", "--dtype", "bf16", "--packed"),
+        ),
         timeout_s=590,
     ),
     "arch_gpt_oss_20b_125g": Scenario(
