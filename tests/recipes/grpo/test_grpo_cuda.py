@@ -1,6 +1,7 @@
 """GRPO on CUDA (skipped without a GPU): several generation batches in a row decode on the static
-path with CUDA graphs, resident, and the rollout path is chosen from the memory PyTorch can hand
-out, not only what the device reports free (the training phase's cached blocks count as free)."""
+path with CUDA graphs, resident, each phase beginning with the memory it should; and the rollout
+path is chosen from the memory PyTorch can hand out, not only what the device reports free (the
+training phase's cached blocks count as free)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def test_generation_batches_in_a_row_decode_resident_with_graphs(tmp_path: Path)
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     assert all(r["rollout_streamed"] == 0 and r["time/decode_step_ms"] > 0 for r in rows)
+    for r in rows:  # each phase begins with the engine's buffers, and the rollout's are gone
+        assert 0 < r["gpu_start_gib/train"] <= r["gpu_start_gib/rollout"] + 0.01
+        assert r["gpu_start_gib/rollout"] <= r["gpu_peak_gib/rollout"]
 
 
 def test_cached_blocks_count_as_free_for_the_rollout(tmp_path: Path) -> None:

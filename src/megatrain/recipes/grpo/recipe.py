@@ -58,17 +58,26 @@ from megatrain.recipes.records import report_plan, step_record
 
 
 class _PhasePeak:
-    """The most GPU memory allocated from now until `gib()` (None off CUDA): one phase's peak."""
+    """One phase's GPU memory on CUDA: what was allocated as it began, and the most allocated
+    from then until `record`."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device if device.type == "cuda" else None
+        self.start = 0
         if self.device is not None:
+            self.start = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def gib(self) -> float | None:
+    def record(self, phase: str) -> dict[str, float]:
+        """The phase's metrics, `gpu_start_gib/<phase>` and `gpu_peak_gib/<phase>` (none off
+        CUDA); before anything else resets the peak statistics (memory_record does)."""
         if self.device is None:
-            return None
-        return round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+            return {}
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return {
+            f"gpu_start_gib/{phase}": round(self.start / 2**30, 2),
+            f"gpu_peak_gib/{phase}": round(peak / 2**30, 2),
+        }
 
 
 @dataclass
@@ -284,8 +293,7 @@ class GRPOTrainer(Recipe):
             "generation_tokens_per_s": round(rollout.generated_tokens / max(gen_s, 1e-9), 1),
             "rollout_streamed": int(streamed),
         }
-        if (rollout_peak := peak.gib()) is not None:
-            record["gpu_peak_gib/rollout"] = rollout_peak
+        record.update(peak.record("rollout"))
         if rollout.decode_steps:  # the static path times its phases (recipes/grpo/decode.py)
             record["time/prefill_capture_s"] = round(rollout.prefill_s, 4)
             record["time/decode_step_ms"] = round(1e3 * rollout.decode_s / rollout.decode_steps, 3)
@@ -349,14 +357,13 @@ class GRPOTrainer(Recipe):
             lambda engine: engine.train_step(gen.batches, lr=lr, objective=objective), metrics
         )
         step_s = time.perf_counter() - t0
-        train_peak = peak.gib()
+        train_memory = peak.record("train")  # before step_record resets the peak
         record = step_record(result, lr, step_s, self.builder.device) | gen.record
         record["time/train_s"] = round(step_s, 4)
         record["kl"] = fn.stats.kl
         record["clip_ratio"] = fn.stats.clip_ratio
         record["entropy"] = fn.stats.entropy
         record["iteration"] = iteration
-        if train_peak is not None:
-            record["gpu_peak_gib/train"] = train_peak
+        record.update(train_memory)
         metrics.log_step(self.step, record)
         return record
