@@ -7,21 +7,22 @@ check of the model against recorded measurements, not a measurement of this mach
 
 | row | planned allocated / reserved (torch reference's) | measured allocated / reserved |
 |---|---|---|
-| Qwen3.5-27B text, 64 layers | 64.09 / 66.46 GiB (66.23 / 66.60) | 63.54 / 66.65 |
-| Qwen3-Next-80B-A3B, 19 layers | 41.00 / 43.00 GiB (42.78 / 44.78) | 37.82 / 39.0 |
+| Qwen3.5-27B text, 64 layers | 61.72 / 64.09 GiB (65.51 / 65.89) | 61.17 / 64.28 (see below) |
+| Qwen3-Next-80B-A3B, 19 layers | 37.93 / 39.93 GiB (39.71 / 41.71) | 37.82 / 39.0 |
 
-The 27B row now peaks in its loss (its layer backward: 63.52 allocated, the Gated DeltaNet
-layer's recompute + backward 4.70 GiB where the torch reference's was 7.41). The Qwen3-Next
-row's layer peaks in its experts' backward, where the profile also counts the 3 GiB of expert
-weights its views touch (held by the weight slots too): its reserved stays 10.3% over the
-measured, outside the 10% this test asks of the allocated peak.
+The 27B row peaks in its loss. Run 43's engine held each loss chunk's gradients until the next
+chunk's were made, one more bf16 head-weight gradient (248,320 x 5,120: 2.37 GiB) than the plan
+counts; engine/head.py frees them since run 44 (tests/engine/test_head_chunks.py), so that row's
+measured peaks are compared less that gradient (`HELD_HEAD_GRADIENT`) until a GPU run of the
+fixed engine replaces them (run 43 measured 63.54 / 66.65). The Qwen3-Next row peaks in its
+experts' backward; the profile no longer counts the 3.07 GiB of expert weights its views touch
+(the weight slots hold them).
 
 The reserved peak may fall short of the measured by `STEP_ONE_TUNING`: the measured peaks are
 the most over the run's steps, step 1 included, where fla tuned its kernels on a cold Triton
 cache (run 43: step 1 took 212 s and 180 s), each candidate benchmarked beside the 256 MiB
 buffer Triton's `do_bench` clears the L2 cache with (its CUDA driver's
-`get_empty_cache_for_benchmark`); the plan is of a tuned step. The 27B row's plan is 0.19 GiB
-under its measured reserved peak.
+`get_empty_cache_for_benchmark`); the plan is of a tuned step.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from fake_fla import run_with_fake_fla
 
 GIB = 2**30
 STEP_ONE_TUNING = 0.25  # GiB: Triton's benchmark buffer, 256 MiB
-MEASURED = {  # row: (allocated, reserved) GiB, docs/performance.md run 43
-    "QWEN35_27B": (63.54, 66.65),
+HELD_HEAD_GRADIENT = 248320 * 5120 * 2 / GIB  # Qwen3.5's head weight in bf16: 2.37 GiB
+MEASURED = {  # row: (allocated, reserved) GiB, docs/performance.md run 43, as the engine is now
+    "QWEN35_27B": (63.54 - HELD_HEAD_GRADIENT, 66.65 - HELD_HEAD_GRADIENT),
     "QWEN3_NEXT_80B_A3B_19": (37.82, 39.0),
 }
 _PLAN = textwrap.dedent(
@@ -71,6 +73,5 @@ def test_the_planned_peak_of_fla_rows_matches_the_h100_runs(tmp_path: Path) -> N
         measured_allocated, measured_reserved = MEASURED[row]
         assert abs(allocated / measured_allocated - 1) <= 0.10, (row, allocated)
         assert reserved >= measured_reserved - STEP_ONE_TUNING, (row, reserved)
-    allocated, reserved = planned["QWEN35_27B"]
-    assert abs(reserved / MEASURED["QWEN35_27B"][1] - 1) <= 0.10, reserved
-    assert allocated < 66.23 - 2  # the torch reference's plan, 2.7 GiB over the measured
+        assert abs(reserved / measured_reserved - 1) <= 0.10, (row, reserved)
+    assert planned["QWEN35_27B"][0] < 65.51 - 3  # the torch reference's plan, 3.8 GiB more

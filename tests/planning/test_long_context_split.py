@@ -8,8 +8,10 @@ estimate of that run must land within 5% of their sum: the meta measurement coun
 tensor the layer makes (not its input and output gradient, counted once as boundary
 activations and last hidden), the workspace term that one block. With the split the block is
 an eighth (one key-value group of 4 query heads per call), the norms' outputs are not kept
-(engine/norm_fusion.py) and the full model fits with a 256 GiB host (with 128 GiB it misses
-the 2 GiB margin by a few MiB once the allocator's slack is counted).
+(engine/norm_fusion.py) and the full model fits with a 256 GiB host, and with 128 GiB by less
+than half a GiB of the 2 GiB margin once the allocator's slack is counted (since run 44, when
+the profile stopped counting the layer's weights a second time; before, it missed by a few
+MiB). The 125 GiB host of the one-GPU machine is refused, as run 26 was.
 """
 
 from __future__ import annotations
@@ -73,10 +75,11 @@ def test_512k_fits_one_h100_with_256_gib() -> None:
     assert b is not None and b.every == 1 and b.count("none") == 0  # nothing recomputed
     gpu = plan.estimate.gpu
     assert gpu.peak_phase == "layer backward"
-    # one head group's block (2 GiB) on top of what the layer holds in its attention backward
-    # stays under the layer's peak elsewhere: it adds nothing
-    assert "attention backward workspace" not in gpu.items
-    assert attention_workspace(spec, 1, SEQ, split_heads=True) == SEQ * 4 * BLOCK_PER_HEAD_TOKEN
+    # one head group's block (2 GiB) comes on top of what the layer holds in its attention
+    # backward, which is less than the layer's peak elsewhere: it adds part of itself
+    block = attention_workspace(spec, 1, SEQ, split_heads=True)
+    assert block == SEQ * 4 * BLOCK_PER_HEAD_TOKEN
+    assert 0 < gpu.items["attention backward workspace"] < block / 2
     # the plan keeps inputs on the GPU up to the 2 GiB margin; offloading all of them leaves
     # the layer's own peak with the 2 inputs the backward needs: over 20 GiB of the card free
     least = predict(
@@ -92,15 +95,17 @@ def test_512k_fits_one_h100_with_256_gib() -> None:
     assert least.gpu.peak_bytes <= H100_TOTAL - 20 * GIB
 
 
-def test_512k_on_128_gib_is_refused_by_less_than_the_margin() -> None:
+def test_512k_on_128_gib_fits_the_margin_by_less_than_half_a_gib() -> None:
     """The host holds 4 inputs: one kept every 4 layers, 3 recomputed, and the GPU the rest
     of the kept ones and a segment's recomputed inputs (7 x 4 GiB) beside the layer. With the
     allocator's slack (a 4 GiB layer input, planning/allocator_slack.py) that reserved peak
-    passes the 2 GiB margin by a few MiB: the plan refuses it, still within the card."""
+    leaves the 2 GiB margin and less than half a GiB more. On the one-GPU machine's 125 GiB
+    host one input fewer fits the host and the GPU is short: refused (run 26)."""
     plan = _plan(SEQ, 128)
     b = plan.boundaries
     assert b is not None and (b.every, b.count("host"), b.count("none")) == (4, 4, 24)
-    assert not plan.fits
+    assert plan.fits, plan.problems
     gpu = plan.estimate.gpu
     assert gpu.items["allocator slack (reserved beyond allocated)"] == 4 * GIB
-    assert H100_TOTAL - 2 * GIB < gpu.peak_bytes < H100_TOTAL - 1.9 * GIB
+    assert H100_TOTAL - 2.5 * GIB < gpu.peak_bytes <= H100_TOTAL - 2 * GIB
+    assert not _plan(SEQ, 125).fits

@@ -15,6 +15,10 @@ given: then it is any function of the targets' log-probs (of logits / temperatur
 per-token side inputs (advantages, old log-probs, weights, ...), which the head gathers for each
 chunk's tokens. `logprobs` is the same pass without gradients: each target's log-prob.
 
+Invariant: one chunk's gradients exist at a time (the head weight's is as large as the weight):
+they are added into the accumulators and freed before the next chunk's backward, as the plan's
+loss phase counts them (planning/activations.py `loss_chunk`).
+
 Shapes: N = tokens of a micro-batch, C = tokens of a chunk, D = hidden size, V = vocab.
 """
 
@@ -176,19 +180,40 @@ class ChunkedLoss:
                 loss += chunk
                 nll += chunk_nll
                 continue
-            h_CD = hidden_ND[idx].detach().requires_grad_(True)
-            with torch.enable_grad():
-                chunk, chunk_nll = self._chunk_loss(h_CD, tgt, denom, fn, side, temperature)
-            grads = torch.autograd.grad(chunk, [h_CD, *params], allow_unused=True)
             assert grad_ND is not None and grad_acc is not None
-            grad_ND.index_copy_(0, idx, grads[0].to(grad_ND.dtype))
-            for acc, g in zip(grad_acc, grads[1:], strict=True):
-                if g is not None:
-                    acc.add_(g)
-            loss += chunk.detach()
+            chunk, chunk_nll = self._chunk_backward(
+                hidden_ND, idx, tgt, denom, fn, side, temperature, params, grad_acc, grad_ND
+            )
+            loss += chunk
             nll += chunk_nll
         grad_BSD = None if grad_ND is None else grad_ND.view_as(hidden_BSD)
         return loss, nll, grad_BSD
+
+    def _chunk_backward(
+        self,
+        hidden_ND: torch.Tensor,
+        idx: torch.Tensor,
+        targets_C: torch.Tensor,
+        denom: float,
+        fn: TokenFn | None,
+        side_C: dict[str, torch.Tensor],
+        temperature: float,
+        params: list[nn.Parameter],
+        grad_acc: list[torch.Tensor],
+        grad_ND: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's loss and gradients: the hidden rows' into `grad_ND`, the parameters' added
+        into `grad_acc`. Its gradients (the head weight's is [vocab, hidden]) are freed on
+        return, before the next chunk's backward makes its own."""
+        h_CD = hidden_ND[idx].detach().requires_grad_(True)
+        with torch.enable_grad():
+            chunk, chunk_nll = self._chunk_loss(h_CD, targets_C, denom, fn, side_C, temperature)
+        grads = torch.autograd.grad(chunk, [h_CD, *params], allow_unused=True)
+        grad_ND.index_copy_(0, idx, grads[0].to(grad_ND.dtype))
+        for acc, g in zip(grad_acc, grads[1:], strict=True):
+            if g is not None:
+                acc.add_(g)
+        return chunk.detach(), chunk_nll
 
     @torch.no_grad()
     def logprobs(

@@ -7,9 +7,11 @@ copies of the tokens per expert, linear-attention layers keep chunked states, RM
 fp32 copy of its input, eager attention keeps [heads x seq x seq] scores). Running the real HF
 layer on meta tensors (shapes and dtypes, no data, no FLOPs) under a dispatch mode that tracks
 the bytes of every live storage gives the peak for any architecture, with the engine's own call
-path (`LayerCall.run` + `torch.autograd.grad` over the input and the parameters). Calibrated on
-an H200: Qwen2.5-3B, 4 x 2048 tokens, measured 1.63 GiB against 1.64-1.66 GiB inferred from
-`max_memory_allocated`.
+path (`LayerCall.run` + `torch.autograd.grad` over the input and the parameters). The layer's
+(the head's) parameters are not counted, though their views reach its ops: the weight slots
+(the head's weights) hold them. Calibrated on an H200: Qwen2.5-3B, 4 x 2048 tokens, measured
+1.63 GiB against 1.64-1.66 GiB inferred from `max_memory_allocated` (before run 44, when the
+layer's weights still counted).
 
 The layer's call arguments (masks, rotary cos/sin) come from the engine's `LayerCallCapture`
 run for real on the CPU (the HF mask code is data-dependent, it cannot run on meta) at a small
@@ -34,10 +36,11 @@ What the GPU runs differently from meta tensors, and is substituted here:
   memory as the package's own buffers where planning/kernel_memory.py models the call (fla's
   `chunk_gated_delta_rule`: what its autograd Function makes, keeps and frees), else as the
   reference's, an upper bound. The Qwen3.5-27B shape at 4 x 2048 tokens: a Gated DeltaNet
-  layer's recompute + backward 4.70 GiB with fla's buffers, 7.41 as the reference; with it the
-  plan's layer backward of docs/performance.md run 43's 64-layer row holds 63.52 GiB against
-  63.54 measured (max_memory_allocated). A refused package's reference, which the run does run,
-  counts in full, time and memory.
+  layer's recompute + backward 3.99 GiB with fla's buffers, 6.70 as the reference; with it the
+  plan of docs/performance.md run 43's 64-layer row peaks at 61.72 GiB allocated (its loss)
+  against 61.17 measured less the head gradient that run's engine held over
+  (tests/planning/test_fla_memory_rows.py). A refused package's reference, which the run does
+  run, counts in full, time and memory.
 - grouped_mm (MoE experts) has a bf16-only meta kernel; fp32 runs transformers' loop fallback
   on the GPU, whose backward reads the expert offsets on the host in some transformers releases
   (5.17), impossible on meta: `MetaGroupedMM` (meta_kernels.py) stands in with the
@@ -104,7 +107,9 @@ class _LiveBytes(TorchDispatchMode):
         return self._moved + self.fused.traffic
 
     def exclude(self, *tensors: torch.Tensor) -> None:
-        """Storages made outside the mode that its views must not count (held elsewhere)."""
+        """Storages made outside the mode that its views must not count (held elsewhere): a
+        view returns its base's storage, and a layer's weights reach its ops as views (`t()`
+        in a linear, an expert's slice), which would count them once more."""
         for t in tensors:
             self._seen[t.untyped_storage()] = 0
 
@@ -269,6 +274,7 @@ def loss_chunk(spec: ModelSpec, chunk_tokens: int) -> LossChunk:
         params = [p for m in (st.final_norm, st.lm_head) for p in m.parameters()]
         logits = LogitsFn(st, st.lm_head)
         tracker = _LiveBytes()
+        tracker.exclude(*params)  # held by the head's weights
         with torch.enable_grad(), tracker:
             h = torch.empty(chunk_tokens, spec.hidden_size, dtype=dtype, device="meta")
             h.requires_grad_(True)
@@ -302,7 +308,8 @@ def _measure(
     )
     grad_out = torch.empty_like(x)
     tracker = _LiveBytes(seq)
-    tracker.exclude(x, grad_out)  # the layer input and mb.grad: counted by the caller
+    # the layer input and mb.grad: counted by the caller; the weights: held by the weight slots
+    tracker.exclude(x, grad_out, *params, *layer.buffers())
     with torch.enable_grad(), reference_kernels(layer, tracker.fused.wrap), GpuKernels(), tracker:
         out = call.run(layer, x)
         forward_ops, forward_traffic, forward_scores = tracker.ops, tracker.traffic, tracker.scores
