@@ -3,6 +3,8 @@
     python bench/run.py --list
     python bench/run.py verify_cuda compare adamw       # in this order, one log per scenario
     python bench/run.py long_context_auto -- --memory.mlp_tiles 4
+    OUT=$OUT/g1 python bench/run.py --gpu 1 --cpus 16-31 user_512k &   # two at once, one a GPU
+    OUT=$OUT/g0 python bench/run.py --gpu 0 --cpus 0-15 gpt_oss_sinks
 
 Every scenario names what it measures; arguments after `--` go to each command of the
 scenarios run (for one-off variations). Each command runs with a timeout, its output goes to
@@ -147,6 +149,15 @@ def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) ->
     return summary
 
 
+def _cpu_list(spec: str) -> set[int]:
+    """ "0-15,32" -> {0, ..., 15, 32} (taskset's list format)."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def main() -> int:
     argv = sys.argv[1:]
     extra: list[str] = []
@@ -155,6 +166,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scenarios", nargs="*", help="names from --list, run in the order given")
     ap.add_argument("--list", action="store_true", help="list the scenarios")
+    ap.add_argument(
+        "--gpu", help="the GPUs the scenarios see (CUDA_VISIBLE_DEVICES), e.g. 1: one of several"
+    )
+    ap.add_argument(
+        "--cpus",
+        help="the vCPUs they run on, e.g. 16-31 (megatrain train takes its AdamW threads from "
+        "this affinity): two runners, one per GPU, each on its half of the host",
+    )
     args = ap.parse_args(argv)
     if args.list or not args.scenarios:
         for name, s in SCENARIOS.items():
@@ -163,6 +182,10 @@ def main() -> int:
     unknown = [n for n in args.scenarios if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; --list shows them")
+    if args.gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu  # before torch counts the GPUs (_gpus)
+    if args.cpus:
+        os.sched_setaffinity(0, _cpu_list(args.cpus))  # the commands inherit it
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
