@@ -3,8 +3,9 @@
 The attention function against `eager_attention_forward` of a tiny GPT-OSS attention module:
 outputs and the gradients of query, key, value and sinks, for causal, sliding-window, padded
 (rows with no visible key included) and absent masks, grouped-query heads, head dims that are
-and are not multiples of 8. Then the whole tiny model as the loader builds it: sinks on sdpa by
-default, loss and gradients equal to the same model run eager.
+and are not multiples of 8 (an absent mask on a square causal call: the sink as key 0 of a causal
+call, no mask). Then the whole tiny model as the loader builds it: sinks on sdpa by default,
+loss and gradients equal to the same model run eager, on padded, packed and full rows.
 
 Tolerances are fp32 rounding bounds, not fitted: a result computed through a chain of n roundings
 is within n x eps of the exact value in units of its largest entry (Higham's bound for an n-term
@@ -136,21 +137,37 @@ class _CountSdpa(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.causal = 0  # of which square, causal and without a mask (the flash kernel's)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls += func is F.scaled_dot_product_attention
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls += 1
+            q, k = args[0], args[1]
+            plain = kwargs.get("attn_mask") is None and kwargs.get("is_causal", False)
+            self.causal += plain and q.shape[-2] == k.shape[-2]
+        return func(*args, **kwargs)
+
+
+def test_full_rows_run_causal_without_a_mask() -> None:
+    """No mask and causal (what transformers passes a full-attention layer on unpadded rows):
+    one square causal call with the sink as key 0; a mask keeps the masked call."""
+    module, (q, k, v) = _module(), _inputs(64)
+    for mask, causal in ((None, 1), (_mask("causal"), 0)):
+        with _CountSdpa() as count:
+            SINKS(module, q, k, v, mask, scaling=module.scaling, s_aux=module.sinks)
+        assert (count.calls, count.causal) == (1, causal)
 
 
 def _loss_and_grads(
     model: nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], _CountSdpa]:
     model.zero_grad(set_to_none=True)
     with _CountSdpa() as count:
         loss = model(**batch).loss
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, count.calls
+    return loss.detach(), grads, count
 
 
 def _batches() -> dict[str, dict[str, torch.Tensor]]:
@@ -160,10 +177,11 @@ def _batches() -> dict[str, dict[str, torch.Tensor]]:
     padded = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     positions = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)]).expand(ROWS, -1)
     packed = {"input_ids": ids, "position_ids": positions, "labels": ids}
-    return {"padded": padded, "packed": packed}
+    full = {"input_ids": ids, "labels": ids}
+    return {"padded": padded, "packed": packed, "full": full}
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "full"])
 def test_the_loaded_model_runs_sinks_on_sdpa_as_eager_computes(layout: str) -> None:
     """The loader's default for GPT-OSS (no attn_implementation asked for); the same weights
     loaded eager give the same loss and gradients (verify's fp32 tolerances)."""
@@ -179,7 +197,11 @@ def test_the_loaded_model_runs_sinks_on_sdpa_as_eager_computes(layout: str) -> N
     batch = _batches()[layout]
     loss, grads, calls = _loss_and_grads(model, batch)
     eager_loss, eager_grads, eager_calls = _loss_and_grads(eager, batch)
-    assert (calls, eager_calls) == (model.config.num_hidden_layers, 0)
+    assert (calls.calls, eager_calls.calls) == (model.config.num_hidden_layers, 0)
+    # the full-attention layers get no mask but on padded rows (transformers passes none for
+    # these packed rows either, eager's included): then the sink is key 0 of a causal call
+    full_layers = model.config.layer_types.count("full_attention")
+    assert calls.causal == (0 if layout == "padded" else full_layers)
     tolerance = TOLERANCES["fp32"]
     assert abs(float(loss / eager_loss) - 1) <= tolerance["loss"]
     assert grads.keys() == eager_grads.keys() and any("sinks" in n for n in grads)

@@ -45,10 +45,15 @@ def test_the_spec_records_sinks_unless_eager_is_asked_for() -> None:
 
 
 def test_sinks_count_the_whole_row_with_the_fused_backward() -> None:
+    """Under a mask the whole row (windowed layers too); called causal with no mask (full rows'
+    full-attention layers, the flash kernel) the causal half, as sdpa."""
     spec = model_spec(tiny_config("gpt_oss"))
     for la in spec.layers:
         full = 2.0 * 1000 * la.attn_heads * (la.attn_qk_dim + la.attn_v_dim)
         assert attention_flops_per_token(la, 1000) == pytest.approx(full)  # windowed ones too
+        if la.window is None:
+            causal = attention_flops_per_token(la, 1000, causal_only=True)
+            assert causal == pytest.approx(full * 1001 / 2000)
     assert ATTENTION_RECOMPUTE_BACKWARD["sinks"] == ATTENTION_RECOMPUTE_BACKWARD["sdpa"]
     la = spec.layers[0]  # keys reach the kernel expanded: no grouped-query gradients to expand
     assert la.attn_kv_heads < la.attn_heads
@@ -80,8 +85,11 @@ def test_the_gpt_oss_20b_layer_holds_no_score_tensor() -> None:
     layers = {la.attn_implementation for la in sinks.layers}
     assert layers == {"sinks"} and sinks.layers[0].attn_qk_dim == 64  # + 1, padded to 72
     groups = len(sinks.structure.groups)  # one measured layer each (sliding, full)
-    assert ops.names["_scaled_dot_product_efficient_attention"] == groups
-    assert ops.names["_scaled_dot_product_efficient_attention_backward"] == groups
+    # sliding layers under their mask: memory-efficient; full layers on full rows: flash
+    for kernel in ("efficient", "flash"):
+        assert ops.names[f"_scaled_dot_product_{kernel}_attention"] == groups // 2
+        assert ops.names[f"_scaled_dot_product_{kernel}_attention_backward"] == groups // 2
+    assert profile.causal_only == tuple(t == "full_attention" for t in sinks.config.layer_types)
     la = sinks.layers[0]
     scores = ROWS * la.attn_heads * SEQ * SEQ * sinks.compute_dtype.itemsize  # 2 GiB
     assert profile.largest_bytes < scores

@@ -15,13 +15,19 @@ whose logit is the sink and whose value is zero. `SINK_ATTENTION` makes the sink
   v' = repeat_kv(v) with a zero row for the sink key. Keys are expanded to the query heads
   because the sink differs per query head. Zero padding (the fused kernels take head dims that
   are multiples of 8) changes no dot product; the output is sliced back to v's head dim.
-- the mask: the layer's, with a column for the sink key that every query sees. transformers
-  builds it as for sdpa (its sdpa mask function is registered for SINK_ATTENTION): causal,
-  sliding-window, padded and packed rows, or None where a causal one does (then it is built
-  here). With a mask, CUDA runs sdpa's memory-efficient kernel: O(S) memory, but every key
-  block visited (the whole [S, S + 1] square's FLOPs: no causal half, no window saving). A
-  query whose keys are all masked (padding) attends to the sink alone: output 0, as eager's
-  softmax gives it.
+- full rows, where transformers passes no mask for a causal layer (the full-attention layers
+  of pre-training's unpadded, unpacked rows): the sink is key 0 instead, and a query row of
+  zeros goes first, whose output is dropped. The call is then square, [S + 1, S + 1], and
+  sdpa's `is_causal` lets query i + 1 (the layer's query i) see key 0 (the sink) and keys
+  1 .. i + 1 (the layer's 0 .. i): causal attention with a sink on the flash kernel, which
+  skips the masked half. Values are padded to the query width too (flash takes equal widths).
+- otherwise the mask: the layer's, with a column for the sink key that every query sees.
+  transformers builds it as for sdpa (its sdpa mask function is registered for
+  SINK_ATTENTION): causal, sliding-window, padded and packed rows, or None where a causal
+  one does (then it is built here). With a mask, CUDA runs sdpa's memory-efficient kernel:
+  O(S) memory, but every key block visited (the whole [S, S + 1] square's FLOPs: no causal
+  half, no window saving). A query whose keys are all masked (padding) attends to the sink
+  alone: output 0, as eager's softmax gives it.
 - the sinks' gradient flows through the sink key (autograd).
 
 Invariants: a call without `s_aux` is transformers' `sdpa_attention_forward`, unchanged;
@@ -88,9 +94,14 @@ def _attention(
     assert attention_mask is not None or not window or key_BGKE.shape[2] <= window
     scale = scaling if scaling is not None else query_BHSE.shape[-1] ** -0.5
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    q, k, v = _with_sink_key(query_BHSE, key_BGKE, value_BGKE, sinks_H, scale)
-    mask = _with_sink_column(attention_mask, causal and query_BHSE.shape[2] > 1, q, key_BGKE)
-    out_BHSW = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    square = query_BHSE.shape[2] == key_BGKE.shape[2]
+    if attention_mask is None and causal and square:  # full rows: causal, no mask
+        q, k, v = _with_sink_key(query_BHSE, key_BGKE, value_BGKE, sinks_H, scale, first=True)
+        out_BHSW = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, 1:]
+    else:
+        q, k, v = _with_sink_key(query_BHSE, key_BGKE, value_BGKE, sinks_H, scale, first=False)
+        mask = _with_sink_column(attention_mask, causal and query_BHSE.shape[2] > 1, q, key_BGKE)
+        out_BHSW = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out_BHSW[..., : value_BGKE.shape[-1]].transpose(1, 2).contiguous(), None
 
 
@@ -104,8 +115,12 @@ def _with_sink_key(
     value_BGKE: torch.Tensor,
     sinks_H: torch.Tensor,
     scale: float,
+    *,
+    first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q' [B, H, S, W], k' [B, H, K + 1, W] and v' [B, H, K + 1, Wv]: the sink as key K."""
+    """q' [B, H, S, W], k' [B, H, K + 1, W] and v' [B, H, K + 1, Wv]: the sink as key K; or,
+    `first`, the sink as key 0 and an added query 0 (zeros: it sees the sink alone, its output
+    is dropped), q' [B, H, S + 1, W], and v' as wide as q' (the flash kernel's rule)."""
     batch, heads, _, dims = query_BHSE.shape
     width = _padded(dims + 1)
     one = query_BHSE.new_ones(*query_BHSE.shape[:-1], 1)
@@ -114,10 +129,15 @@ def _with_sink_key(
     groups = heads // key_BGKE.shape[1]
     sink_key = (sinks_H / scale).to(query_BHSE.dtype).view(1, heads, 1, 1)
     sink_key = F.pad(sink_key, (dims, width - dims - 1)).expand(batch, -1, -1, -1)
-    key = torch.cat([F.pad(repeat_kv(key_BGKE, groups), (0, width - dims)), sink_key], dim=2)
+    keys = F.pad(repeat_kv(key_BGKE, groups), (0, width - dims))
     value_dims = value_BGKE.shape[-1]
-    value = F.pad(repeat_kv(value_BGKE, groups), (0, _padded(value_dims) - value_dims, 0, 1))
-    return query, key, value
+    value_width = width if first else _padded(value_dims)
+    # the sink's value row: zeros, before (first) or after the keys' values
+    sink_row = (1, 0) if first else (0, 1)
+    value = F.pad(repeat_kv(value_BGKE, groups), (0, value_width - value_dims, *sink_row))
+    if first:
+        return F.pad(query, (0, 0, 1, 0)), torch.cat([sink_key, keys], dim=2), value
+    return query, torch.cat([keys, sink_key], dim=2), value
 
 
 def _with_sink_column(

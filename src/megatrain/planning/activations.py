@@ -7,11 +7,9 @@ copies of the tokens per expert, linear-attention layers keep chunked states, RM
 fp32 copy of its input, eager attention keeps [heads x seq x seq] scores). Running the real HF
 layer on meta tensors (shapes and dtypes, no data, no FLOPs) under a dispatch mode that tracks
 the bytes of every live storage gives the peak for any architecture, with the engine's own call
-path (`LayerCall.run` + `torch.autograd.grad` over the input and the parameters). The layer's
-(the head's) parameters are not counted, though their views reach its ops: the weight slots
-(the head's weights) hold them. Calibrated on an H200: Qwen2.5-3B, 4 x 2048 tokens, measured
-1.63 GiB against 1.64-1.66 GiB inferred from `max_memory_allocated` (before run 44, when the
-layer's weights still counted).
+path (`LayerCall.run` + `torch.autograd.grad` over the input and the parameters), but not the
+layer's (the head's) parameters, whose views reach its ops: the weight slots (the head's
+weights) hold them (docs/performance.md run 44 compares the plans with the measured peaks).
 
 The layer's call arguments (masks, rotary cos/sin) come from the engine's `LayerCallCapture`
 run for real on the CPU (the HF mask code is data-dependent, it cannot run on meta) at a small
@@ -172,6 +170,7 @@ class LayerProfile:
     # per layer: of `traffic`, the bytes of ops on eager attention's [S, S] scores (forward,
     # recompute + backward; traffic.on_scores)
     score_traffic: tuple[tuple[int, int], ...] = ()
+    causal_only: tuple[bool, ...] = ()  # per layer: attention called causal, no mask (flash's)
 
     @property
     def workspace_extra_bytes(self) -> int:
@@ -206,7 +205,7 @@ def layer_profile(
         workspace = attention_workspace(spec, rows, seq, split_heads)
         peak, attention_peak, largest, ops = 0, 0, 0, [(0, 0)] * spec.num_layers
         traffic, fused = [(0, 0)] * spec.num_layers, [False] * spec.num_layers
-        scores = [(0, 0)] * spec.num_layers
+        scores, causal = [(0, 0)] * spec.num_layers, [False] * spec.num_layers
         for group in spec.structure.groups:
             first = group.layer_indices[0]
             layer = spec.structure.layers[first]
@@ -218,6 +217,7 @@ def layer_profile(
                 attention_peak = max(attention_peak, m.attention + workspace)
             for i in group.layer_indices:
                 ops[i], traffic[i], fused[i], scores[i] = m.ops, m.traffic, m.fused, m.scores
+                causal[i] = m.causal_only
         spec.cache[key] = LayerProfile(
             peak,
             shapes.bytes_of(captured.calls),
@@ -228,6 +228,7 @@ def layer_profile(
             largest,
             tuple(fused),
             tuple(scores),
+            tuple(causal),
         )
     profile: LayerProfile = spec.cache[key]
     return profile
@@ -296,6 +297,7 @@ class _Measured:
     largest: int  # the largest single storage
     fused: bool  # a kernel package's call counted as its fused kernels
     scores: tuple[int, int]  # of the traffic, on [S, S] attention scores: forward, all
+    causal_only: bool  # attention called causal with no mask only (GpuKernels.causal_only)
 
 
 def _measure(
@@ -310,7 +312,8 @@ def _measure(
     tracker = _LiveBytes(seq)
     # the layer input and mb.grad: counted by the caller; the weights: held by the weight slots
     tracker.exclude(x, grad_out, *params, *layer.buffers())
-    with torch.enable_grad(), reference_kernels(layer, tracker.fused.wrap), GpuKernels(), tracker:
+    kernels = GpuKernels()
+    with torch.enable_grad(), reference_kernels(layer, tracker.fused.wrap), kernels, tracker:
         out = call.run(layer, x)
         forward_ops, forward_traffic, forward_scores = tracker.ops, tracker.traffic, tracker.scores
         grads = torch.autograd.grad([out], [x, *params], [grad_out], allow_unused=True)
@@ -323,6 +326,7 @@ def _measure(
         tracker.largest,
         tracker.fused.launches > 0,
         (forward_scores, tracker.scores),
+        kernels.causal_only,
     )
 
 

@@ -162,6 +162,7 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         layer_traffic=profile.traffic,
         layer_fused=profile.fused,
         layer_scores=profile.score_traffic,
+        layer_causal=profile.causal_only,
         loss_ops=-(-setup.tokens_mb // chunk) * loss_chunk(spec, chunk).ops,
     )
     return Estimate(

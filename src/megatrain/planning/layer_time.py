@@ -44,8 +44,9 @@ step's costs from them.
   7.52 s of GPU predicted against 7.94 measured (4.91 with the scores as routing). The
   fraction is the dense layers' (run 32), not refitted: this backward alone would ask 0.67;
 - attention sinks on sdpa (model/sink_attention.py, GPT-OSS's default): fused kernels (no
-  score traffic, recompute + backward 3.5 forwards), but under a mask, so the whole row's
-  FLOPs as eager (WHOLE_ROW);
+  score traffic, recompute + backward 3.5 forwards), under a mask the whole row's FLOPs as
+  eager (WHOLE_ROW), called causal with no mask (full rows' full-attention layers: the flash
+  kernel) the causal half;
 - compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
   issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
   eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,
@@ -89,19 +90,22 @@ the latter), 2 for eager attention (two gradient matmuls for each of its two mat
 probabilities are saved)."""
 WHOLE_ROW = ("eager", "sinks")
 """`LayerSpec.attn_implementation`s whose attention computes every score of the row: eager's
-matmuls, and the fused kernel under the mask that attention sinks always pass (a masked
-memory-efficient kernel visits every key block)."""
+matmuls, and the fused kernel under the mask that attention sinks pass (a masked
+memory-efficient kernel visits every key block) unless the call is causal with no mask."""
 
 
-def attention_flops_per_token(layer: LayerSpec, seq: int) -> float:
+def attention_flops_per_token(layer: LayerSpec, seq: int, causal_only: bool = False) -> float:
     """Forward FLOPs of softmax attention for one token: averaged over causal positions (the
     window-capped span) where the fused kernels skip the masked blocks, over the whole row
     (WHOLE_ROW) for eager attention, whose matmuls fill the [S, S] score matrix before the mask,
-    and for attention sinks' masked kernel (no causal half, no window saving)."""
+    and for attention sinks' masked kernel (no causal half, no window saving), unless the
+    layer's attention was called causal with no mask (`causal_only`: LayerProfile's; sinks
+    then run the flash kernel, model/sink_attention.py)."""
     if layer.attn_heads == 0:
         return 0.0
     w = layer.window
-    if layer.attn_implementation in WHOLE_ROW:
+    whole = layer.attn_implementation in WHOLE_ROW
+    if whole and not (causal_only and layer.attn_implementation == "sinks"):
         span: float = seq
     elif w is None or seq <= w:
         span = (seq + 1) / 2

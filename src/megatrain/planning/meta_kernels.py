@@ -23,11 +23,26 @@ def is_float(t: Any) -> bool:
 
 
 class GpuKernels(TorchFunctionMode):
-    """Route attention and grouped matmuls to the kernels (and memory) the GPU would use."""
+    """Route attention and grouped matmuls to the kernels (and memory) the GPU would use.
+    `causal_only`: whether the attention calls seen were all causal without a mask (the flash
+    kernel skips the masked half), and there was one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_calls = 0
+        self.masked_calls = 0  # with a mask, or not causal: every key block visited
+
+    @property
+    def causal_only(self) -> bool:
+        return self.attention_calls > 0 and self.masked_calls == 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
+            self.attention_calls += 1
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            self.masked_calls += mask is not None or not causal
             return _fused_attention(*args, **kwargs)
         grouped = (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
         if func in grouped and args[0].dtype != torch.bfloat16:

@@ -162,6 +162,7 @@ def step_time(
     layer_traffic: Sequence[tuple[int, int]] = (),
     layer_fused: Sequence[bool] = (),
     layer_scores: Sequence[tuple[int, int]] = (),
+    layer_causal: Sequence[bool] = (),
 ) -> StepTime:
     """`schedule`: the engine's loads and layer visits (engine/schedule.py; a recompute visit
     runs a layer's forward again); `layer_ops`: per layer (forward ops, recompute + backward
@@ -169,14 +170,10 @@ def step_time(
     `layer_traffic`: per layer (forward, recompute + backward) bytes its ops move through GPU
     memory in one micro-batch (empty: none counted); `layer_fused`: per layer, whether a kernel
     package's call in it counts as its fused kernels; `layer_scores`: per layer, the part of
-    its traffic on eager attention's [S, S] scores (planning/layer_time.py)."""
-    plan = setup.engine
-    rows, seq, micro_batches, ranks = (
-        setup.micro_batch_size,
-        setup.seq_len,
-        setup.grad_accum,
-        setup.ranks,
-    )
+    its traffic on eager attention's [S, S] scores (planning/layer_time.py); `layer_causal`:
+    per layer, its attention called causal with no mask (LayerProfile.causal_only)."""
+    plan, ranks = setup.engine, setup.ranks
+    rows, seq, micro_batches = setup.micro_batch_size, setup.seq_len, setup.grad_accum
     costs, flops = _costs(
         spec,
         hw,
@@ -190,6 +187,7 @@ def step_time(
         layer_traffic=layer_traffic,
         layer_fused=layer_fused,
         layer_scores=layer_scores,
+        layer_causal=layer_causal,
         tier=TierSplit.of(spec.num_layers, plan.gpu_state_blocks),
         state_dtype=setup.state_dtype,
         compiled=plan.compile_layers,
@@ -269,19 +267,21 @@ def _vision_s(spec: ModelSpec, hw: Hardware, setup: Setup) -> tuple[float, float
     return flops / rate, again * flops / rate
 
 
-def _layer_flops(spec: ModelSpec, tokens: int, seq: int) -> tuple[list[float], list[float]]:
-    """Each layer's FLOPs in a step: forward, and recompute + backward (the module docstring)."""
+def _layer_flops(
+    spec: ModelSpec, tokens: int, seq: int, causal_only: Sequence[bool] = ()
+) -> tuple[list[float], list[float]]:
+    """Each layer's FLOPs in a step: forward, and recompute + backward (the module docstring).
+    `causal_only`: per layer, its attention called causal with no mask (LayerProfile's)."""
+    causal = list(causal_only) or [False] * spec.num_layers
+    attention = [
+        attention_flops_per_token(la, seq, c) for la, c in zip(spec.layers, causal, strict=True)
+    ]
     fwd = [
-        tokens * (2.0 * la.active_params + attention_flops_per_token(la, seq)) for la in spec.layers
+        tokens * (2.0 * la.active_params + a) for la, a in zip(spec.layers, attention, strict=True)
     ]
     bwd = [
-        tokens
-        * (
-            6.0 * la.active_params
-            + ATTENTION_RECOMPUTE_BACKWARD[la.attn_implementation]
-            * attention_flops_per_token(la, seq)
-        )
-        for la in spec.layers
+        tokens * (6.0 * la.active_params + ATTENTION_RECOMPUTE_BACKWARD[la.attn_implementation] * a)
+        for la, a in zip(spec.layers, attention, strict=True)
     ]
     return fwd, bwd
 
@@ -300,6 +300,7 @@ def _costs(
     layer_traffic: Sequence[tuple[int, int]],
     layer_fused: Sequence[bool],
     layer_scores: Sequence[tuple[int, int]],
+    layer_causal: Sequence[bool],
     tier: TierSplit,
     state_dtype: str,
     compiled: bool,
@@ -310,7 +311,7 @@ def _costs(
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     layer_launch = launch * (COMPILED_OPS_FRACTION if compiled else 1.0)
     elem = torch.finfo(spec.compute_dtype).bits // 8  # weights up and gradients down
-    fwd, bwd = _layer_flops(spec, tokens, seq)
+    fwd, bwd = _layer_flops(spec, tokens, seq, layer_causal)
     fwd_s, bwd_s = layer_seconds(
         spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled, layer_fused, layer_scores
     )
