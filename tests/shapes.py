@@ -1,6 +1,35 @@
-"""Published model shapes the resource tests estimate (config values only: nothing is built)."""
+"""Published model shapes the resource tests estimate (config values only: nothing is built).
+The hybrid and MoE shapes are the bench's own presets (bench/presets.py), cut as its runs cut
+them, so a test reconstructs exactly the shape a run in docs/performance.md trained."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+
+def _bench_presets() -> dict[str, dict[str, Any]]:
+    path = Path(__file__).resolve().parents[1] / "bench" / "presets.py"
+    spec = importlib.util.spec_from_file_location("bench_presets", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    presets: dict[str, dict[str, Any]] = module.ENGINE_PRESETS
+    return presets
+
+
+_BENCH = _bench_presets()
+
+
+def _engine(name: str, layers: int | None = None) -> dict[str, Any]:
+    """bench/presets.py's `name` (model_type included), cut to `layers` as bench/cli_train.py
+    --layers cuts it."""
+    shape = dict(_BENCH[name])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    return shape
+
 
 QWEN25_3B = dict(  # 36 equal layers, tied embeddings
     hidden_size=2048,
@@ -36,97 +65,11 @@ LLAMA31_8B = dict(
     vocab_size=128256,
     tie_word_embeddings=False,
 )
-QWEN35_27B_16 = dict(  # bench/common.py "qwen3.5-27b", cut to 16 layers (12 linear + 4 full)
-    model_type="qwen3_5_text",
-    hidden_size=5120,
-    intermediate_size=17408,
-    num_hidden_layers=16,
-    num_attention_heads=24,
-    num_key_value_heads=4,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=48,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    full_attention_interval=4,
-    vocab_size=248320,
-    tie_word_embeddings=False,
-    max_position_embeddings=262144,
-)
-QWEN35_27B = QWEN35_27B_16 | dict(num_hidden_layers=64)  # all 64 layers (48 linear + 16 full)
-QWEN3_30B_A3B_12 = dict(  # bench/common.py "qwen3-30b-a3b", cut to 12 layers
-    model_type="qwen3_moe",
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    num_hidden_layers=12,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    vocab_size=151936,
-    tie_word_embeddings=False,
-    rope_theta=1000000.0,
-    max_position_embeddings=32768,
-)
-GPT_OSS_20B = dict(  # bench/common.py "gpt-oss-20b": attention sinks, 32 experts top 4
-    model_type="gpt_oss",
-    hidden_size=2880,
-    intermediate_size=2880,
-    num_hidden_layers=24,
-    num_local_experts=32,
-    num_experts_per_tok=4,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    head_dim=64,
-    sliding_window=128,
-    attention_bias=True,
-    swiglu_limit=7.0,
-    router_aux_loss_coef=0.9,
-    rms_norm_eps=1e-5,
-    vocab_size=201088,
-    tie_word_embeddings=False,
-    rope_theta=150000.0,
-    rope_scaling=dict(
-        rope_type="yarn",
-        factor=32.0,
-        beta_fast=32.0,
-        beta_slow=1.0,
-        truncate=False,
-        original_max_position_embeddings=4096,
-    ),
-    max_position_embeddings=131072,
-)
-QWEN3_NEXT_80B_A3B_19 = dict(  # bench/common.py "qwen3-next-80b-a3b", cut to 19 layers
-    model_type="qwen3_next",
-    hidden_size=2048,
-    intermediate_size=5120,
-    moe_intermediate_size=512,
-    shared_expert_intermediate_size=512,
-    num_experts=512,
-    num_experts_per_tok=10,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    num_hidden_layers=19,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    full_attention_interval=4,
-    rms_norm_eps=1e-6,
-    vocab_size=151936,
-    tie_word_embeddings=False,
-    rope_theta=10000000.0,
-    partial_rotary_factor=0.25,
-    max_position_embeddings=262144,
-)
+QWEN35_27B_16 = _engine("qwen3.5-27b", 16)  # 12 Gated DeltaNet + 4 full attention layers
+QWEN35_27B = _engine("qwen3.5-27b")  # all 64 layers (48 linear + 16 full)
+QWEN3_30B_A3B_12 = _engine("qwen3-30b-a3b", 12)
+GPT_OSS_20B = _engine("gpt-oss-20b")  # attention sinks, 32 experts top 4
+QWEN3_NEXT_80B_A3B_19 = _engine("qwen3-next-80b-a3b", 19)
 QWEN25_VL_7B_TEXT = dict(  # bench/vlm_data.py "qwen2.5-vl-7b": the language model
     hidden_size=3584,
     num_hidden_layers=28,

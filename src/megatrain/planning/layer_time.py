@@ -86,7 +86,7 @@ ATTENTION_RECOMPUTE_BACKWARD = {"sdpa": 3.5, "sinks": 3.5, "eager": 3.0}
 """A layer's attention FLOPs in its recompute + backward against its forward's, by
 `LayerSpec.attn_implementation`: the recompute (1) plus the backward, 2.5 forwards for the
 fused kernels (flash and memory-efficient recompute the scores in their backward; "sinks" runs
-the latter), 2 for eager attention (two gradient matmuls for each of its two matmuls; the
+either), 2 for eager attention (two gradient matmuls for each of its two matmuls; the
 probabilities are saved)."""
 WHOLE_ROW = ("eager", "sinks")
 """`LayerSpec.attn_implementation`s whose attention computes every score of the row: eager's

@@ -52,8 +52,9 @@ class LayerSpec:
     window: int | None  # sliding-window size, None for full causal attention
     # the attention the layer runs: "sdpa" (fused kernels: the causal half, the window),
     # "eager" (matmuls over the whole [B, H, S, S] score matrix, then masked) or "sinks"
-    # (model/sink_attention.py: fused kernels' memory, but always a mask, so the kernel visits
-    # every block of the whole [S, S + 1] square: no causal half, no window saving)
+    # (model/sink_attention.py: fused kernels' memory; under a mask the kernel visits every
+    # block of the whole [S, S + 1] square, called causal with no mask it skips the masked half:
+    # LayerProfile.causal_only tells which)
     attn_implementation: str = "sdpa"
 
 
