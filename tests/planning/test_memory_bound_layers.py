@@ -23,6 +23,7 @@ from megatrain.planning.layer_time import attention_flops_per_token, gradient_su
 from predict import cli_row_plan
 from shapes import LLAMA31_8B, QWEN3_30B_A3B_12, QWEN35_27B_16
 
+GIB = 2**30
 H100_GIB = dict(gpu_gib=79.2, host_gib=125)
 H100 = Hardware().with_overrides(**H100_GIB)
 LLAMA31_8B_RUN = dict(  # the 8B rows' rope scaling (it changes no FLOPs, kept for fidelity)
@@ -75,30 +76,41 @@ def test_with_clipping_the_next_forward_waits_for_the_updates() -> None:
     assert clipped.step_s > free.step_s > free.compute_s == clipped.compute_s
 
 
-_FLA_ROW = textwrap.dedent(
+_FLA_ROWS = textwrap.dedent(
     f"""
     from megatrain.planning.hardware import Hardware
     from predict import cli_row_plan
     from shapes import QWEN35_27B_16
 
     h100 = Hardware().with_overrides(**{H100_GIB})
-    time = cli_row_plan(QWEN35_27B_16, h100).estimate.time
-    print("STEP", time.step_s)
-    print("LAYERS", time.compute_s - time.loss_s)
+    compiled = {{"training.compile_layers": True, "memory.gpu_state_blocks": 6}}  # run 45's
+    for name, settings in (("eager", {{}}), ("compiled", compiled)):
+        plan = cli_row_plan(QWEN35_27B_16, h100, **settings)
+        time, gpu = plan.estimate.time, plan.estimate.gpu
+        print(name, time.step_s, time.compute_s - time.loss_s, gpu.allocated_bytes, gpu.peak_bytes)
     """
 )
 
 
-def test_step_time_with_flash_linear_attention_matches_the_h100_run(tmp_path: Path) -> None:
+def test_flash_linear_attention_rows_match_the_h100_runs(tmp_path: Path) -> None:
     """Run 41: the same hybrid row with flash-linear-attention 0.6 installed, 9.82 s a step, of
     which the layers' forward and recompute + backward 8.29 s of GPU time. Its Gated DeltaNet
     calls count as fla's fused kernels (planning/fused.py), not as the torch reference's ops
     and traffic (17.51 s in run 35), and the linear-attention layers' elementwise work adds to
-    their matmuls (8.31 s predicted; 6.10 s when it hid under their FLOPs)."""
-    out = run_with_fake_fla(tmp_path, _FLA_ROW)
-    step, layers = (float(out.split(f"{key} ")[1].split()[0]) for key in ("STEP", "LAYERS"))
+    their matmuls (8.31 s predicted; 6.10 s when it hid under their FLOPs). Run 45: the row
+    with `compile_layers: true` (6 tier blocks), slower than eager, 11.54 s a step, 10.01 s of
+    layer GPU time, 77.93 GiB allocated and 78.27 reserved at the peak
+    (layer_time.COMPILED_PACKAGE_SLOWDOWN, estimate.COMPILED_PACKAGE_LINEAR_ATTENTION_PEAK)."""
+    out = run_with_fake_fla(tmp_path, _FLA_ROWS)
+    rows = {name: [float(v) for v in rest] for name, *rest in map(str.split, out.splitlines())}
+    step, layers, _, _ = rows["eager"]
     assert abs(step / 9.82 - 1) <= 0.10, step
     assert abs(layers / 8.29 - 1) <= 0.10, layers
+    step, layers, allocated, reserved = rows["compiled"]
+    assert abs(step / 11.54 - 1) <= 0.10, step
+    assert abs(layers / 10.01 - 1) <= 0.10, layers
+    assert abs(allocated / GIB / 77.93 - 1) <= 0.05, allocated / GIB
+    assert reserved / GIB >= 78.27 - 0.25, reserved / GIB  # Triton's benchmark buffer aside
 
 
 @pytest.mark.parametrize(

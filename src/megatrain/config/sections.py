@@ -137,7 +137,10 @@ class TrainingConfig:
     every layer is softmax attention with an MLP or routed experts (MoE: 1.40x) and needs no MLP
     tiles (the plan profiles eager layers of those kinds, which the compiled ones do not
     exceed; planning/builder.py COMPILE_AUTO_KINDS); otherwise, on the CPU and in
-    `megatrain grpo` (rows of every length) eager. true / false: as given."""
+    `megatrain grpo` (rows of every length) eager. Hybrid linear-attention layers (Qwen3.5,
+    Qwen3-Next) stay eager under auto: with flash-linear-attention they ran slower compiled
+    (Qwen3.5-27B cut to 16 layers: 11.5 s a step against 9.6-9.8 eager) and held 2.7x the eager
+    layer's memory in their backward. true / false: as given."""
     overwrite_output_dir: bool = False
     """Start a new run (resume_from: null) in a non-empty output_dir. The previous run's files
     there (config.yaml, metrics.jsonl, tensorboard, wandb, swanlog, checkpoints, hf_model) are

@@ -33,7 +33,8 @@ Llama-3.1-8B shape; a Qwen3-30B-A3B shape cut to 12 layers, 71.63 GiB reserved c
 eager, 1.40x faster compiled: docs/performance.md runs 40 and 41). Hybrid linear-attention
 layers stay eager: compiled on torch's kernels they peak above the eager profile (the plan
 scales it: COMPILED_LINEAR_ATTENTION_PEAK) after minutes of compiling, and with
-flash-linear-attention they ran slower compiled than eager (run 41)."""
+flash-linear-attention they ran slower compiled than eager and held more (runs 41 and 45: 11.54 s
+against 9.60-9.83, COMPILED_PACKAGE_SLOWDOWN, COMPILED_PACKAGE_LINEAR_ATTENTION_PEAK)."""
 
 
 @dataclass(frozen=True)

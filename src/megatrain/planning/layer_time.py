@@ -50,7 +50,8 @@ step's costs from them.
 - compiled layers (`training.compile_layers`): layer compute runs COMPILED_SPEEDUP times faster,
   issues COMPILED_OPS_FRACTION of the eager op count and moves COMPILED_TRAFFIC_FRACTION of the
   eager traffic (inductor fuses the elementwise work around the matmuls: norms, rotary,
-  activation, residuals);
+  activation, residuals), except layers that call a package's fused kernels, which ran slower
+  compiled than eager (COMPILED_PACKAGE_SLOWDOWN);
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ eager (0.122 predicted), 0.063-0.078 s compiled (0.073)."""
 COMPILED_TRAFFIC_FRACTION = 0.6
 """A compiled layer's memory traffic against the eager count (fitted: run 32, the same shape
 with `compile_layers: true`, 11.36 s measured, 11.83 predicted)."""
+COMPILED_PACKAGE_SLOWDOWN = 1.3
+"""A compiled layer that calls a kernel package's fused kernels (flash-linear-attention's Gated
+DeltaNet) against the same layer eager, GPU time: it ran slower compiled (why is not profiled;
+the package's autograd Function and Triton autotuners are where dynamo must split the layer).
+Fitted: the Qwen3.5-27B shape cut to 16 layers with fla 0.6 and `compile_layers: true`, on one
+H100 of each machine (docs/performance.md run 45): the layers' forward 2.57 s and recompute +
+backward 7.44 s of GPU time (10.03 predicted) against 2.26 and 6.04 eager (run 42); a step
+11.54 s, 11.90 predicted. `compile_layers: auto` leaves such layers eager (planning/builder.py
+COMPILE_AUTO_KINDS)."""
 COMPILED_ROUTING_FRACTION = 0.2
 """A compiled MoE layer's routing traffic against the eager count (fitted: one Qwen3-30B-A3B
 layer on an H100 at 8192 tokens, issue 24: forward 2.91 ms, forward + backward 8.83 ms compiled
@@ -132,8 +142,9 @@ def layer_seconds(
     counts as fused kernels (`fused`), takes both, one after the other (experts compiled:
     COMPILED_ROUTING_FRACTION of the traffic, except the part of it on eager attention's
     [S, S] scores, `scores`: COMPILED_TRAFFIC_FRACTION as in any compiled layer). Compiled:
-    COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION of the traffic. The backward adds the
-    gradient sum."""
+    COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION of the traffic; a layer with a package's
+    fused kernels COMPILED_PACKAGE_SLOWDOWN slower than eager. The backward adds the gradient
+    sum."""
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     rate *= COMPILED_SPEEDUP if compiled else 1.0
     hbm = hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION / micro_batches  # traffic is per micro-batch
@@ -146,6 +157,8 @@ def layer_seconds(
     def seconds(flops: float, nbytes: int, on_s: int, layer: LayerSpec, kernels: bool) -> float:
         if layer.active_params < layer.params:  # routed experts (spec.py)
             return flops / rate + ((nbytes - on_s) * routing + on_s * share) / hbm
+        if kernels and compiled:  # split at the package's calls: slower than eager
+            return (flops * COMPILED_SPEEDUP / rate + nbytes / hbm) * COMPILED_PACKAGE_SLOWDOWN
         if kernels:  # a package's fused kernels and the elementwise work around them
             return flops / rate + nbytes * share / hbm
         return max(flops / rate, nbytes * share / hbm)
