@@ -87,7 +87,9 @@ _FLA_ROWS = textwrap.dedent(
     for name, settings in (("eager", {{}}), ("compiled", compiled)):
         plan = cli_row_plan(QWEN35_27B_16, h100, **settings)
         time, gpu = plan.estimate.time, plan.estimate.gpu
-        print(name, time.step_s, time.compute_s - time.loss_s, gpu.allocated_bytes, gpu.peak_bytes)
+        layers = time.compute_s - time.loss_s
+        advice = len(plan.estimate.advice)  # the compiled row's: it runs slower than eager
+        print(name, time.step_s, layers, gpu.allocated_bytes, gpu.peak_bytes, advice)
     """
 )
 
@@ -100,13 +102,16 @@ def test_flash_linear_attention_rows_match_the_h100_runs(tmp_path: Path) -> None
     their matmuls (8.31 s predicted; 6.10 s when it hid under their FLOPs). Run 45: the row
     with `compile_layers: true` (6 tier blocks), slower than eager, 11.54 s a step, 10.01 s of
     layer GPU time, 77.93 GiB allocated and 78.27 reserved at the peak
-    (layer_time.COMPILED_PACKAGE_SLOWDOWN, estimate.COMPILED_PACKAGE_LINEAR_ATTENTION_PEAK)."""
+    (layer_time.COMPILED_PACKAGE_SLOWDOWN, estimate.COMPILED_PACKAGE_LINEAR_ATTENTION_PEAK);
+    its plan says so (`Estimate.advice`, printed by megatrain train and estimate)."""
     out = run_with_fake_fla(tmp_path, _FLA_ROWS)
     rows = {name: [float(v) for v in rest] for name, *rest in map(str.split, out.splitlines())}
-    step, layers, _, _ = rows["eager"]
+    step, layers, _, _, advice = rows["eager"]
     assert abs(step / 9.82 - 1) <= 0.10, step
     assert abs(layers / 8.29 - 1) <= 0.10, layers
-    step, layers, allocated, reserved = rows["compiled"]
+    assert advice == 0
+    step, layers, allocated, reserved, advice = rows["compiled"]
+    assert advice == 1  # the plan says compiling these layers costs time
     assert abs(step / 11.54 - 1) <= 0.10, step
     assert abs(layers / 10.01 - 1) <= 0.10, layers
     assert abs(allocated / GIB / 77.93 - 1) <= 0.05, allocated / GIB

@@ -64,6 +64,7 @@ from megatrain.planning.activations import LayerProfile, layer_profile, loss_chu
 from megatrain.planning.allocator_slack import SLACK_ITEM, allocator_slack
 from megatrain.planning.hardware import Hardware, detect, gib
 from megatrain.planning.host_memory import HostMemory, host_memory, pinned_reserved
+from megatrain.planning.layer_time import COMPILED_PACKAGE_SLOWDOWN
 from megatrain.planning.long_context import device_inputs, host_input_bytes
 from megatrain.planning.setup import Setup
 from megatrain.planning.spec import ModelSpec, block_sizes, build_spec
@@ -95,6 +96,7 @@ class Estimate:
     time: StepTime
     hardware: Hardware
     notes: list[str] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)  # what a setting given costs (train prints)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -176,6 +178,7 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         time=timing,
         hardware=hw,
         notes=_notes(hw),
+        advice=_advice(setup, profile),
     )
 
 
@@ -328,6 +331,18 @@ def _phases(
     for name, held in phases.items():
         held[SLACK_ITEM] = allocator_slack(largest[name], cuda=setup.cuda)
     return phases
+
+
+def _advice(setup: Setup, profile: LayerProfile) -> list[str]:
+    """What a setting the user gave costs where the plan knows a faster one."""
+    if setup.engine.compile_layers and any(profile.fused):
+        return [
+            "training.compile_layers: true compiles layers that call a kernel package's fused "
+            f"kernels (flash-linear-attention), which run {COMPILED_PACKAGE_SLOWDOWN}x their eager "
+            f"GPU time compiled and hold {COMPILED_PACKAGE_LINEAR_ATTENTION_PEAK}x the package's "
+            "buffers in their backward (planned so); compile_layers: auto leaves them eager"
+        ]
+    return []
 
 
 def _notes(hw: Hardware) -> list[str]:

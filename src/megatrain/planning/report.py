@@ -29,7 +29,7 @@ def format_estimate(est: Estimate) -> str:
         "",
         *_disk_lines(est),
         "",
-        *(f"note: {n}" for n in est.notes),
+        *(f"note: {n}" for n in (*est.advice, *est.notes)),
     ]
     return "\n".join(lines)
 

@@ -26,6 +26,8 @@ def report_plan(plan: ResourcePlan, gpu: bool) -> None:
     if plan.tiles_reason:
         print(f"memory.mlp_tiles auto: {plan.tiles_reason}", flush=True)
     est = plan.estimate
+    for line in est.advice:
+        print(f"note: {line}", flush=True)
     print(
         f"resources: host {est.host.total_bytes / 2**30:.1f} GiB"
         + (
