@@ -19,7 +19,7 @@ from megatrain.planning.hardware import GIB, Hardware
 from megatrain.planning.plan import RunShape, plan_resources
 from megatrain.planning.setup import VisionLoad
 from megatrain.recipes.builder import RunBuilder
-from megatrain.recipes.grpo.plan import grpo_plan, rollout_reserve
+from megatrain.recipes.grpo.plan import grpo_plan, rollout_reserve, training_config
 from predict import cli_row_plan
 from shapes import (
     LLAMA31_8B,
@@ -42,7 +42,10 @@ def _train(shape: dict[str, Any], device: str = "cuda", **settings: Any) -> GpuM
 
 def _grpo() -> GpuMemory:
     """Run 35's `megatrain grpo` row: TRL's 8 x 8 on the Qwen2.5-7B shape, vocabulary 512
-    (bench/scenarios.py `_GRPO_8X8`); its training phase, planned around the resident rollout."""
+    (bench/scenarios.py `_GRPO_8X8`); its training phase, planned around the resident rollout.
+    Its engine ran 14 GPU-tier blocks where the printed plan said 10 (that plan was of 64 rows
+    of 2048 tokens, the engine's of one micro-batch); both are now recipes/grpo/plan.py
+    `training_config`'s: 64 rows of at most 96 + 1024 tokens, 8 micro-batches."""
     shape = QWEN25_7B | dict(vocab_size=512)
     args = [
         *("--model.model_type", "qwen2", "--model.random_init", "true"),
@@ -53,11 +56,11 @@ def _grpo() -> GpuMemory:
         *("--grpo.reward_funcs", "[exact_answer]", "--training.micro_batch_size", "8"),
         *("--training.seq_len", "2048", "--data.cutoff_len", "2048"),  # bench/cli_train.py's
     ]
-    builder = RunBuilder(
-        load_config(None, args), hardware=H100, placement=CUDA, gpu_reserve=rollout_reserve
-    )
+    cfg = training_config(load_config(None, args))
+    builder = RunBuilder(cfg, hardware=H100, placement=CUDA, gpu_reserve=rollout_reserve)
     plan = grpo_plan(builder).training
-    assert plan.gpu_state_blocks == 10  # run 34's plan: 10 of 30 blocks beside the rollout
+    # the engine's 14 of 30 blocks (runs 34-45; gpu_start_gib in run 45), rows of 96 + 1024
+    assert plan.gpu_state_blocks == 14
     return plan.estimate.gpu
 
 

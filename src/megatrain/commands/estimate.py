@@ -123,9 +123,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatrain.planning import format_estimate
-    from megatrain.recipes.grpo.plan import format_rollout, grpo_plan, rollout_dict
+    from megatrain.recipes.grpo.plan import (
+        format_rollout,
+        grpo_plan,
+        rollout_dict,
+        training_config,
+    )
 
     cfg = _config(args)
+    if args.grpo:  # the batch and rows megatrain grpo trains (and its engine runs)
+        cfg = training_config(cfg)
     builder = _builder(cfg, args)
     if not 0.0 <= args.image_share <= 1.0:
         raise ValueError(f"--image-share {args.image_share}: give a share between 0 and 1")

@@ -18,7 +18,7 @@ from megatrain.planning.activations import layer_profile
 from megatrain.planning.hardware import GIB
 from megatrain.planning.rollout import DECODE_OP_S, SAMPLER_OPS, rollout_estimate
 from megatrain.recipes.builder import RunBuilder
-from megatrain.recipes.grpo.plan import decode_mode, format_rollout, grpo_plan
+from megatrain.recipes.grpo.plan import decode_mode, format_rollout, grpo_plan, training_config
 
 HW = Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB)
 
@@ -59,7 +59,7 @@ def test_plan_decodes_compiled_on_cuda_for_dense_full_attention_models() -> None
     gemma2 = ["--model.model_type", "gemma2", "--model.tiny", "true", "--model.tokenizer", "demo"]
 
     def sliding(*extra: str) -> RunBuilder:  # gemma2: every other layer slides
-        cfg = load_config(None, [*gemma2, *GRPO, *extra])
+        cfg = training_config(load_config(None, [*gemma2, *GRPO, *extra]))
         return RunBuilder(cfg, hardware=HW, placement=Placement(torch.device("cuda")))
 
     mode, why = decode_mode(sliding())

@@ -19,7 +19,7 @@ from megatrain.planning.allocator_slack import SLACK_ITEM
 from megatrain.planning.hardware import GIB
 from megatrain.planning.rollout import SAMPLER_OPS, rollout_estimate
 from megatrain.recipes.builder import RunBuilder
-from megatrain.recipes.grpo.plan import grpo_plan, rollout_reserve
+from megatrain.recipes.grpo.plan import grpo_plan, rollout_reserve, training_config
 
 # Qwen2 shape: 3 layers, 4 query heads, 2 key/value heads of width 16 (hidden 64).
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, MLP, VOCAB = 3, 2, 16, 64, 96, 512
@@ -43,7 +43,7 @@ N, LP, LC = 12, 40, 24
 
 
 def _builder(hw: Hardware, *extra: str, reserve: Any = None) -> RunBuilder:
-    cfg = load_config(None, [*MODEL, *GRPO, *extra])
+    cfg = training_config(load_config(None, [*MODEL, *GRPO, *extra]))
     placement = Placement(torch.device("cuda"))
     return RunBuilder(cfg, hardware=hw, placement=placement, gpu_reserve=reserve)
 
@@ -165,3 +165,22 @@ def test_auto_gpu_tier_leaves_the_resident_rollout_its_room() -> None:
     assert not plan.rollout.streamed
     assert b.gpu_reserve_bytes == plan.rollout.gpu_peak_bytes
     assert "left for the rollout" in (plan.training.tier_reason or "")
+
+
+def test_the_training_config_is_one_generation_batch_of_rows_as_long_as_they_get() -> None:
+    """One generation batch (12 sequences) is one optimizer step in micro-batches of 4 rows,
+    each row at most 40 + 24 tokens (rounded up to data.pad_to_multiple_of, 8); the engine's
+    plan is the GRPO plan (the engine once planned one micro-batch a step: more GPU-tier blocks
+    than the plan printed, docs/performance.md run 45)."""
+    cfg = training_config(load_config(None, [*MODEL, *GRPO]))
+    assert cfg.training.gradient_accumulation_steps == 3
+    assert cfg.seq_len == 64 and cfg.data.cutoff_len == 64
+    odd = training_config(load_config(None, [*MODEL, *GRPO, "--grpo.max_completion_length", "30"]))
+    assert odd.seq_len == 72  # 70 rounded up to 8
+    assert training_config(cfg) == cfg
+    b = _builder(Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB), reserve=rollout_reserve)
+    assert b.engine_plan() == grpo_plan(b).training.engine
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2: .* 3 of them"):
+        training_config(
+            load_config(None, [*MODEL, *GRPO, "--training.gradient_accumulation_steps", "2"])
+        )

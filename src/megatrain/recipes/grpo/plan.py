@@ -1,27 +1,30 @@
 """The resource plan of a GRPO run: its training phase and its rollout phase, before loading.
 
-Training phase: the builder's plan (what `train` checks) for one generation batch, N =
-prompts_per_step x num_generations sequences of `training.seq_len` tokens in micro-batches of
-`training.micro_batch_size` rows. Rollout phase: planning/rollout.py for N sequences of
-max_prompt_length + max_completion_length tokens, resident when that fits in the GPU memory left
-beside the engine's persistent buffers (weight slots, gradient accumulators, head, GPU tier),
-else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to leave the
-resident rollout its room (`rollout_reserve`, the builder's gpu_reserve), so the tier never
-pushes generation onto the streamed path. `grpo.generation: resident | streamed` forces a path;
-on the CPU it is resident. A resident rollout decodes on the static path (recipes/grpo/decode.py:
-static KV cache, CUDA graphs, the forward compiled or not) when `grpo.compile_decode` asks for it
-and the model allows it (`decode_mode`).
+Training phase: the builder's plan (what `train` checks and the engine runs) of the config
+`training_config` makes: one generation batch, N = prompts_per_step x num_generations sequences,
+is one optimizer step in micro-batches of `training.micro_batch_size` rows, each row at most
+max_prompt_length + max_completion_length tokens. Rollout phase: planning/rollout.py for N
+sequences of max_prompt_length + max_completion_length tokens, resident when that fits in the
+GPU memory left beside the engine's persistent buffers (weight slots, gradient accumulators,
+head, GPU tier), else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to
+leave the resident rollout its room (`rollout_reserve`, the builder's gpu_reserve), so the tier
+never pushes generation onto the streamed path. `grpo.generation: resident | streamed` forces a
+path; on the CPU it is resident. A resident rollout decodes on the static path
+(recipes/grpo/decode.py: static KV cache, CUDA graphs, the forward compiled or not) when
+`grpo.compile_decode` asks for it and the model allows it (`decode_mode`).
 
-Invariant: the recipe generates on the path this plan chooses (recipes/grpo/recipe.py asks it with
-the
-free memory the device reports), so `megatrain estimate --grpo` names the path the run takes.
+Invariant: the recipe generates on the path this plan chooses (recipes/grpo/recipe.py asks it
+with the free memory the device reports), so `megatrain estimate --grpo` names the path the run
+takes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megatrain.config import TrainConfig
 from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.plan import ResourcePlan
@@ -50,6 +53,45 @@ class GRPOPlan:
     def require_fit(self) -> None:
         if self.problems:
             raise ValueError("this GRPO run does not fit: " + "; ".join(self.problems))
+
+
+def training_config(cfg: TrainConfig) -> TrainConfig:
+    """The config a GRPO run trains with, shared by `megatrain grpo` and `megatrain estimate
+    --grpo` so that the engine runs the plan that was reported: the generation batch's
+    micro-batches are its gradient accumulation, its rows max_prompt_length +
+    max_completion_length tokens at most (rounded up to data.pad_to_multiple_of; as
+    training.seq_len says when max_prompt_length is None) are training.seq_len, and
+    compile_layers "auto" is eager (rows of every length)."""
+    t, g = cfg.training, cfg.grpo
+    if not isinstance(t.micro_batch_size, int):
+        raise ValueError(
+            "training.micro_batch_size='auto' is not available for megatrain grpo yet; set "
+            "the rows per micro-batch (a divisor of grpo.prompts_per_step x "
+            "grpo.num_generations keeps micro-batches equal)"
+        )
+    sequences = g.prompts_per_step * g.num_generations
+    accumulation = -(-sequences // t.micro_batch_size)
+    if t.gradient_accumulation_steps not in (1, accumulation):
+        raise ValueError(
+            f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}: megatrain "
+            f"grpo trains each generation batch (grpo.prompts_per_step x grpo.num_generations "
+            f"= {sequences} sequences) as one optimizer step in micro-batches of "
+            f"training.micro_batch_size={t.micro_batch_size} rows, {accumulation} of them; "
+            "remove the key (or set it to that count)"
+        )
+    seq_len = cfg.seq_len
+    if g.max_prompt_length is not None:
+        multiple = max(cfg.data.pad_to_multiple_of, 1)
+        seq_len = -(-(g.max_prompt_length + g.max_completion_length) // multiple) * multiple
+    compile_layers = False if t.compile_layers == "auto" else t.compile_layers
+    training = dataclasses.replace(
+        t,
+        gradient_accumulation_steps=accumulation,
+        seq_len=seq_len,
+        compile_layers=compile_layers,
+    )
+    data = dataclasses.replace(cfg.data, cutoff_len=min(cfg.data.cutoff_len, seq_len))
+    return dataclasses.replace(cfg, training=training, data=data)
 
 
 def rollout_reserve(builder: PlanBuilder) -> int:
@@ -85,20 +127,13 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
     """Plan both phases; `free_gpu_bytes`: what the device reports free now (None: the GPU's
     size less the engine's persistent buffers, as predicted)."""
     cfg, g = builder.cfg, builder.cfg.grpo
+    assert cfg == training_config(cfg), "plan GRPO with training_config's config"
     sequences = g.prompts_per_step * g.num_generations
-    micro = cfg.training.micro_batch_size
-    if not isinstance(micro, int):
-        raise ValueError(
-            "training.micro_batch_size='auto' is not available for megatrain grpo yet; set "
-            "the rows per micro-batch (a divisor of grpo.prompts_per_step x "
-            "grpo.num_generations keeps micro-batches equal)"
-        )
-    rows = -(-sequences // micro) * micro
     hw, margin = builder.hardware, cfg.memory.gpu_margin_gib * GIB
     _, decode_reason = decode_mode(builder)
     resident = rollout_of(builder, streamed=False)
     on_gpu = builder.placement.is_cuda
-    training = builder.plan(tokens_per_step=rows * cfg.seq_len)
+    training = builder.plan()  # the engine's
     if free_gpu_bytes is None:
         free_gpu_bytes = hw.gpu_bytes - training.estimate.gpu.persistent_bytes
     budget = free_gpu_bytes - margin

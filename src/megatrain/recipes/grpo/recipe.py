@@ -22,7 +22,6 @@ same prompts and, from the same weights, the same completions.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from megatrain.recipes.grpo.plan import (
     format_rollout,
     grpo_plan,
     rollout_reserve,
+    training_config,
 )
 from megatrain.recipes.grpo.prompts import Prompt, load_prompts
 from megatrain.recipes.grpo.rewards import load_reward
@@ -109,17 +109,7 @@ class GRPOTrainer(Recipe):
         return RunBuilder(cfg, gpu_reserve=rollout_reserve)  # the GPU tier leaves it room
 
     def prepare_config(self, cfg: TrainConfig) -> TrainConfig:
-        if cfg.training.compile_layers == "auto":  # rows of every length: eager layers
-            cfg = dataclasses.replace(
-                cfg, training=dataclasses.replace(cfg.training, compile_layers=False)
-            )
-        if not isinstance(cfg.training.micro_batch_size, int):
-            raise ValueError(
-                "training.micro_batch_size='auto' is not available for megatrain grpo yet; set "
-                "the rows per micro-batch (a divisor of grpo.prompts_per_step x "
-                "grpo.num_generations keeps micro-batches equal)"
-            )
-        return cfg
+        return training_config(cfg)  # the plan's batch and rows are the engine's
 
     def build_data(self) -> None:
         d, g = self.cfg.data, self.cfg.grpo
