@@ -237,8 +237,7 @@ frees it step by step. (2.2 until run 44, when the profile still counted the lay
 def _layer_peak(spec: ModelSpec, profile: LayerProfile, setup: Setup) -> int:
     """One layer's recompute + backward transient: the meta profile's, for compiled
     linear-attention layers scaled to what runs 39 (torch's kernels) and 45 (fla's) measured,
-    for compiled eager-attention layers
-    with COMPILED_EAGER_SCORES more score tensors."""
+    for compiled eager-attention layers with COMPILED_EAGER_SCORES more score tensors."""
     if not setup.engine.compile_layers:
         return profile.peak_bytes
     if any("linear_attention" in g.kind for g in spec.structure.groups):

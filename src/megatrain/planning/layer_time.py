@@ -145,8 +145,8 @@ def layer_seconds(
     COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION of the traffic; a layer with a package's
     fused kernels COMPILED_PACKAGE_SLOWDOWN slower than eager. The backward adds the gradient
     sum."""
-    rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
-    rate *= COMPILED_SPEEDUP if compiled else 1.0
+    eager_rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
+    rate = eager_rate * (COMPILED_SPEEDUP if compiled else 1.0)
     hbm = hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION / micro_batches  # traffic is per micro-batch
     share = COMPILED_TRAFFIC_FRACTION if compiled else 1.0
     routing = COMPILED_ROUTING_FRACTION if compiled else 1.0
@@ -158,7 +158,7 @@ def layer_seconds(
         if layer.active_params < layer.params:  # routed experts (spec.py)
             return flops / rate + ((nbytes - on_s) * routing + on_s * share) / hbm
         if kernels and compiled:  # split at the package's calls: slower than eager
-            return (flops * COMPILED_SPEEDUP / rate + nbytes / hbm) * COMPILED_PACKAGE_SLOWDOWN
+            return (flops / eager_rate + nbytes / hbm) * COMPILED_PACKAGE_SLOWDOWN
         if kernels:  # a package's fused kernels and the elementwise work around them
             return flops / rate + nbytes * share / hbm
         return max(flops / rate, nbytes * share / hbm)
