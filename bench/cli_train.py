@@ -36,8 +36,10 @@ the median step time over the steps after the first `--warmup` (2: compiling, wa
 the job and per GPU, MFU and model TFLOPS per GPU, the time per phase (time/*), the GPU allocator's
 peak (reserved: what the card must hold) and host RSS, any step-down of the plan, beside the
 prediction the run printed; for dpo, the reference pass (its "reference_pass" record: seconds,
-tokens/s); the command's wall time and its part outside the steps (outside_steps_s: start, data,
-plan, model init and store, exit). One RESULT line.
+tokens/s); under torchrun (`--nproc`), the node's memory in use while the steps run
+(node_job_in_steps_gib: every rank's host memory, the node's use less what it held before the
+command; metrics.jsonl has rank 0's RSS only); the command's wall time and its part outside the
+steps (outside_steps_s: start, data, plan, model init and store, exit). One RESULT line.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from typing import Any
 
 import yaml
 from common import log, preset_values, result
+from node_memory import NodeMemory
 from pairs_data import make_pairs, write_data
 from vlm_data import VLM_PRESETS, vlm_config, write_processor, write_vlm_data
 
@@ -175,6 +178,14 @@ def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     (out / "overrides.txt").write_text(" ".join(overrides))
     return path
+
+
+def _stepping(out: Path) -> bool:
+    """Whether the run has logged a training step (its metrics.jsonl holds a train record)."""
+    try:
+        return '"kind": "train"' in (out / "run" / "metrics.jsonl").read_text()
+    except OSError:
+        return False
 
 
 def summarize(
@@ -325,6 +336,9 @@ def main() -> None:
     command = [*launch, "-m", "megatrain", a.command, "--config", str(config), *overrides]
     log(f"{a.name}: {' '.join(command)}")
     logfile = out / "train.log"
+    # torchrun: every rank's host memory, as the node holds it while the steps run (after the
+    # first step's record; loading is over), where metrics.jsonl has rank 0's RSS only
+    node = NodeMemory(only_when=lambda: _stepping(out)) if a.nproc > 1 else None
     start = time.monotonic()
     with open(logfile, "w") as f:
         try:
@@ -335,6 +349,14 @@ def main() -> None:
             rc = 124
     wall_s = time.monotonic() - start
     summary = summarize(a.name, out, rc, logfile.read_text(), a.warmup, wall_s)
+    if node is not None:
+        node.stop()
+        if node.before is not None and node.peak is not None:
+            summary |= {
+                "node_used_before_gib": round(node.before, 1),
+                "node_used_in_steps_gib": round(node.peak, 1),
+                "node_job_in_steps_gib": round(node.peak - node.before, 1),
+            }
     data = "pairs as sft rows" if a.sft_of_pairs else "pairs" if a.command == "dpo" else "corpus"
     if a.command == "grpo":
         data = "long prompts" if a.prompt_tokens else "prompts (overrides)"

@@ -31,10 +31,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from node_memory import NodeMemory
 from scenarios import ROOT, SCENARIOS, SITE
 
 
@@ -65,43 +65,6 @@ def _expand(argv: list[str]) -> list[str]:
     return out
 
 
-def _node_used_gib() -> float | None:
-    """The node's memory in use (MemTotal - MemAvailable, /proc/meminfo), or None off Linux."""
-    try:
-        with open("/proc/meminfo") as f:
-            kib = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.split()[1:2]}
-    except (OSError, ValueError):
-        return None
-    return (kib["MemTotal"] - kib["MemAvailable"]) / 2**20
-
-
-class _NodeMemory:
-    """The node's peak memory in use while a command runs, sampled every `every_s` seconds.
-
-    Under torchrun the sum of each rank's own peak RSS overstates the node's peak when the
-    ranks peak at different times (loading in turns); this is what the host actually held."""
-
-    def __init__(self, every_s: float = 1.0) -> None:
-        self.before = _node_used_gib()
-        self.peak = self.before
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(every_s,), daemon=True)
-        self._thread.start()
-
-    def _sample(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
-            used = _node_used_gib()
-            if used is not None and self.peak is not None:
-                self.peak = max(self.peak, used)
-
-    def stop(self) -> str:
-        self._stop.set()
-        self._thread.join()
-        if self.before is None or self.peak is None:
-            return "node memory: not readable here"
-        return f"node memory in use: {self.before:.1f} GiB before, peak {self.peak:.1f} GiB"
-
-
 def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) -> list[str]:
     scenario = SCENARIOS[name]
     log = out / f"{name}.log"
@@ -113,7 +76,7 @@ def run_scenario(name: str, out: Path, extra: list[str], env: dict[str, str]) ->
             f.flush()
             t0 = time.time()
             start = f.tell()
-            node = _NodeMemory()
+            node = NodeMemory()
             # the output goes to the log as it comes: a long run's log can be read while it runs
             proc = subprocess.Popen(
                 argv,
