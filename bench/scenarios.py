@@ -538,12 +538,6 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=590,
     ),
-    "user_hybrid_compiled": Scenario(
-        "issue 24: user_hybrid's compiled row alone (fla's layers compiled; its plan since run "
-        "45: COMPILED_PACKAGE_SLOWDOWN, COMPILED_PACKAGE_LINEAR_ATTENTION_PEAK)",
-        (_cli("hybrid64k_c", *_HYBRID, "--steps", "6", *_COMPILE),),
-        timeout_s=590,
-    ),
     "user_grpo": Scenario(
         "issue 22: megatrain grpo on TRL's 8 x 8 (Qwen2.5-7B shape, vocabulary 512), 10 steps",
         (_cli("grpo7b_8x8", "--steps", "10", *_GRPO_8X8),),
