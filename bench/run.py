@@ -5,6 +5,8 @@
     python bench/run.py long_context_auto -- --memory.mlp_tiles 4
     OUT=$OUT/g1 python bench/run.py --gpu 1 --cpus 16-31 user_512k &   # two at once, one a GPU
     OUT=$OUT/g0 python bench/run.py --gpu 0 --cpus 0-15 gpt_oss_sinks
+    python bench/run.py --parallel 0:0-15:gpt_oss_sinks 1:16-31:user_512k --deadline 560
+    python bench/run.py --pack user_dense          # logs packed into $OUT/logs.tgz
 
 Every scenario names what it measures; arguments after `--` go to each command of the
 scenarios run (for one-off variations). Each command runs with a timeout, its output goes to
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 from node_memory import NodeMemory
+from parallel import pack_logs, run_parallel
 from scenarios import ROOT, SCENARIOS, SITE
 
 
@@ -137,7 +140,34 @@ def main() -> int:
         help="the vCPUs they run on, e.g. 16-31 (megatrain train takes its AdamW threads from "
         "this affinity): two runners, one per GPU, each on its half of the host",
     )
+    ap.add_argument(
+        "--parallel",
+        nargs="+",
+        metavar="GPU:CPUS:SCENARIO[,SCENARIO]",
+        help="one runner per GPU at once, waited for, killed at --deadline, logs packed "
+        "(bench/parallel.py)",
+    )
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=560,
+        help="--parallel: seconds before the runners still going are killed (leave the device "
+        "command time to pack the logs)",
+    )
+    ap.add_argument(
+        "--pack",
+        action="store_true",
+        help="after the scenarios, their folders' logs into $OUT/logs.tgz and the folders "
+        "removed (the device tool brings back at most 8 files)",
+    )
     args = ap.parse_args(argv)
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    if args.parallel:
+        if args.scenarios:
+            ap.error("--parallel names each GPU's scenarios itself")
+        out.mkdir(parents=True, exist_ok=True)
+        print("\n".join(run_parallel(args.parallel, out, args.deadline)))
+        return 0
     if args.list or not args.scenarios:
         for name, s in SCENARIOS.items():
             print(f"{name:15} {s.what}")
@@ -149,7 +179,6 @@ def main() -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu  # before torch counts the GPUs (_gpus)
     if args.cpus:
         os.sched_setaffinity(0, _cpu_list(args.cpus))  # the commands inherit it
-    out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -164,6 +193,8 @@ def main() -> int:
     summary = []
     for name in args.scenarios:
         summary += run_scenario(name, out, extra, env)
+    if args.pack:
+        pack_logs(out, sorted(p for p in out.iterdir() if p.is_dir()))
     print("\n".join(summary))
     return 0
 
