@@ -56,15 +56,13 @@ QWEN25_32B = QWEN25_7B | dict(
     num_attention_heads=40,
     num_key_value_heads=8,
 )
-LLAMA31_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-)
+# the bench's Llama-3.1-8B without model_type and its rope and position keys
+# (LlamaConfig(**LLAMA31_8B); the tests that rebuild a run add what it ran with)
+LLAMA31_8B = {
+    k: v
+    for k, v in _engine("llama3.1-8b").items()
+    if k not in ("model_type", "rope_theta", "rope_scaling", "max_position_embeddings")
+}
 QWEN35_27B_16 = _engine("qwen3.5-27b", 16)  # 12 Gated DeltaNet + 4 full attention layers
 QWEN35_27B = _engine("qwen3.5-27b")  # all 64 layers (48 linear + 16 full)
 QWEN3_30B_A3B_12 = _engine("qwen3-30b-a3b", 12)
