@@ -159,11 +159,12 @@ void mt_adamw_bf16(float *p, uint16_t *m, uint16_t *v, const void *g, int g_is_b
 /* Index of the nearest map value = how many of the ascending midpoints lie below x. `start`,
  * indexed by the top 16 bits of x, holds that count for the lowest float sharing them; at most
  * one more midpoint lies below any float sharing them (store/states.py checks this when it
- * builds the tables), so one comparison finishes the count. Same as torch.searchsorted. */
-static inline uint8_t quantize(const uint8_t *start, const float *mids, float x) {
+ * builds the tables), so one comparison finishes the count. Same as torch.searchsorted. The
+ * table is 32-bit so that the loop calling this vectorizes (vector gathers load 32-bit lanes). */
+static inline uint8_t quantize(const uint32_t *start, const float *mids, float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
-    unsigned c = start[u >> 16];
+    uint32_t c = start[u >> 16];
     return (uint8_t)(c + (mids[c] < x));
 }
 
@@ -186,8 +187,8 @@ void mt_adamw_int8(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
                    const void *g, int g_is_bf16, uint16_t *shadow, int64_t n, int64_t decay_end,
                    float decay, float beta2, float one_minus_b1, float one_minus_b2,
                    float step_size, float bc2_sqrt, float eps, float grad_scale,
-                   const float *map_m, const uint8_t *start_m, const float *mids_m,
-                   const float *map_v, const uint8_t *start_v, const float *mids_v,
+                   const float *map_m, const uint32_t *start_m, const float *mids_m,
+                   const float *map_v, const uint32_t *start_v, const float *mids_v,
                    int nthreads) {
     const uint16_t *gb = (const uint16_t *)g;
     const float *gf = (const float *)g;
@@ -214,10 +215,12 @@ void mt_adamw_int8(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
         v_absmax[b] = max_v;
         const float div_m = max_m > 0.0f ? max_m : 1.0f;
         const float div_v = max_v > 0.0f ? max_v : 1.0f;
+        uint8_t *mq = m + lo, *vq = v + lo;
+        const int len = (int)(hi - lo);
 #pragma omp simd
-        for (int64_t i = lo; i < hi; i++) {
-            m[i] = quantize(start_m, mids_m, new_m[i - lo] / div_m);
-            v[i] = quantize(start_v, mids_v, new_v[i - lo] / div_v);
+        for (int j = 0; j < len; j++) {
+            mq[j] = quantize(start_m, mids_m, new_m[j] / div_m);
+            vq[j] = quantize(start_v, mids_v, new_v[j] / div_v);
         }
     }
 }

@@ -106,7 +106,9 @@ def dynamic_map(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 @cache
 def quantize_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C kernel's lookup for quantizing: (uint8[65536] start codes, float32[256] midpoints).
+    """The C kernel's lookup for quantizing: (int32[65536] start codes, float32[256] midpoints);
+    32-bit entries so that the kernel's requantizing loop vectorizes (AVX2 and AVX-512 gather
+    32-bit elements only), 1.20x the int8 update's rate on 2 threads of an AMD EPYC (2026-11-27).
 
     start[k] is the code (number of midpoints below) of the lowest float32 whose top 16 bits
     are k. The kernel compares x once with the next midpoint (padded with +inf at [255]): that
@@ -121,7 +123,7 @@ def quantize_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     start = torch.searchsorted(mids, lowest)
     assert int((torch.searchsorted(mids, highest) - start).max()) <= 1
     padded = torch.cat([mids, torch.tensor([float("inf")])])
-    return start.to(torch.uint8), padded
+    return start.to(torch.int32), padded
 
 
 def _float32_of(bits: torch.Tensor) -> torch.Tensor:
