@@ -189,5 +189,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mt_adamw_bf16.argtypes = [vp, vp, vp, vp, i32, vp, i64, i64, *hyper, u32, u32, i32]
     lib.mt_adamw_bf16.restype = None
     lib.mt_adamw_int8.argtypes = [vp, vp, vp, vp, vp, vp, i32, vp, i64, i64, *hyper]
-    lib.mt_adamw_int8.argtypes += [vp, vp, vp, vp, vp, vp, i32]
+    lib.mt_adamw_int8.argtypes += [vp, vp, vp, vp, i32]
     lib.mt_adamw_int8.restype = None

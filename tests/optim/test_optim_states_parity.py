@@ -15,6 +15,7 @@ from megatrain.store.states import (
     dequantize_blockwise,
     dynamic_map,
     quantize_blockwise,
+    quantize_table,
 )
 
 needs_kernel = pytest.mark.skipif(load_adamw_kernel() is None, reason="no C compiler")
@@ -163,3 +164,31 @@ def test_fresh_int8_states_dequantize_to_zero() -> None:
     for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
         back = dequantize_blockwise(states[key], states[f"{key}_scale"], signed=signed)
         assert bool((back == 0).all())
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_kernels_lookup_is_searchsorted(signed: bool) -> None:
+    """csrc/adamw.c `quantize`, its integer steps done here on `quantize_table`, picks the code
+    torch.searchsorted picks (the number of midpoints below x) at every midpoint, at the floats
+    either side of each, at +-0 and +-inf, and at 2^20 floats of random bit patterns (every
+    exponent of both signs): an exact comparison, no tolerance."""
+    mids = dynamic_map(signed)[1]
+    inf = torch.tensor(float("inf"))
+    gen = torch.Generator().manual_seed(5)
+    patterns = torch.randint(0, 1 << 32, (1 << 20,), generator=gen, dtype=torch.int64)
+    spread = torch.where(patterns >= 1 << 31, patterns - (1 << 32), patterns).to(torch.int32)
+    x = torch.cat(
+        [
+            mids,
+            torch.nextafter(mids, inf),
+            torch.nextafter(mids, -inf),
+            torch.tensor([0.0, -0.0, float("inf"), float("-inf")]),
+            spread.view(torch.float32).nan_to_num(nan=0.5),
+        ]
+    )
+    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    entry = quantize_table(signed).to(torch.int64)[u >> 16] & 0xFFFFFFFF
+    low, mid = u & 0xFFFF, entry >> 16
+    above = torch.where(u >> 31 == 1, low < mid, low > mid).to(torch.int64)
+    code = (entry & 0xFF) + ((entry >> 8) & 1) * above
+    assert torch.equal(code, torch.searchsorted(mids, x))

@@ -156,16 +156,23 @@ void mt_adamw_bf16(float *p, uint16_t *m, uint16_t *v, const void *g, int g_is_b
 
 #define QBLOCK 2048 /* store/states.py QUANT_BLOCK; CHUNK is a multiple of it */
 
-/* Index of the nearest map value = how many of the ascending midpoints lie below x. `start`,
- * indexed by the top 16 bits of x, holds that count for the lowest float sharing them; at most
- * one more midpoint lies below any float sharing them (store/states.py checks this when it
- * builds the tables), so one comparison finishes the count. Same as torch.searchsorted. The
- * table is 32-bit so that the loop calling this vectorizes (vector gathers load 32-bit lanes). */
-static inline uint8_t quantize(const uint32_t *start, const float *mids, float x) {
+/* Index of the nearest map value = how many of the ascending midpoints lie below x, from one
+ * 32-bit entry of `table`, indexed by the top 16 bits of x (store/states.py quantize_table):
+ * bits 0-7 hold that count for the lowest float sharing them, bit 8 whether the next midpoint
+ * shares them too (at most one can: the tables' builder checks it), bits 16-31 that midpoint's
+ * low 16 bits. Floats sharing their top 16 bits order as their low bits do (reversed for
+ * negatives: sign and magnitude), so "midpoint < x" is an integer comparison of low bits. Same
+ * as torch.searchsorted; integer operations and one gather, so the loop vectorizes. */
+static inline uint8_t quantize(const uint32_t *table, uint32_t u) {
+    const uint32_t e = table[u >> 16], low = u & 0xffffu, mid = e >> 16;
+    const uint32_t above = (u >> 31) ? (low < mid) : (low > mid);
+    return (uint8_t)((e & 0xffu) + (((e >> 8) & 1u) & above));
+}
+
+static inline uint32_t float_bits(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
-    uint32_t c = start[u >> 16];
-    return (uint8_t)(c + (mids[c] < x));
+    return u;
 }
 
 /* First half of an int8 block: dequantize, update, keep the new m and v for requantizing. */
@@ -187,8 +194,8 @@ void mt_adamw_int8(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
                    const void *g, int g_is_bf16, uint16_t *shadow, int64_t n, int64_t decay_end,
                    float decay, float beta2, float one_minus_b1, float one_minus_b2,
                    float step_size, float bc2_sqrt, float eps, float grad_scale,
-                   const float *map_m, const uint32_t *start_m, const float *mids_m,
-                   const float *map_v, const uint32_t *start_v, const float *mids_v,
+                   const float *map_m, const uint32_t *table_m, const float *map_v,
+                   const uint32_t *table_v,
                    int nthreads) {
     const uint16_t *gb = (const uint16_t *)g;
     const float *gf = (const float *)g;
@@ -219,8 +226,8 @@ void mt_adamw_int8(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
         const int len = (int)(hi - lo);
 #pragma omp simd
         for (int j = 0; j < len; j++) {
-            mq[j] = quantize(start_m, mids_m, new_m[j] / div_m);
-            vq[j] = quantize(start_v, mids_v, new_v[j] / div_v);
+            mq[j] = quantize(table_m, float_bits(new_m[j] / div_m));
+            vq[j] = quantize(table_v, float_bits(new_v[j] / div_v));
         }
     }
 }

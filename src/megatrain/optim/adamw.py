@@ -35,7 +35,7 @@ from megatrain.store.states import (
     dequantize_blockwise,
     dynamic_map,
     quantize_blockwise,
-    quantize_tables,
+    quantize_table,
     rounding_keys,
 )
 
@@ -194,7 +194,7 @@ class CpuAdamW:
             )
             return
         assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
-        tables = [(dynamic_map(signed)[0], *quantize_tables(signed)) for signed in (True, False)]
+        tables = [(dynamic_map(signed)[0], quantize_table(signed)) for signed in (True, False)]
         self._lib.mt_adamw_int8(
             block.master.data_ptr(),
             block.exp_avg.data_ptr(),
@@ -202,7 +202,7 @@ class CpuAdamW:
             block.exp_avg_sq.data_ptr(),
             block.exp_avg_sq_scale.data_ptr(),
             *common,
-            *(t.data_ptr() for table in tables for t in table),  # map, start, mids of m, of v
+            *(t.data_ptr() for table in tables for t in table),  # map, lookup of m, of v
             self.num_threads,
         )
 
