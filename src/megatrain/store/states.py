@@ -121,7 +121,7 @@ def quantize_table(signed: bool) -> torch.Tensor:
     prefix = torch.arange(1 << 16, dtype=torch.int64) << 16
     negative = prefix >= 1 << 31  # sign-magnitude: the lowest negative float has low bits 1
     lowest = _float32_of(prefix | torch.where(negative, 0xFFFF, 0))
-    lowest[0xFF80] = float("-inf")  # the one float of that range below its NaN patterns
+    lowest[0xFF80] = float("-inf")  # the only float of that range that is not a NaN
     highest = _float32_of(prefix | torch.where(negative, 0, 0xFFFF))
     start = torch.searchsorted(mids, lowest)
     assert int((torch.searchsorted(mids, highest) - start).max()) <= 1
