@@ -93,8 +93,8 @@ def _merge_results(out: Path, gpus: list[str]) -> None:
 
 
 def pack_logs(out: Path, folders: list[Path]) -> Path:
-    """Every log under `folders` into out/logs.tgz (appending to none: a new archive each
-    call), then the folders removed."""
+    """Every log under `folders` into a new out/logs.tgz (data and weights left out: SKIP,
+    SKIP_DIRS), then the folders removed."""
     archive = out / "logs.tgz"
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
