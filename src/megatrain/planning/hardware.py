@@ -137,7 +137,7 @@ def probe(
     """`detect()` plus measured rates: the engine's CPU AdamW over ~`optimizer_params` params
     in 25M blocks with a busy Python thread beside it, with the run's `state_dtype` (the
     compressed kernels are compute-bound where fp32 is bandwidth-bound, so their ratio to fp32
-    depends on the host: int8 0.45x fp32 on a 16-vCPU H100 host, 1.2x on a 64-vCPU one) and
+    depends on the host: int8 0.60x fp32 on a 16-vCPU H100 host, more with more cores) and
     on `optimizer_threads` threads (None: the run's default, detect()'s count, not torch's
     intra-op default, which is the physical cores where the CPU reports two threads a core);
     on CUDA also pinned 1 GiB copies each

@@ -77,15 +77,16 @@ from megatrain.planning.setup import Setup
 from megatrain.planning.spec import ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
-STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.45}
+STATE_DTYPE_SPEED = {"fp32": 1.0, "bf16": 1.06, "int8": 0.60}
 """CPU AdamW rate per state dtype relative to fp32 on the 16-vCPU H100 host (AdamW on
 SPEED_REFERENCE_THREADS threads), used only where the hardware's rate is of another kernel (the
 default, or a probe of fp32): `probe(state_dtype=...)` measures the run's own kernel, and then
 its rate is taken as it is. bf16: the C kernels with a busy main thread beside them on that host
-(docs/performance.md run 10: 4.10 vs 3.85 Gparams/s). int8: 0.57 there on 1e9 parameters, 0.41
-inside a 14.8B-parameter run (run 13); 0.45 between them. Against the default fp32 rate (5.2
-Gparams/s in runs on that host, run 41) 0.45 gives 2.34, the low end of int8's 2.3-2.6 in runs
-there. Elsewhere the ratio follows the host's threads: STATE_DTYPE_THREADS_EXPONENT."""
+(docs/performance.md run 10: 4.10 vs 3.85 Gparams/s). int8: the in-run rates of the vectorised
+kernel (run 46's; csrc/adamw.c `quantize`) there, run 47: 2.97 Gparams/s (GPT-OSS-20B cut to
+17 layers, 15.15B) and 3.33 (Qwen3-Next cut to 8 layers, 13.80B), 0.57 and 0.64 of the default
+fp32 rate (5.2, run 41); 0.60 gives 3.12. The kernel before it ran 0.45 (2.34). Elsewhere the
+ratio follows the host's threads: STATE_DTYPE_THREADS_EXPONENT."""
 STATE_DTYPE_THREADS_EXPONENT = {"fp32": 0.0, "bf16": 0.38, "int8": 0.67}
 """How a kernel's rate grows with the AdamW threads (`Hardware.optimizer_threads`): as
 (threads / SPEED_REFERENCE_THREADS) ** exponent. fp32 reads and writes 28 B/param and is bound
@@ -93,11 +94,14 @@ by memory bandwidth, not cores: flat (the default 5.2 on every host; the 64-vCPU
 probed 5.41 on 62 threads, though the 32-vCPU host ran 6.0-6.9 on 30 in runs 14 and 30, a
 faster memory system the thread count does not predict). The compressed kernels move 16-20
 B/param and spend the rest dequantising and rounding, so cores help them. Fitted to their
-in-run rates (CPU AdamW busy time over the host blocks' parameters), with 0.45 and 1.06 x 5.2
-held at 14 threads:
-- int8, least squares in log space over three runs: 30 threads (32-vCPU host, run 43) 3.43
-  (Qwen3.5-27B, 26.9B; 3.90 predicted, +14%) and 4.29 Gparams/s (Qwen3-Next cut to 19 layers,
-  31.9B; -9%), 62 threads (64-vCPU host, run 19, 56.9B) 6.5 (6.34, -2%);
+in-run rates (CPU AdamW busy time over the host blocks' parameters):
+- int8, least squares in log space, with 0.45 x 5.2 held at 14 threads, over three runs of the
+  kernel before run 46's: 30 threads (32-vCPU host, run 43) 3.43 (Qwen3.5-27B, 26.9B; 3.90
+  predicted then, +14%) and 4.29 Gparams/s (Qwen3-Next cut to 19 layers, 31.9B; -9%), 62
+  threads (64-vCPU host, run 19, 56.9B) 6.5 (6.34, -2%). Kept for the vectorised kernel (no run
+  of it on another host yet): those rates x 1.46 (the two kernels on one host with a busy main
+  thread, run 46) are 5.0, 6.3 and 9.5, against 5.20, 5.20 and 8.45 from 0.60; the lower
+  prediction where the kernel nears the memory bandwidth (fp32's 28 B/param against int8's 18);
 - bf16, one run: 30 threads (run 43, GPT-OSS-20B) 7.39 Gparams/s (7.36 predicted). Part of
   it is that host's faster memory (its fp32 ran 1.2-1.3x the 16-vCPU host's), so beyond 30
   threads it is an extrapolation (62 threads: 9.7)."""
