@@ -160,6 +160,8 @@ _GPT_OSS_12 += ("--timeout", "280", "--", *_BF16)
 _ARCH_GPT_OSS_125G = ("--preset", "gpt-oss-20b", "--layers", "17", *_ARCH, "--steps", "6")
 _ARCH_GPT_OSS_125G += ("--timeout", "560", "--", *_INT8)
 _ARCH_QWEN3_NEXT_125G = ("--preset", "qwen3-next-80b-a3b", "--layers", "8", *_ARCH, "--steps", "6")
+_ARCH_GPT_OSS_INT8 = ("--preset", "gpt-oss-20b", *_ARCH, "--steps", "6", "--timeout", "400")
+_ARCH_GPT_OSS_INT8 += ("--", *_INT8)
 _ARCH_QWEN3_NEXT_125G += ("--timeout", "560", "--", *_INT8)
 
 SCENARIOS: dict[str, Scenario] = {
@@ -654,6 +656,22 @@ SCENARIOS: dict[str, Scenario] = {
         "(the 1-GPU machine) with int8 AdamW states (15.2B, 3.3B active), 6 steps",
         (_cli("gpt_oss_17l", *_ARCH_GPT_OSS_125G),),
         timeout_s=590,
+    ),
+    "arch_gpt_oss_20b_int8": Scenario(
+        "planning/timing.py's int8 thread exponent: arch_gpt_oss_20b with int8 AdamW states on "
+        "all of the 2-GPU machine's 32 vCPUs (30 AdamW threads; run it alone, --cpus 0-31), "
+        "the in-run rate of run 46's int8 kernel; then bench/adamw.py's int8 and fp32 on 30 and "
+        "14 threads beside it",
+        (
+            _cli("gpt_oss_20b_int8", *_ARCH_GPT_OSS_INT8),
+            (
+                PY,
+                "bench/adamw.py",
+                *("--params", "1e9", "--threads", "30,14", "--state-dtypes", "fp32,int8"),
+                *("--huge", "yes", "--reps", "2"),
+            ),
+        ),
+        timeout_s=560,
     ),
     "arch_qwen3_next": Scenario(
         "issue 24 (hybrid MoE row): a Qwen3-Next-80B-A3B shape cut to 19 of its 48 layers (31.9B, "
