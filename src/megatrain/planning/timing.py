@@ -98,10 +98,10 @@ in-run rates (CPU AdamW busy time over the host blocks' parameters):
 - int8, least squares in log space, with 0.45 x 5.2 held at 14 threads, over three runs of the
   kernel before run 46's: 30 threads (32-vCPU host, run 43) 3.43 (Qwen3.5-27B, 26.9B; 3.90
   predicted then, +14%) and 4.29 Gparams/s (Qwen3-Next cut to 19 layers, 31.9B; -9%), 62
-  threads (64-vCPU host, run 19, 56.9B) 6.5 (6.34, -2%). Kept for the vectorised kernel (no run
-  of it on another host yet): those rates x 1.46 (the two kernels on one host with a busy main
-  thread, run 46) are 5.0, 6.3 and 9.5, against 5.20, 5.20 and 8.45 from 0.60; the lower
-  prediction where the kernel nears the memory bandwidth (fp32's 28 B/param against int8's 18);
+  threads (64-vCPU host, run 19, 56.9B) 6.5 (6.34, -2%). Kept for the vectorised kernel, whose
+  one run on another host agrees: 5.29 Gparams/s on 30 threads (run 48, GPT-OSS-20B, 20.9B)
+  against 5.20 from 0.60. The former kernel's rates x 1.46 (the two kernels on one host with a
+  busy main thread, run 46) are 5.0, 6.3 and 9.5 against 5.20, 5.20 and 8.45;
 - bf16, one run: 30 threads (run 43, GPT-OSS-20B) 7.39 Gparams/s (7.36 predicted). Part of
   it is that host's faster memory (its fp32 ran 1.2-1.3x the 16-vCPU host's), so beyond 30
   threads it is an extrapolation (62 threads: 9.7)."""
