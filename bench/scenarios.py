@@ -399,6 +399,22 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=200,
     ),
+    "moe_noclip": Scenario(
+        "issue 24's MoE bar (300 TFLOPS at 64k): the Qwen3-30B-A3B shape cut to 12 layers, 64k "
+        "tokens/step in micro-batches of 4 rows (the table's row), with clipping (the default) "
+        "and without (optimizer.max_grad_norm 0: each layer's CPU AdamW starts when its "
+        "gradient is ready, during the backward); 6 steps each, a table last",
+        (
+            _cli("moe64k", *_MOE, "--steps", "6", "--timeout", "150"),
+            _cli(
+                "moe64k_noclip",
+                *(*_MOE, "--steps", "6", "--timeout", "150"),
+                *("--", "--optimizer.max_grad_norm", "0"),
+            ),
+            _table("moe64k", "moe64k_noclip"),
+        ),
+        timeout_s=330,
+    ),
     "hybrid_fla": Scenario(
         "issue 24: the Qwen3.5-27B shape cut to 16 layers at 64k with flash-linear-attention "
         "installed (Triton >= 3.7.1 and fla in the runner's site folder: "
