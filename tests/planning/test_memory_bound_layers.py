@@ -41,6 +41,7 @@ def _plan(shape: dict[str, object], compiled: bool, **settings: object) -> Any:
 # run 42's MoE rows: micro-batches of 16 rows, at 64k and at 256k tokens a step
 _MICRO16 = {"training.micro_batch_size": 16, "training.gradient_accumulation_steps": 2}
 _MICRO16_256K = {**_MICRO16, "training.gradient_accumulation_steps": 8}
+_NO_CLIPPING = {"optimizer.max_grad_norm": 0.0}  # run 49's second row
 
 
 @pytest.mark.parametrize(
@@ -52,6 +53,7 @@ _MICRO16_256K = {**_MICRO16, "training.gradient_accumulation_steps": 8}
         (QWEN3_30B_A3B_12, True, {}, 2.583, 0.10),  # run 41 (2.562 in run 42)
         (QWEN3_30B_A3B_12, True, _MICRO16, 2.469, 0.10),  # run 42
         (QWEN3_30B_A3B_12, True, _MICRO16_256K, 6.63, 0.10),  # run 42
+        (QWEN3_30B_A3B_12, True, _NO_CLIPPING, 2.008, 0.10),  # run 49 (2.713 clipped)
         (LLAMA31_8B_RUN, True, {}, 7.268, 0.05),  # run 41 (7.16 in runs 32 and 35)
     ],
 )
@@ -69,9 +71,10 @@ def test_step_time_matches_the_h100_runs(
 def test_with_clipping_the_next_forward_waits_for_the_updates() -> None:
     """The MoE row at 64k (run 42: the step is its backward, loss and CPU AdamW one after the
     other): with clipping the replay's host waits for updates before loading blocks; without,
-    the updates run behind the backward's gradients and the wait and the step are shorter."""
+    the updates run behind the backward's gradients and the wait and the step are shorter (run
+    49: the next forward waited 0.86 s with clipping, 0.08 s without)."""
     clipped = _plan(QWEN3_30B_A3B_12, True).estimate.time
-    free = _plan(QWEN3_30B_A3B_12, True, **{"optimizer.max_grad_norm": 0.0}).estimate.time
+    free = _plan(QWEN3_30B_A3B_12, True, **_NO_CLIPPING).estimate.time
     assert clipped.wait_optimizer_s > free.wait_optimizer_s
     assert clipped.step_s > free.step_s > free.compute_s == clipped.compute_s
 
