@@ -415,6 +415,20 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         timeout_s=330,
     ),
+    "moe_noclip_m16": Scenario(
+        "moe_noclip in micro-batches of 16 rows (4x the tokens per expert in each grouped GEMM, "
+        "one GPU-tier block fewer): with clipping and without, 6 steps each, a table last",
+        (
+            _cli("moe64k_m16", *_MOE, "--micro", "16", "--steps", "6", "--timeout", "150"),
+            _cli(
+                "moe64k_m16_noclip",
+                *(*_MOE, "--micro", "16", "--steps", "6", "--timeout", "150"),
+                *("--", "--optimizer.max_grad_norm", "0"),
+            ),
+            _table("moe64k_m16", "moe64k_m16_noclip"),
+        ),
+        timeout_s=330,
+    ),
     "hybrid_fla": Scenario(
         "issue 24: the Qwen3.5-27B shape cut to 16 layers at 64k with flash-linear-attention "
         "installed (Triton >= 3.7.1 and fla in the runner's site folder: "
