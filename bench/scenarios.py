@@ -160,9 +160,9 @@ _GPT_OSS_12 += ("--timeout", "280", "--", *_BF16)
 _ARCH_GPT_OSS_125G = ("--preset", "gpt-oss-20b", "--layers", "17", *_ARCH, "--steps", "6")
 _ARCH_GPT_OSS_125G += ("--timeout", "560", "--", *_INT8)
 _ARCH_QWEN3_NEXT_125G = ("--preset", "qwen3-next-80b-a3b", "--layers", "8", *_ARCH, "--steps", "6")
+_ARCH_QWEN3_NEXT_125G += ("--timeout", "560", "--", *_INT8)
 _ARCH_GPT_OSS_INT8 = ("--preset", "gpt-oss-20b", *_ARCH, "--steps", "6", "--timeout", "400")
 _ARCH_GPT_OSS_INT8 += ("--", *_INT8)
-_ARCH_QWEN3_NEXT_125G += ("--timeout", "560", "--", *_INT8)
 
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
