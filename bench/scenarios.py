@@ -506,6 +506,14 @@ SCENARIOS: dict[str, Scenario] = {
         (_cli("row512k_full", *_ROW_8B, "--seq", "524288", *_FULL512K, "--", *_STREAMED),),
         timeout_s=1700,
     ),
+    "user_512k_whole": Scenario(
+        "issue 40: the whole 32-layer Llama-3.1-8B shape at one 524,288-token row a step, "
+        "2 steps (the first left out of the median), every setting at its default; needs a "
+        "256 GiB host and ~22 minutes: start it with setsid and OUT outside $OUT, read "
+        "its log and metrics.jsonl from later commands",
+        (_cli("whole512k", *_ROW_8B, "--seq", "524288", "--steps", "2", "--timeout", "1700"),),
+        timeout_s=1750,
+    ),
     "compare": Scenario(
         "MegaTrain vs GPU-resident, FSDP2 CPU offload and DeepSpeed ZeRO-3 offload, same job "
         "(Qwen2.5-3B shape, 8k and 32k tokens/step; DeepSpeed needs its wheels carried)",
