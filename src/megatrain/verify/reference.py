@@ -40,6 +40,25 @@ def master_weights(store: HostStore) -> dict[str, torch.Tensor]:
     return {e.full_name: b.view(b.master, e) for b in store.blocks for e in b.entries}
 
 
+EngineState = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]
+
+
+def engine_state(store: HostStore) -> EngineState:
+    """Per parameter: the engine's master weight, AdamW m and v (fp32 states: verify's store)
+    and the optimizer steps applied, as views of the store."""
+    out: EngineState = {}
+    for b in store.blocks:
+        assert b.state_dtype == "fp32", "verify judges against exact AdamW: fp32 states"
+        for e in b.entries:
+            out[e.full_name] = (
+                b.view(b.master, e),
+                b.view(b.exp_avg, e),
+                b.view(b.exp_avg_sq, e),
+                b.step,
+            )
+    return out
+
+
 class Reference:
     """Plain PyTorch training of the HF model: AdamW, clip_grad_norm_, same decay groups.
 
@@ -75,6 +94,22 @@ class Reference:
             {"params": [p for n, p in self.master.items() if not decay[n]], "weight_decay": 0.0},
         ]
         self.opt = torch.optim.AdamW(groups, lr=lr, betas=hyper.betas, eps=hyper.eps)
+
+    def start_from(self, state: EngineState) -> None:
+        """Take the engine's weights and AdamW states (`engine_state`) as this reference's, so
+        that its next step starts where the engine's does (verify/__init__.py: each step is
+        judged on its own arithmetic)."""
+        with torch.no_grad():
+            for name, master in self.master.items():
+                weight, exp_avg, exp_avg_sq, step = state[name]
+                master.copy_(weight)
+                if master is not self.named[name]:
+                    self.named[name].copy_(master)
+                opt_state = self.opt.state[master]
+                if opt_state:  # no state: never had a gradient, on both sides (AdamW skips it)
+                    opt_state["exp_avg"].copy_(exp_avg)
+                    opt_state["exp_avg_sq"].copy_(exp_avg_sq)
+                    opt_state["step"].fill_(step)
 
     def step(self, micro: list[Batch]) -> dict[str, dict[str, torch.Tensor]]:
         model = self.model

@@ -29,7 +29,14 @@ from megatrain.verify.judge import (
     judge,
     rel_errors,
 )
-from megatrain.verify.reference import Reference, all_finite, float64, master_weights, snapshot
+from megatrain.verify.reference import (
+    Reference,
+    all_finite,
+    engine_state,
+    float64,
+    master_weights,
+    snapshot,
+)
 
 if TYPE_CHECKING:
     from megatrain.engine.engine import StepResult
@@ -241,6 +248,9 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
                 target, noise, exact, noisy = ref, None, fp32, None
             excess, worst = judge(ours, exact, noisy, tol, per_tensor=fp32_compute)
             reports.append(step_report(step + 1, result, ours, fp32, excess=excess, worst=worst))
+            state = engine_state(store)  # the next step starts from the engine's weights
+            for reference_run in {id(r): r for r in (ref, target, noise) if r is not None}.values():
+                reference_run.start_from(state)
     finally:
         engine.close()
     return reports
