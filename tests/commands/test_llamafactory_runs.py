@@ -64,14 +64,25 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, model: Path, steps: int, *cmd: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    model: Path,
+    steps: int,
+    *cmd: str,
+    dataset_dir: bool = False,
 ) -> tuple[int, list[dict]]:
-    """Run LLaMA-Factory's `name` from `tmp_path` (with data/ there); its training records."""
+    """Run LLaMA-Factory's `name` from `tmp_path`, with data/ there (LLaMA-Factory's default
+    dataset_dir) or, `dataset_dir`, a dataset_dir line naming the fixture's; its train records."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data").symlink_to(FIXTURES / "data")
     text = (FIXTURES / "examples" / name).read_text(encoding="utf-8")
     text = re.sub(r"(?m)^model_name_or_path: .*$", f"model_name_or_path: {model}", text)
-    (tmp_path / name).write_text(text + f"max_steps: {steps}\n", encoding="utf-8")
+    text += f"max_steps: {steps}\n"
+    if dataset_dir:
+        text += f"dataset_dir: {FIXTURES / 'data'}\n"
+    else:
+        (tmp_path / "data").symlink_to(FIXTURES / "data")
+    (tmp_path / name).write_text(text, encoding="utf-8")
     rc = main([*cmd, "--config", name, "--logging.progress_bar", "false"])
     out = tmp_path / yaml_value(text, "output_dir")
     records = []
@@ -159,7 +170,8 @@ def test_preference_files_train_with_megatrain_dpo(
     name: str,
     first_loss: float,
 ) -> None:
-    rc, records = _run(tmp_path, monkeypatch, name, models["qwen3"], 1, "dpo")
+    kto = name == "qwen3_lora_kto.yaml"  # with a dataset_dir line; dpo with data/ in the cwd
+    rc, records = _run(tmp_path, monkeypatch, name, models["qwen3"], 1, "dpo", dataset_dir=kto)
     assert rc == 0, capsys.readouterr().err
     assert len(records) == 1
     assert abs(records[0]["loss"] - first_loss) < 0.005
