@@ -190,3 +190,23 @@ def test_megatrain_train_on_a_dpo_file_names_megatrain_dpo(
         "data.stage='dpo' is preference training, which runs with megatrain dpo (same config and "
         "overrides): megatrain dpo --config qwen3_lora_dpo.yaml"
     ) in err
+
+
+def test_a_trl_sft_file_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, models: dict[str, Path]
+) -> None:
+    """TRL's names (`trl sft --config F`): dataset_name a local file, max_length the row cap."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(FIXTURES / "data")
+    (tmp_path / "trl.yaml").write_text(
+        f"model_name_or_path: {models['llama']}\ndataset_name: data/alpaca_en_demo.json\n"
+        "max_length: 256\nper_device_train_batch_size: 2\nlearning_rate: 2.0e-5\nmax_steps: 1\n"
+        "logging_steps: 1\nbf16: true\ngradient_checkpointing: true\nassistant_only_loss: true\n"
+        "output_dir: trl-sft\nreport_to: none\ndisable_tqdm: true\n",
+        encoding="utf-8",
+    )
+    assert main(["train", "--config", "trl.yaml"]) == 0
+    lines = (tmp_path / "trl-sft" / "metrics.jsonl").read_text().splitlines()
+    (record,) = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    assert abs(record["loss"] - math.log(VOCAB)) < 0.1
+    assert 0 < record["tokens"] <= 2 * 256  # two rows of at most max_length tokens

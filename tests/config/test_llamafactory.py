@@ -13,7 +13,8 @@ import pytest
 from megatrain.cli import main
 from megatrain.config import TrainConfig, load_config
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "data_fixtures" / "llamafactory" / "examples"
+FIXTURES = Path(__file__).resolve().parents[1] / "data_fixtures"
+EXAMPLES = FIXTURES / "llamafactory" / "examples"
 
 
 def _write(tmp_path: Path, text: str, name: str = "lf.yaml") -> Path:
@@ -181,6 +182,37 @@ def test_unknown_mixed_and_doubled_keys(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"lf\.yaml \(LLaMA-Factory / TRL keys, read as the "
                        r"MegaTrain keys .*: training\.max_steps=0 must be"):  # fmt: skip
         _flat(tmp_path, "max_steps: 0")
+
+
+def test_trl_cli_config_reads_the_same_way() -> None:
+    cfg = load_config(FIXTURES / "trl" / "example_config.yaml")  # TRL's own, as shipped
+    assert (cfg.model.name_or_path, cfg.data.dataset) == ("Qwen/Qwen2.5-0.5B", "stanfordnlp/imdb")
+    assert (cfg.optimizer.learning_rate, cfg.optimizer.lr_scheduler) == (1e-4, "cosine")
+    assert cfg.logging.report_to == "none"
+
+
+def test_trl_sft_and_dpo_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sft = _flat(
+        tmp_path,
+        "dataset_name: d.jsonl\nmax_length: 512\nassistant_only_loss: false\nloss_type: nll\n"
+        "chat_template_path: t.jinja\npad_to_multiple_of: 16\ndtype: bfloat16\n"
+        "gradient_checkpointing: true\nuse_peft: false\nlora_r: 16\n"
+        "router_aux_loss_coef: 0.01",
+    )
+    d = sft.data
+    assert (d.dataset, d.cutoff_len, d.train_on_prompt) == ("d.jsonl", 512, True)
+    assert (d.chat_template, d.pad_to_multiple_of, sft.dpo.loss_type) == ("t.jinja", 16, "sigmoid")
+    assert sft.model.config_overrides == {
+        "router_aux_loss_coef": 0.01,
+        "output_router_logits": True,
+    }
+    assert capsys.readouterr().err.endswith(": dtype, gradient_checkpointing, lora_r\n")
+    dpo = _flat(tmp_path, "stage: dpo\nloss_type: [hinge]\nbeta: 0.05\nmax_length: 256")
+    assert (dpo.dpo.loss_type, dpo.dpo.beta, dpo.data.cutoff_len) == ("hinge", 0.05, 256)
+    with pytest.raises(ValueError, match=r"loss_type: dft \(MegaTrain's SFT loss is"):
+        _flat(tmp_path, "loss_type: dft")
+    with pytest.raises(ValueError, match=r"truncation_mode: keep_end \(long samples keep"):
+        _flat(tmp_path, "truncation_mode: keep_end")
 
 
 def test_overrides_apply_on_top(tmp_path: Path) -> None:

@@ -103,6 +103,13 @@ KEYS: dict[str, Rule] = {
     ),
     "train_on_prompt": to("data.train_on_prompt"),
     "default_system": to("data.system_prompt"),
+    "chat_template_path": to("data.chat_template", "a .jinja file"),
+    "assistant_only_loss": to("data.train_on_prompt", "negated", lambda v: not v),
+    "pad_to_multiple_of": to("data.pad_to_multiple_of"),
+    "truncation_mode": Rule("", rules.truncation_mode, "keep_start"),
+    "eos_token": off("eos_token (set it in the tokenizer's folder)"),
+    "pad_token": off("pad_token (set it in the tokenizer's folder)"),
+    "sync_ref_model": off("sync_ref_model: true (the reference is the initial weights)"),
     "data_seed": to("data.seed"),
     "mix_strategy": Rule("", rules.mix_strategy, "concat"),
     "mask_history": off("mask_history: true (every assistant turn trains: data.multi_turn)"),
@@ -159,6 +166,7 @@ ALIASES: dict[str, str] = {
     "undesirable_weight": "kto_rejected_weight",
     "evaluation_strategy": "eval_strategy",
     "no_cuda": "use_cpu",
+    "router_aux_loss_coef": "moe_aux_loss_coef",
 }
 """TRL's (and older transformers') name -> the LLaMA-Factory / TrainingArguments name."""
 
@@ -176,7 +184,9 @@ IGNORED: tuple[str, ...] = (
     # recomputation, kernels and load dtypes: the engine's own
     "gradient_checkpointing", "gradient_checkpointing_kwargs", "disable_gradient_checkpointing",
     "use_reentrant_gc", "enable_liger_kernel", "use_liger_kernel", "torch_dtype", "dtype",
-    "low_cpu_mem_usage", "use_fast_tokenizer",
+    "low_cpu_mem_usage", "use_fast_tokenizer", "model_init_kwargs", "disable_dropout",
+    "activation_offloading", "padding_free", "packing_strategy", "eval_packing",
+    "dataset_num_proc", "precompute_ref_batch_size", "shuffle_dataset",
     # logging and saving: metrics.jsonl and the trackers, resumable checkpoints + the HF export
     "plot_loss", "logging_dir", "logging_strategy", "logging_first_step", "save_only_model",
     "include_num_input_tokens_seen", "include_tokens_per_second", "print_param_status",
@@ -184,7 +194,8 @@ IGNORED: tuple[str, ...] = (
     # LoRA / OFT / freeze settings (finetuning_type lora, oft, freeze are refused)
     "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "lora_r", "lora_target_modules",
     "oft_rank", "oft_block_size", "oft_target", "freeze_trainable_layers",
-    "freeze_trainable_modules", "freeze_extra_modules",
+    "freeze_trainable_modules", "freeze_extra_modules", "lora_modules_to_save",
+    "lora_target_parameters", "lora_task_type", "use_rslora", "use_dora",
     # video settings: video data are refused by the data registry
     "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen",
 )  # fmt: skip

@@ -85,8 +85,14 @@ def batch(value: Any, flat: Flat) -> dict[str, Any]:
 
 
 def pref_loss(value: Any, flat: Flat) -> dict[str, Any]:
+    if isinstance(value, list) and len(value) == 1:  # TRL's loss_type is a list of losses
+        value = value[0]
     if flat["stage"] == "kto":
         return {"dpo.loss_type": "kto"}  # LLaMA-Factory's kto stage ignores pref_loss
+    if flat["stage"] not in PREFERENCE_STAGES:  # TRL's SFT loss_type: nll, or dft
+        if value == "dft":
+            raise Refused("loss_type: dft (MegaTrain's SFT loss is cross-entropy: nll)")
+        return {}
     if value not in LOSS_TYPES or value == "kto":
         allowed = [name for name in LOSS_TYPES if name != "kto"]
         raise Refused(f"pref_loss: {value} (MegaTrain's pair losses are {', '.join(allowed)})")
@@ -98,6 +104,14 @@ def neat_packing(value: Any, flat: Flat) -> dict[str, Any]:
         return {}
     # under sft MegaTrain's packing always keeps attention within each sample
     return {"data.neat_packing": True} if flat["stage"] == "pt" else {"data.packing": True}
+
+
+def truncation_mode(value: Any, flat: Flat) -> dict[str, Any]:
+    if value != "keep_start":
+        raise Refused(
+            f"truncation_mode: {value} (long samples keep their first tokens: keep_start)"
+        )
+    return {}
 
 
 def media_dir(value: Any, flat: Flat) -> dict[str, Any]:
