@@ -179,6 +179,9 @@ def test_unknown_mixed_and_doubled_keys(tmp_path: Path) -> None:
         _flat(tmp_path, "training:\n  seed: 1")
     with pytest.raises(ValueError, match=r"max_length and cutoff_len are the same setting"):
         _flat(tmp_path, "max_length: 512\ncutoff_len: 512")
+    with pytest.raises(ValueError, match=r"packing and neat_packing disagree on data\.packing "
+                       r"\(False and True\); keep one"):  # fmt: skip
+        _flat(tmp_path, "packing: false\nneat_packing: true")
     with pytest.raises(ValueError, match=r"lf\.yaml \(LLaMA-Factory / TRL keys, read as the "
                        r"MegaTrain keys .*: training\.max_steps=0 must be"):  # fmt: skip
         _flat(tmp_path, "max_steps: 0")

@@ -18,7 +18,8 @@ becomes. docs/configuration.md lists the table (rendered from it by config/refer
 
 Invariants: every key of a flat file is in KEYS, ALIASES or IGNORED, else one error names it (with
 the nearest known key); every refused value of a file is named in one paragraph; the rules see the
-file with DEFAULTS filled in and write disjoint MegaTrain keys, so their order does not matter.
+file with DEFAULTS filled in, so their order does not matter, and two keys setting one MegaTrain
+key to different values (packing: false, neat_packing: true) are an error naming both.
 No torch, no transformers: config errors answer at once.
 """
 
@@ -138,7 +139,11 @@ KEYS: dict[str, Rule] = {
     "lr_scheduler_type": Rule(
         "optimizer.lr_scheduler", rules.scheduler, "linear, cosine, constant"
     ),
-    "warmup_ratio": Rule("optimizer.warmup_ratio", rules.warmup_ratio, "0 with constant"),
+    "warmup_ratio": Rule(
+        "optimizer.warmup_ratio",
+        rules.warmup_ratio,
+        "0 with constant; round(ratio x steps) warmup steps, where transformers takes the ceiling",
+    ),
     "warmup_steps": Rule("optimizer.warmup_steps", rules.warmup_steps, "< 1: warmup_ratio"),
     "weight_decay": to("optimizer.weight_decay"),
     "adam_beta1": Rule("optimizer.betas", rules.betas),
@@ -235,6 +240,7 @@ def translate(
     flat: dict[str, Any] = {ALIASES.get(key, key): value for key, value in raw.items()}
     flat = {**DEFAULTS, "stage": stage, **flat}
     out: dict[str, dict[str, Any]] = {}
+    writer: dict[str, str] = {}  # MegaTrain key -> the flat key that set it
     refused: list[str] = []
     for key, value in flat.items():
         if key in IGNORED:
@@ -247,8 +253,12 @@ def translate(
         for target, new in written.items():
             section, _, name = target.partition(".")
             body = out.setdefault(section, {})
-            assert body.get(name, new) == new, f"{target} written twice ({key})"
-            body[name] = new
+            if body.get(name, new) != new:
+                raise ValueError(
+                    f"{where}: {writer[target]} and {key} disagree on {target} "
+                    f"({body[name]!r} and {new!r}); keep one of them"
+                )
+            body[name], writer[target] = new, key
     if refused:
         raise ValueError(
             f"{where} is a LLaMA-Factory / TRL config that asks for what MegaTrain does not do: "

@@ -2,8 +2,8 @@
 MegaTrain keys, or is refused (Refused: what MegaTrain does not do, and what to set instead).
 
 A rule gets the value and the whole flat file (TRL's names renamed to LLaMA-Factory's, its
-defaults filled in) and returns {"section.key": value}; rules read other keys of the file but
-write only their own MegaTrain keys, so the table's order does not matter.
+defaults filled in) and returns {"section.key": value}; rules read other keys of the file, so
+the table's order does not matter.
 """
 
 from __future__ import annotations
