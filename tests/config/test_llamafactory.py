@@ -239,6 +239,9 @@ def test_print_config_loads_back_to_the_same_config(
 ) -> None:
     assert main([command, "--config", str(EXAMPLES / name), "--print-config"]) == 0
     native = _write(tmp_path, capsys.readouterr().out, "native.yaml")
-    assert native.read_text().startswith("model:\n  name_or_path: ")
+    assert native.read_text().startswith(
+        f"# The MegaTrain config of {EXAMPLES / name} (keys at their defaults left out):\n"
+        f"#   megatrain {command} --config <this file>\nmodel:\n  name_or_path: "
+    )
     base = {"data": {"stage": "dpo"}} if command == "dpo" else None
     assert load_config(native, base=base) == load_config(EXAMPLES / name, base=base)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatrain.commands.train import add_print_config
-from megatrain.config import config_yaml, load_config
+from megatrain.commands.train import add_print_config, print_config
+from megatrain.config import load_config
 from megatrain.config.dpo import check_preference_run
 
 
@@ -28,8 +28,7 @@ def run(args: argparse.Namespace) -> int:
     base = {"data": {"stage": "dpo"}}
     cfg = load_config(args.config, args.overrides, base=base)  # config errors before torch loads
     if args.print_config:
-        print(config_yaml(cfg, changed_only=True), end="")
-        return 0
+        return print_config(cfg, args)
     check_preference_run(cfg.data.stage, cfg.training.micro_batch_size)
     from megatrain.recipes.dpo.recipe import DPOTrainer
     from megatrain.threads import use_compute_threads

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatrain.config import config_yaml, load_config
+from megatrain.config import TrainConfig, config_yaml, load_config
 from megatrain.data.config import PREFERENCE_STAGES
 
 
@@ -35,11 +35,21 @@ def add_print_config(p: argparse.ArgumentParser) -> None:
     )
 
 
+def print_config(cfg: TrainConfig, args: argparse.Namespace) -> int:
+    """`--print-config`: the MegaTrain YAML of the run, headed by how to run it."""
+    print(
+        f"# The MegaTrain config of {args.config} (keys at their defaults left out):\n"
+        f"#   megatrain {args.command} --config <this file>\n"
+        + config_yaml(cfg, changed_only=True),
+        end="",
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # config errors before torch loads
     if args.print_config:
-        print(config_yaml(cfg, changed_only=True), end="")
-        return 0
+        return print_config(cfg, args)
     if cfg.data.stage in PREFERENCE_STAGES:
         raise ValueError(
             f"data.stage={cfg.data.stage!r} is preference training, which runs with megatrain dpo "
