@@ -1,13 +1,14 @@
 """The `megatrain` command: dispatch to megatrain.commands, and print user errors as one line.
 
-    megatrain train    --config FILE [--section.key VALUE ...]
+    megatrain train    --config FILE [--section.key VALUE ...] [--print-config]
     megatrain grpo     --config FILE [--section.key VALUE ...]
-    megatrain dpo      --config FILE [--section.key VALUE ...]
+    megatrain dpo      --config FILE [--section.key VALUE ...] [--print-config]
     megatrain verify   --config FILE | MODEL | --model-type NAME --tiny  [--steps N] [...]
     megatrain estimate --config FILE | --model MODEL --seq-len N [...]
     megatrain data     --config FILE --show N [--json]
     megatrain export   --checkpoint DIR --out DIR
 
+FILE is a MegaTrain config, or a LLaMA-Factory / TRL training file (config/llamafactory.py).
 `python -m megatrain` is the same command. Errors a user can fix (bad path, bad key,
 unsupported model, disk full) print one paragraph naming what to change and exit 2; Ctrl-C prints
 where the last checkpoint is and exits 130. MEGATRAIN_DEBUG=1 shows the traceback instead.

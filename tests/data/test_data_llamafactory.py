@@ -1,4 +1,4 @@
-"""LLaMA-Factory's own data registry, as shipped (tests/data_fixtures/llamafactory/, unmodified):
+"""LLaMA-Factory's own data registry, as shipped (tests/data_fixtures/llamafactory/data/):
 every local entry loads, every hub entry fails fast offline in one paragraph naming the data set,
 its hub id and the fix, every entry of a feature not supported yet is refused by name, and other
 hubs' source keys (om_hub_url, ms_hub_url) beside hf_hub_url are ignored. Also the demo data's
@@ -25,7 +25,7 @@ from megatrain.cli import main
 from megatrain.data import DataConfig, prepare_data
 from megatrain.data.preference_data import prepare_preference
 
-FIXTURE = Path(__file__).resolve().parents[1] / "data_fixtures" / "llamafactory"
+FIXTURE = Path(__file__).resolve().parents[1] / "data_fixtures" / "llamafactory" / "data"
 INFO: dict[str, Any] = json.loads((FIXTURE / "dataset_info.json").read_text(encoding="utf-8"))
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 # the HTTP client huggingface_hub's errors are built on (httpx, or httpx2 from hub 2.x on)

@@ -1,10 +1,13 @@
 """`megatrain dpo --config FILE [--section.key VALUE ...]`: preference training (DPO and its
-variants, ORPO/SimPO without a reference, KTO) on data.stage dpo / kto (recipes/dpo/recipe.py)."""
+variants, ORPO/SimPO without a reference, KTO) on data.stage dpo / kto (recipes/dpo/recipe.py).
+
+data.stage defaults to dpo here (a TRL DPO file sets no stage); `--print-config` as for train."""
 
 from __future__ import annotations
 
 import argparse
 
+from megatrain.commands.train import add_print_config, print_config
 from megatrain.config import load_config
 from megatrain.config.dpo import check_preference_run
 
@@ -17,11 +20,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--section.key VALUE after the options overrides the config",
     )
     p.add_argument("--config", help="YAML config file (see examples/dpo_demo.yaml)")
+    add_print_config(p)
     p.set_defaults(run=run, takes_overrides=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)  # config errors before torch loads
+    base = {"data": {"stage": "dpo"}}
+    cfg = load_config(args.config, args.overrides, base=base)  # config errors before torch loads
+    if args.print_config:
+        return print_config(cfg, args)
     check_preference_run(cfg.data.stage, cfg.training.micro_batch_size)
     from megatrain.recipes.dpo.recipe import DPOTrainer
     from megatrain.threads import use_compute_threads

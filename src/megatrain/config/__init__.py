@@ -4,6 +4,7 @@
     cfg.model, cfg.data, cfg.training, cfg.optimizer, cfg.memory, cfg.logging, cfg.checkpoint,
     cfg.grpo (read by `megatrain grpo` and `megatrain estimate --grpo` only), cfg.dpo
     save_config(cfg, path)                           # load_config(path) == cfg
+    load_config("llama3_full_sft.yaml")              # a LLaMA-Factory / TRL file (llamafactory.py)
 
 Sections map one to one onto YAML mappings (`model:`, `data:`, ...); `data` is
 `megatrain.data.config.DataConfig`. Overrides are argv tokens `--section.key VALUE` or
@@ -28,6 +29,7 @@ from megatrain.config.grpo import GRPOConfig
 from megatrain.config.loading import (
     CONFIG_HEADER,
     config_to_dict,
+    config_yaml,
     load_config,
     parse_overrides,
     save_config,
@@ -63,6 +65,7 @@ __all__ = [
     "TrainConfig",
     "TrainingConfig",
     "config_to_dict",
+    "config_yaml",
     "load_config",
     "parse_overrides",
     "save_config",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
@@ -12,6 +13,7 @@ from typing import Any, get_origin
 
 import yaml
 
+from megatrain.config import llamafactory
 from megatrain.config.sections import SECTIONS, TrainConfig
 from megatrain.config.types import MISMATCH, coerce, convert, field_types
 from megatrain.files import umask_mode
@@ -31,17 +33,34 @@ def load_config(
 
     `base` (section -> {key: value}) replaces the dataclass defaults underneath the file: a
     command's own defaults (verify's small random batches), still overridable by both.
+    A LLaMA-Factory / TRL file (flat keys) is read through config/llamafactory.py; its ignored
+    keys are named in one line on stderr.
     """
     raw: dict[str, Any] = {section: dict(body) for section, body in (base or {}).items()}
-    for section, body in ({} if path is None else _read_yaml(Path(path))).items():
+    file = {} if path is None else _read_yaml(Path(path))
+    flat = llamafactory.is_flat(file, SECTIONS)
+    if flat:
+        stage = raw.get("data", {}).get("stage", "sft")
+        file, ignored = llamafactory.translate(file, str(path), SECTIONS, stage=stage)
+        if ignored and os.environ.get("RANK", "0") == "0":  # once per job, not per rank
+            print(llamafactory.ignored_line(str(path), ignored), file=sys.stderr, flush=True)
+    for section, body in file.items():
         if isinstance(body, dict) and isinstance(raw.get(section), dict):
             raw[section].update(body)
         else:
             raw[section] = body
     for name, text in parse_overrides(overrides):
         _apply_override(raw, name, text)
-    cfg = _build(raw)
-    cfg.validate()
+    try:
+        cfg = _build(raw)
+        cfg.validate()
+    except ValueError as e:
+        if flat:  # the message names MegaTrain's keys: say where they came from
+            raise ValueError(
+                f"{path} (LLaMA-Factory / TRL keys, read as the MegaTrain keys "
+                f"docs/configuration.md maps them to): {e}"
+            ) from e
+        raise
     return cfg
 
 
@@ -67,16 +86,32 @@ def parse_overrides(tokens: Sequence[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """Plain YAML-ready data: a mapping per section, tuples as lists."""
-    return {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg)}
+def config_to_dict(cfg: TrainConfig, *, changed_only: bool = False) -> dict[str, Any]:
+    """Plain YAML-ready data: a mapping per section, tuples as lists. `changed_only`: only the
+    keys whose values differ from the defaults, and only sections that have any (what
+    `--print-config` prints; it loads back to the same config)."""
+    full = {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg)}
+    if not changed_only:
+        return full
+    defaults = {name: _plain(cls()) for name, cls in SECTIONS.items()}
+    changed = {
+        section: {k: v for k, v in body.items() if v != defaults[section][k]}
+        for section, body in full.items()
+    }
+    return {section: body for section, body in changed.items() if body}
+
+
+def config_yaml(cfg: TrainConfig, *, changed_only: bool = False) -> str:
+    """`cfg` as MegaTrain YAML (sections of keys); `changed_only` as in config_to_dict."""
+    data = config_to_dict(cfg, changed_only=changed_only)
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
     """Write `cfg` as YAML atomically (temp file in the same folder, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = CONFIG_HEADER + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+    text = CONFIG_HEADER + config_yaml(cfg)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, umask_mode())  # mkstemp's 0600 would make it unreadable to others

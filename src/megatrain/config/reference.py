@@ -4,9 +4,9 @@
     python -m megatrain.config.reference --write    # rewrite docs/configuration.md
 
 The meaning of a key is the docstring under its field (sections.py, memory.py, grpo.py, dpo.py,
-data/config.py): the page
-cannot say what the code does not. tests/config/test_reference.py fails when the checked-in
-page differs from what this renders, so the page never drifts from the code.
+data/config.py); the last part, LLaMA-Factory's and TRL's flat keys, is config/llamafactory.py's
+table: the page cannot say what the code does not. tests/config/test_reference.py fails when the
+checked-in page differs from what this renders, so the page never drifts from the code.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
+from megatrain.config import llamafactory
 from megatrain.config.sections import SECTIONS
 from megatrain.config.types import field_types, type_name
 
@@ -36,6 +37,44 @@ can be overridden on the command line as `--section.key VALUE` (a mapping's entr
 `export` all read the same file (`grpo:` only `megatrain grpo`; `dpo:` only the preference
 recipe, docs/preference.md). Examples: `examples/*.yaml`.
 """
+
+
+FLAT_HEADER = """\
+## LLaMA-Factory and TRL files
+
+A LLaMA-Factory training file (`llamafactory-cli train FILE`: flat keys such as `stage`,
+`dataset`, `cutoff_len`, `per_device_train_batch_size`) runs as written: `megatrain train --config
+FILE` (SFT, `stage: pt`), `megatrain dpo --config FILE` (`stage: dpo` or `kto`; with no stage,
+dpo). TRL's files (`trl sft --config FILE`, the same TrainingArguments names) read the same way
+where they overlap. A file is read this way when its top-level keys are not MegaTrain sections;
+`--section.key VALUE` overrides still apply on top, and `megatrain train --config FILE
+--print-config` prints the MegaTrain config it becomes (the keys that differ from the defaults),
+to keep in MegaTrain's form. Keys a file leaves out take LLaMA-Factory's defaults where they
+differ from MegaTrain's; keys that configure only what MegaTrain does its own way are named once
+as ignored; values asking for what MegaTrain does not do (`finetuning_type: lora`, `stage: ppo`,
+...) are refused in one paragraph; any other key is an error naming it.
+"""
+
+
+def render_flat() -> str:
+    """The LLaMA-Factory / TRL part of the page: llamafactory.py's table."""
+    parts = [FLAT_HEADER, "| key | MegaTrain key | how |\n|---|---|---|"]
+    for key, rule in llamafactory.KEYS.items():
+        writes = ", ".join(f"`{w.strip()}`" for w in rule.writes.split(",") if w.strip())
+        parts.append(f"| `{key}` | {writes or '-'} | {rule.note.replace('|', '/')} |")
+    aliases = ", ".join(f"`{a}` (`{k}`)" for a, k in llamafactory.ALIASES.items())
+    defaults = ", ".join(f"`{k}: {_yaml(v)}`" for k, v in llamafactory.DEFAULTS.items())
+    ignored = ", ".join(f"`{k}`" for k in llamafactory.IGNORED)
+    parts += [
+        f"\nTRL's names: {aliases}.\n",
+        f"Defaults of a flat file (LLaMA-Factory's and transformers' own): {defaults}.\n",
+        f"Ignored: {ignored}.\n",
+    ]
+    return "\n".join(parts)
+
+
+def _yaml(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -68,6 +107,7 @@ def render_reference() -> str:
             meaning = " ".join(docs.get(f.name, "").split()).replace("|", "\\|")
             parts.append(f"| `{f.name}` | {type_name(types[f.name])} | {_default(f)} | {meaning} |")
         parts.append("")
+    parts.append(render_flat())
     return "\n".join(parts)
 
 
