@@ -24,9 +24,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # config errors before torch loads
     check_preference_run(cfg.data.stage, cfg.training.micro_batch_size)
     from megatrain.recipes.dpo.recipe import DPOTrainer
-    from megatrain.threads import use_compute_threads
 
-    use_compute_threads(cfg.training.device)  # on the CPU: the cores not busy elsewhere
     trainer = DPOTrainer(cfg)
     try:
         summary = trainer.train()

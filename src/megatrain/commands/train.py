@@ -22,9 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # config errors before torch loads
     from megatrain.recipes.sft import Trainer
-    from megatrain.threads import use_compute_threads
 
-    use_compute_threads(cfg.training.device)  # on the CPU: the cores not busy elsewhere
     trainer = Trainer(cfg)
     try:
         summary = trainer.train()
