@@ -1,5 +1,6 @@
-"""megatrain/threads.py: thread counts from the cores this process may use less other
-processes' load; OMP_NUM_THREADS wins; a CPU command's torch follows the rule."""
+"""megatrain/threads.py: a run's compute threads are its setting (training.threads,
+OMP_NUM_THREADS, the resumed checkpoint's, the affinity cores), never the machine's load; the
+host AdamW threads are the cores less other processes' load; a CPU command's torch follows."""
 
 from __future__ import annotations
 
@@ -54,18 +55,70 @@ def test_cores_less_other_load(
     assert threads.optimizer_threads(2) == of_two_ranks
 
 
-def test_a_cpu_run_computes_on_the_usable_cores(
+@pytest.mark.parametrize(
+    "configured,omp,saved,count,source",
+    [
+        (None, None, None, 4, "the cores this process may run on; training.threads sets them"),
+        (None, None, 3, 3, "the resumed checkpoint's"),  # on any core count, under any load
+        (None, "2", None, 2, "OMP_NUM_THREADS"),
+        (None, "2,1", 2, 2, "OMP_NUM_THREADS"),  # nested levels: the first; the saved count
+        (3, "2", 3, 3, "training.threads"),  # the config wins; the checkpoint's count: no note
+        (
+            None,
+            "2",
+            3,
+            2,
+            "OMP_NUM_THREADS; the checkpoint was computed with 3: the losses may differ from "
+            "the uninterrupted run's",
+        ),
+    ],
+)
+def test_compute_threads_are_the_runs_not_the_loads(
+    monkeypatch: pytest.MonkeyPatch,
+    configured: int | None,
+    omp: str | None,
+    saved: int | None,
+    count: int,
+    source: str,
+) -> None:
+    monkeypatch.setattr(threads, "_affinity", lambda: list(range(4)))
+    monkeypatch.setattr(threads, "busy_elsewhere", _never_sampled)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert threads.compute_threads("cpu", configured, saved) == threads.ComputeThreads(
+        count, source
+    )
+
+
+def _never_sampled(cpus: list[int]) -> float:
+    raise AssertionError("a run's compute threads must not depend on the load")
+
+
+def test_a_gpu_run_keeps_torchs_default_and_a_bad_omp_value_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "resolve_device", lambda device: "cuda")
+    torch.set_num_threads(3)
+    gpu = threads.compute_threads("cuda", None, saved=2)  # a CPU checkpoint's count: not used
+    assert gpu == threads.ComputeThreads(3, "torch's default: the run is on the GPU")
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS='many' is not a thread count"):
+        threads.compute_threads("cpu")
+
+
+def test_verify_computes_on_the_affinity_cores_whatever_the_load(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _machine(monkeypatch, 4, 1.2)  # 3 usable
+    _machine(monkeypatch, 4, 1.2)  # 3 usable for the AdamW; the compute takes all 4
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     torch.set_num_threads(1)
     verify = ["verify", "--model-type", "llama", "--tiny", "--steps", "1", "--device", "cpu"]
     assert main(verify) == 0, capsys.readouterr().out
-    assert torch.get_num_threads() == 3
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's (or torchrun's) choice wins
-    torch.set_num_threads(2)
-    threads.use_compute_threads("cpu")
+    assert torch.get_num_threads() == 4
+    assert main([*verify, "--training.threads", "2"]) == 0, capsys.readouterr().out
     assert torch.get_num_threads() == 2
 
 

@@ -23,8 +23,8 @@ from megatrain.engine.engine import StreamingEngine
 from megatrain.errors import GpuOutOfMemory
 from megatrain.planning.hardware import GIB
 from megatrain.recipes import oom
-from megatrain.recipes.oom import is_out_of_memory
 from megatrain.recipes.sft import Trainer
+from megatrain.recipes.step_down import is_out_of_memory
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 STEPS = 4

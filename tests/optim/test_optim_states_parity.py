@@ -1,5 +1,6 @@
-"""Compressed AdamW states: the C kernel equals the plain-PyTorch reference bit for bit, and the
-reference is AdamW on dequantized states (checked against a float64 AdamW step)."""
+"""Compressed AdamW states: the C kernel equals the plain-PyTorch reference bit for bit on any
+thread count, and the reference is AdamW on dequantized states (checked against a float64 AdamW
+step)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,29 @@ def test_c_kernel_equals_torch_reference_bit_for_bit(
             assert ref_block.shadow is not None
             assert torch.equal(c_block.shadow, ref_block.shadow)
             assert torch.equal(c_block.shadow, c_block.master.bfloat16())
+
+
+@needs_kernel
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_c_kernel_is_independent_of_thread_count(state_dtype: str) -> None:
+    """The same states bit for bit on 1, 2 or 5 threads over several work chunks: each element's
+    update is its own, the stochastic rounding's bits come from the element's index and the int8
+    block maximum is exact, so the host AdamW's thread count may follow the machine's load
+    (megatrain/threads.py) without changing a run's losses."""
+    n, decay_numel = 2 * (1 << 16) + 3 * QUANT_BLOCK + 17, 100_000
+    hyper = AdamWHyper(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    results = []
+    for threads in (1, 2, 5):
+        block = _block(n, decay_numel, state_dtype, bf16_grads=True)
+        opt = CpuAdamW(hyper, impl="c", num_threads=threads)
+        gen = torch.Generator().manual_seed(4)
+        for step, scale in enumerate([1.0, 0.37, 1.0]):
+            block.grad_landing.copy_(_grad(n, step, gen))
+            opt.update(block, lr=3e-3, grad_scale=scale)
+        results.append([block.master, block.grad_landing, *block.state_tensors().values()])
+    for other in results[1:]:
+        for ours, theirs in zip(results[0], other, strict=True):
+            assert torch.equal(ours, theirs)
 
 
 def _dequantized(block: ParamBlock) -> tuple[torch.Tensor, torch.Tensor]:

@@ -107,7 +107,21 @@ class Checkpointer:
 
 def saved_world_size(path: Path) -> int:
     """The ranks that wrote checkpoint `path` (1 for one written before sharding)."""
+    return int(_trainer_state(path).get("world_size", 1))
+
+
+def saved_threads(path: Path) -> int | None:
+    """The CPU threads checkpoint `path` was computed with (recipes/base.py saves them; None
+    for a checkpoint written before they were saved)."""
+    threads = _trainer_state(path).get("threads")
+    return int(threads) if threads is not None else None
+
+
+def _trainer_state(path: Path) -> dict[str, Any]:
+    """Checkpoint `path`'s trainer_state.json; {} when it has none (not a checkpoint: `load`
+    says so)."""
     try:
-        return int(json.loads((path / TRAINER_STATE_FILE).read_text()).get("world_size", 1))
+        state = json.loads((path / TRAINER_STATE_FILE).read_text())
     except (OSError, ValueError):
-        return 1  # not a checkpoint: load_checkpoint says so
+        return {}
+    return state if isinstance(state, dict) else {}

@@ -31,9 +31,7 @@ def run(args: argparse.Namespace) -> int:
         return print_config(cfg, args)
     check_preference_run(cfg.data.stage, cfg.training.micro_batch_size)
     from megatrain.recipes.dpo.recipe import DPOTrainer
-    from megatrain.threads import use_compute_threads
 
-    use_compute_threads(cfg.training.device)  # on the CPU: the cores not busy elsewhere
     trainer = DPOTrainer(cfg)
     try:
         summary = trainer.train()

@@ -30,9 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # config errors before torch loads
     from megatrain.recipes.grpo.recipe import GRPOTrainer
-    from megatrain.threads import use_compute_threads
 
-    use_compute_threads(cfg.training.device)  # on the CPU: the cores not busy elsewhere
     trainer = GRPOTrainer(cfg)
     try:
         summary = trainer.train()

@@ -56,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
             f"(same config and overrides): megatrain dpo --config {args.config}"
         )
     from megatrain.recipes.sft import Trainer
-    from megatrain.threads import use_compute_threads
 
-    use_compute_threads(cfg.training.device)  # on the CPU: the cores not busy elsewhere
     trainer = Trainer(cfg)
     try:
         summary = trainer.train()

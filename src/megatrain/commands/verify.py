@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatrain.device import resolve_device
     from megatrain.model.loading import parse_config_sets
-    from megatrain.threads import use_compute_threads
+    from megatrain.threads import compute_threads, use_compute_threads
     from megatrain.verify import (
         SHORTHANDS,
         TOLERANCES,
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         config_overrides=parse_config_sets(args.set),
         **{name: getattr(args, name) for name in SHORTHANDS},
     )
-    use_compute_threads(cfg.training.device)  # on the CPU: the cores not busy elsewhere
+    use_compute_threads(compute_threads(cfg.training.device, cfg.training.threads))
     reports = run_verify(cfg, steps=args.steps)
     ok = within(reports)
     if args.json:

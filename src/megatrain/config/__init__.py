@@ -25,6 +25,7 @@ Invariants:
 - `load_config` of the file `save_config(cfg, path)` wrote gives back an equal `TrainConfig`.
 """
 
+from megatrain.config.checkpoint import CheckpointConfig
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.loading import (
     CONFIG_HEADER,
@@ -41,7 +42,6 @@ from megatrain.config.sections import (
     LR_SCHEDULERS,
     OPTIMIZER_IMPLS,
     SECTIONS,
-    CheckpointConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatrain.choices import SINK_ATTENTION, STATE_DTYPES
+from megatrain.config.checkpoint import CheckpointConfig
 from megatrain.config.dpo import DPOConfig
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.memory import MemoryConfig
@@ -130,6 +131,13 @@ class TrainingConfig:
     """Evaluate on at most this many micro-batches; None: the whole eval set."""
     device: str = "auto"
     """"auto" (the GPU if there is one), "cpu", "cuda" or "cuda:N"."""
+    threads: int | None = None
+    """torch's CPU threads (intra-op) the run computes with; set, it wins over OMP_NUM_THREADS.
+    A CPU run's losses may depend on the count (torch's CPU kernels split sums among threads),
+    so it is the run's, never the machine's load, and each checkpoint saves it: None:
+    OMP_NUM_THREADS when set, else the count the resumed checkpoint was computed with, else the
+    cores this process may run on (its CPU affinity); a CUDA run keeps torch's default. Where
+    other processes keep the cores busy, fewer threads run faster (megatrain/threads.py)."""
     compile_layers: str | bool = "auto"
     """torch.compile each decoder layer: 1.35x the model TFLOPS of eager layers on an H100
     (Llama-3.1-8B shape, 64k tokens per step: 430 against 319), a minute or so of compiling in
@@ -169,6 +177,7 @@ class TrainingConfig:
         check_number("training.num_epochs", self.num_epochs, low=0.0, low_open=True)
         check_int("training.eval_every", self.eval_every, minimum=0)
         check_int("training.max_eval_batches", self.max_eval_batches, minimum=1, optional=True)
+        check_int("training.threads", self.threads, minimum=1, optional=True)
         if isinstance(self.compile_layers, str):
             check_choice("training.compile_layers", self.compile_layers, ("auto",))
         if not DEVICE_PATTERN.fullmatch(self.device):
@@ -205,9 +214,9 @@ class OptimizerConfig:
     impl: str = "auto"
     """AdamW kernel: "c" (compiled C, OpenMP), "torch", or "auto" (c when it compiles)."""
     threads: int | None = None
-    """CPU threads for the optimizer; None: the cores this process may use (its CPU affinity,
-    less those other processes keep busy) but two; with several ranks on a node, each rank's
-    share of them less one (megatrain/threads.py)."""
+    """CPU threads for the optimizer (its results do not depend on them); None: the cores this
+    process may use (its CPU affinity, less those other processes keep busy) but two; with
+    several ranks on a node, each rank's share of them less one (megatrain/threads.py)."""
     state_dtype: str = "fp32"
     """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4)
     or "int8" (block-wise 8-bit Adam, ~2); master weights stay fp32 (docs/optimizer_states.md)."""
@@ -279,40 +288,6 @@ class LoggingConfig:
             raise ValueError(
                 f"logging.report_to={list(names)!r} mixes 'all' or 'none' with other names; "
                 "give 'all', 'none', or a list of trackers"
-            )
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    save_every: int = 0
-    """Optimizer steps between resumable checkpoints; 0: only at the end."""
-    keep_last: int = 2
-    """Checkpoints kept in output_dir/checkpoints (older ones deleted), >= 1."""
-    resume_from: str | None = None
-    """A checkpoint directory, or "auto": the latest in output_dir/checkpoints (none: fresh)."""
-    export_hf: bool = True
-    """Write a Hugging Face model folder (safetensors + config + tokenizer) at the end."""
-    export_dtype: str = "bf16"
-    """Dtype of the exported weights: "bf16" or "fp32"."""
-    save_final: bool = True
-    """Write a resumable checkpoint at the end of the run (12 bytes per parameter with fp32
-    AdamW states, 8 with bf16, about 6 with int8). False: only the Hugging Face export (2 bytes
-    per parameter in bf16) keeps the trained weights."""
-
-    def validate(self) -> None:
-        check_types("checkpoint", self)
-        check_int("checkpoint.save_every", self.save_every, minimum=0)
-        check_int("checkpoint.keep_last", self.keep_last, minimum=1)
-        if self.resume_from == "":
-            raise ValueError(
-                "checkpoint.resume_from='' is empty; give a checkpoint directory, 'auto', or null"
-            )
-        check_choice("checkpoint.export_dtype", self.export_dtype, DTYPES)
-        if not (self.save_final or self.export_hf or self.save_every):
-            raise ValueError(
-                "checkpoint.save_final: false with checkpoint.export_hf: false and "
-                "checkpoint.save_every: 0 would save nothing: the trained weights would be lost; "
-                "set export_hf: true (the Hugging Face model) or save_final: true"
             )
 
 

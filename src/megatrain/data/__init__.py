@@ -38,6 +38,8 @@ Data flow and modules:
     corpus.py     one data file -> token ids + document lengths, via an on-disk cache (streamed)
     pretrain.py   PretrainCorpus: the documents of the data sets over the cached token files
     pretrain_loader.py  PretrainLoader: the document stream cut into rows of seq_len
+  loaders.py    make_loader: a BatchLoader over samples, a PretrainLoader over a corpus
+  command.py, preference_command.py  `megatrain data --show`; show.py: how both print
   demo_assets.py  the built-in synthetic data sets and tokenizer (megatrain/assets/demo)
   demo_vlm.py   the built-in image task and tiny vision-language processor (called by it)
 
@@ -56,7 +58,7 @@ _EXPORTS = {
     "Conversation": "formats",
     "convert_row": "formats",
     "BatchLoader": "loader",
-    "make_loader": "loader",
+    "make_loader": "loaders",
     "pack_rows": "packing",
     "PreparedData": "pipeline",
     "pad_token_id_of": "pipeline",
@@ -103,7 +105,8 @@ if TYPE_CHECKING:  # the same names, for type checkers
     from megatrain.data.command import run_data_command
     from megatrain.data.config import DataConfig
     from megatrain.data.formats import Conversation, convert_row
-    from megatrain.data.loader import BatchLoader, make_loader
+    from megatrain.data.loader import BatchLoader
+    from megatrain.data.loaders import make_loader
     from megatrain.data.packing import pack_rows
     from megatrain.data.pipeline import PreparedData, pad_token_id_of, prepare_data
     from megatrain.data.pretrain import PretrainCorpus

@@ -26,16 +26,16 @@ import json
 import re
 from typing import Any, TextIO
 
-from megatrain.batch import IGNORE_INDEX, Batch
 from megatrain.data.config import PREFERENCE_STAGES, DataConfig
-from megatrain.data.loader import BatchLoader, make_loader
+from megatrain.data.loader import BatchLoader
+from megatrain.data.loaders import make_loader
 from megatrain.data.pipeline import PreparedData, prepare_data
+from megatrain.data.preference_command import run_preference_command
 from megatrain.data.pretrain import PretrainCorpus
 from megatrain.data.pretrain_loader import PretrainLoader
 from megatrain.data.sample import Sample
+from megatrain.data.show import describe_summary, json_row, marked_text
 from megatrain.data.vision import VisionProcessor
-
-OPEN_MARK, CLOSE_MARK = "[[", "]]"
 
 
 def run_data_command(
@@ -56,8 +56,6 @@ def run_data_command(
             f"--show {show}: the number of rows to print must be 0 or more (0: the summary only)"
         )
     if cfg.stage in PREFERENCE_STAGES:
-        from megatrain.data.preference_command import run_preference_command  # imports this one
-
         return run_preference_command(
             cfg,
             tokenizer,
@@ -84,7 +82,7 @@ def run_data_command(
         for r in range(batch.input_ids.shape[0]):
             if shown == show:
                 break
-            row = _row(batch, r)
+            row = json_row(batch, r)
             images = _row_images(loader, shown, data.vision)
             if as_json:
                 out.write(json.dumps(row | ({"images": images} if images else {})) + "\n")
@@ -98,19 +96,8 @@ def run_data_command(
     if as_json:
         out.write(json.dumps({"summary": summary}) + "\n")
     else:
-        out.write(_describe_summary(summary))
+        out.write(describe_summary(summary))
     return 0
-
-
-def _row(batch: Batch, r: int) -> dict[str, Any]:
-    assert batch.position_ids is not None
-    mask = batch.attention_mask
-    return {
-        "input_ids": batch.input_ids[r].tolist(),
-        "labels": batch.labels[r].tolist(),
-        "position_ids": batch.position_ids[r].tolist(),
-        "attention_mask": None if mask is None else mask[r].tolist(),
-    }
 
 
 def _row_images(
@@ -181,20 +168,8 @@ def _describe_row(row: dict[str, Any], index: int, tokenizer: Any, pad_token_id:
             continue
         ids, labels = row["input_ids"][start:end], row["labels"][start:end]
         lines.append(f"--- sample at position {start}, {end - start} tokens ---")
-        lines.append(_marked_text(ids, labels, tokenizer))
+        lines.append(marked_text(ids, labels, tokenizer))
     return "\n".join(lines) + "\n"
-
-
-def _marked_text(ids: list[int], labels: list[int], tokenizer: Any) -> str:
-    """Decoded text, supervised runs wrapped in OPEN_MARK ... CLOSE_MARK."""
-    parts, run_start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or (labels[i] != IGNORE_INDEX) != (labels[run_start] != IGNORE_INDEX):
-            text = tokenizer.decode(ids[run_start:i])
-            supervised = labels[run_start] != IGNORE_INDEX
-            parts.append(f"{OPEN_MARK}{text}{CLOSE_MARK}" if supervised else text)
-            run_start = i
-    return "".join(parts)
 
 
 def _split_summary(samples: list[Sample] | PretrainCorpus | None) -> dict[str, int] | None:
@@ -236,40 +211,3 @@ def _summary(data: PreparedData, loader: BatchLoader) -> dict[str, Any]:
             "tokens_dropped": None if pt is None else pt.tokens_dropped,
         },
     }
-
-
-def _describe_summary(summary: dict[str, Any]) -> str:
-    lines = ["=== summary ==="]
-    for split in ("train", "eval"):
-        part = summary[split]
-        if part is not None:
-            unit = next(iter(part))  # documents, samples, pairs or rows
-            lines.append(
-                f"{split}: {part[unit]} {unit}, {part['tokens']} tokens, "
-                f"{part['supervised_tokens']} supervised tokens"
-                + (f", {part['images']} images" if part.get("images") else "")
-            )
-    for key in ("preparation", "eval_preparation"):
-        prep = summary[key]
-        if prep is not None:
-            dropped = sum(prep["dropped"].values())
-            reasons = ", ".join(f"{k}={v}" for k, v in prep["dropped"].items()) or "none"
-            lines.append(
-                f"{key.replace('_', ' ')}: {prep['rows_read']} rows read, {prep['kept']} kept, "
-                f"{dropped} dropped ({reasons}), {prep['truncated']} truncated"
-            )
-    ld = summary["loader"]
-    fill = "" if ld["packed_fill"] is None else f", rows {ld['packed_fill']:.1%} filled"
-    layout = f"packing={ld['packing']}"
-    if ld["tokens_dropped"] is not None:
-        layout = f"stage pt, neat_packing={ld['neat_packing']}"
-        fill = (
-            f", {ld['supervised_tokens_per_epoch']} supervised tokens per epoch, "
-            f"{ld['tokens_dropped']} tokens after the last full row not trained on"
-        )
-    lines.append(
-        f"loader: {layout}, seq_len {ld['seq_len']}, micro-batch "
-        f"{ld['micro_batch_size']}, {ld['rows_per_epoch']} {ld.get('unit', 'rows')} = "
-        f"{ld['micro_batches_per_epoch']} micro-batches per epoch{fill}"
-    )
-    return "\n".join(lines) + "\n"

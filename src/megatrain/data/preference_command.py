@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from megatrain.batch import IGNORE_INDEX
-from megatrain.data.command import _describe_summary, _marked_text, _row
 from megatrain.data.config import DataConfig
-from megatrain.data.loader import BatchLoader, make_loader
+from megatrain.data.loader import BatchLoader
+from megatrain.data.loaders import make_loader
 from megatrain.data.preference import KTOSample, PairSample
 from megatrain.data.preference_data import PairLoader, PreferenceData, prepare_preference
+from megatrain.data.show import describe_summary, json_row, marked_text
 
 
 def run_preference_command(
@@ -61,7 +62,7 @@ def run_preference_command(
     if as_json:
         out.write(json.dumps({"summary": summary}) + "\n")
     else:
-        out.write(f"stage {data.stage}\n" + _describe_summary(summary))
+        out.write(f"stage {data.stage}\n" + describe_summary(summary))
     return 0
 
 
@@ -71,12 +72,12 @@ def _items(data: PreferenceData, loader: BatchLoader) -> Iterator[dict[str, Any]
     for batch in loader:
         if data.stage == "dpo":
             for k in range(batch.input_ids.shape[0] // 2):
-                yield {"chosen": _row(batch, 2 * k), "rejected": _row(batch, 2 * k + 1)}
+                yield {"chosen": json_row(batch, 2 * k), "rejected": json_row(batch, 2 * k + 1)}
             continue
         for r in range(batch.input_ids.shape[0]):
             kto = data.train[int(next(order))]
             assert isinstance(kto, KTOSample)
-            yield {"desirable": kto.desirable, "row": _row(batch, r)}
+            yield {"desirable": kto.desirable, "row": json_row(batch, r)}
 
 
 def _describe(item: dict[str, Any], index: int, stage: str, tokenizer: Any) -> str:
@@ -94,7 +95,7 @@ def _describe(item: dict[str, Any], index: int, stage: str, tokenizer: Any) -> s
         supervised = sum(x != IGNORE_INDEX for x in labels)
         lines.append(f"--- {name}, {real - start} tokens, {supervised} supervised ---")
         pad = len(row["input_ids"]) - real
-        lines.append(_marked_text(ids, labels, tokenizer) + (f"<pad x {pad}>" if pad else ""))
+        lines.append(marked_text(ids, labels, tokenizer) + (f"<pad x {pad}>" if pad else ""))
     return "\n".join(lines) + "\n"
 
 

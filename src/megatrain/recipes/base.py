@@ -7,17 +7,20 @@
 Setup, in this order (each step before anything it would waste is spent):
 1. `prepare_config(cfg)` (hook), the builder (recipes/builder.py), the output folder locked
    (rank 0; checkpoint/output_dir.py): a busy or unusable folder is refused before loading;
-2. `torch.manual_seed(training.seed)`, the tokenizer, `build_data()` (hook);
-3. `plan_run()` (hook) and its fit check, then the disk check: the kept checkpoints (each of
+2. the checkpoint to resume (checkpoint.resume_from) found, and torch's CPU threads set for the
+   whole run (threads.compute_threads: training.threads, OMP_NUM_THREADS, the resumed
+   checkpoint's count, the affinity cores; put back by `close()`), before anything computes;
+3. `torch.manual_seed(training.seed)`, the tokenizer, `build_data()` (hook);
+4. `plan_run()` (hook) and its fit check, then the disk check: the kept checkpoints (each of
    `checkpoint_bytes()`: from the parameter counts and the actual state dtype, planning/disk.py
    `checkpoint_nbytes`, plus `extra_checkpoint_bytes()`) and the export must fit the disk;
-   `report_plan(plan)` (hook) prints it;
-4. the folder claimed (config.yaml written; a new run id), the model and store, the engine;
+   `report_plan(plan)` (hook) prints it, and the threads line follows;
+5. the folder claimed (config.yaml written; a new run id), the model and store, the engine;
    `build_parts()` (hook: loaders, a reference model...), `count_steps()` (hook), the
    learning-rate schedule;
-5. resume (checkpoint.resume_from): a checkpoint of another world size is refused; the store,
-   the step and the run id come back, then `load_state(state, path)` (hook) restores the
-   recipe's own state (loader position, RNG...).
+6. resume: a checkpoint of another world size is refused; the store, the step and the run id
+   come back, then `load_state(state, path)` (hook) restores the recipe's own state (loader
+   position, RNG...).
 
 Training (`run()`, which a recipe's `train()` calls and wraps into its summary): while steps
 remain, `advance(metrics)` (hook) takes one or more optimizer steps, each through
@@ -27,9 +30,9 @@ a checkpoint is saved whenever the step crosses a multiple of checkpoint.save_ev
 export. Ctrl-C anywhere in it raises `TrainingInterrupted`, whose message names the last
 checkpoint and the resume flag.
 
-Checkpoints (checkpoint/checkpointer.py): trainer_state.json holds the step, run id and
-total_steps plus `checkpoint_state()` (hook); the folder holds config.yaml plus what
-`write_checkpoint_files(folder)` (hook) writes.
+Checkpoints (checkpoint/checkpointer.py): trainer_state.json holds the step, run id,
+total_steps and the CPU threads the run computed with, plus `checkpoint_state()` (hook); the
+folder holds config.yaml plus what `write_checkpoint_files(folder)` (hook) writes.
 
 Hooks a recipe overrides (defaults in brackets): prepare_config [as is], build_data, plan_run
 [the builder's plan], report_plan [print it], build_parts [nothing], count_steps, advance,
@@ -50,8 +53,10 @@ stop. A new recipe, in outline (recipes/sft.py and recipes/grpo/recipe.py are th
         def train(self): end = self.run(); return MySummary(self.step, end.checkpoint)
 
 Invariants: `step` counts completed optimizer steps; the store and the recipe's state after
-step N are what a checkpoint of step N holds, so resuming continues bit for bit. Only a recipe
-writes into output_dir, and only after its claim. The engine is used through its public methods.
+step N are what a checkpoint of step N holds, and a resume computes on the checkpoint's thread
+count unless training.threads or OMP_NUM_THREADS says otherwise, so resuming continues bit for
+bit. Only a recipe writes into output_dir, and only after its claim. The engine is used through
+its public methods.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ from typing import Any
 
 import torch
 
-from megatrain.checkpoint.checkpointer import Checkpointer
+from megatrain.checkpoint.checkpointer import Checkpointer, saved_threads
 from megatrain.checkpoint.output_dir import OutputFolder, TrainingInterrupted, interrupted_message
 from megatrain.config import TrainConfig, save_config
 from megatrain.distributed import close as close_process_group
@@ -78,6 +83,7 @@ from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.oom import recovering_step
 from megatrain.recipes.rank_failures import RankFailures
 from megatrain.run_files import CONFIG_FILE
+from megatrain.threads import compute_threads, use_compute_threads
 from megatrain.trackers import tracker_names
 
 
@@ -118,6 +124,7 @@ class Recipe:
         self.step = 0
         self.saved_step: int | None = None  # the step of this run's last checkpoint
         self.folder: OutputFolder | None = None
+        self.threads_before: int | None = None  # torch's CPU threads before the run's own
 
         def open_folder() -> None:
             tracker_names(cfg.logging.report_to)  # a tracker's missing package: before anything
@@ -127,6 +134,7 @@ class Recipe:
         try:
             self._setup()
         except BaseException:
+            self._restore_threads()
             self._release_folder()
             raise
 
@@ -183,14 +191,19 @@ class Recipe:
     # ------------------------------------------------------------------ setup
 
     def _setup(self) -> None:
-        b = self.builder
-        torch.manual_seed(self.cfg.training.seed)
+        b, t = self.builder, self.cfg.training
+        self.resume_path = self.checkpointer.resume_path(self.cfg.checkpoint.resume_from)
+        saved = saved_threads(self.resume_path) if self.resume_path is not None else None
+        self.threads = compute_threads(t.device, t.threads, saved)
+        self.threads_before = use_compute_threads(self.threads)  # before anything computes
+        torch.manual_seed(t.seed)
         self.tokenizer = b.tokenizer()
         self.build_data()
         self.plan = self.plan_run()
         self.plan.require_fit()  # before anything large is allocated
         self._check_disk()  # before training time is spent
         self.report_plan(self.plan)
+        print(self.threads.describe(), flush=True)
 
         def claim() -> None:  # the inputs are good: the folder becomes this run's
             assert self.folder is not None
@@ -234,7 +247,7 @@ class Recipe:
         check_run_disk(self.output_dir, disk, already_written=kept * one)
 
     def _resume(self) -> None:
-        path = self.checkpointer.resume_path(self.cfg.checkpoint.resume_from)
+        path = self.resume_path
         if path is None:
             return
         state = self.checkpointer.load(path, self.store)  # refuses another world size
@@ -285,7 +298,11 @@ class Recipe:
 
     def save(self) -> Path:
         self.engine.wait_updates()  # every update applied: master and shadow are consistent
-        state = {**self.checkpoint_state(), "total_steps": self.total_steps}
+        state = {
+            **self.checkpoint_state(),
+            "total_steps": self.total_steps,
+            "threads": self.threads.count,  # a resume computes on them (threads.compute_threads)
+        }
         path = self.checkpointer.save(
             self.step, self.store, state, run_id=self.run_id, write_extra=self._write_extra
         )
@@ -308,7 +325,15 @@ class Recipe:
                 self.rank_failures.close()
             close_process_group()
         finally:
+            self._restore_threads()
             self._release_folder()
+
+    def _restore_threads(self) -> None:
+        """torch's CPU threads back to what they were before this run (a process-wide setting
+        that outlives the run in a test or a notebook)."""
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = None
 
     def _release_folder(self) -> None:
         if self.folder is not None:

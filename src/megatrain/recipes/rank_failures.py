@@ -1,4 +1,5 @@
-"""Out-of-memory steps under several ranks (recipes/oom.py has the one-process path).
+"""Out-of-memory steps under several ranks (recipes/oom.py has the one-process path; both
+undo a step through recipes/step_down.py).
 
 Several ranks step down together (`RankFailures`). The rank that ran out of memory cannot
 simply stop: the others would wait inside the step's next collective for it. It writes the
@@ -27,7 +28,7 @@ from megatrain.distributed import Placement, abort, job_store, rank_max, rejoin
 from megatrain.engine.engine import StreamingEngine
 from megatrain.errors import GpuOutOfMemory
 from megatrain.planning.builder import PlanBuilder, StepDown
-from megatrain.recipes.oom import (
+from megatrain.recipes.step_down import (
     FIX,
     UPDATES_BEGUN,
     SamePlan,
