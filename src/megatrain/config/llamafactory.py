@@ -29,7 +29,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from megatrain.config import llamafactory_rules as rules
+import megatrain.config.llamafactory_rules as rules
 from megatrain.config.llamafactory_rules import Rule, off, read_by, to
 
 _METHOD = "another training method; MegaTrain trains every parameter with AdamW"

@@ -13,7 +13,7 @@ from typing import Any, get_origin
 
 import yaml
 
-from megatrain.config import llamafactory
+import megatrain.config.llamafactory as llamafactory
 from megatrain.config.sections import SECTIONS, TrainConfig
 from megatrain.config.types import MISMATCH, coerce, convert, field_types
 from megatrain.files import umask_mode

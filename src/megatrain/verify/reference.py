@@ -59,6 +59,13 @@ def engine_state(store: HostStore) -> EngineState:
     return out
 
 
+def start_from_engine(store: HostStore, *references: Reference | None) -> None:
+    """The next step of every reference starts from the engine's weights and AdamW states."""
+    state = engine_state(store)
+    for reference in {id(r): r for r in references if r is not None}.values():
+        reference.start_from(state)
+
+
 class Reference:
     """Plain PyTorch training of the HF model: AdamW, clip_grad_norm_, same decay groups.
 

@@ -32,10 +32,10 @@ from megatrain.verify.judge import (
 from megatrain.verify.reference import (
     Reference,
     all_finite,
-    engine_state,
     float64,
     master_weights,
     snapshot,
+    start_from_engine,
 )
 
 if TYPE_CHECKING:
@@ -248,9 +248,7 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
                 target, noise, exact, noisy = ref, None, fp32, None
             excess, worst = judge(ours, exact, noisy, tol, per_tensor=fp32_compute)
             reports.append(step_report(step + 1, result, ours, fp32, excess=excess, worst=worst))
-            state = engine_state(store)  # the next step starts from the engine's weights
-            for reference_run in {id(r): r for r in (ref, target, noise) if r is not None}.values():
-                reference_run.start_from(state)
+            start_from_engine(store, ref, target, noise)
     finally:
         engine.close()
     return reports
