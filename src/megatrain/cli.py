@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from megatrain.allocator import configure_allocator
 from megatrain.commands import COMMANDS
 from megatrain.config import SECTIONS
+from megatrain.config.aliases import alias_hint
+from megatrain.config.types import field_types
 from megatrain.errors import RunStopped
 
 
@@ -47,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(rest)
+    args, unknown = parser.parse_known_args(rest)
+    if unknown:
+        parser.error(_unrecognized(unknown))
     if overrides and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     args.overrides = overrides
@@ -77,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """(`--section.key VALUE` config overrides, the command's own arguments).
 
-    An override names a config section (`--optimizer.learning_rate 2e-5`, or with `=`); its
-    value is the next token. Taken out before argparse sees the rest, so a value is never
-    mistaken for a positional argument.
+    An override is a dotted name (`--optimizer.learning_rate 2e-5`, or with `=`; no option of
+    a command has a dot); its value is the next token. Taken out before argparse sees the rest,
+    so a value is never mistaken for a positional argument, and an unknown section
+    (`--lora.r 8`) gets the config's paragraph, not argparse's usage.
     """
     overrides: list[str] = []
     rest: list[str] = []
@@ -87,7 +93,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         token = argv[i]
         name = token[2:].partition("=")[0] if token.startswith("--") else ""
-        if name.partition(".")[0] in SECTIONS and "." in name:
+        if _DOTTED.fullmatch(name):
             takes_next = "=" not in token and i + 1 < len(argv)
             overrides += argv[i : i + 2] if takes_next else [token]
             i += 2 if takes_next else 1
@@ -95,6 +101,22 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(token)
             i += 1
     return overrides, rest
+
+
+_DOTTED = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)+")
+"""An override's name: `section.key`, or `section.key.sub` for a mapping's entry."""
+
+
+def _unrecognized(unknown: list[str]) -> str:
+    """argparse's message, and for a flat key (`--learning_rate`) the config key it means."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    for token in unknown:
+        name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
+        owners = [f"{s}.{name}" for s, cls in SECTIONS.items() if name in field_types(cls)]
+        hint = f"did you mean --{owners[0]}?" if owners else alias_hint(name, "--")
+        if hint:
+            return f"{message}; config keys are given as --section.key VALUE: {hint}"
+    return message
 
 
 def _may_need_traceback(e: Exception) -> bool:

@@ -12,6 +12,7 @@ from typing import Any, get_origin
 
 import yaml
 
+from megatrain.config.aliases import alias_hint
 from megatrain.config.sections import SECTIONS, TrainConfig
 from megatrain.config.types import MISMATCH, coerce, convert, field_types
 from megatrain.files import umask_mode
@@ -172,7 +173,7 @@ def _build(raw: Mapping[str, Any]) -> TrainConfig:
 def _section_class(section: str) -> type:
     if section in SECTIONS:
         return SECTIONS[section]
-    hint = _did_you_mean(str(section), list(SECTIONS))
+    hint = alias_hint(str(section)) or _did_you_mean(str(section), list(SECTIONS))
     owners = [f"{s}.{section}" for s in SECTIONS if section in field_types(SECTIONS[s])]
     if not hint and owners:
         hint = f"did you mean {owners[0]}?"
@@ -189,13 +190,14 @@ _REPLACED = {
 
 def _unknown_key(section: str, key: object) -> str:
     allowed = list(field_types(SECTIONS[section]))
-    hint = _REPLACED.get(f"{section}.{key}") or _did_you_mean(
-        str(key), allowed, prefix=f"{section}."
+    elsewhere = {k: f"{s}.{k}" for s in SECTIONS if s != section for k in field_types(SECTIONS[s])}
+    hint = (
+        _REPLACED.get(f"{section}.{key}")
+        or (f"did you mean {elsewhere[key]}?" if key in elsewhere else "")
+        or alias_hint(str(key))
+        or _did_you_mean(str(key), allowed, prefix=f"{section}.")
     )
     if not hint:
-        elsewhere = {
-            k: f"{s}.{k}" for s in SECTIONS if s != section for k in field_types(SECTIONS[s])
-        }
         near = difflib.get_close_matches(str(key), list(elsewhere), n=1)
         hint = f"did you mean {elsewhere[near[0]]}?" if near else ""
     parts = [f"unknown key {section}.{key}", hint, f"{section} takes: {', '.join(allowed)}"]
