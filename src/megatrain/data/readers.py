@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from megatrain.hub import go_offline_if_unreachable
+
 SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # conversation (sft) data
 TEXT_SUFFIXES = (*SUFFIXES, ".txt")  # raw text (pt) data: .txt files too
 TEXT_COLUMN = "text"  # the column of a .txt file's rows, as the `datasets` text builder names it
@@ -201,6 +203,7 @@ def _snapshot(repo_id: str, *, revision: str | None, patterns: list[str], where:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    go_offline_if_unreachable()  # fail at once, not after the hub's retries
     try:
         return Path(
             snapshot_download(

@@ -12,7 +12,7 @@ model/sink_attention.py's sdpa path (`use_sinks`, the same rule the plan applies
 
 Errors: a missing folder, a folder without config.json, and a hub id that cannot be fetched
 (offline, unknown repo, no access) are one paragraph each, naming the key and the fix
-(`hub_error`), instead of transformers' traceback.
+(megatrain.hub), instead of transformers' traceback; an unreachable hub fails at once.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
+from megatrain.hub import go_offline_if_unreachable, hub_error
 from megatrain.model.random_init import init_on_device
 from megatrain.model.sink_attention import use_sinks
 from megatrain.model.tiny import tiny_config
@@ -220,6 +221,7 @@ def _resolve(source: str) -> str:
             f"model path {source!r} does not exist (or is not a directory); give an existing "
             "directory with config.json, or a hub id like Qwen/Qwen2.5-0.5B"
         )
+    go_offline_if_unreachable()  # a hub id: fail at once, not after the hub's retries
     return source
 
 
@@ -229,17 +231,6 @@ def looks_like_path(source: str) -> bool:
         source.startswith((".", "/", "~"))
         or source.count("/") > 1
         or (os.sep != "/" and os.sep in source)
-    )
-
-
-def hub_error(key: str, source: str, error: OSError, *, what: str) -> ValueError:
-    """One paragraph for a hub id whose files could not be fetched (offline, unknown, gated)."""
-    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    return ValueError(
-        f"{key}={source!r}: cannot load the {what} from the Hugging Face hub ({first.strip()}). "
-        "Offline (or HF_HUB_OFFLINE=1), only models already in the hub cache load: download it "
-        "once with network access (huggingface-cli download ID), or give a local folder that "
-        "holds it; check the id's spelling, and for a gated model log in (huggingface-cli login)"
     )
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from megatrain.model.loading import hub_error, looks_like_path
+from megatrain.hub import go_offline_if_unreachable, hub_error
+from megatrain.model.loading import looks_like_path
 from megatrain.package_assets import demo_tokenizer_dir, demo_vlm_dir
 
 BUILT_IN = {"demo": demo_tokenizer_dir, "demo_vlm": demo_vlm_dir}
@@ -55,6 +56,8 @@ def load_tokenizer(
             f"{key}={source!r}: no such folder; give the folder holding the model's tokenizer "
             "(tokenizer.json or tokenizer_config.json), a hub id like Qwen/Qwen3-8B, or 'demo'"
         )
+    if not path.is_dir():
+        go_offline_if_unreachable()  # a hub id: fail at once, not after the hub's retries
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as e:
