@@ -30,8 +30,9 @@ from megatrain.allocator import configure_allocator
 from megatrain.commands import COMMANDS
 from megatrain.config import SECTIONS
 from megatrain.config.aliases import alias_hint
+from megatrain.config.loading import setup_command
 from megatrain.config.types import field_types
-from megatrain.errors import RunStopped
+from megatrain.errors import MissingPath, RunStopped
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # OSError: its message names the file (disk full, ...)
         if debug:
             raise
-        print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
+        print(f"megatrain {args.command}: error: {e}{_setup_hint(e, args)}", file=sys.stderr)
         if _may_need_traceback(e):
             print("(MEGATRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
@@ -117,6 +118,15 @@ def _unrecognized(unknown: list[str]) -> str:
         if hint:
             return f"{message}; config keys are given as --section.key VALUE: {hint}"
     return message
+
+
+def _setup_hint(e: Exception, args: argparse.Namespace) -> str:
+    """For a missing path the config's header says how to make: that command."""
+    config = getattr(args, "config", None)
+    if not isinstance(e, MissingPath) or not config:
+        return ""
+    command = setup_command(config, e.path)
+    return f". {config}'s header makes it first: `{command}`" if command else ""
 
 
 def _may_need_traceback(e: Exception) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -89,6 +90,30 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def setup_command(path: str | Path, missing: str) -> str | None:
+    """The command in config file `path`'s header comment that makes the missing path
+    `missing` (a command naming it or a folder above it, e.g. the warm start of
+    examples/grpo_demo.yaml), or None."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    commands: list[str] = []
+    for line in itertools.takewhile(lambda x: x.startswith("#"), lines):
+        text = line.lstrip("#").strip()
+        if commands and commands[-1].endswith("\\"):
+            commands[-1] = f"{commands[-1][:-1].rstrip()} {text}"
+        elif text.startswith("megatrain "):
+            commands.append(text)
+    target = Path(missing)
+    for command in commands:
+        for word in command.split()[2:]:
+            made = Path(word)
+            if made != Path(".") and (made == target or made in target.parents):
+                return command
+    return None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
+from megatrain.errors import MissingPath
 from megatrain.hub import go_offline_if_unreachable, hub_error
 from megatrain.model.random_init import init_on_device
 from megatrain.model.sink_attention import use_sinks
@@ -217,9 +218,10 @@ def _resolve(source: str) -> str:
             )
         return str(path)
     if looks_like_path(source) or path.exists():
-        raise FileNotFoundError(
+        raise MissingPath(
             f"model path {source!r} does not exist (or is not a directory); give an existing "
-            "directory with config.json, or a hub id like Qwen/Qwen2.5-0.5B"
+            "directory with config.json, or a hub id like Qwen/Qwen2.5-0.5B",
+            source,
         )
     go_offline_if_unreachable()  # a hub id: fail at once, not after the hub's retries
     return source
