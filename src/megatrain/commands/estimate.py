@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps({**report, **reasons}))
         return 0 if fits else 1
-    print(format_estimate(est))
+    c = cfg.checkpoint
+    print(format_estimate(est, c.export_dtype if c.export_hf else None))
     if grpo:
         print(format_rollout(grpo))
     if ref is not None:
