@@ -7,6 +7,7 @@
     megatrain estimate --config FILE | --model MODEL --seq-len N [...]
     megatrain data     --config FILE --show N [--json]
     megatrain export   --checkpoint DIR --out DIR
+    megatrain config   --list [SECTION]
 
 `python -m megatrain` is the same command. Errors a user can fix (bad path, bad key,
 unsupported model, disk full) print one paragraph naming what to change and exit 2; Ctrl-C prints

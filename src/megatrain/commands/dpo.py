@@ -15,7 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "dpo",
         help="preference training (DPO, IPO, ORPO, SimPO, KTO) from a YAML config",
         description="The config's dpo: section sets the loss (docs/preference.md); any "
-        "--section.key VALUE after the options overrides the config",
+        "--section.key VALUE after the options overrides the config (`megatrain config "
+        "--list [SECTION]` lists the keys)",
     )
     p.add_argument("--config", help="YAML config file (see examples/dpo_demo.yaml)")
     p.set_defaults(run=run, takes_overrides=True)

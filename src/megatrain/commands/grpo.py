@@ -14,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "grpo",
         help="reinforcement learning with verifiable rewards (GRPO) from a YAML config",
         description="The config's grpo: section sets rollouts, rewards and the objective "
-        "(docs/grpo.md); any --section.key VALUE after the options overrides the config",
+        "(docs/grpo.md); any --section.key VALUE after the options overrides the config "
+        "(`megatrain config --list [SECTION]` lists the keys)",
     )
     p.add_argument("--config", help="YAML config file (see examples/grpo_demo.yaml)")
     p.set_defaults(run=run, takes_overrides=True)

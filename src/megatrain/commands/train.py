@@ -14,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train from a YAML config",
         description="Any --section.key VALUE after the options overrides the "
-        "config, e.g. --optimizer.learning_rate 2e-5 (docs/configuration.md lists every key)",
+        "config, e.g. --optimizer.learning_rate 2e-5; `megatrain config --list [SECTION]` "
+        "lists every key with its type, default and meaning",
     )
     p.add_argument("--config", help="YAML config file (see examples/)")
     p.set_defaults(run=run, takes_overrides=True)
