@@ -225,6 +225,7 @@ def test_data_show_renders_prompt_chosen_and_rejected(
     assert "[[Red, like a ripe tomato.<|im_end|>\n]]<pad x " in out
     assert "--- rejected, " in out and "[[No.<|im_end|>\n]]" in out
     assert "train: 1 pairs," in out and "1 pairs = 1 micro-batches per epoch" in out
+    assert "\nstage dpo\n" not in out and ">\n=== summary ===\n" in out  # no stray line
     assert main(["data", "--config", str(demo), *argv, "--show", "1", "--json"]) == 0
     first = json.loads(capsys.readouterr().out.splitlines()[0])
     assert first["stage"] == "dpo" and set(first) == {"stage", "chosen", "rejected"}

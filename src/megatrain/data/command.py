@@ -36,6 +36,10 @@ from megatrain.data.sample import Sample
 from megatrain.data.vision import VisionProcessor
 
 OPEN_MARK, CLOSE_MARK = "[[", "]]"
+LEGEND = (
+    f"marks: {OPEN_MARK} {CLOSE_MARK} around the supervised tokens (the loss is taken on them; "
+    "the rest is context), <pad x N> for padding (neither attended to nor supervised)"
+)
 
 
 def run_data_command(
@@ -174,7 +178,8 @@ def _segments(row: dict[str, Any], pad_token_id: int) -> list[tuple[int, int, bo
 
 def _describe_row(row: dict[str, Any], index: int, tokenizer: Any, pad_token_id: int) -> str:
     segments = _segments(row, pad_token_id)
-    lines = [f"=== row {index}: {len(row['input_ids'])} tokens, {len(segments)} segment(s) ==="]
+    samples = sum(not is_pad for _, _, is_pad in segments)  # padding is no segment of the row
+    lines = [f"=== row {index}: {len(row['input_ids'])} tokens, {samples} segment(s) ==="]
     for start, end, is_pad in segments:
         if is_pad:
             lines.append(f"<pad x {end - start}>")
@@ -272,4 +277,4 @@ def _describe_summary(summary: dict[str, Any]) -> str:
         f"{ld['micro_batch_size']}, {ld['rows_per_epoch']} {ld.get('unit', 'rows')} = "
         f"{ld['micro_batches_per_epoch']} micro-batches per epoch{fill}"
     )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, LEGEND]) + "\n"

@@ -61,7 +61,7 @@ def run_preference_command(
     if as_json:
         out.write(json.dumps({"summary": summary}) + "\n")
     else:
-        out.write(f"stage {data.stage}\n" + _describe_summary(summary))
+        out.write(_describe_summary(summary))
     return 0
 
 
