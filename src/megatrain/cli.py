@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    overrides, rest = split_overrides(argv, options=_dotted_options(parser))
     args, unknown = parser.parse_known_args(rest)
     if unknown:
         parser.error(_unrecognized(unknown))
@@ -81,13 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+def split_overrides(
+    argv: list[str], options: frozenset[str] = frozenset()
+) -> tuple[list[str], list[str]]:
     """(`--section.key VALUE` config overrides, the command's own arguments).
 
-    An override is a dotted name (`--optimizer.learning_rate 2e-5`, or with `=`; no option of
-    a command has a dot); its value is the next token. Taken out before argparse sees the rest,
-    so a value is never mistaken for a positional argument, and an unknown section
-    (`--lora.r 8`) gets the config's paragraph, not argparse's usage.
+    An override is a dotted name (`--optimizer.learning_rate 2e-5`, or with `=`) other than a
+    command's own dotted `options` (`--verify.steps`); its value is the next token. Taken out
+    before argparse sees the rest, so a value is never mistaken for a positional argument, and
+    an unknown section (`--lora.r 8`) gets the config's paragraph, not argparse's usage.
     """
     overrides: list[str] = []
     rest: list[str] = []
@@ -95,7 +98,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         token = argv[i]
         name = token[2:].partition("=")[0] if token.startswith("--") else ""
-        if _DOTTED.fullmatch(name):
+        if _DOTTED.fullmatch(name) and f"--{name}" not in options:
             takes_next = "=" not in token and i + 1 < len(argv)
             overrides += argv[i : i + 2] if takes_next else [token]
             i += 2 if takes_next else 1
@@ -107,6 +110,19 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 _DOTTED = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)+")
 """An override's name: `section.key`, or `section.key.sub` for a mapping's entry."""
+
+
+def _dotted_options(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The commands' own option strings with a dot in them (`--verify.steps`)."""
+    commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return frozenset(
+        option
+        for sub in commands
+        for command in sub.choices.values()
+        for action in command._actions
+        for option in action.option_strings
+        if "." in option
+    )
 
 
 def _unrecognized(unknown: list[str]) -> str:

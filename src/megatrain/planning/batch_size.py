@@ -39,24 +39,7 @@ def pick_micro_batch(
     change, when not even the smallest candidate fits. Every candidate is `setup` with its
     micro-batch size and accumulation."""
     seq_len = setup.seq_len
-    if (tokens_per_step is None) == (grad_accum is None):
-        raise ValueError("give exactly one of tokens_per_step and grad_accum")
-    if tokens_per_step is not None:
-        rows = tokens_per_step // seq_len
-        if rows < 1 or rows * seq_len != tokens_per_step:
-            raise ValueError(
-                f"tokens_per_step ({tokens_per_step}) must be a multiple of seq_len ({seq_len})"
-            )
-        candidates = [(b, rows // b) for b in range(1, rows + 1) if rows % b == 0]
-    else:
-        assert grad_accum is not None
-        if grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-        candidates = [
-            (1 << k, grad_accum)
-            for k in range(max_micro_batch_size.bit_length())
-            if 1 << k <= max_micro_batch_size
-        ]
+    candidates = _candidates(seq_len, tokens_per_step, grad_accum, max_micro_batch_size)
     if on_host:
         memory, total, margin_gib = "host RAM (a CPU run)", hardware.host_bytes, host_margin_gib
     else:
@@ -106,3 +89,26 @@ def pick_micro_batch(
     else:
         reason += "; the largest candidate"
     return b, ga, reason
+
+
+def _candidates(
+    seq_len: int, tokens_per_step: int | None, grad_accum: int | None, max_micro_batch_size: int
+) -> list[tuple[int, int]]:
+    """(micro_batch_size, grad_accum) pairs to choose from, smallest micro-batch first."""
+    if (tokens_per_step is None) == (grad_accum is None):
+        raise ValueError("give exactly one of tokens_per_step and grad_accum")
+    if tokens_per_step is not None:
+        rows = tokens_per_step // seq_len
+        if rows < 1 or rows * seq_len != tokens_per_step:
+            raise ValueError(
+                f"tokens_per_step ({tokens_per_step}) must be a multiple of seq_len ({seq_len})"
+            )
+        return [(b, rows // b) for b in range(1, rows + 1) if rows % b == 0]
+    assert grad_accum is not None
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    return [
+        (1 << k, grad_accum)
+        for k in range(max_micro_batch_size.bit_length())
+        if 1 << k <= max_micro_batch_size
+    ]
