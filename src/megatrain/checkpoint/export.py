@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers.utils import logging as hf_logging
 
 from megatrain.checkpoint.files import free_name, fsync, fsync_dir, write_json
 from megatrain.checkpoint.saving import FORMAT_VERSION
@@ -37,6 +36,7 @@ from megatrain.disk_space import (
 )
 from megatrain.distributed import all_gather, on_rank0
 from megatrain.files import honour_umask
+from megatrain.model.loading import no_progress_bars
 from megatrain.run_files import EXPORT_MARKER
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
@@ -150,14 +150,11 @@ def _write_export(store: HostStore, tmp: Path, dtype: str, tokenizer: Any | None
         text = model.config.get_text_config()  # a vision-language model's: its language part
         training_use_cache = getattr(text, "use_cache", False)
         text.use_cache = True  # the exported model is for generation
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # "Writing model shards": the run prints its own line
         try:
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            with no_progress_bars():  # "Writing model shards": the run prints its own line
+                model.save_pretrained(str(tmp), safe_serialization=True)
         finally:
             text.use_cache = training_use_cache
-            if bars:
-                hf_logging.enable_progress_bar()
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     files = sorted(p.name for p in tmp.iterdir())

@@ -17,7 +17,9 @@ Errors: a missing folder, a folder without config.json, and a hub id that cannot
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
+from transformers.utils import logging as hf_logging
 
 from megatrain.errors import MissingPath
 from megatrain.hub import go_offline_if_unreachable, hub_error
@@ -153,6 +156,19 @@ def check_decoder_only(config: PretrainedConfig, where: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Within: transformers draws no progress bar ("Loading weights", "Writing model shards");
+    restored on exit. MegaTrain prints its own line for each step instead."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def load_causal_lm(
     source: str | None,
     *,
@@ -164,8 +180,10 @@ def load_causal_lm(
     config_overrides: dict[str, Any] | None = None,
     seed: int = 0,
     init_device: torch.device | None = None,
+    progress_bar: bool = True,
 ) -> PreTrainedModel:
     """An fp32 model on the CPU: pretrained weights, or random init from the config.
+    `progress_bar` False: without transformers' "Loading weights" bar (logging.progress_bar).
 
     Random init happens when `model_type` is given, when `random_init` is set, or when a local
     directory holds a config but no weights. It runs HF's init scheme on `init_device` (a GPU:
@@ -188,7 +206,8 @@ def load_causal_lm(
     if source is not None and not random_init and _has_weights(source):
         resolved = _resolve(source)
         try:
-            model = model_class(config).from_pretrained(resolved, config=config, **kwargs)
+            with contextlib.nullcontext() if progress_bar else no_progress_bars():
+                model = model_class(config).from_pretrained(resolved, config=config, **kwargs)
         except OSError as e:
             if Path(resolved).is_dir():
                 raise
