@@ -92,6 +92,8 @@ def pick_batch(
     gpu_margin_gib: float = 2.0,
     compute_dtype: str | None = None,
     max_micro_batch_size: int = 64,
+    on_host: bool = False,
+    host_margin_gib: float = 0.0,
     **setup: Any,
 ) -> tuple[int, int, str]:
     """`pick_micro_batch` over the setup the keywords describe."""
@@ -104,6 +106,8 @@ def pick_batch(
         hardware=hardware,
         gpu_margin_gib=gpu_margin_gib,
         max_micro_batch_size=max_micro_batch_size,
+        on_host=on_host,
+        host_margin_gib=host_margin_gib,
     )
 
 

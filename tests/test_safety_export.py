@@ -105,3 +105,18 @@ def test_cli_export_refuses_without_traceback(
     assert code == 2 and "Traceback" not in err and f"--out {out} is not empty" in err
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(out), "--overwrite"]) == 0
     assert (out / "data.csv").read_text() == "1,2" and (out / EXPORT_MARKER).is_file()
+
+
+def test_export_and_a_quiet_load_show_no_transformers_progress_bar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    export_hf(_store(0), tmp_path / "out")
+    assert "Writing model shards" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # restored for the rest of the process
+    load_causal_lm(str(tmp_path / "out"), progress_bar=False)  # logging.progress_bar: false
+    assert "Loading weights" not in capsys.readouterr().err
+    load_causal_lm(str(tmp_path / "out"))
+    assert "Loading weights" in capsys.readouterr().err  # the bar this test would catch

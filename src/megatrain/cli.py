@@ -7,6 +7,7 @@
     megatrain estimate --config FILE | --model MODEL --seq-len N [...]
     megatrain data     --config FILE --show N [--json]
     megatrain export   --checkpoint DIR --out DIR
+    megatrain config   --list [SECTION]
 
 FILE is a MegaTrain config, or a LLaMA-Factory / TRL training file (config/llamafactory.py).
 `python -m megatrain` is the same command. Errors a user can fix (bad path, bad key,
@@ -23,13 +24,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from megatrain.allocator import configure_allocator
 from megatrain.commands import COMMANDS
 from megatrain.config import SECTIONS
-from megatrain.errors import RunStopped
+from megatrain.config.aliases import alias_hint
+from megatrain.config.loading import setup_command
+from megatrain.config.types import field_types
+from megatrain.errors import MissingPath, RunStopped
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,8 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(rest)
+    argv = sys.argv[1:] if argv is None else argv
+    overrides, rest = split_overrides(argv, options=_dotted_options(parser))
+    args, unknown = parser.parse_known_args(rest)
+    if unknown:
+        parser.error(_unrecognized(unknown))
     if overrides and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     args.overrides = overrides
@@ -59,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # OSError: its message names the file (disk full, ...)
         if debug:
             raise
-        print(f"megatrain {args.command}: error: {e}", file=sys.stderr)
+        print(f"megatrain {args.command}: error: {e}{_setup_hint(e, args)}", file=sys.stderr)
         if _may_need_traceback(e):
             print("(MEGATRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
@@ -75,12 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+def split_overrides(
+    argv: list[str], options: frozenset[str] = frozenset()
+) -> tuple[list[str], list[str]]:
     """(`--section.key VALUE` config overrides, the command's own arguments).
 
-    An override names a config section (`--optimizer.learning_rate 2e-5`, or with `=`); its
-    value is the next token. Taken out before argparse sees the rest, so a value is never
-    mistaken for a positional argument.
+    An override is a dotted name (`--optimizer.learning_rate 2e-5`, or with `=`) other than a
+    command's own dotted `options` (`--verify.steps`); its value is the next token. Taken out
+    before argparse sees the rest, so a value is never mistaken for a positional argument, and
+    an unknown section (`--lora.r 8`) gets the config's paragraph, not argparse's usage.
     """
     overrides: list[str] = []
     rest: list[str] = []
@@ -88,7 +99,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         token = argv[i]
         name = token[2:].partition("=")[0] if token.startswith("--") else ""
-        if name.partition(".")[0] in SECTIONS and "." in name:
+        if _DOTTED.fullmatch(name) and f"--{name}" not in options:
             takes_next = "=" not in token and i + 1 < len(argv)
             overrides += argv[i : i + 2] if takes_next else [token]
             i += 2 if takes_next else 1
@@ -96,6 +107,44 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(token)
             i += 1
     return overrides, rest
+
+
+_DOTTED = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)+")
+"""An override's name: `section.key`, or `section.key.sub` for a mapping's entry."""
+
+
+def _dotted_options(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The commands' own option strings with a dot in them (`--verify.steps`)."""
+    commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return frozenset(
+        option
+        for sub in commands
+        for command in sub.choices.values()
+        for action in command._actions
+        for option in action.option_strings
+        if "." in option
+    )
+
+
+def _unrecognized(unknown: list[str]) -> str:
+    """argparse's message, and for a flat key (`--learning_rate`) the config key it means."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    for token in unknown:
+        name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
+        owners = [f"{s}.{name}" for s, cls in SECTIONS.items() if name in field_types(cls)]
+        hint = f"did you mean --{owners[0]}?" if owners else alias_hint(name, "--")
+        if hint:
+            return f"{message}; config keys are given as --section.key VALUE: {hint}"
+    return message
+
+
+def _setup_hint(e: Exception, args: argparse.Namespace) -> str:
+    """For a missing path the config's header says how to make: that command."""
+    config = getattr(args, "config", None)
+    if not isinstance(e, MissingPath) or not config:
+        return ""
+    command = setup_command(config, e.path)
+    return f". {config}'s header makes it first: `{command}`" if command else ""
 
 
 def _may_need_traceback(e: Exception) -> bool:

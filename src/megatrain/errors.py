@@ -13,3 +13,12 @@ class RunStopped(RuntimeError):
 
 class GpuOutOfMemory(RunStopped):
     """A step ran out of GPU memory and no smaller plan was left to run it with."""
+
+
+class MissingPath(FileNotFoundError):
+    """A path the user gave (`path`) is not there; the message names its key and the fix. The
+    CLI adds the command of the config file's header that makes it, if there is one."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path

@@ -33,6 +33,7 @@ BASE: frozenset[str] = frozenset(
         "dtypes",
         "errors",
         "files",
+        "hub",
         "layering",
         "layouts",
         "metrics",

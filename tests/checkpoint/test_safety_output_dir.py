@@ -142,8 +142,8 @@ def test_a_start_with_bad_data_leaves_the_folder_free(
     bad = _args(out, "--training.max_steps", "1", "--data.dataset", str(typo))
     assert main(["train", "--config", str(DEMO), *bad]) == 2
     assert str(typo) in capsys.readouterr().err
-    # nothing claimed: a folder the run created is gone, an existing one holds only the lock
-    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE] if existed else not out.exists()
+    # nothing claimed: a folder the run created is gone, an existing one is as it was (empty)
+    assert list(out.iterdir()) == [] if existed else not out.exists()
     assert main(["train", "--config", str(DEMO), *_args(out, "--training.max_steps", "1")]) == 0
     assert _train_steps(out / "metrics.jsonl") == [1]
 
@@ -216,3 +216,15 @@ def test_a_read_only_output_dir_is_one_paragraph(
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"training.output_dir='{out}' cannot be written (Read-only file system: {out}" in err
     assert "--training.output_dir PATH" in err
+
+
+def test_a_refused_start_leaves_the_folders_lock_file_as_it_was(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # a finished run's folder
+    lock = tmp_path / LOCK_FILE
+    lock.write_text('{"pid": 1, "host": "earlier-run"}\n')
+    os.utime(lock, ns=(1_000_000_000, 2_000_000_000))
+    cfg = load_config(DEMO, _args(tmp_path))
+    with pytest.raises(ValueError, match=r"holds metrics\.jsonl"):
+        OutputFolder(cfg)
+    assert lock.read_text() == '{"pid": 1, "host": "earlier-run"}\n'
+    assert lock.stat().st_mtime_ns == 2_000_000_000

@@ -80,6 +80,10 @@ def test_human_form_marks_supervised_spans(tokenizer: Any) -> None:
     reply = tokenizer.decode(first.input_ids[first.target_mask].tolist())
     assert reply == "b b a<|im_end|>\n"
     assert "assistant\n[[b b a<|im_end|>\n]]\n<pad x 3>\n" in text  # padded to a multiple of 8
-    assert text.count("[[") == 1 and text.count("]]") == 1
+    assert text.startswith("=== row 0: 24 tokens, 1 segment(s) ===\n")  # the padding is none
+    assert text.endswith("marks: [[ ]] around the supervised tokens (the loss is taken on them; "
+                         "the rest is context), <pad x N> for padding (neither attended to nor "
+                         "supervised)\n")  # fmt: skip
+    assert text.count("[[") == 2 and text.count("]]") == 2  # the reply, and the legend
     assert "preparation: 3 rows read, 2 kept, 1 dropped (over_cutoff_len=1), 0 truncated" in text
     assert "train: 2 samples, 42 tokens, 10 supervised tokens" in text

@@ -252,3 +252,19 @@ def test_without_a_gpu_the_report_says_the_gpu_is_assumed(
     found = Hardware(gpu_name="NVIDIA L4", gpu_bytes=24 * GIB, measured=("gpu_bytes", "gpu_name"))
     notes = predict(tiny_config("llama"), seq_len=64, micro_batch_size=1, hardware=found).notes
     assert not any("no GPU found" in n for n in notes)
+
+
+def test_export_row_names_the_configured_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    wide = {"vocab_size": 32768, "hidden_size": 1024}  # 0.07 B params: GiB with 2 decimals
+    tiny = ["--model-type", "llama", "--tiny", "--seq-len", "64"]
+    tiny += [arg for k, v in wide.items() for arg in ("--set", f"{k}={v}")]
+    spec = model_spec(tiny_config("llama", **wide))
+    for dtype, bytes_per_param in (("fp32", 4), ("bf16", 2)):
+        status, out = _run([*tiny, "--checkpoint.export_dtype", dtype], capsys)
+        row = next(line for line in out.splitlines() if "Hugging Face export" in line)
+        assert status == 0 and f"Hugging Face export ({dtype})" in row
+        assert row.split()[-1] == f"{bytes_per_param * spec.total_params / GIB:.2f}"
+    _, out = _run([*tiny, "--checkpoint.export_hf", "false"], capsys)
+    assert (
+        "Hugging Face export                               none  checkpoint.export_hf: false" in out
+    )

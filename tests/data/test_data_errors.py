@@ -130,3 +130,49 @@ def test_pt_refuses_conversation_options(key: str, value: object) -> None:
     stages = r"\['sft', 'pt', 'dpo', 'kto'\]"
     with pytest.raises(ValueError, match=rf"data.stage='cpt' must be one of {stages}"):
         DataConfig(stage="cpt").validate()
+
+
+def test_rows_too_long_for_cutoff_len_say_so_once(tokenizer: Any) -> None:
+    for overflow, extra in (("truncate", ""), ("drop", ", or set data.overflow: truncate")):
+        cfg = DataConfig(dataset="demo", cutoff_len=10, overflow=overflow, max_samples=20)
+        with pytest.raises(ValueError) as err:
+            prepare_data(cfg, tokenizer)
+        assert str(err.value) == (
+            "no training sample is left from data.dataset='demo': all 20 rows were dropped "
+            "(over_cutoff_len=20); raise data.cutoff_len (the warning above gives the length "
+            f"that keeps them){extra}"
+        )
+
+
+def test_an_empty_text_file_is_called_empty(tokenizer: Any, tmp_path: Path) -> None:
+    empty = tmp_path / "corpus.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError) as err:
+        prepare_data(DataConfig(dataset=str(empty), stage="pt"), tokenizer)
+    assert str(err.value) == (
+        f"no document is left from data.dataset='{empty}': the data is empty ({empty} holds no "
+        "rows); point data.dataset at the data"
+    )
+
+
+def test_a_control_character_in_a_json_string_is_said_whole(tokenizer: Any, tmp_path: Path) -> None:
+    path = tmp_path / "tabs.jsonl"
+    path.write_text('{"instruction": "a\tb", "output": "c"}\n')
+    with pytest.raises(ValueError) as err:
+        prepare_data(DataConfig(dataset=str(path)), tokenizer)
+    assert str(err.value) == (
+        f"{path}: invalid JSON at line 1 column 19: a control character (a tab or line break) "
+        "inside a string; write it as \\t or \\n"
+    )
+
+
+def test_rows_are_numbered_from_1_and_the_first_drop_is_located(
+    tokenizer: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = {"instruction": "hi", "output": "there"}
+    path = write_rows(tmp_path / "a.jsonl", [good, good, {"instruction": "hi", "output": ""}])
+    prepare_data(DataConfig(dataset=str(path), val_size=0), tokenizer)
+    assert "first dropped: row 3 (empty_content)" in caplog.text
+    (tmp_path / "b.json").write_text(json.dumps([good, "not an object"]))
+    with pytest.raises(ValueError, match=r"b\.json: row 2 is str, expected a JSON object"):
+        prepare_data(DataConfig(dataset=str(tmp_path / "b.json")), tokenizer)

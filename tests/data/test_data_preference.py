@@ -225,6 +225,7 @@ def test_data_show_renders_prompt_chosen_and_rejected(
     assert "[[Red, like a ripe tomato.<|im_end|>\n]]<pad x " in out
     assert "--- rejected, " in out and "[[No.<|im_end|>\n]]" in out
     assert "train: 1 pairs," in out and "1 pairs = 1 micro-batches per epoch" in out
+    assert "\nstage dpo\n" not in out and ">\n=== summary ===\n" in out  # no stray line
     assert main(["data", "--config", str(demo), *argv, "--show", "1", "--json"]) == 0
     first = json.loads(capsys.readouterr().out.splitlines()[0])
     assert first["stage"] == "dpo" and set(first) == {"stage", "chosen", "rejected"}
@@ -258,3 +259,13 @@ def test_kto_rows_pair_with_their_kl_rows(tmp_path: Path, tokenizer: Any) -> Non
         short[1].rejected.truncated
         and short[1].rejected.num_tokens == pairs[1].rejected.num_tokens - 2
     )
+
+
+def test_a_dropped_pair_is_located(
+    folder: Path, tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = DataConfig(dataset="pairs_alpaca", dataset_dir=str(folder), stage="dpo", val_size=0)
+    assert len(prepare_preference(cfg, tokenizer).train) == 1
+    (line,) = [r.getMessage() for r in caplog.records if "pairs_alpaca.jsonl" in r.getMessage()]
+    assert line.startswith(f"data set pairs_alpaca ({folder / 'pairs_alpaca.jsonl'}): rows 2")
+    assert line.endswith("; first dropped: row 2 (empty_content)")

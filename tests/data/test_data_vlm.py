@@ -125,7 +125,7 @@ def test_placeholder_count_must_equal_image_count(tmp_path: Path, tokenizer: Any
     with pytest.raises(ValueError) as err:
         _prepare(_write(tmp_path, rows, MLLM_ENTRY), tokenizer)
     message = str(err.value)
-    assert "data set 'mllm_demo', row 1: the text holds 1 <image> placeholder(s)" in message
+    assert "data set 'mllm_demo', row 2: the text holds 1 <image> placeholder(s)" in message
     assert "lists 2 image(s)" in message
 
 
@@ -134,7 +134,7 @@ def test_image_urls_are_refused(tmp_path: Path, tokenizer: Any) -> None:
     with pytest.raises(ValueError) as err:
         _prepare(_write(tmp_path, rows, MLLM_ENTRY), tokenizer)
     message = str(err.value)
-    assert "data set 'mllm_demo', row 0: image 'https://example.com/cat.png' is a URL" in message
+    assert "data set 'mllm_demo', row 1: image 'https://example.com/cat.png' is a URL" in message
     assert "local files only" in message and "download the images" in message
     assert "\n" not in message
 
@@ -144,7 +144,7 @@ def test_a_missing_image_file_names_data_set_row_and_path(tmp_path: Path, tokeni
     with pytest.raises(FileNotFoundError) as err:
         _prepare(_write(tmp_path, rows, MLLM_ENTRY), tokenizer)
     missing = tmp_path / "mllm_demo_data" / "9.png"
-    assert f"data set 'mllm_demo', row 1: image file {str(missing)!r} not found" in str(err.value)
+    assert f"data set 'mllm_demo', row 2: image file {str(missing)!r} not found" in str(err.value)
 
 
 def test_a_model_without_a_processor_is_one_error(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ A stand-in `fla` package (tests/fake_fla.py) takes the place of the real one, wh
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 import types
@@ -104,3 +106,39 @@ def test_reference_kernels_swaps_bound_functions_and_restores_them() -> None:
         assert layer.chunk_rule is package_fn and "forward" not in vars(layer.norm)
     finally:
         del sys.modules["fake_modeling"]
+
+
+_CPU_RUN = textwrap.dedent(
+    """
+    import torch
+
+    from megatrain.model.kernels import kernel_report
+    from megatrain.model.loading import load_causal_lm
+    from megatrain.model.structure import discover
+
+    model = load_causal_lm(None, model_type="qwen3_5_text", tiny=True, seed=0)
+    print("REPORT", kernel_report(discover(model)))
+    model(torch.randint(0, 100, (1, 8)))  # transformers warns at the first call
+    """
+)
+
+
+def test_an_installed_package_that_cannot_run_here_is_named_once(tmp_path: Path) -> None:
+    """flash-linear-attention installed without Triton on a machine without a GPU (the
+    megatrain[hybrid] extra on a laptop): one line of ours says why the torch reference runs;
+    transformers' "is not installed" is not printed."""
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text(
+        "import triton_not_here  # as fla without triton\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    run = subprocess.run(
+        [sys.executable, "-c", _CPU_RUN], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = run.stdout.split("REPORT ")[1]
+    assert (
+        "chunk_gated_delta_rule, fused_recurrent_gated_delta_rule: flash-linear-attention is "
+        "installed, but its Triton/CUDA kernels need a CUDA GPU and none is here" in report
+    )
+    assert "falling back" not in run.stderr and "is not installed" not in run.stderr

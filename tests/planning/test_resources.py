@@ -284,6 +284,29 @@ def test_pick_micro_batch_is_monotonic_and_keeps_the_margin() -> None:
         )
 
 
+def test_pick_micro_batch_on_the_cpu_sizes_against_host_ram() -> None:
+    """A CPU run's step buffers are host memory: they must fit beside the store and data."""
+    spec = _llama(hidden_size=256, intermediate_size=1024, vocab_size=4096, head_dim=64)
+    seq, tokens, margin = 512, 512 * 64, 4.0
+
+    def need(b: int) -> int:
+        est = predict(spec, seq_len=seq, micro_batch_size=b, grad_accum=64 // b, padded=True)
+        return est.gpu.peak_bytes + est.host.total_bytes
+
+    host = Hardware(gpu_bytes=1, host_bytes=int(need(8) + margin * GIB))  # no GPU: 1 byte
+    b, ga, reason = pick_batch(
+        spec, seq_len=seq, tokens_per_step=tokens, hardware=host, gpu_margin_gib=2,
+        on_host=True, host_margin_gib=margin,
+    )  # fmt: skip
+    assert (b, ga) == (8, 8)
+    assert f"predicted host RAM (a CPU run) peak {gib(need(8))} of {gib(host.host_bytes)}" in reason
+    assert f"16 would need {gib(need(16))}" in reason and "GPU" not in reason
+    _, _, on_gpu = pick_batch(
+        spec, seq_len=seq, tokens_per_step=tokens, hardware=Hardware(), gpu_margin_gib=2
+    )
+    assert "predicted GPU peak" in on_gpu and "of an assumed 80.0 GiB" in on_gpu
+
+
 def test_check_fits_names_the_numbers_and_the_fix(qwen3b: object) -> None:
     est = predict(qwen3b, seq_len=2048, micro_batch_size=4, padded=False, hardware=H200_RUN)
     check_fits(est, H200_RUN, host_margin_gib=4, gpu_margin_gib=2)  # fits: no error

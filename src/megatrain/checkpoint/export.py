@@ -36,6 +36,7 @@ from megatrain.disk_space import (
 )
 from megatrain.distributed import all_gather, on_rank0
 from megatrain.files import honour_umask
+from megatrain.model.loading import no_progress_bars
 from megatrain.run_files import EXPORT_MARKER
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
@@ -150,7 +151,8 @@ def _write_export(store: HostStore, tmp: Path, dtype: str, tokenizer: Any | None
         training_use_cache = getattr(text, "use_cache", False)
         text.use_cache = True  # the exported model is for generation
         try:
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            with no_progress_bars():  # "Writing model shards": the run prints its own line
+                model.save_pretrained(str(tmp), safe_serialization=True)
         finally:
             text.use_cache = training_use_cache
     if tokenizer is not None:

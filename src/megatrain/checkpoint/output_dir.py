@@ -8,7 +8,7 @@ A run holds its folder through an `OutputFolder`, from the start to its exit:
 - `claim()`, once the run has validated its inputs (tokenizer, data, model config, memory and
   disk plans), makes the folder the run's: the previous run moved aside (overwrite), then
   config.yaml written. A start that fails before it leaves the folder as it found it (one it
-  created is removed again);
+  created is removed again; an existing one gets its lock file back as it was, or none);
 - `release()` (or the process's exit) lets the lock go.
 
 The lock is an OS file lock (`flock`): the kernel drops it when its process exits or dies, so a
@@ -83,6 +83,7 @@ class OutputFolder:
         _refuse_a_file(out)
         self._created = not out.exists()
         self._claimed = self._released = False
+        self._lock_before = _file_state(out / LOCK_FILE)  # put back by an unclaimed release
         self._lock = _lock(out)
         try:
             check_output_dir(
@@ -117,6 +118,8 @@ class OutputFolder:
             (self.path / LOCK_FILE).unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # not empty: someone else wrote there since
                 self.path.rmdir()
+        elif not self._claimed and self._lock is not None:  # still held: no one else writes it
+            _restore_file(self.path / LOCK_FILE, self._lock_before)
         if self._lock is not None:
             self._lock.close()  # closing the file drops its flock
 
@@ -238,6 +241,26 @@ def _lock(out: Path) -> IO[str] | None:
     lock.write(json.dumps(holder) + "\n")
     lock.flush()
     return lock
+
+
+def _file_state(path: Path) -> tuple[bytes, int, int] | None:
+    """A file's bytes and (access, modification) times in ns; None when it does not exist."""
+    try:
+        stat = path.stat()
+        return path.read_bytes(), stat.st_atime_ns, stat.st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def _restore_file(path: Path, state: tuple[bytes, int, int] | None) -> None:
+    """Put a file back as `_file_state` found it (removed if it did not exist)."""
+    with contextlib.suppress(OSError):  # best effort: the lock goes with the process anyway
+        if state is None:
+            path.unlink(missing_ok=True)
+            return
+        data, atime_ns, mtime_ns = state
+        path.write_bytes(data)  # the same inode: the flock taken on it stays valid
+        os.utime(path, ns=(atime_ns, mtime_ns))
 
 
 def _in_use(out: Path, path: Path) -> ValueError:

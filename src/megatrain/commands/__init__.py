@@ -12,9 +12,9 @@ A module imports torch, transformers and what loads them (the builder, the recip
 too): `megatrain --help` never waits for them.
 """
 
-from megatrain.commands import data, dpo, estimate, export, grpo, train, verify
+from megatrain.commands import config, data, dpo, estimate, export, grpo, train, verify
 
-COMMANDS = (train, grpo, dpo, verify, estimate, data, export)
+COMMANDS = (train, grpo, dpo, verify, estimate, data, export, config)
 """In the order `megatrain --help` lists them."""
 
 __all__ = ["COMMANDS"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatrain.commands.done_line import done_line
 from megatrain.commands.train import add_print_config, print_config
 from megatrain.config import load_config
 from megatrain.config.dpo import check_preference_run
@@ -17,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "dpo",
         help="preference training (DPO, IPO, ORPO, SimPO, KTO) from a YAML config",
         description="The config's dpo: section sets the loss (docs/preference.md); any "
-        "--section.key VALUE after the options overrides the config",
+        "--section.key VALUE after the options overrides the config (`megatrain config "
+        "--list [SECTION]` lists the keys)",
     )
     p.add_argument("--config", help="YAML config file (see examples/dpo_demo.yaml)")
     add_print_config(p)
@@ -37,24 +39,16 @@ def run(args: argparse.Namespace) -> int:
         summary = trainer.train()
     finally:
         trainer.close()
-    losses, acc = summary.losses, summary.accuracies
-    resumed_at = summary.steps - len(losses)  # 0 for a fresh run
-    line = f"done: {summary.steps} steps" + (
-        f" (resumed at step {resumed_at})" if resumed_at else ""
-    )
-    if losses:
-        line += f", loss {losses[0]:.4f} -> {losses[-1]:.4f}"
-    if acc:
-        head, tail = acc[: min(10, len(acc))], acc[-min(10, len(acc)) :]
-        line += (
-            f", rewards/accuracies {sum(head) / len(head):.3f} (first {len(head)} steps) -> "
-            f"{sum(tail) / len(tail):.3f} (last {len(tail)})"
-        )
-    if summary.eval_loss is not None:
-        line += f", eval loss {summary.eval_loss:.4f}"
+    resumed_at = summary.steps - len(summary.losses)  # the losses are of this process's steps
     print(
-        line
-        + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
-        + (f"; Hugging Face model {summary.export_dir}" if summary.export_dir else "")
+        done_line(
+            summary.steps,
+            resumed_at,
+            losses=summary.losses,
+            means={"rewards/accuracies": summary.accuracies},
+            eval_loss=summary.eval_loss,
+            checkpoint=summary.checkpoint,
+            export_dir=summary.export_dir,
+        )
     )
     return 0

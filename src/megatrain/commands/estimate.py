@@ -122,6 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatrain.model.kernels import kernel_report
     from megatrain.planning import format_estimate
     from megatrain.recipes.grpo.plan import (
         format_rollout,
@@ -167,7 +168,10 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps({**report, **reasons}))
         return 0 if fits else 1
-    print(format_estimate(est))
+    c = cfg.checkpoint
+    print(format_estimate(est, c.export_dtype if c.export_hf else None))
+    for line in kernel_report(builder.spec.structure):  # as `train` prints it
+        print(f"kernels: {line}")
     if grpo:
         print(format_rollout(grpo))
     if ref is not None:

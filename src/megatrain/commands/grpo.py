@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatrain.commands.done_line import done_line
 from megatrain.config import load_config
 
 
@@ -13,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "grpo",
         help="reinforcement learning with verifiable rewards (GRPO) from a YAML config",
         description="The config's grpo: section sets rollouts, rewards and the objective "
-        "(docs/grpo.md); any --section.key VALUE after the options overrides the config",
+        "(docs/grpo.md); any --section.key VALUE after the options overrides the config "
+        "(`megatrain config --list [SECTION]` lists the keys)",
     )
     p.add_argument("--config", help="YAML config file (see examples/grpo_demo.yaml)")
     p.set_defaults(run=run, takes_overrides=True)
@@ -36,17 +38,14 @@ def run(args: argparse.Namespace) -> int:
         summary = trainer.train()
     finally:
         trainer.close()
-    r = summary.rewards
-    head, tail = r[: min(10, len(r))], r[-min(10, len(r)) :]
+    resumed_at = summary.steps - len(summary.rewards)  # a reward per step of this process
     print(
-        f"done: {summary.steps} steps"
-        + (
-            f", mean reward {sum(head) / len(head):.3f} (first {len(head)} steps) -> "
-            f"{sum(tail) / len(tail):.3f} (last {len(tail)})"
-            if r
-            else ""
+        done_line(
+            summary.steps,
+            resumed_at,
+            means={"mean reward": summary.rewards},
+            checkpoint=summary.checkpoint,
+            export_dir=summary.export_dir,
         )
-        + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
-        + (f"; Hugging Face model {summary.export_dir}" if summary.export_dir else "")
     )
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatrain.commands.done_line import done_line
 from megatrain.config import TrainConfig, config_yaml, load_config
 from megatrain.data.config import PREFERENCE_STAGES
 
@@ -18,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train from a YAML config",
         description="Any --section.key VALUE after the options overrides the "
-        "config, e.g. --optimizer.learning_rate 2e-5 (docs/configuration.md lists every key)",
+        "config, e.g. --optimizer.learning_rate 2e-5; `megatrain config --list [SECTION]` "
+        "lists every key with its type, default and meaning",
     )
     p.add_argument("--config", help="YAML config file (see examples/), or LLaMA-Factory's / TRL's")
     add_print_config(p)
@@ -62,18 +64,15 @@ def run(args: argparse.Namespace) -> int:
         summary = trainer.train()
     finally:
         trainer.close()
-    losses = summary.losses  # of this process's steps: after a resume, those after the checkpoint
-    resumed_at = summary.steps - len(losses)  # 0 for a fresh run
-    loss = ""
-    if losses:
-        where = f" at step {resumed_at + 1}" if resumed_at else ""
-        loss = f", loss {losses[0]:.4f}{where} -> {losses[-1]:.4f}"
+    resumed_at = summary.steps - len(summary.losses)  # the losses are of this process's steps
     print(
-        f"done: {summary.steps} steps"
-        + (f" (resumed at step {resumed_at})" if resumed_at else "")
-        + loss
-        + (f", eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
-        + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
-        + (f"; Hugging Face model {summary.export_dir}" if summary.export_dir else "")
+        done_line(
+            summary.steps,
+            resumed_at,
+            losses=summary.losses,
+            eval_loss=summary.eval_loss,
+            checkpoint=summary.checkpoint,
+            export_dir=summary.export_dir,
+        )
     )
     return 0

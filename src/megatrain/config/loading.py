@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 import sys
 import tempfile
@@ -14,6 +15,7 @@ from typing import Any, get_origin
 import yaml
 
 import megatrain.config.llamafactory as llamafactory
+from megatrain.config.aliases import alias_hint
 from megatrain.config.sections import SECTIONS, TrainConfig
 from megatrain.config.types import MISMATCH, coerce, convert, field_types
 from megatrain.files import umask_mode
@@ -125,6 +127,30 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
         raise
 
 
+def setup_command(path: str | Path, missing: str) -> str | None:
+    """The command in config file `path`'s header comment that makes the missing path
+    `missing` (a command naming it or a folder above it, e.g. the warm start of
+    examples/grpo_demo.yaml), or None."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    commands: list[str] = []
+    for line in itertools.takewhile(lambda x: x.startswith("#"), lines):
+        text = line.lstrip("#").strip()
+        if commands and commands[-1].endswith("\\"):
+            commands[-1] = f"{commands[-1][:-1].rstrip()} {text}"
+        elif text.startswith("megatrain "):
+            commands.append(text)
+    target = Path(missing)
+    for command in commands:
+        for word in command.split()[2:]:
+            made = Path(word)
+            if made != Path(".") and (made == target or made in target.parents):
+                return command
+    return None
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(
@@ -207,7 +233,7 @@ def _build(raw: Mapping[str, Any]) -> TrainConfig:
 def _section_class(section: str) -> type:
     if section in SECTIONS:
         return SECTIONS[section]
-    hint = _did_you_mean(str(section), list(SECTIONS))
+    hint = alias_hint(str(section)) or _did_you_mean(str(section), list(SECTIONS))
     owners = [f"{s}.{section}" for s in SECTIONS if section in field_types(SECTIONS[s])]
     if not hint and owners:
         hint = f"did you mean {owners[0]}?"
@@ -224,13 +250,14 @@ _REPLACED = {
 
 def _unknown_key(section: str, key: object) -> str:
     allowed = list(field_types(SECTIONS[section]))
-    hint = _REPLACED.get(f"{section}.{key}") or _did_you_mean(
-        str(key), allowed, prefix=f"{section}."
+    elsewhere = {k: f"{s}.{k}" for s in SECTIONS if s != section for k in field_types(SECTIONS[s])}
+    hint = (
+        _REPLACED.get(f"{section}.{key}")
+        or (f"did you mean {elsewhere[key]}?" if key in elsewhere else "")
+        or alias_hint(str(key))
+        or _did_you_mean(str(key), allowed, prefix=f"{section}.")
     )
     if not hint:
-        elsewhere = {
-            k: f"{s}.{k}" for s in SECTIONS if s != section for k in field_types(SECTIONS[s])
-        }
         near = difflib.get_close_matches(str(key), list(elsewhere), n=1)
         hint = f"did you mean {elsewhere[near[0]]}?" if near else ""
     parts = [f"unknown key {section}.{key}", hint, f"{section} takes: {', '.join(allowed)}"]

@@ -37,7 +37,8 @@ A run is one YAML file with the sections below (every key optional except a mode
 can be overridden on the command line as `--section.key VALUE` (a mapping's entry as
 `--section.key.sub VALUE`). `megatrain train`, `grpo`, `verify`, `estimate`, `data` and
 `export` all read the same file (`grpo:` only `megatrain grpo`; `dpo:` only the preference
-recipe, docs/preference.md). Examples: `examples/*.yaml`.
+recipe, docs/preference.md). Examples: `examples/*.yaml`. The same reference on the command
+line: `megatrain config --list [SECTION]`.
 """
 
 
@@ -96,18 +97,42 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def section_summary(section: str) -> str:
+    """The first paragraph of a section class's docstring, on one line ("" if none)."""
+    cls = SECTIONS[section]
+    summary = inspect.getdoc(cls)
+    if not summary or summary.startswith(cls.__name__ + "("):
+        return ""
+    return summary.split("\n\n")[0].replace("\n", " ")
+
+
+def section_keys(section: str) -> list[tuple[str, str, str, str]]:
+    """(key, type, default as YAML, meaning on one line) of each key of `section`, in order:
+    the rows of docs/configuration.md and of `megatrain config --list`."""
+    cls = SECTIONS[section]
+    docs, types = field_docs(cls), field_types(cls)
+    return [
+        (f.name, type_name(types[f.name]), _default(f), " ".join(docs.get(f.name, "").split()))
+        for f in fields(cls)
+    ]
+
+
 def render_reference() -> str:
     parts = [HEADER]
-    for section, cls in SECTIONS.items():
-        docs, types = field_docs(cls), field_types(cls)
+    for section in SECTIONS:
         parts.append(f"## `{section}:`\n")
-        summary = inspect.getdoc(cls)
-        if summary and not summary.startswith(cls.__name__ + "("):
-            parts.append(summary.split("\n\n")[0].replace("\n", " ") + "\n")
+        summary = section_summary(section)
+        if summary:
+            parts.append(summary + "\n")
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
-        for f in fields(cls):
-            meaning = " ".join(docs.get(f.name, "").split()).replace("|", "\\|")
-            parts.append(f"| `{f.name}` | {type_name(types[f.name])} | {_default(f)} | {meaning} |")
+        for key, type_, default, meaning in section_keys(section):
+            cells = (
+                f"`{key}`",
+                type_,
+                f"`{default}`" if default != "required" else default,
+                meaning,
+            )
+            parts.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         parts.append("")
     parts.append(render_flat())
     return "\n".join(parts)
@@ -125,7 +150,7 @@ def _default(f: Any) -> str:
     text = "null" if value is None else repr(value).replace("'", '"')
     if isinstance(value, bool):
         text = str(value).lower()
-    return f"`{text}`".replace("|", "\\|")
+    return text
 
 
 def docs_path() -> Path:

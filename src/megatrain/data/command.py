@@ -161,7 +161,8 @@ def _segments(row: dict[str, Any], pad_token_id: int) -> list[tuple[int, int, bo
 
 def _describe_row(row: dict[str, Any], index: int, tokenizer: Any, pad_token_id: int) -> str:
     segments = _segments(row, pad_token_id)
-    lines = [f"=== row {index}: {len(row['input_ids'])} tokens, {len(segments)} segment(s) ==="]
+    samples = sum(not is_pad for _, _, is_pad in segments)  # padding is no segment of the row
+    lines = [f"=== row {index}: {len(row['input_ids'])} tokens, {samples} segment(s) ==="]
     for start, end, is_pad in segments:
         if is_pad:
             lines.append(f"<pad x {end - start}>")

@@ -176,7 +176,7 @@ def _text_batches(
         stats.rows_read += 1
         if not isinstance(row, dict):
             raise ValueError(
-                f"{file}: row {index} is {type(row).__name__}, expected an object with a "
+                f"{file}: row {index + 1} is {type(row).__name__}, expected an object with a "
                 f"{column!r} text column"
             )
         if index == 0 and column not in row:

@@ -29,13 +29,14 @@ from typing import Any
 import numpy as np
 
 from megatrain.data.config import PREFERENCE_STAGES, DataConfig
+from megatrain.data.corpus import EMPTY_TEXT
 from megatrain.data.formats import MISSING_COLUMN, Conversation, convert_row
 from megatrain.data.preference import check_stage
 from megatrain.data.pretrain import PretrainCorpus, load_corpus, split_corpus
 from megatrain.data.readers import download_hub_dataset, iter_rows, read_rows
 from megatrain.data.registry import DatasetSpec, resolve_datasets, sft_format_of
 from megatrain.data.sample import DataStats, Sample, held_out_mask
-from megatrain.data.template import IMAGE_OVER_CUTOFF, OVER_CUTOFF, ChatEncoder
+from megatrain.data.template import IMAGE_OVER_CUTOFF, OVER_CUTOFF, TOO_FEW_TARGETS, ChatEncoder
 from megatrain.data.vision import (
     VisionProcessor,
     check_placeholders,
@@ -98,11 +99,7 @@ def prepare_data(cfg: DataConfig, tokenizer: Any, *, processor: str | None = Non
         eval_specs = resolve_datasets(cfg.eval_dataset_names(), dataset_dir)
         eval_samples, eval_stats = load_samples(eval_specs, encoder, **options)
     if not train:
-        raise ValueError(
-            f"no training sample is left from data.dataset={cfg.dataset!r}: {stats.describe()}; "
-            "see the drop reasons (raise data.cutoff_len, set overflow: truncate, fix the columns "
-            "in dataset_info.json)"
-        )
+        raise nothing_left("training sample", cfg, stats, specs)
     if not cfg.eval_dataset_names() and cfg.val_size > 0:
         train, eval_samples = split_validation(train, val_size=cfg.val_size, seed=cfg.seed)
     pad_id = pad_token_id_of(tokenizer)
@@ -125,11 +122,7 @@ def _prepare_pretrain(cfg: DataConfig, tokenizer: Any, dataset_dir: Path) -> Pre
             )
     train, stats = load_corpus(specs, tokenizer, **options)
     if not len(train):
-        raise ValueError(
-            f"no document is left from data.dataset={cfg.dataset!r}: {stats.describe()}; see the "
-            "drop reasons (empty_text: blank rows or lines; missing_column: name the text column "
-            'in dataset_info.json as `"columns": {"prompt": "<column>"}`)'
-        )
+        raise nothing_left("document", cfg, stats, specs, text_column=True)
     eval_corpus: PretrainCorpus | None = None
     eval_stats: DataStats | None = None
     if cfg.eval_dataset_names():
@@ -159,10 +152,10 @@ def load_samples(
             stats.rows_read += 1
             conv = convert_row(row, spec)
             if spec.images and not isinstance(conv, str):
-                _attach_images(conv, spec, index, encoder, vision)
+                _attach_images(conv, spec, index + 1, encoder, vision)
             result = conv if isinstance(conv, str) else encoder.encode(conv)
             if isinstance(result, str):
-                stats.drop(result)
+                stats.drop(result, row=index + 1)
             else:
                 for n, sample in enumerate(result):  # several: data.multi_turn per_turn
                     stats.keep(sample, extra_row=n > 0)
@@ -176,6 +169,7 @@ def load_samples(
                 f"tokens do not fit data.cutoff_len={encoder.cutoff_len} (an image is never cut): "
                 "raise data.cutoff_len or lower data.image_max_pixels"
             )
+        hint += f"; first dropped: {stats.first_drop}" if stats.first_drop else ""
         log = logger.warning if stats.dropped else logger.info
         log("data set %s (%s): %s%s", spec.name, spec.path, stats.describe(), hint)
         total.add(stats)
@@ -185,17 +179,18 @@ def load_samples(
 def _attach_images(
     conv: Conversation,
     spec: DatasetSpec,
-    index: int,
+    row: int,
     encoder: ChatEncoder,
     vision: Callable[[], VisionProcessor] | None,
 ) -> None:
-    """Resolve the row's images and check its placeholders (errors name the data set and row);
+    """Resolve the row's images and check its placeholders (errors name the data set and the
+    row, 1-based);
     the encoder's processor is loaded at the first image."""
     paths = resolve_image_paths(
-        conv.images, dataset=spec.name, row=index, media_dir=Path(spec.media_dir)
+        conv.images, dataset=spec.name, row=row, media_dir=Path(spec.media_dir)
     )
     texts = [m["content"] for m in conv.messages if isinstance(m.get("content"), str)]
-    check_placeholders(texts, len(paths), dataset=spec.name, row=index)
+    check_placeholders(texts, len(paths), dataset=spec.name, row=row)
     conv.images = paths
     if paths and encoder.vision is None:
         if vision is None:
@@ -204,6 +199,49 @@ def _attach_images(
                 "them into tokens; train a vision-language model"
             )
         encoder.vision = vision()
+
+
+_DROP_FIXES = {
+    OVER_CUTOFF: "raise data.cutoff_len (the warning above gives the length that keeps them)",
+    TOO_FEW_TARGETS: "raise data.cutoff_len or lower data.min_target_tokens",
+    IMAGE_OVER_CUTOFF: "raise data.cutoff_len or lower data.image_max_pixels",
+    EMPTY_TEXT: "the rows' text is blank",
+}
+"""Drop reason -> what to change; any other reason is the rows' format: `_FORMAT_FIX`."""
+_FORMAT_FIX = "check the rows' format and the columns named in dataset_info.json"
+_TEXT_COLUMN_FIX = (
+    'name the text column in dataset_info.json as `"columns": {"prompt": "<column>"}`'
+)
+
+
+def nothing_left(
+    what: str,
+    cfg: DataConfig,
+    stats: DataStats,
+    specs: list[DatasetSpec],
+    *,
+    text_column: bool = False,
+) -> ValueError:
+    """The error for data that leaves no `what` to train on: empty files, or every row dropped
+    (with the fix for each reason, once: the warning above has the counts per data set).
+    `text_column`: raw text (data.stage: pt), whose rows need one text column."""
+    where = f"data.dataset={cfg.dataset!r}"
+    if not stats.rows_read:
+        files = ", ".join(str(spec.path) for spec in specs)
+        return ValueError(
+            f"no {what} is left from {where}: the data is empty ({files} holds no rows); "
+            "point data.dataset at the data"
+        )
+    table = {**_DROP_FIXES, **({MISSING_COLUMN: _TEXT_COLUMN_FIX} if text_column else {})}
+    fixes = dict.fromkeys(table.get(reason, _FORMAT_FIX) for reason in sorted(stats.dropped))
+    if OVER_CUTOFF in stats.dropped and cfg.overflow == "drop":
+        fixes[f"{_DROP_FIXES[OVER_CUTOFF]}, or set data.overflow: truncate"] = None
+        del fixes[_DROP_FIXES[OVER_CUTOFF]]
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(stats.dropped.items()))
+    return ValueError(
+        f"no {what} is left from {where}: all {stats.rows_read} rows were dropped ({reasons}); "
+        + "; ".join(fixes)
+    )
 
 
 def over_cutoff_hint(stats: DataStats, encoder: ChatEncoder, longest: int) -> str:

@@ -62,7 +62,7 @@ def run_preference_command(
     if as_json:
         out.write(json.dumps({"summary": summary}) + "\n")
     else:
-        out.write(f"stage {data.stage}\n" + describe_summary(summary))
+        out.write(describe_summary(summary))
     return 0
 
 

@@ -28,7 +28,12 @@ from megatrain.batch import Batch
 from megatrain.data.config import DataConfig
 from megatrain.data.loader import BatchLoader
 from megatrain.data.packing import padded_batch
-from megatrain.data.pipeline import over_cutoff_hint, pad_token_id_of, read_dataset
+from megatrain.data.pipeline import (
+    nothing_left,
+    over_cutoff_hint,
+    pad_token_id_of,
+    read_dataset,
+)
 from megatrain.data.preference import (
     KTOSample,
     PairSample,
@@ -79,10 +84,7 @@ def prepare_preference(cfg: DataConfig, tokenizer: Any) -> PreferenceData:
         eval_specs = resolve_datasets(cfg.eval_dataset_names(), dataset_dir)
         eval_rows, eval_stats = load_preference(eval_specs, encoder, **options)
     if not train:
-        raise ValueError(
-            f"no training {'pair' if cfg.stage == 'dpo' else 'row'} is left from "
-            f"data.dataset={cfg.dataset!r}: {stats.describe()}; see the drop reasons"
-        )
+        raise nothing_left(f"training {'pair' if cfg.stage == 'dpo' else 'row'}", cfg, stats, specs)
     if not cfg.eval_dataset_names() and cfg.val_size > 0:
         held_out = held_out_mask(len(train), val_size=cfg.val_size, seed=cfg.seed, unit="rows")
         eval_rows = [r for r, h in zip(train, held_out, strict=True) if h]
@@ -110,11 +112,12 @@ def load_preference(
             stats.rows_read += 1
             kept = _encode_row(row, spec, encoder, stage)
             if isinstance(kept, str):
-                stats.drop(kept)
+                stats.drop(kept, row=stats.rows_read)
                 continue
             stats.keep_group(kept.samples)
             out.append(kept)
         hint = over_cutoff_hint(stats, encoder, encoder.take_longest_over_cutoff())
+        hint += f"; first dropped: {stats.first_drop}" if stats.first_drop else ""
         log = logger.warning if stats.dropped else logger.info
         log("data set %s (%s): %s%s", spec.name, spec.path, stats.describe(), hint)
         total.add(stats)

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from megatrain.hub import go_offline_if_unreachable
+
 SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")  # conversation (sft) data
 TEXT_SUFFIXES = (*SUFFIXES, ".txt")  # raw text (pt) data: .txt files too
 TEXT_COLUMN = "text"  # the column of a .txt file's rows, as the `datasets` text builder names it
@@ -69,7 +71,7 @@ def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
         for index, row in enumerate(read_file(file)):
             if not isinstance(row, dict):
                 raise ValueError(
-                    f"{file}: row {index} is {type(row).__name__}, expected a JSON object "
+                    f"{file}: row {index + 1} is {type(row).__name__}, expected a JSON object "
                     "(one sample per object)"
                 )
             yield row
@@ -114,14 +116,25 @@ def _read_json(file: Path) -> Iterator[Any]:
         first_line = next((line for line in text.splitlines() if line.strip()), "")
         if text.lstrip().startswith("[") or not _is_json(first_line):
             raise ValueError(
-                f"{file}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}; fix "
-                "the file (a JSON array of objects, or one JSON object per line)"
+                f"{file}: {json_problem(err)}; fix the file (a JSON array of objects, or one "
+                "JSON object per line)"
             ) from err
         yield from _read_jsonl(file)
         return
     if not isinstance(data, list):
         raise ValueError(f"{file}: expected a JSON array of objects, got {type(data).__name__}")
     yield from data
+
+
+def json_problem(err: json.JSONDecodeError, line_no: int | None = None) -> str:
+    """Where and what: "invalid JSON at line 3 column 7: <problem>" (`line_no`: the line of a
+    JSON-lines file the error is in). The parser's "Invalid control character at" is said whole."""
+    problem = err.msg.removesuffix(" at")  # the parser's message leads into its position
+    if problem == "Invalid control character":
+        problem = (
+            "a control character (a tab or line break) inside a string; write it as \\t or \\n"
+        )
+    return f"invalid JSON at line {line_no or err.lineno} column {err.colno}: {problem}"
 
 
 def _is_json(line: str) -> bool:
@@ -140,9 +153,7 @@ def _read_jsonl(file: Path) -> Iterator[Any]:
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{file}: invalid JSON at line {line_no} column {err.colno}: {err.msg}"
-                ) from err
+                raise ValueError(f"{file}: {json_problem(err, line_no)}") from err
 
 
 def download_hub_dataset(
@@ -201,6 +212,7 @@ def _snapshot(repo_id: str, *, revision: str | None, patterns: list[str], where:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    go_offline_if_unreachable()  # fail at once, not after the hub's retries
     try:
         return Path(
             snapshot_download(

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from megatrain.data.readers import TEXT_COLUMN, iter_rows
+from megatrain.data.readers import TEXT_COLUMN, iter_rows, json_problem
 
 REGISTRY_FILE = "dataset_info.json"
 FORMATTINGS = ("alpaca", "sharegpt", "openai")
@@ -144,7 +144,7 @@ def load_registry(dataset_dir: Path) -> dict[str, Any] | None:
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON at line {err.lineno}: {err.msg}") from err
+        raise ValueError(f"{path}: {json_problem(err)}") from err
     if not isinstance(info, dict):
         raise ValueError(f"{path}: expected an object mapping data set names to entries")
     return info

@@ -60,8 +60,13 @@ class DataStats:
     num_tokens: int = 0
     num_target_tokens: int = 0
 
-    def drop(self, reason: str) -> None:
+    first_drop: str = ""  # where the first dropped row is and why: "row 7 (over_cutoff_len)"
+
+    def drop(self, reason: str, row: int | None = None) -> None:
+        """Count a dropped row; `row`: its 1-based number in its data set (the first is named)."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if row is not None and not self.first_drop:
+            self.first_drop = f"row {row} ({reason})"
 
     def keep(self, sample: Sample, *, extra_row: bool = False) -> None:
         """Count a kept row; `extra_row`: a further row of a conversation already counted."""
@@ -90,6 +95,7 @@ class DataStats:
         self.num_target_tokens += other.num_target_tokens
         for reason, count in other.dropped.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + count
+        self.first_drop = self.first_drop or other.first_drop
 
     @property
     def num_dropped(self) -> int:

@@ -9,6 +9,10 @@ from typing import Any
 from megatrain.batch import IGNORE_INDEX, Batch
 
 OPEN_MARK, CLOSE_MARK = "[[", "]]"
+LEGEND = (
+    f"marks: {OPEN_MARK} {CLOSE_MARK} around the supervised tokens (the loss is taken on them; "
+    "the rest is context), <pad x N> for padding (neither attended to nor supervised)"
+)
 
 
 def json_row(batch: Batch, r: int) -> dict[str, Any]:
@@ -70,4 +74,4 @@ def describe_summary(summary: dict[str, Any]) -> str:
         f"{ld['micro_batch_size']}, {ld['rows_per_epoch']} {ld.get('unit', 'rows')} = "
         f"{ld['micro_batches_per_epoch']} micro-batches per epoch{fill}"
     )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, LEGEND]) + "\n"

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.util
+import logging
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -96,29 +98,94 @@ def reference_calls(layer: nn.Module) -> list[str]:
     )
 
 
+def fallback_calls(layer: nn.Module) -> dict[str, str]:
+    """{function: package} of the module-level kernel wrappers of `layer`'s model file
+    (transformers >= 5.18) that picked their torch reference because the package could not be
+    used (not installed, or not importable here)."""
+    found: dict[str, str] = {}
+    for module in layer.modules():
+        source = sys.modules.get(type(module).__module__)
+        for value in vars(source).values() if source is not None else ():
+            cells = _closure(value)
+            if cells.get("is_new_implementation") is False and "package" in cells:
+                found[str(cells.get("func_name", value.__name__))] = str(cells["package"])
+    return found
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    """A function's free variables by name ({} for anything else)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells:
+        return {}
+    out = {}
+    for name, cell in zip(code.co_freevars, cells, strict=True):
+        with contextlib.suppress(ValueError):  # an empty cell
+            out[name] = cell.cell_contents
+    return out
+
+
+def why_not_running(package: str) -> str:
+    """Why an optional package's kernels do not run here, and what would make them run."""
+    dist = DISTRIBUTIONS.get(package, package)
+    extra = " (the megatrain[hybrid] extra)" if package == "fla" else ""
+    if importlib.util.find_spec(package) is None:
+        return f"{dist} is not installed: pip install {dist}{extra}; its kernels need a CUDA GPU"
+    if not torch.cuda.is_available():
+        return f"{dist} is installed, but its Triton/CUDA kernels need a CUDA GPU and none is here"
+    try:
+        importlib.import_module(package)
+    except Exception as e:  # its own import error (e.g. no triton): the message says which
+        return f"{dist} is installed but does not import ({type(e).__name__}: {e})"
+    return f"{dist} is installed, but transformers did not take it (check its version)"
+
+
 def describe(layer: nn.Module) -> str | None:
-    """One line for the run's report: which optional kernels the layer runs, or which torch
-    reference code runs in their place (None: the layer has no such slot)."""
+    """One line for the run's report: which optional kernels the layer runs, and which torch
+    reference code runs in their place and why (None: the layer has no such slot)."""
     calls, reference = kernel_calls(layer), reference_calls(layer)
     name = type(layer).__name__
     refused = [why for package, why in refusals().items() if package in calls.values()]
     if refused:
         return f"{name}: {refused[0]}"
+    parts = []
     if calls:
         packages = sorted({DISTRIBUTIONS.get(p, p) for p in calls.values()})
-        return (
-            f"{name} runs {', '.join(packages)} kernels ({', '.join(sorted(calls))}); the plan "
+        parts.append(
+            f"runs {', '.join(packages)} kernels ({', '.join(sorted(calls))}); the plan "
             "profiles their memory as the package's own buffers where it models the call "
             "(flash-linear-attention's chunk_gated_delta_rule), else as their torch reference "
             "code (an upper bound), and counts their time as the fused kernels"
         )
-    if reference:
-        return (
-            f"{name} runs transformers' torch reference code for {', '.join(reference)}, "
-            "slower than the fused kernels: pip install flash-linear-attention (the "
-            "megatrain[hybrid] extra) to run them"
+    fallbacks = fallback_calls(layer)
+    if fallbacks:
+        reasons = [
+            f"{', '.join(sorted(f for f, p in fallbacks.items() if p == package))}: "
+            f"{why_not_running(package)}"
+            for package in sorted(set(fallbacks.values()))
+        ]
+        parts.append(
+            "runs transformers' torch reference code (correct, slower than fused kernels) "
+            f"for {'; for '.join(reasons)}"
         )
-    return None
+    elif reference:
+        parts.append(
+            f"runs transformers' torch reference code for {', '.join(reference)}, slower than "
+            "the fused kernels: pip install flash-linear-attention (the megatrain[hybrid] "
+            "extra) to run them"
+        )
+    return f"{name} " + "; it ".join(parts) if parts else None
+
+
+class _TransformersFallbackLine(logging.Filter):
+    """Drops transformers' "`f` is falling back to its reference PyTorch implementation because
+    `package` is not installed": it says so also when the package is installed but cannot run
+    here (no GPU, no Triton); `describe`'s line says which and why instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
+logging.getLogger("transformers.integrations.hub_kernels").addFilter(_TransformersFallbackLine())
 
 
 def kernel_report(structure: ModelStructure) -> list[str]:

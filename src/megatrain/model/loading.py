@@ -12,12 +12,14 @@ model/sink_attention.py's sdpa path (`use_sinks`, the same rule the plan applies
 
 Errors: a missing folder, a folder without config.json, and a hub id that cannot be fetched
 (offline, unknown repo, no access) are one paragraph each, naming the key and the fix
-(`hub_error`), instead of transformers' traceback.
+(megatrain.hub), instead of transformers' traceback; an unreachable hub fails at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,10 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
+from transformers.utils import logging as hf_logging
 
+from megatrain.errors import MissingPath
+from megatrain.hub import go_offline_if_unreachable, hub_error
 from megatrain.model.random_init import init_on_device
 from megatrain.model.sink_attention import use_sinks
 from megatrain.model.tiny import tiny_config
@@ -151,6 +156,19 @@ def check_decoder_only(config: PretrainedConfig, where: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Within: transformers draws no progress bar ("Loading weights", "Writing model shards");
+    restored on exit. MegaTrain prints its own line for each step instead."""
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def load_causal_lm(
     source: str | None,
     *,
@@ -162,8 +180,10 @@ def load_causal_lm(
     config_overrides: dict[str, Any] | None = None,
     seed: int = 0,
     init_device: torch.device | None = None,
+    progress_bar: bool = True,
 ) -> PreTrainedModel:
     """An fp32 model on the CPU: pretrained weights, or random init from the config.
+    `progress_bar` False: without transformers' "Loading weights" bar (logging.progress_bar).
 
     Random init happens when `model_type` is given, when `random_init` is set, or when a local
     directory holds a config but no weights. It runs HF's init scheme on `init_device` (a GPU:
@@ -186,7 +206,8 @@ def load_causal_lm(
     if source is not None and not random_init and _has_weights(source):
         resolved = _resolve(source)
         try:
-            model = model_class(config).from_pretrained(resolved, config=config, **kwargs)
+            with contextlib.nullcontext() if progress_bar else no_progress_bars():
+                model = model_class(config).from_pretrained(resolved, config=config, **kwargs)
         except OSError as e:
             if Path(resolved).is_dir():
                 raise
@@ -216,10 +237,12 @@ def _resolve(source: str) -> str:
             )
         return str(path)
     if looks_like_path(source) or path.exists():
-        raise FileNotFoundError(
+        raise MissingPath(
             f"model path {source!r} does not exist (or is not a directory); give an existing "
-            "directory with config.json, or a hub id like Qwen/Qwen2.5-0.5B"
+            "directory with config.json, or a hub id like Qwen/Qwen2.5-0.5B",
+            source,
         )
+    go_offline_if_unreachable()  # a hub id: fail at once, not after the hub's retries
     return source
 
 
@@ -229,17 +252,6 @@ def looks_like_path(source: str) -> bool:
         source.startswith((".", "/", "~"))
         or source.count("/") > 1
         or (os.sep != "/" and os.sep in source)
-    )
-
-
-def hub_error(key: str, source: str, error: OSError, *, what: str) -> ValueError:
-    """One paragraph for a hub id whose files could not be fetched (offline, unknown, gated)."""
-    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    return ValueError(
-        f"{key}={source!r}: cannot load the {what} from the Hugging Face hub ({first.strip()}). "
-        "Offline (or HF_HUB_OFFLINE=1), only models already in the hub cache load: download it "
-        "once with network access (huggingface-cli download ID), or give a local folder that "
-        "holds it; check the id's spelling, and for a gated model log in (huggingface-cli login)"
     )
 
 

@@ -15,7 +15,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from megatrain.model.loading import hub_error, looks_like_path
+from megatrain.errors import MissingPath
+from megatrain.hub import go_offline_if_unreachable, hub_error
+from megatrain.model.loading import looks_like_path
 from megatrain.package_assets import demo_tokenizer_dir, demo_vlm_dir
 
 BUILT_IN = {"demo": demo_tokenizer_dir, "demo_vlm": demo_vlm_dir}
@@ -51,10 +53,13 @@ def load_tokenizer(
         _check_folder(path, key)
         source = str(path)
     elif looks_like_path(source) or path.exists():
-        raise FileNotFoundError(
+        raise MissingPath(
             f"{key}={source!r}: no such folder; give the folder holding the model's tokenizer "
-            "(tokenizer.json or tokenizer_config.json), a hub id like Qwen/Qwen3-8B, or 'demo'"
+            "(tokenizer.json or tokenizer_config.json), a hub id like Qwen/Qwen3-8B, or 'demo'",
+            source,
         )
+    if not path.is_dir():
+        go_offline_if_unreachable()  # a hub id: fail at once, not after the hub's retries
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as e:

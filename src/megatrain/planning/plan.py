@@ -217,7 +217,13 @@ def plan_resources(
         )
         template = shape.setup(shape.engine_plan(spec, 0, None, most_tiles), 1, 1)
         micro_batch_size, grad_accum, reason = pick_micro_batch(
-            spec, template, hardware=hardware, gpu_margin_gib=gpu_margin_gib, **target
+            spec,
+            template,
+            hardware=hardware,
+            gpu_margin_gib=gpu_margin_gib,
+            on_host=not shape.check_gpu,  # a CPU run: its step's buffers are host memory
+            host_margin_gib=host_margin_gib,
+            **target,
         )
     elif tokens_per_step is not None:
         grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)

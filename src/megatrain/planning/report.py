@@ -16,8 +16,9 @@ def _row(label: str, value: str, note: str = "") -> str:
     return f"  {label:<{_W}}{value:>10}  {note}".rstrip()
 
 
-def format_estimate(est: Estimate) -> str:
-    """The table: the setup, then host RAM, GPU peak, step time and disk, then the notes."""
+def format_estimate(est: Estimate, export_dtype: str | None = "bf16") -> str:
+    """The table: the setup, then host RAM, GPU peak, step time and disk, then the notes.
+    `export_dtype`: checkpoint.export_dtype of the Hugging Face export (None: no export)."""
     lines = [
         *_setup_lines(est),
         "",
@@ -27,7 +28,7 @@ def format_estimate(est: Estimate) -> str:
         "",
         *_time_lines(est),
         "",
-        *_disk_lines(est),
+        *_disk_lines(est, export_dtype),
         "",
         *(f"note: {n}" for n in (*est.advice, *est.notes)),
     ]
@@ -158,7 +159,15 @@ def _time_lines(est: Estimate) -> list[str]:
     ]
 
 
-def _disk_lines(est: Estimate) -> list[str]:
+def _disk_lines(est: Estimate, export_dtype: str | None) -> list[str]:
+    export = (
+        _row(
+            f"Hugging Face export ({export_dtype})",
+            _gib(EXPORT_BYTES_PER_PARAM[export_dtype] * est.total_params),
+        )
+        if export_dtype
+        else _row("Hugging Face export", "none", "checkpoint.export_hf: false")
+    )
     return [
         f"{'disk (training.output_dir)':<{_W + 2}}{'GiB':>10}",
         _row(
@@ -166,7 +175,7 @@ def _disk_lines(est: Estimate) -> list[str]:
             _gib(checkpoint_bytes_per_param(est.settings["state_dtype"]) * est.total_params),
             "x keep_last, + 1 while the next one is written",
         ),
-        _row("Hugging Face export (bf16)", _gib(EXPORT_BYTES_PER_PARAM["bf16"] * est.total_params)),
+        export,
     ]
 
 

@@ -174,6 +174,7 @@ class RunBuilder(PlanBuilder):
             config_overrides=dict(m.config_overrides) or None,
             seed=self.cfg.training.seed,
             init_device=self.device if self.placement.is_cuda else None,
+            progress_bar=self.cfg.logging.progress_bar,
         )
         return discover(model)
 

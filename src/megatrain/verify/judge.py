@@ -35,6 +35,8 @@ class StepReport:
     clipped: bool
     excess: float  # worst error / allowed error over loss, gradients, weights; <= 1 passes
     worst: str  # where `excess` occurs
+    error: float = 0.0  # the engine's error against the exact target where `excess` occurs
+    bound: float = 0.0  # the error allowed there: max(tolerance, NOISE_FACTOR x PyTorch's)
     random_off: dict[str, float] = field(default_factory=dict)  # dropout/jitter set to 0
     routing_margin: float | None = None  # smallest top-k margin of the float64 run (MoE, fp32)
     data_seed: int = 0  # seed of the random micro-batches
@@ -46,16 +48,18 @@ def judge(
     noisy: dict[str, dict[str, torch.Tensor]] | None,
     tol: dict[str, float],
     per_tensor: bool,
-) -> tuple[float, str]:
-    excess, worst = 0.0, ""
+) -> tuple[float, str, float, float]:
+    """(excess, where, the engine's error there, the error allowed there): the worst ratio of
+    error to allowed over the loss, gradients and weights."""
+    verdict = (0.0, "", 0.0, 0.0)
     for kind in ("loss", "grad", "weight"):
         group = rel_errors if per_tensor else _global_rel_error
         errs = group(ours[kind], exact[kind])
         noise_errs = group(noisy[kind], exact[kind]) if noisy is not None else None
-        e, where = _excess(errs, noise_errs, tol[kind])
-        if e >= excess:
-            excess, worst = e, f"{kind} {where}"
-    return excess, worst
+        e, where, error, bound = _excess(errs, noise_errs, tol[kind])
+        if e >= verdict[0]:
+            verdict = (e, f"{kind} {where}", error, bound)
+    return verdict
 
 
 def rel_errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -83,33 +87,35 @@ def _global_rel_error(
 
 def _excess(
     engine_err: dict[str, float], noise_err: dict[str, float] | None, tol: float
-) -> tuple[float, str]:
-    """Worst ratio of the engine's error to what is allowed, and the tensor it occurs in.
+) -> tuple[float, str, float, float]:
+    """Worst ratio of the engine's error to what is allowed, the tensor it occurs in, and
+    that tensor's error and allowance.
 
     Allowed: `tol`, or NOISE_FACTOR x the error plain PyTorch makes in the same precision
     (`noise_err`, when measured): see the module docstring.
     """
-    worst, worst_name = 0.0, ""
+    worst: tuple[float, str, float, float] = (0.0, "", 0.0, 0.0)
     for name, err in engine_err.items():
         allowed = tol if noise_err is None else max(tol, NOISE_FACTOR * noise_err[name])
         ratio = err / allowed
         if math.isnan(ratio):
             ratio = math.inf
-        if ratio > worst or math.isinf(ratio):
-            worst, worst_name = ratio, name
-    return worst, worst_name
+        if ratio > worst[0] or math.isinf(ratio) or not worst[1]:
+            worst = (ratio, name, err, allowed)
+    return worst
 
 
 def format_report(reports: list[StepReport], tol: dict[str, float]) -> str:
     lines = [
         f"{'step':>4} {'loss':>10} {'torch loss':>10} {'loss rel':>9} {'grad rel':>9} "
-        f"{'weight rel':>10} {'grad norm':>9} {'clipped':>7} {'excess':>7}"
+        f"{'weight rel':>10} {'grad norm':>9} {'clipped':>7} {'error':>9} {'bound':>9} "
+        f"{'excess':>7}"
     ]
     for r in reports:
         lines.append(
             f"{r.step:>4} {r.loss:>10.6f} {r.ref_loss:>10.6f} {r.loss_rel:>9.2e} "
             f"{r.grad_rel:>9.2e} {r.weight_rel:>10.2e} {r.grad_norm:>9.4f} "
-            f"{'yes' if r.clipped else 'no':>7} {r.excess:>7.3f}"
+            f"{'yes' if r.clipped else 'no':>7} {r.error:>9.2e} {r.bound:>9.2e} {r.excess:>7.3f}"
         )
     worst = max(reports, key=lambda r: r.excess)
     first = reports[0]
@@ -127,9 +133,11 @@ def format_report(reports: list[StepReport], tol: dict[str, float]) -> str:
             f"data seed {first.data_seed}"
         )
     lines.append(
-        f"tolerance: loss {tol['loss']:.0e}, grad {tol['grad']:.0e}, weight "
-        f"{tol['weight']:.0e}; excess = error / allowed (<= 1 passes); worst at step "
-        f"{worst.step}: {worst.worst}"
+        "rel: the engine against fp32 PyTorch, the largest over tensors; error: the engine "
+        "against the exact target at its worst tensor, bound: the error allowed there, "
+        f"max(tolerance, {NOISE_FACTOR:g} x fp32 PyTorch's own error), with tolerance loss "
+        f"{tol['loss']:.0e}, grad {tol['grad']:.0e}, weight {tol['weight']:.0e}; excess = "
+        f"error / bound (<= 1 passes); worst at step {worst.step}: {worst.worst}"
     )
     return "\n".join(lines)
 

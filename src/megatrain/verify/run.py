@@ -246,8 +246,8 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
                 # float64 can turn fully-masked padding rows into NaN where fp32 does not
                 # (HF's mask constants): judge against fp32 PyTorch alone from here on.
                 target, noise, exact, noisy = ref, None, fp32, None
-            excess, worst = judge(ours, exact, noisy, tol, per_tensor=fp32_compute)
-            reports.append(step_report(step + 1, result, ours, fp32, excess=excess, worst=worst))
+            verdict = judge(ours, exact, noisy, tol, per_tensor=fp32_compute)
+            reports.append(step_report(step + 1, result, ours, fp32, verdict=verdict))
             start_from_engine(store, ref, target, noise)
     finally:
         engine.close()
@@ -260,13 +260,12 @@ def _step_report(
     ours: dict[str, dict[str, torch.Tensor]],
     fp32: dict[str, dict[str, torch.Tensor]],
     *,
-    excess: float,
-    worst: str,
+    verdict: tuple[float, str, float, float],
     random_off: dict[str, float],
     routing_margin: float | None,
     data_seed: int,
 ) -> StepReport:
-    """One step's report: the engine against fp32 PyTorch, and the judged `excess`."""
+    """One step's report: the engine against fp32 PyTorch, and `judge`'s verdict."""
     return StepReport(
         step=step,
         loss=result.loss,
@@ -276,8 +275,10 @@ def _step_report(
         weight_rel=max(rel_errors(ours["weight"], fp32["weight"]).values()),
         grad_norm=result.grad_norm,
         clipped=result.clip_coef < 1.0,
-        excess=excess,
-        worst=worst,
+        excess=verdict[0],
+        worst=verdict[1],
+        error=verdict[2],
+        bound=verdict[3],
         random_off=random_off,
         routing_margin=routing_margin,
         data_seed=data_seed,

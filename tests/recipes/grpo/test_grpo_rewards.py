@@ -126,3 +126,25 @@ def test_group_advantages_follow_trl() -> None:
     batch = group_advantages(rewards[:4], weights, num_generations=2, scaling="batch")
     std = torch.tensor([1.0, 0.0, 1.5, 1.5], dtype=torch.float64).std().item()
     assert batch.advantages == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4), 0, 0])
+
+
+def test_only_a_signature_error_gets_the_kwargs_hint(tmp_path) -> None:
+    own = load_reward(
+        _user_file(tmp_path, "def score(completions, **kw):\n    1 / 0\n"), format_pattern=""
+    )
+    with pytest.raises(ValueError) as err:
+        own(["p"], ["a"], [[1]], {"level": [1]})
+    assert "raised ZeroDivisionError: division by zero (at " in str(err.value)
+    assert "**kwargs" not in str(err.value)
+    strict = tmp_path / "strict"
+    strict.mkdir()
+    narrow = load_reward(
+        _user_file(strict, "def score(completions):\n    return [1.0]\n"), format_pattern=""
+    )
+    with pytest.raises(ValueError) as err:
+        narrow(["p"], ["a"], [[1]], {"level": [1]})
+    assert "unexpected keyword argument 'prompts'" in str(err.value)
+    assert str(err.value).endswith(
+        "it is called with keyword lists prompts, completions, completion_ids and the extra "
+        "columns ['level']: accept **kwargs for those it does not use"
+    )

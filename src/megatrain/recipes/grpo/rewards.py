@@ -146,12 +146,14 @@ class RewardFunction:
             )
         except Exception as e:
             frame = traceback.extract_tb(e.__traceback__)[-1]
-            raise ValueError(
-                f"reward function {self.name!r} (grpo.reward_funcs) raised {type(e).__name__}: "
-                f"{e} (at {frame.filename}:{frame.lineno}); it is called with keyword lists "
-                f"prompts, completions, completion_ids and the extra columns "
-                f"{sorted(extras)}: accept **kwargs for those it does not use"
-            ) from e
+            said = f"raised {type(e).__name__}: {e} (at {frame.filename}:{frame.lineno})"
+            if isinstance(e, TypeError) and "unexpected keyword argument" in str(e):
+                said += (  # the call itself failed: its signature, not its body
+                    "; it is called with keyword lists prompts, completions, completion_ids "
+                    f"and the extra columns {sorted(extras)}: accept **kwargs for those it "
+                    "does not use"
+                )
+            raise ValueError(f"reward function {self.name!r} (grpo.reward_funcs) {said}") from e
         return self._check(values, len(completions))
 
     def _check(self, values: Any, expected: int) -> list[float]:
