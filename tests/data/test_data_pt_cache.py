@@ -106,7 +106,7 @@ def test_a_failed_tokenization_leaves_no_entry_and_keeps_other_files(tmp_path: P
     mine.write_text("not the run's file")
     with (folder / "c4_demo.jsonl").open("a") as f:
         f.write("[1, 2]\n")  # a row that is not an object, after 40 good ones
-    with pytest.raises(ValueError, match=r"c4_demo.jsonl: row 40 is list"):
+    with pytest.raises(ValueError, match=r"c4_demo.jsonl: row 41 is list"):
         prepare_data(_cfg(folder), demo_tokenizer())
     assert sorted(p.name for p in (cache / "pt").iterdir()) == ["notes.txt"]
     assert mine.read_text() == "not the run's file"
