@@ -18,6 +18,7 @@ rounding in store/states.py) take the same update with m and v dequantized as re
 as written: "c" runs csrc/adamw.c's mt_adamw_bf16 / mt_adamw_int8 (one pass over memory),
 "torch" runs `update_compressed_reference`, plain PyTorch ops in the same order on the same
 float32 scalars, which the C kernel equals bit for bit (tests/test_optim_states_parity.py).
+Blocks with a bf16 master (`ParamBlock.master_dtype`) take optim/bf16_master.py's update.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class CpuAdamW:
         beta1, beta2 = self.hyper.betas
         bc1 = 1.0 - beta1**block.step
         bc2_sqrt = math.sqrt(1.0 - beta2**block.step)
-        if block.state_dtype != "fp32":
+        if block.state_dtype != "fp32" or block.master_dtype != "fp32":
             scalars = StepScalars(
                 decay=1.0 - lr * self.hyper.weight_decay,
                 beta2=beta2,
@@ -110,7 +111,9 @@ class CpuAdamW:
                 eps=self.hyper.eps,
                 grad_scale=grad_scale,
             )
-            if self._lib is not None:
+            if block.master_dtype != "fp32":
+                self._update_bf16_master(block, scalars)
+            elif self._lib is not None:
                 self._update_compressed_c(block, scalars)
             else:
                 update_compressed_reference(block, scalars)
@@ -169,6 +172,18 @@ class CpuAdamW:
             grad_scale,
             self.num_threads,
         )
+
+    def _update_bf16_master(self, block: ParamBlock, s: StepScalars) -> None:
+        # imported here: optim/bf16_master.py builds on this module's helpers
+        from megatrain.optim.bf16_master import (
+            update_bf16_master_c,
+            update_bf16_master_reference,
+        )
+
+        if self._lib is not None:
+            update_bf16_master_c(self._lib, block, s, self.num_threads)
+        else:
+            update_bf16_master_reference(block, s)
 
     def _update_compressed_c(self, block: ParamBlock, s: StepScalars) -> None:
         assert self._lib is not None
