@@ -1,7 +1,8 @@
 """bf16 master weights in real training runs of the demo (bf16 compute, CPU engine).
 
 Checkpoints hold the bf16 master as stored and resume bit for bit with every state dtype; a
-checkpoint of the other master dtype is refused; every update the engine applies equals the
+checkpoint of the other master dtype is refused; the HF export writes the master's values in
+the dtype asked; every update the engine applies equals the
 torch reference of the same arithmetic (fp32 AdamW, then stochastic rounding into bf16 with
 the same bits) bit for bit, and torch.optim.AdamW to within one bf16 rounding.
 """
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from megatrain.checkpoint.export import export_hf
 from megatrain.checkpoint.saving import latest_checkpoint
 from megatrain.config import load_config
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW, StepScalars
@@ -215,3 +217,23 @@ def _torch_adamw(
         opt.step()
         out.append((p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]))
     return tuple(torch.cat(parts) for parts in zip(*out, strict=True))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_export_writes_the_bf16_master_in_the_dtype_asked(tmp_path: Path, dtype: str) -> None:
+    """The HF export holds the master's values exactly: as they are (bf16) or cast (fp32)."""
+    _, trainer = _train(tmp_path / "run", *BF16_MASTER, "--training.max_steps", "1",
+                        "--checkpoint.export_hf", "false")  # fmt: skip
+    out = export_hf(trainer.store, tmp_path / "hf", dtype=dtype)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        exported = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    wanted = torch.bfloat16 if dtype == "bf16" else torch.float32
+    checked = 0
+    for block in trainer.store.blocks:
+        for entry in block.entries:
+            if entry.full_name in exported:  # a tied lm_head is written once
+                tensor = exported[entry.full_name]
+                assert tensor.dtype == wanted
+                assert torch.equal(tensor, block.view(block.master, entry).to(wanted))
+                checked += 1
+    assert checked >= len(trainer.store.layers)
