@@ -1,5 +1,6 @@
 """bf16 master weights in the store and the planner: bytes per parameter (store, estimator,
-checkpoint and fit check agree), sharding, the GPU tier, and the optimizer.master_dtype key."""
+checkpoint and fit check agree), sharded updates, the GPU tier, and the optimizer.master_dtype
+key."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ from megatrain.config import load_config
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.model.tiny import tiny_config
+from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.planning import Hardware, host_problem, model_spec
 from megatrain.planning.disk import checkpoint_bytes_per_param, checkpoint_nbytes
 from megatrain.planning.hardware import GIB
 from megatrain.planning.plan import RunShape, plan_resources
+from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.master import weight_bytes_per_param
-from megatrain.store.shard import shard_master
-from megatrain.store.states import QUANT_BLOCK
+from megatrain.store.shard import shard_block, shard_master
+from megatrain.store.states import QUANT_BLOCK, allocate_states
 from predict import predict
 from shapes import QWEN25_3B
 
@@ -135,3 +138,36 @@ def test_master_dtype_config_key() -> None:
         load_config(DEMO, ["--optimizer.master_dtype", "bf16", "--model.compute_dtype", "fp32"])
     with pytest.raises(ValueError, match=r"gpu_state_blocks=2 with optimizer.master_dtype: bf16"):
         load_config(DEMO, [*bf16, "--memory.gpu_state_blocks", "2"])
+
+
+def test_a_sharded_bf16_master_updates_as_the_whole_block() -> None:
+    """Rank 0's shard (offset 0: the whole block's rounding keys) equals the whole block bit
+    for bit over several steps; the other shards salt their keys with their offset, so after
+    one step each of their weights is one of the same two bf16 neighbours of the same fp32
+    value as the whole block's: at most one bf16 ulp apart."""
+    n, decay, world = 5 * QUANT_BLOCK + 123, 3 * QUANT_BLOCK + 7, 3
+    gen = torch.Generator().manual_seed(0)
+    whole = ParamBlock(
+        name="layer.2", entries=[], numel=n, decay_numel=decay,
+        master=(torch.randn(n, generator=gen) * 0.02).bfloat16(), state_dtype="fp32",
+        **allocate_states(n, "fp32"),  # type: ignore[arg-type]
+    )  # fmt: skip
+    whole.grad = torch.zeros(n, dtype=torch.bfloat16)
+    shards = [shard_block(whole, rank, world, pin_memory=False) for rank in range(world)]
+    assert all(s.master.dtype == s.grad_landing.dtype == torch.bfloat16 for s in shards)
+    opt = CpuAdamW(AdamWHyper(weight_decay=0.1), num_threads=2)
+    for step in range(3):
+        grad = torch.randn(n, generator=gen).bfloat16()
+        whole.grad_landing.copy_(grad)
+        opt.update(whole, lr=1e-3)
+        padded = torch.cat([grad, torch.zeros(shards[0].padded_numel - n, dtype=grad.dtype)])
+        for s in shards:
+            s.grad_landing.copy_(padded[s.shard_offset : s.shard_offset + s.numel])
+            opt.update(s, lr=1e-3)
+        masters = torch.cat([s.master for s in shards])[:n]
+        first = shards[0].numel
+        assert torch.equal(masters[:first], whole.master[:first])
+        if step == 0:
+            ulp = torch.ldexp(torch.ones(n), torch.frexp(whole.master.float())[1] - 8)
+            assert bool(((masters.float() - whole.master.float()).abs() <= ulp).all())
+            assert not torch.equal(masters, whole.master)  # the other shards' bits differ
