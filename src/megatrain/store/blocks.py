@@ -93,7 +93,8 @@ class ParamBlock:
 
     @property
     def source(self) -> torch.Tensor:
-        """What the device copies from: the bf16 shadow, or the fp32 master in fp32 compute."""
+        """What the device copies from: the bf16 shadow, or the master (fp32 in fp32 compute,
+        or a bf16 master)."""
         return self.shadow if self.shadow is not None else self.master
 
     @property
