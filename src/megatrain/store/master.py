@@ -11,14 +11,15 @@ and its gradient landing (besides m and v, store/states.py), with bf16 compute:
 
 fp32 compute keeps fp32 (master and gradient pinned, 8); a bf16 master needs bf16 compute.
 
-The bf16 master's update runs in fp32 (the AdamW arithmetic of every other path) and the result
-is rounded to bf16 stochastically: a step of 1e-5 of a weight is ~1/400 of a bf16 ulp, so
-round-to-nearest would return the old weight every time and training would stall (Zamirai et
-al. 2020, arXiv 2010.06192; Ozkara et al. 2025, arXiv 2502.20566). Stochastic rounding is
-unbiased, E[stored] = exact, so many small steps add up as in fp32, with noise of at most one
-ulp per step. The bits are store/states.py's: the hash of (block, step, "p", element index)
-that bf16 m and v use (`rounding_key`), so runs repeat exactly, resume bit for bit, and do not
-depend on the thread count. The load rounds the model's weights to nearest once.
+The bf16 master's update runs in fp32 (the AdamW arithmetic of every other path) and the
+result is rounded to bf16 stochastically: a step of 1e-5 of a weight is 1/800 to 1/400 of a
+bf16 ulp, so round-to-nearest would return the old weight every time and training would stall
+(Zamirai et al. 2020, arXiv 2010.06192; Ozkara et al. 2025, arXiv 2502.20566). Stochastic
+rounding is unbiased, E[stored] = exact, so many small steps add up as in fp32, with noise of
+at most one ulp per step. The bits are store/states.py's: the hash of (block, step, "p",
+element index) that bf16 m and v use (`rounding_key`), so runs repeat exactly, resume bit for
+bit, and do not depend on the thread count. The load rounds the model's weights to nearest
+once.
 """
 
 from __future__ import annotations
