@@ -6,7 +6,9 @@ For P parameters in blocks like the engine's (fp32 master/m/v, bf16 grad-in-shad
 Gparams/s and the host memory bandwidth it implies (28 bytes per parameter: read p, m, v, g;
 write p, m, v, shadow), alone and with a busy Python thread beside it (the engine's main thread
 drives the GPU while the optimizer runs). Also a plain read+write bandwidth of the machine
-(torch copy, all threads) as the ceiling.
+(torch copy, all threads) as the ceiling. `--master-dtypes fp32,bf16` also times bf16 master
+weights (optimizer.master_dtype: bf16: the master is the streamed copy, the gradient a bf16
+buffer of its own, no shadow; 22 bytes per parameter with fp32 states).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from megatrain.store.memory import host_zeros
 from megatrain.store.states import allocate_states
 
 
-def make_blocks(total: int, block: int, huge: bool, state_dtype: str = "fp32") -> list[ParamBlock]:
-    def zeros(n: int) -> torch.Tensor:
-        return host_zeros(n, torch.float32) if huge else torch.zeros(n)
+def make_blocks(
+    total: int, block: int, huge: bool, state_dtype: str = "fp32", master_dtype: str = "fp32"
+) -> list[ParamBlock]:
+    def zeros(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return host_zeros(n, dtype) if huge else torch.zeros(n, dtype=dtype)
 
     blocks = []
     for i in range(0, total, block):
@@ -46,7 +50,12 @@ def make_blocks(total: int, block: int, huge: bool, state_dtype: str = "fp32") -
             ),
             state_dtype=state_dtype,
         )
-        b.shadow = torch.randn(n).to(torch.bfloat16)
+        if master_dtype == "bf16":  # the master is the streamed copy; a gradient of its own
+            b.master = zeros(n, torch.bfloat16)
+            b.master.copy_(master)
+            b.grad = torch.randn(n).to(torch.bfloat16)
+        else:
+            b.shadow = torch.randn(n).to(torch.bfloat16)
         blocks.append(b)
     return blocks
 
@@ -99,6 +108,11 @@ def main() -> None:
         help="optimizer.state_dtype layouts to time (fp32,bf16,int8); compressed: C kernel only",
     )
     ap.add_argument(
+        "--master-dtypes",
+        default="fp32",
+        help="optimizer.master_dtype layouts to time (fp32,bf16); bf16: C kernel only",
+    )
+    ap.add_argument(
         "--drop-flag",
         default="",
         help="build the C kernel without this compiler flag (an A/B of one flag, e.g. "
@@ -119,18 +133,26 @@ def main() -> None:
         threads=torch.get_num_threads(),
     )
     counts = [int(t) for t in a.threads.split(",") if t] or [torch.get_num_threads()]
-    for state_dtype in a.state_dtypes.split(","):
-        for huge in {"both": [True, False], "yes": [True], "no": [False]}[a.huge]:
-            blocks = make_blocks(total, block, huge, state_dtype)
-            run_all(blocks, counts, a.reps, huge, state_dtype)
+    for master_dtype in a.master_dtypes.split(","):
+        for state_dtype in a.state_dtypes.split(","):
+            for huge in {"both": [True, False], "yes": [True], "no": [False]}[a.huge]:
+                blocks = make_blocks(total, block, huge, state_dtype, master_dtype)
+                run_all(blocks, counts, a.reps, huge, state_dtype, master_dtype)
 
 
 def run_all(
-    blocks: list[ParamBlock], counts: list[int], reps: int, huge: bool, state_dtype: str
+    blocks: list[ParamBlock],
+    counts: list[int],
+    reps: int,
+    huge: bool,
+    state_dtype: str,
+    master_dtype: str = "fp32",
 ) -> None:
     total = sum(b.numel for b in blocks)
-    # the torch path of compressed states is a bit-exact test reference, ~1000x slower
-    for impl in ("c", "torch") if state_dtype == "fp32" else ("c",):
+    # the torch path of compressed states / a bf16 master is a bit-exact test reference,
+    # ~1000x slower
+    exact = state_dtype == "fp32" and master_dtype == "fp32"
+    for impl in ("c", "torch") if exact else ("c",):
         for threads in counts if impl == "c" else [torch.get_num_threads()]:
             opt = CpuAdamW(AdamWHyper(weight_decay=0.01), impl=impl, num_threads=threads)
             for busy in (False, True):
@@ -148,6 +170,7 @@ def run_all(
                     bench="adamw",
                     impl=impl,
                     state_dtype=state_dtype,
+                    master_dtype=master_dtype,
                     threads=threads,
                     busy_main_thread=busy,
                     dropped_flag=DROPPED_FLAG[0] if impl == "c" else "",

@@ -8,6 +8,9 @@ them (store/states.py, planning/long_context.py). The row layouts have their own
 STATE_DTYPES = ("fp32", "bf16", "int8")
 """optimizer.state_dtype: how AdamW's m and v are kept (store/states.py)."""
 
+MASTER_DTYPES = ("fp32", "bf16")
+"""optimizer.master_dtype: how the master weights are kept (store/master.py)."""
+
 OFFLOAD_CHOICES = ("auto", "on", "off")
 """memory.activation_offload: whether layer inputs wait in host memory
 (planning/long_context.py)."""

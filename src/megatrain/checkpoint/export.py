@@ -103,7 +103,7 @@ def export_sharded(
     whole: list[ParamBlock] = []
     for block in store.blocks:
         assert isinstance(block, ShardedBlock)
-        full = torch.empty(block.padded_numel, dtype=torch.float32, device=device)
+        full = torch.empty(block.padded_numel, dtype=block.master.dtype, device=device)
         all_gather(full, block.master.to(device))
         if main:
             master = full[: block.full_numel].cpu()

@@ -43,6 +43,13 @@ def check_block(path: Path, block: ParamBlock, meta: dict[str, str]) -> None:
             f"has optimizer.state_dtype: {block.state_dtype}; resume with "
             f"optimizer.state_dtype: {saved_dtype} (states are not converted)"
         )
+    saved_master = meta.get("master_dtype", "fp32")  # checkpoints before master_dtype
+    if saved_master != block.master_dtype:
+        raise ValueError(
+            f"checkpoint {path} holds {saved_master} master weights but this run has "
+            f"optimizer.master_dtype: {block.master_dtype}; resume with "
+            f"optimizer.master_dtype: {saved_master} (masters are not converted)"
+        )
 
 
 def block_files(path: Path, block: ParamBlock) -> list[Path]:

@@ -1,10 +1,11 @@
 """Checkpoints that resume exactly: the single-process writer and the reader (one process).
 
 Layout of one checkpoint, `<output_dir>/checkpoints/step-<N>/` (names: run_files.py):
-    blocks/<block>.safetensors   fp32 master, exp_avg, exp_avg_sq of one store block, the states
-                                 as stored (fp32, bf16, or int8 codes plus exp_avg_scale and
-                                 exp_avg_sq_scale; store/states.py) (metadata: the block's
-                                 optimizer step, parameter names and state_dtype)
+    blocks/<block>.safetensors   master, exp_avg, exp_avg_sq of one store block, as stored: the
+                                 master fp32 or bf16 (store/master.py), the states fp32, bf16,
+                                 or int8 codes plus exp_avg_scale and exp_avg_sq_scale
+                                 (store/states.py) (metadata: the block's optimizer step,
+                                 parameter names, state_dtype and master_dtype)
                                  (a block held on the GPU, optimizer-state tier, is saved
                                  from the device into the same files)
     trainer_state.json           step, run id, data loader position, RNG states (the recipe's)
@@ -142,6 +143,7 @@ def write_blocks(tmp: Path, store: HostStore) -> None:
                 "step": str(block.step),
                 "names": json.dumps([[e.full_name, list(e.shape)] for e in block.entries]),
                 "state_dtype": block.state_dtype,
+                "master_dtype": block.master_dtype,
             },
         )
         honour_umask(path)  # save_file writes 0600

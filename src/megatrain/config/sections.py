@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatrain.choices import SINK_ATTENTION, STATE_DTYPES
+from megatrain.choices import MASTER_DTYPES, SINK_ATTENTION, STATE_DTYPES
 from megatrain.config.checkpoint import CheckpointConfig
 from megatrain.config.dpo import DPOConfig
 from megatrain.config.grpo import GRPOConfig
@@ -221,6 +221,12 @@ class OptimizerConfig:
     state_dtype: str = "fp32"
     """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4)
     or "int8" (block-wise 8-bit Adam, ~2); master weights stay fp32 (docs/optimizer_states.md)."""
+    master_dtype: str = "fp32"
+    """Master weights on the host: "fp32" (4 B/param, plus the 2 B/param bf16 copy that
+    streams to the GPU) or "bf16" (2 B/param: the update runs in fp32 and is rounded
+    stochastically into the bf16 master, which is also the streamed copy; gradients then land
+    in a bf16 buffer of their own, 2 B/param). bf16 needs model.compute_dtype bf16 and keeps
+    no GPU tier (docs/optimizer_states.md)."""
 
     def validate(self) -> None:
         check_types("optimizer", self)
@@ -250,6 +256,7 @@ class OptimizerConfig:
         check_choice("optimizer.impl", self.impl, OPTIMIZER_IMPLS)
         check_int("optimizer.threads", self.threads, minimum=1, optional=True)
         check_choice("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
+        check_choice("optimizer.master_dtype", self.master_dtype, MASTER_DTYPES)
 
     @property
     def clip_norm(self) -> float | None:
@@ -339,11 +346,30 @@ class TrainConfig:
                 "tier keeps fp32 states (a block's checkpoint must not depend on its tier); set "
                 "memory.gpu_state_blocks: 0 (or auto), or optimizer.state_dtype: fp32"
             )
+        self._check_master_dtype()
         warmup = self.optimizer.warmup_steps
         if t.max_steps is not None and warmup > t.max_steps:
             raise ValueError(
                 f"optimizer.warmup_steps={warmup} exceeds training.max_steps={t.max_steps}; "
                 f"set warmup_steps <= {t.max_steps} (or use optimizer.warmup_ratio)"
+            )
+
+    def _check_master_dtype(self) -> None:
+        """A bf16 master is the bf16 copy the device streams: bf16 compute, no GPU tier."""
+        if self.optimizer.master_dtype == "fp32":
+            return
+        if self.model.compute_dtype != "bf16":
+            raise ValueError(
+                f"optimizer.master_dtype: bf16 with model.compute_dtype: "
+                f"{self.model.compute_dtype}: the bf16 master is the copy the GPU computes with; "
+                "set model.compute_dtype: bf16, or optimizer.master_dtype: fp32"
+            )
+        blocks = self.memory.gpu_state_blocks
+        if isinstance(blocks, int) and blocks > 0:
+            raise ValueError(
+                f"memory.gpu_state_blocks={blocks} with optimizer.master_dtype: bf16: the GPU "
+                "tier keeps fp32 masters (a block's checkpoint must not depend on its tier); "
+                "set memory.gpu_state_blocks: 0 (or auto), or optimizer.master_dtype: fp32"
             )
 
     # Derived values: computed here once, read everywhere else.

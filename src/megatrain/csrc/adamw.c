@@ -231,3 +231,137 @@ void mt_adamw_int8(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
         }
     }
 }
+
+/* ---- bf16 master weights (optimizer.master_dtype: bf16; store/master.py) ----
+ * The master p is bf16 and is itself the copy the device streams: there is no shadow, and the
+ * gradient g has a buffer of its own. Each element of p is read into fp32, takes exactly
+ * ADAMW_ELEMENT's arithmetic, and is rounded stochastically back into bf16 with the bits
+ * lowbias32(i ^ chunk_key_p), the same bits formula as the bf16 states' (key_p: store/states.py
+ * rounding_key(block, step, "p")). One pass; m and v are kept in fp32, bf16 or int8 as above.
+ * optim/bf16_master.py's torch reference does the same operations; the two agree bit for bit. */
+#define MASTER_ELEMENT(LOAD_G)                                                    \
+    float gi = (LOAD_G) * grad_scale;                                             \
+    float po = bf16_load(p, i);                                                   \
+    float pi = i < decay_end ? po * decay : po;                                   \
+    float mi = mo + one_minus_b1 * (gi - mo);                                     \
+    float vi = vo * beta2 + one_minus_b2 * gi * gi;                               \
+    float denom = sqrtf(vi) / bc2_sqrt + eps;                                     \
+    pi = pi - step_size * (mi / denom);                                           \
+    p[i] = bf16_round_stochastic(pi, lowbias32((uint32_t)i ^ chunk_key_p));
+
+#define MASTER_FP32_LOOP(LOAD_G)                                                  \
+    _Pragma("omp simd")                                                           \
+    for (int64_t i = lo; i < hi; i++) {                                           \
+        float mo = m[i];                                                          \
+        float vo = v[i];                                                          \
+        MASTER_ELEMENT(LOAD_G)                                                    \
+        m[i] = mi;                                                                \
+        v[i] = vi;                                                                \
+    }
+
+/* bf16 master, fp32 m and v. */
+void mt_adamw_bf16m_fp32(uint16_t *p, float *m, float *v, const void *g, int g_is_bf16,
+                         int64_t n, int64_t decay_end, float decay, float beta2,
+                         float one_minus_b1, float one_minus_b2, float step_size,
+                         float bc2_sqrt, float eps, float grad_scale, uint32_t key_p,
+                         int nthreads) {
+    const uint16_t *gb = (const uint16_t *)g;
+    const float *gf = (const float *)g;
+    const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int64_t lo = c * CHUNK;
+        const int64_t hi = lo + CHUNK < n ? lo + CHUNK : n;
+        const uint32_t chunk_key_p = lowbias32(key_p ^ (uint32_t)((uint64_t)lo >> 32));
+        if (g_is_bf16) {
+            MASTER_FP32_LOOP(bf16_load(gb, i))
+        } else {
+            MASTER_FP32_LOOP(gf[i])
+        }
+    }
+}
+
+#define MASTER_BF16_LOOP(LOAD_G)                                                  \
+    _Pragma("omp simd")                                                           \
+    for (int64_t i = lo; i < hi; i++) {                                           \
+        float mo = bf16_load(m, i);                                               \
+        float vo = bf16_load(v, i);                                               \
+        MASTER_ELEMENT(LOAD_G)                                                    \
+        m[i] = bf16_round_stochastic(mi, lowbias32((uint32_t)i ^ chunk_key_m));   \
+        v[i] = bf16_round_stochastic(vi, lowbias32((uint32_t)i ^ chunk_key_v));   \
+    }
+
+/* bf16 master, bf16 m and v (each with its own key, as mt_adamw_bf16). */
+void mt_adamw_bf16m_bf16(uint16_t *p, uint16_t *m, uint16_t *v, const void *g, int g_is_bf16,
+                         int64_t n, int64_t decay_end, float decay, float beta2,
+                         float one_minus_b1, float one_minus_b2, float step_size,
+                         float bc2_sqrt, float eps, float grad_scale, uint32_t key_p,
+                         uint32_t key_m, uint32_t key_v, int nthreads) {
+    const uint16_t *gb = (const uint16_t *)g;
+    const float *gf = (const float *)g;
+    const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int64_t lo = c * CHUNK;
+        const int64_t hi = lo + CHUNK < n ? lo + CHUNK : n;
+        const uint32_t high = (uint32_t)((uint64_t)lo >> 32);
+        const uint32_t chunk_key_p = lowbias32(key_p ^ high);
+        const uint32_t chunk_key_m = lowbias32(key_m ^ high);
+        const uint32_t chunk_key_v = lowbias32(key_v ^ high);
+        if (g_is_bf16) {
+            MASTER_BF16_LOOP(bf16_load(gb, i))
+        } else {
+            MASTER_BF16_LOOP(gf[i])
+        }
+    }
+}
+
+#define MASTER_INT8_LOOP(LOAD_G)                                                  \
+    _Pragma("omp simd reduction(max : max_m, max_v)")                             \
+    for (int64_t i = lo; i < hi; i++) {                                           \
+        float mo = map_m[m[i]] * scale_m;                                         \
+        float vo = map_v[v[i]] * scale_v;                                         \
+        MASTER_ELEMENT(LOAD_G)                                                    \
+        new_m[i - lo] = mi;                                                       \
+        new_v[i - lo] = vi;                                                       \
+        float abs_m = fabsf(mi);                                                  \
+        max_m = abs_m > max_m ? abs_m : max_m;                                    \
+        max_v = vi > max_v ? vi : max_v;                                          \
+    }
+
+/* bf16 master, int8 m and v: mt_adamw_int8's two halves per quantization block. */
+void mt_adamw_bf16m_int8(uint16_t *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_absmax,
+                         const void *g, int g_is_bf16, int64_t n, int64_t decay_end,
+                         float decay, float beta2, float one_minus_b1, float one_minus_b2,
+                         float step_size, float bc2_sqrt, float eps, float grad_scale,
+                         const float *map_m, const uint32_t *table_m, const float *map_v,
+                         const uint32_t *table_v, uint32_t key_p, int nthreads) {
+    const uint16_t *gb = (const uint16_t *)g;
+    const float *gf = (const float *)g;
+    const int64_t nblocks = (n + QBLOCK - 1) / QBLOCK;
+#pragma omp parallel for schedule(dynamic, CHUNK / QBLOCK) num_threads(nthreads)
+    for (int64_t b = 0; b < nblocks; b++) {
+        float new_m[QBLOCK], new_v[QBLOCK];
+        const int64_t lo = b * QBLOCK;
+        const int64_t hi = lo + QBLOCK < n ? lo + QBLOCK : n;
+        const uint32_t chunk_key_p = lowbias32(key_p ^ (uint32_t)((uint64_t)lo >> 32));
+        const float scale_m = m_absmax[b], scale_v = v_absmax[b];
+        float max_m = 0.0f, max_v = 0.0f;
+        if (g_is_bf16) {
+            MASTER_INT8_LOOP(bf16_load(gb, i))
+        } else {
+            MASTER_INT8_LOOP(gf[i])
+        }
+        m_absmax[b] = max_m;
+        v_absmax[b] = max_v;
+        const float div_m = max_m > 0.0f ? max_m : 1.0f;
+        const float div_v = max_v > 0.0f ? max_v : 1.0f;
+        uint8_t *mq = m + lo, *vq = v + lo;
+        const int len = (int)(hi - lo);
+#pragma omp simd
+        for (int j = 0; j < len; j++) {
+            mq[j] = quantize(table_m, float_bits(new_m[j] / div_m));
+            vq[j] = quantize(table_v, float_bits(new_v[j] / div_v));
+        }
+    }
+}

@@ -18,6 +18,7 @@ rounding in store/states.py) take the same update with m and v dequantized as re
 as written: "c" runs csrc/adamw.c's mt_adamw_bf16 / mt_adamw_int8 (one pass over memory),
 "torch" runs `update_compressed_reference`, plain PyTorch ops in the same order on the same
 float32 scalars, which the C kernel equals bit for bit (tests/test_optim_states_parity.py).
+Blocks with a bf16 master (`ParamBlock.master_dtype`) take optim/bf16_master.py's update.
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.native import load_adamw_kernel
+from megatrain.optim.bf16_master import update_bf16_master_c, update_bf16_master_reference
+from megatrain.optim.update_io import StepScalars, read_states, write_states
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.states import (
     QUANT_BLOCK,
-    bf16_stochastic,
-    dequantize_blockwise,
     dynamic_map,
-    quantize_blockwise,
     quantize_table,
     rounding_keys,
 )
@@ -45,32 +45,6 @@ class AdamWHyper:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-
-
-@dataclass(frozen=True)
-class StepScalars:
-    """The scalars of one block's update, as both compressed-state paths use them (float32)."""
-
-    decay: float  # 1 - lr * weight_decay, on the block's decayed range
-    beta2: float
-    one_minus_b1: float
-    one_minus_b2: float
-    step_size: float  # lr / (1 - beta1^step)
-    bc2_sqrt: float  # sqrt(1 - beta2^step)
-    eps: float
-    grad_scale: float
-
-    def as_c_floats(self) -> tuple[float, ...]:
-        return (
-            self.decay,
-            self.beta2,
-            self.one_minus_b1,
-            self.one_minus_b2,
-            self.step_size,
-            self.bc2_sqrt,
-            self.eps,
-            self.grad_scale,
-        )
 
 
 class CpuAdamW:
@@ -99,7 +73,7 @@ class CpuAdamW:
         beta1, beta2 = self.hyper.betas
         bc1 = 1.0 - beta1**block.step
         bc2_sqrt = math.sqrt(1.0 - beta2**block.step)
-        if block.state_dtype != "fp32":
+        if block.state_dtype != "fp32" or block.master_dtype != "fp32":
             scalars = StepScalars(
                 decay=1.0 - lr * self.hyper.weight_decay,
                 beta2=beta2,
@@ -110,7 +84,9 @@ class CpuAdamW:
                 eps=self.hyper.eps,
                 grad_scale=grad_scale,
             )
-            if self._lib is not None:
+            if block.master_dtype != "fp32":
+                self._update_bf16_master(block, scalars)
+            elif self._lib is not None:
                 self._update_compressed_c(block, scalars)
             else:
                 update_compressed_reference(block, scalars)
@@ -169,6 +145,12 @@ class CpuAdamW:
             grad_scale,
             self.num_threads,
         )
+
+    def _update_bf16_master(self, block: ParamBlock, s: StepScalars) -> None:
+        if self._lib is not None:
+            update_bf16_master_c(self._lib, block, s, self.num_threads)
+        else:
+            update_bf16_master_reference(block, s)
 
     def _update_compressed_c(self, block: ParamBlock, s: StepScalars) -> None:
         assert self._lib is not None
@@ -254,7 +236,7 @@ def update_compressed_reference(
     for lo in range(0, block.numel, chunk):
         hi = min(lo + chunk, block.numel)
         grad = block.grad_landing[lo:hi].float() * f32["grad_scale"]  # read before the shadow
-        m_old, v_old = _read_states(block, lo, hi)
+        m_old, v_old = read_states(block, lo, hi)
         p = block.master[lo:hi]
         p[: max(0, min(block.decay_numel, hi) - lo)].mul_(f32["decay"])
         m = m_old + f32["one_minus_b1"] * (grad - m_old)
@@ -267,33 +249,4 @@ def update_compressed_reference(
         p.sub_(f32["step_size"] * (m / denom))
         if block.shadow is not None:
             block.shadow[lo:hi].copy_(p)
-        _write_states(block, lo, hi, m, v, keys)
-
-
-def _read_states(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if block.state_dtype == "bf16":
-        return block.exp_avg[lo:hi].float(), block.exp_avg_sq[lo:hi].float()
-    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
-    blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
-    return (
-        dequantize_blockwise(block.exp_avg[lo:hi], block.exp_avg_scale[blocks], signed=True),
-        dequantize_blockwise(block.exp_avg_sq[lo:hi], block.exp_avg_sq_scale[blocks], signed=False),
-    )
-
-
-def _write_states(
-    block: ParamBlock, lo: int, hi: int, m: torch.Tensor, v: torch.Tensor, keys: tuple[int, int]
-) -> None:
-    if block.state_dtype == "bf16":
-        block.exp_avg[lo:hi].copy_(bf16_stochastic(m, keys[0], lo))
-        block.exp_avg_sq[lo:hi].copy_(bf16_stochastic(v, keys[1], lo))
-        return
-    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
-    blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
-    for codes, scale, value, signed in (
-        (block.exp_avg, block.exp_avg_scale, m, True),
-        (block.exp_avg_sq, block.exp_avg_sq_scale, v, False),
-    ):
-        new_codes, absmax = quantize_blockwise(value, signed=signed)
-        codes[lo:hi].copy_(new_codes)
-        scale[blocks].copy_(absmax)
+        write_states(block, lo, hi, m, v, keys)

@@ -1,14 +1,16 @@
 """Disk a training run writes (byte arithmetic from the parameter counts); the free-space check.
 
 What a run writes under `training.output_dir`:
-    checkpoint    `checkpoint_nbytes`: per store block its fp32 master (4 bytes per parameter)
+    checkpoint    `checkpoint_nbytes`: per store block its master at the run's
+                  optimizer.master_dtype (4 bytes per parameter fp32, 2 bf16; store/master.py)
                   and AdamW exp_avg, exp_avg_sq at the run's optimizer.state_dtype (8 fp32, 4
                   bf16, 2 + the int8 scales; store/states.py), every rank's padded part when
-                  sharded: 12, 8 or ~6 bytes per parameter. The checkpoint writer writes
-                  exactly these bytes of tensors (checkpoint/saving.py `part_bytes`), plus
-                  small files (trainer_state.json with the RNG states, config.yaml);
-                  `keep_last` of them are kept, and while the next one is written (into a
-                  temporary folder, before the oldest is pruned) keep_last + 1 exist at once
+                  sharded: 12, 8 or ~6 bytes per parameter with an fp32 master (2 less with
+                  bf16). The checkpoint writer writes exactly these bytes of tensors
+                  (checkpoint/saving.py `part_bytes`), plus small files (trainer_state.json
+                  with the RNG states, config.yaml); `keep_last` of them are kept, and while
+                  the next one is written (into a temporary folder, before the oldest is
+                  pruned) keep_last + 1 exist at once
     HF export     2 (bf16) or 4 (fp32) bytes per parameter, plus config and tokenizer files;
                   written after the last checkpoint, while the kept checkpoints still exist
     metrics       one JSON line per optimizer step and evaluation (under 2 KiB each)
@@ -26,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatrain.disk_space import EXPORT_BYTES_PER_PARAM, GIB, free_bytes
+from megatrain.store.master import master_bytes_per_param
 from megatrain.store.shard import shard_range
 from megatrain.store.states import state_bytes_per_param, state_nbytes
 
-MASTER_BYTES_PER_PARAM = 4  # the fp32 master weights a checkpoint holds
 SMALL_FILES_BYTES = 64 * 2**20  # tokenizer, configs, trainer_state.json, safetensors headers
 METRICS_BYTES_PER_STEP = 2048  # a train record (~1 KiB with the timeline) and an eval record
 
@@ -45,13 +47,14 @@ class RunDisk:
     metrics_bytes: int
     peak_bytes: int
     state_dtype: str = "fp32"  # the AdamW states' dtype in the checkpoints
+    master_dtype: str = "fp32"  # the master weights' dtype in the checkpoints
 
     def describe(self) -> str:
         parts = []
         if self.checkpoints_at_peak:
             parts.append(
                 f"{self.checkpoints_at_peak} checkpoint(s) of {_gib(self.checkpoint_bytes)} GiB "
-                f"(fp32 weights and AdamW m, v in {self.state_dtype})"
+                f"({self.master_dtype} weights and AdamW m, v in {self.state_dtype})"
             )
         if self.export_bytes:
             kept = f" written while {self.checkpoints_kept} checkpoint(s) are kept"
@@ -74,13 +77,14 @@ def run_disk_bytes(
     total_steps: int | None,
     checkpoint_bytes: int | None = None,
     state_dtype: str = "fp32",
+    master_dtype: str = "fp32",
 ) -> RunDisk:
     """Peak bytes a run writes to output_dir. `total_steps` None: unknown, assume many saves.
     `checkpoint_bytes`: one checkpoint's (`checkpoint_nbytes` of the run's blocks); None: the
-    `num_params` as one block with `state_dtype` states."""
+    `num_params` as one block with `state_dtype` states and a `master_dtype` master."""
     ckpt = checkpoint_bytes
     if ckpt is None:
-        ckpt = checkpoint_nbytes([num_params], state_dtype)
+        ckpt = checkpoint_nbytes([num_params], state_dtype, master_dtype=master_dtype)
     if total_steps is None:
         saves = keep_last + 1 if save_every else int(save_final)
     else:
@@ -92,23 +96,27 @@ def run_disk_bytes(
     export = num_params * EXPORT_BYTES_PER_PARAM[export_dtype] if export_hf else 0
     metrics = METRICS_BYTES_PER_STEP * (total_steps if total_steps is not None else 100_000)
     peak = max(at_peak * ckpt, kept * ckpt + export) + metrics + SMALL_FILES_BYTES
-    return RunDisk(ckpt, at_peak, kept, export, metrics, peak, state_dtype)
+    return RunDisk(ckpt, at_peak, kept, export, metrics, peak, state_dtype, master_dtype)
 
 
-def checkpoint_nbytes(block_numels: Iterable[int], state_dtype: str, *, world: int = 1) -> int:
+def checkpoint_nbytes(
+    block_numels: Iterable[int], state_dtype: str, *, world: int = 1, master_dtype: str = "fp32"
+) -> int:
     """Bytes of the tensors of one checkpoint of store blocks of `block_numels` parameters:
-    each block's fp32 master and AdamW states in `state_dtype`; with `world` ranks, every
-    rank's part of the block, padded as store/shard.py pads it."""
+    each block's master in `master_dtype` and AdamW states in `state_dtype`; with `world`
+    ranks, every rank's part of the block, padded as store/shard.py pads it."""
+    master = master_bytes_per_param(master_dtype)
     total = 0
     for numel in block_numels:
         part = numel if world == 1 else shard_range(numel, 0, world)[2]
-        total += world * (MASTER_BYTES_PER_PARAM * part + state_nbytes(part, state_dtype))
+        total += world * (master * part + state_nbytes(part, state_dtype))
     return total
 
 
-def checkpoint_bytes_per_param(state_dtype: str) -> float:
-    """A checkpoint's bytes per parameter: 12 (fp32 states), 8 (bf16), ~6 (int8)."""
-    return MASTER_BYTES_PER_PARAM + state_bytes_per_param(state_dtype)
+def checkpoint_bytes_per_param(state_dtype: str, master_dtype: str = "fp32") -> float:
+    """A checkpoint's bytes per parameter: 12 (fp32 states), 8 (bf16), ~6 (int8) with an fp32
+    master; 2 less with a bf16 one."""
+    return master_bytes_per_param(master_dtype) + state_bytes_per_param(state_dtype)
 
 
 def check_run_disk(output_dir: str | Path, disk: RunDisk, *, already_written: int = 0) -> None:

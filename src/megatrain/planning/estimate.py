@@ -5,7 +5,9 @@ Host (bytes per parameter P; the store of store/host.py, every block):
   gradients land in it). fp32 compute: exp_avg + exp_avg_sq pageable (8), fp32 master and
   fp32 gradient pinned (8). exp_avg + exp_avg_sq take 8 with `state_dtype` fp32, 4 with bf16
   and 2 + 8/2048 (codes + per-block scales) with int8 (store/states.py, counted per block):
-  14, 10 and ~8 B/param in bf16 compute.
+  14, 10 and ~8 B/param in bf16 compute. A bf16 master (`master_dtype`, store/master.py):
+  the master pinned (2; it is the streamed copy, no shadow) and a bf16 gradient landing
+  pinned (2), m and v as above: 12, 8 and ~6.
 - Pinned blocks of 32 MiB and more are huge-page mappings page-locked with cudaHostRegister
   (store/memory.py): their size rounded up to 2 MiB. Smaller ones come from torch's caching
   host allocator, which rounds up to a power of two. `pinned_reserved_bytes` counts that.
@@ -149,6 +151,7 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         offload_bytes=host_input_bytes(boundaries, input_bytes, setup.grad_accum, reserved),
         pin_memory=setup.pin_memory,
         state_dtype=setup.state_dtype,
+        master_dtype=setup.master_dtype,
         gpu_state_blocks=tier,
         ranks=setup.ranks,
         vision=(layout.numel(VISION), layout.numel(VISION_TRAIN)),
@@ -202,6 +205,7 @@ def _settings(
         clipping=plan.clip_norm is not None,
         loss_chunk_tokens=chunk,
         state_dtype=setup.state_dtype,
+        master_dtype=setup.master_dtype,
         gpu_state_blocks=tier,
         compiled=plan.compile_layers,
         activations=boundaries.describe(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB, Hardware, gib
+from megatrain.store.master import weight_bytes_per_param
 from megatrain.store.states import state_bytes_per_param
 
 
@@ -48,6 +49,13 @@ def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
         advice.append(
             f"compressed AdamW states, optimizer.state_dtype: int8 ({states - 2:.0f} B/param "
             "less)" + (" or bf16 (4 less)" if states > state_bytes_per_param("bf16") else "")
+        )
+    bf16_compute = est.settings["compute_dtype"] == "bf16"
+    if bf16_compute and est.settings.get("master_dtype", "fp32") == "fp32":
+        saved = weight_bytes_per_param("fp32") - weight_bytes_per_param("bf16")
+        advice.append(
+            f"bf16 master weights with stochastic rounding, optimizer.master_dtype: bf16 "
+            f"({saved} B/param less)"
         )
     return (
         f"host RAM: predicted {gib(h.total_bytes)} (store {gib(h.store_bytes)} = "

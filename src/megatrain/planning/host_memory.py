@@ -10,6 +10,7 @@ import torch
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
 from megatrain.planning.spec import ModelSpec
+from megatrain.store.master import weight_buffers
 from megatrain.store.memory import HUGE_PAGE_MIN_BYTES
 from megatrain.store.states import state_nbytes
 
@@ -48,6 +49,7 @@ def host_memory(
     data_bytes: int = 0,
     pin_memory: bool = True,
     state_dtype: str = "fp32",
+    master_dtype: str = "fp32",
     gpu_state_blocks: int = 0,
     offload_bytes: int = 0,
     ranks: Ranks = ONE_PROCESS,
@@ -66,11 +68,13 @@ def host_memory(
 
     def store(numels: list[int]) -> tuple[int, int, int]:
         """(pageable, pinned, pinned as reserved) bytes of these blocks on the host."""
-        states = sum(state_nbytes(n, state_dtype) for n in numels)
-        if spec.compute_dtype == torch.bfloat16:
-            pageable, pinned_per_block = 4 * sum(numels) + states, [2 * n for n in numels]
-        else:  # master and gradient pinned
-            pageable, pinned_per_block = states, [4 * n for n in numels] * 2
+        bf16 = spec.compute_dtype == torch.bfloat16
+        pageable = sum(state_nbytes(n, state_dtype) for n in numels)
+        pinned_per_block = []
+        for n in numels:  # master, streamed copy, gradient landing (store/master.py)
+            weights, pinned_buffers = weight_buffers(n, master_dtype, bf16_compute=bf16)
+            pageable += weights
+            pinned_per_block += pinned_buffers
         pinned = sum(pinned_per_block)
         reserved = sum(pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
         return pageable, pinned, reserved

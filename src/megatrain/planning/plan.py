@@ -62,6 +62,7 @@ class RunShape:
     pin_memory: bool
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
     state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
+    master_dtype: str = "fp32"  # master weights on the host: "fp32" or "bf16" (host memory)
     gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
     compiled: bool = False  # decoder layers torch.compile'd (training.compile_layers)
     activation_offload: str = "off"  # layer inputs to the host: "auto", "on" or "off"
@@ -95,6 +96,7 @@ class RunShape:
             pin_memory=pin_memory,
             check_gpu=p.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
+            master_dtype=cfg.optimizer.master_dtype,
             gpu_state_blocks=mem.gpu_state_blocks,
             compiled=compiled,
             activation_offload=mem.activation_offload,
@@ -150,6 +152,7 @@ class RunShape:
             grad_accum=grad_accum,
             layout=self.layout,
             state_dtype=self.state_dtype,
+            master_dtype=self.master_dtype,
             pin_memory=self.pin_memory,
             ranks=self.ranks,
             vision=self.vision,
@@ -327,6 +330,8 @@ def _tier(
         return min(int(shape.gpu_state_blocks), blocks), None
     if shape.state_dtype != "fp32":
         return 0, f"GPU tier: none (state_dtype {shape.state_dtype}: fp32 only)"
+    if shape.master_dtype != "fp32":
+        return 0, f"GPU tier: none (master_dtype {shape.master_dtype}: fp32 only)"
     return _pick_tier(predict, blocks, shape.check_gpu, hardware, gpu_margin_gib, reserve)
 
 

@@ -45,7 +45,8 @@ def _setup_lines(est: Estimate) -> list[str]:
         f"setup  {s['micro_batch_size']} x {s['seq_len']} tokens x {s['grad_accum']} "
         f"micro-batches = {s['tokens_per_step']} tokens/step; {s['compute_dtype']} compute, "
         f"{s['num_slots']} slots, {layout}, clipping {'on' if s['clipping'] else 'off'}, "
-        f"AdamW states {s['state_dtype']}" + (", compiled layers" if s.get("compiled") else ""),
+        f"AdamW states {s['state_dtype']}, master weights {s['master_dtype']}"
+        + (", compiled layers" if s.get("compiled") else ""),
         _ranks_line(s),
         f"GPU tier  {s['gpu_state_blocks']} blocks (layers from the first, then embedding, head) "
         "keep their optimizer states on the GPU: no copies, AdamW there",
@@ -53,19 +54,22 @@ def _setup_lines(est: Estimate) -> list[str]:
     ]
 
 
+# (compute dtype, master dtype) -> what the store's pageable and pinned bytes are
+_STORE_PARTS = {
+    ("bf16", "fp32"): ("fp32 master + Adam m, v", "bf16 shadow = gradient landing"),
+    ("bf16", "bf16"): ("Adam m, v", "bf16 master + bf16 gradient landing"),
+    ("fp32", "fp32"): ("Adam m, v", "fp32 master + gradient"),
+}
+
+
 def _host_lines(est: Estimate) -> list[str]:
     hw, h = est.hardware, est.host
-    bf16 = est.settings["compute_dtype"] == "bf16"
+    pageable, pinned = _STORE_PARTS[est.settings["compute_dtype"], est.settings["master_dtype"]]
     return [
         f"{'host RAM':<{_W + 2}}{'GiB':>10}",
+        _row(f"pageable ({pageable})", _gib(h.pageable_bytes)),
         _row(
-            "pageable (fp32 master + Adam m, v)" if bf16 else "pageable (Adam m, v)",
-            _gib(h.pageable_bytes),
-        ),
-        _row(
-            "pinned (bf16 shadow = gradient landing)"
-            if bf16
-            else "pinned (fp32 master + gradient)",
+            f"pinned ({pinned})",
             _gib(h.pinned_bytes),
             f"pinned as {_gib(h.pinned_reserved_bytes)} GiB after allocation rounding",
         ),
@@ -160,6 +164,7 @@ def _time_lines(est: Estimate) -> list[str]:
 
 
 def _disk_lines(est: Estimate, export_dtype: str | None) -> list[str]:
+    s = est.settings
     export = (
         _row(
             f"Hugging Face export ({export_dtype})",
@@ -171,8 +176,10 @@ def _disk_lines(est: Estimate, export_dtype: str | None) -> list[str]:
     return [
         f"{'disk (training.output_dir)':<{_W + 2}}{'GiB':>10}",
         _row(
-            "one checkpoint (fp32 master + Adam m, v)",
-            _gib(checkpoint_bytes_per_param(est.settings["state_dtype"]) * est.total_params),
+            f"one checkpoint ({s['master_dtype']} master + Adam m, v)",
+            _gib(
+                checkpoint_bytes_per_param(s["state_dtype"], s["master_dtype"]) * est.total_params
+            ),
             "x keep_last, + 1 while the next one is written",
         ),
         export,

@@ -225,7 +225,10 @@ class Recipe:
         spec, b = self.builder.spec, self.builder
         blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
         world = b.placement.world_size
-        states = checkpoint_nbytes(blocks, self.cfg.optimizer.state_dtype, world=world)
+        opt = self.cfg.optimizer
+        states = checkpoint_nbytes(
+            blocks, opt.state_dtype, world=world, master_dtype=opt.master_dtype
+        )
         return states + self.extra_checkpoint_bytes()
 
     def _check_disk(self) -> None:
@@ -241,6 +244,7 @@ class Recipe:
             total_steps=self.cfg.training.max_steps,
             checkpoint_bytes=one,
             state_dtype=self.cfg.optimizer.state_dtype,
+            master_dtype=self.cfg.optimizer.master_dtype,
         )
         # a resumed run prunes the kept checkpoints as it writes new ones
         kept = min(len(self.checkpointer.checkpoints()), c.keep_last) if c.resume_from else 0

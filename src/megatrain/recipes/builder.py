@@ -184,6 +184,7 @@ class RunBuilder(PlanBuilder):
         *,
         compute_dtype: torch.dtype | None = None,
         state_dtype: str | None = None,
+        master_dtype: str | None = None,
     ) -> HostStore:
         """The host store of `structure`'s weights: this rank's shards when there are ranks."""
         opt, p, m = self.cfg.optimizer, self.placement, self.cfg.model
@@ -208,6 +209,7 @@ class RunBuilder(PlanBuilder):
             no_decay=opt.no_decay,
             decay_1d=opt.decay_1d,
             state_dtype=state_dtype or opt.state_dtype,
+            master_dtype=master_dtype or opt.master_dtype,
             shard=shard,
             vision=vision,
         )

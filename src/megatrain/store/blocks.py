@@ -9,7 +9,8 @@ records where one named parameter of the block's module lives in that layout.
 
 Host buffers per block:
 - `master`  fp32 master weights (pageable; pinned in fp32 compute on CUDA, where it is the copy
-            source)
+            source), or bf16 master weights (`optimizer.master_dtype: bf16`, store/master.py:
+            pinned, the copy source itself, no shadow)
 - `exp_avg`, `exp_avg_sq`  AdamW m and v in the block's `state_dtype` (store/states.py): fp32,
             bf16, or int8 (uint8 codes, with one fp32 absmax per quantization block in
             `exp_avg_scale`, `exp_avg_sq_scale`)
@@ -17,7 +18,8 @@ Host buffers per block:
             a layer's backward and its optimizer update it holds that layer's bf16 gradient
             instead (the weights are not needed then); the update reads the gradient and writes
             the new weights into the same place. So gradients need no host memory of their own.
-- `grad`    fp32 gradient, only in fp32 compute (where there is no bf16 shadow to reuse).
+- `grad`    fp32 gradient, only in fp32 compute (where there is no bf16 shadow to reuse), or the
+            bf16 gradient landing of a bf16 master (whose streamed copy holds the weights).
 
 A block of the GPU tier (`to_device`) holds all of these on the compute device instead, for the
 whole run: fp32 master, m, v, an fp32 gradient, and (bf16 compute) the shadow as the layer's
@@ -91,8 +93,14 @@ class ParamBlock:
 
     @property
     def source(self) -> torch.Tensor:
-        """What the device copies from: the bf16 shadow, or the fp32 master in fp32 compute."""
+        """What the device copies from: the bf16 shadow, or the master (fp32 in fp32 compute,
+        or a bf16 master)."""
         return self.shadow if self.shadow is not None else self.master
+
+    @property
+    def master_dtype(self) -> str:
+        """Layout of the master: "fp32", or "bf16" (store/master.py; then it is the source)."""
+        return "bf16" if self.master.dtype == torch.bfloat16 else "fp32"
 
     @property
     def rounding_name(self) -> str:

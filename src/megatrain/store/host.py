@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from megatrain.model.multimodal import unused_vision_params
 from megatrain.model.structure import ModelStructure
 from megatrain.store.blocks import ParamBlock, ParamEntry
+from megatrain.store.master import bf16_master_of, check_master_dtype, gradient_landing
 from megatrain.store.memory import host_zeros
 from megatrain.store.states import check_state_dtype
 
@@ -37,7 +38,9 @@ class HostStore:
     first; the HF model's parameters are replaced by meta tensors, so weights exist once.
 
     `state_dtype` ("fp32", "bf16", "int8"; store/states.py) is the layout of every block's
-    AdamW m and v; the master is always fp32.
+    AdamW m and v; `master_dtype` ("fp32", "bf16"; store/master.py) that of its master: a bf16
+    master is pinned and is itself the copy the device streams (no shadow), and the gradient
+    lands in a bf16 buffer of its own (`ParamBlock.grad`).
     """
 
     def __init__(
@@ -49,23 +52,32 @@ class HostStore:
         no_decay: Sequence[str] = DEFAULT_NO_DECAY,
         decay_1d: bool = False,
         state_dtype: str = "fp32",
+        master_dtype: str = "fp32",
         shard: Callable[..., ParamBlock] | None = None,
         vision: dict[str, nn.Module] | None = None,
     ) -> None:
         """`shard`: under ranks, what each block becomes once its whole fp32 master is built
         (this rank's part, store/shard.py shard_master, called with the master and the block's
-        name, entries, decay_numel, state_dtype and whether compute is bf16): a rank never
-        holds more than one whole master of its own, and never whole states or shadows.
+        name, entries, decay_numel, state_dtype, master_dtype and whether compute is bf16): a
+        rank never holds more than one whole master of its own, and never whole states or
+        shadows.
         `vision`: a vision-language model's vision parts that train (by dotted name under its
         multimodal body; model/multimodal.py trained_vision), one block "vision", first in
         forward order; the frozen ones stay in the HF model as loaded."""
         check_state_dtype(state_dtype)
+        check_master_dtype(master_dtype)
         if compute_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"compute dtype must be bfloat16 or float32, got {compute_dtype}")
+        if master_dtype == "bf16" and compute_dtype != torch.bfloat16:
+            raise ValueError(
+                "optimizer.master_dtype: bf16 needs model.compute_dtype: bf16 (the bf16 master "
+                "is the copy the device computes with); set one of them to the other's value"
+            )
         self.structure = structure
         self.compute_dtype = compute_dtype
         self.pin_memory = pin_memory
         self.state_dtype = state_dtype
+        self.master_dtype = master_dtype
         self._patterns = [re.compile(p, re.IGNORECASE) for p in no_decay]
         self._decay_1d = decay_1d
         self._shard = shard
@@ -148,17 +160,21 @@ class HostStore:
                 entries=entries,
                 decay_numel=decay_numel,
                 state_dtype=self.state_dtype,
+                master_dtype=self.master_dtype,
                 bf16=self.compute_dtype == torch.bfloat16,
             )
+        bf16_master = self.master_dtype == "bf16"
         block = ParamBlock.with_states(
             name=name,
             entries=entries,
             numel=offset,
             decay_numel=decay_numel,
-            master=master,
+            master=bf16_master_of(master, pin=self.pin_memory) if bf16_master else master,
             state_dtype=self.state_dtype,
         )
-        if self.compute_dtype == torch.bfloat16:
+        if bf16_master:  # the master is the streamed copy; the gradient lands beside it
+            block.grad = gradient_landing(offset, pin=self.pin_memory)
+        elif self.compute_dtype == torch.bfloat16:
             block.shadow = host_zeros(offset, torch.bfloat16, pin=self.pin_memory)
             block.refresh_shadow()
         else:
@@ -167,7 +183,8 @@ class HostStore:
 
     @property
     def _pin_master(self) -> bool:
-        # In fp32 compute the master itself is the host-to-device source: pin it.
+        # In fp32 compute the master itself is the host-to-device source: pin it. (A bf16
+        # master is made from this one, pinned, and this one is freed.)
         return self.pin_memory and self.compute_dtype == torch.float32
 
     def _decays(self, full_name: str, p: torch.Tensor) -> bool:
@@ -188,7 +205,8 @@ class HostStore:
     def bound(self, dtype: torch.dtype = torch.float32) -> Iterator[PreTrainedModel]:
         """The HF model with its current weights bound in, as `dtype` (fp32 or bf16).
 
-        fp32 binds the master itself; bf16 binds the shadow (or a cast copy in fp32 compute);
+        fp32 binds the master itself (a cast copy of a bf16 master); bf16 binds the shadow, a bf16
+        master itself, or a cast copy of an fp32 master in fp32 compute;
         blocks of the GPU tier are copied to the host first. Each parameter gets a storage of
         its own over the block's memory (no copy), so `save_pretrained` sees separate tensors
         rather than views of one shared buffer. Call
@@ -209,7 +227,7 @@ class HostStore:
             flat = block.master
             if dtype == torch.bfloat16:
                 flat = block.shadow if block.shadow is not None else block.master.bfloat16()
-            flat = flat.cpu()  # a GPU-tier block's weights are copied back (sync point)
+            flat = flat.cpu().to(dtype)  # a GPU-tier block's weights come back (sync point)
             for entry in block.entries:
                 param = nn.Parameter(_own_storage(block.view(flat, entry)), requires_grad=False)
                 for module, attr in entry.owners:

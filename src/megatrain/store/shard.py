@@ -28,6 +28,7 @@ import torch
 
 from megatrain.store.blocks import ParamBlock, ParamEntry
 from megatrain.store.host import HostStore
+from megatrain.store.master import bf16_master_of, gradient_landing
 from megatrain.store.memory import host_zeros
 from megatrain.store.states import QUANT_BLOCK
 
@@ -73,16 +74,20 @@ def shard_master(
     rank: int,
     world: int,
     pin_memory: bool,
+    master_dtype: str = "fp32",
 ) -> ShardedBlock:
     """Rank `rank`'s shard of a fresh block given by its whole fp32 `master`: the shard's
     master, zero AdamW states and its bf16 shadow (`bf16` compute) or fp32 gradient landing, in
     new host tensors, so `master` can be freed afterwards. The whole block's states and shadow
-    are never made (HostStore under ranks builds only its master)."""
+    are never made (HostStore under ranks builds only its master). A bf16 `master_dtype`: the
+    shard's master is bf16 (the streamed copy) with a bf16 gradient landing (store/master.py)."""
     numel = master.numel()
     padded, start, n = shard_range(numel, rank, world)
     lo, hi = min(start, numel), min(start + n, numel)
     part = host_zeros(n, torch.float32, pin=pin_memory and not bf16)
     part[: hi - lo].copy_(master[lo:hi])  # fp32 compute: the master is the source
+    if master_dtype == "bf16":
+        part = bf16_master_of(part, pin=pin_memory)
     sharded = ShardedBlock.with_states(
         name=name,
         entries=entries,
@@ -94,7 +99,9 @@ def shard_master(
         shard_offset=start,
         full_numel=numel,
     )
-    if bf16:
+    if master_dtype == "bf16":
+        sharded.grad = gradient_landing(n, pin=pin_memory)
+    elif bf16:
         sharded.shadow = host_zeros(n, torch.bfloat16, pin=pin_memory)
         sharded.refresh_shadow()
     else:
@@ -111,7 +118,8 @@ def shard_block(block: ParamBlock, rank: int, world: int, *, pin_memory: bool) -
         entries=block.entries,
         decay_numel=block.decay_numel,
         state_dtype=block.state_dtype,
-        bf16=block.shadow is not None,
+        master_dtype=block.master_dtype,
+        bf16=block.shadow is not None or block.master_dtype == "bf16",
         rank=rank,
         world=world,
         pin_memory=pin_memory,

@@ -181,8 +181,14 @@ def lowbias32(x: int) -> int:
 
 def rounding_keys(block_name: str, step: int) -> tuple[int, int]:
     """The stochastic-rounding keys of m and of v for one update of one block."""
+    return rounding_key(block_name, step, "m"), rounding_key(block_name, step, "v")
+
+
+def rounding_key(block_name: str, step: int, tensor: str) -> int:
+    """The stochastic-rounding key of one tensor ("m", "v"; "p": a bf16 master,
+    store/master.py) for one update of one block."""
     base = lowbias32(zlib.crc32(block_name.encode()) ^ lowbias32(step & _MASK32))
-    return lowbias32(base ^ ord("m")), lowbias32(base ^ ord("v"))
+    return lowbias32(base ^ ord(tensor))
 
 
 def bf16_stochastic(x: torch.Tensor, key: int, start: int = 0) -> torch.Tensor:

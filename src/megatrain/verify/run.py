@@ -184,7 +184,8 @@ def run_verify(cfg: TrainConfig, *, steps: int = 3, judged: bool = True) -> list
     device, lr = builder.device, cfg.optimizer.learning_rate
     mbs, grad_accum = builder.batch()
     structure = builder.model()
-    store = builder.store(structure, state_dtype="fp32")  # judged against exact AdamW
+    # judged against exact AdamW: fp32 states and an fp32 master whatever the config says
+    store = builder.store(structure, state_dtype="fp32", master_dtype="fp32")
     engine = builder.engine(structure, store)
     landed: dict[str, torch.Tensor] = {}
     engine.worker.on_landed = lambda block: snapshot(block, landed)

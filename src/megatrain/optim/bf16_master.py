@@ -1,0 +1,101 @@
+"""AdamW on a block with bf16 master weights (`optimizer.master_dtype: bf16`, store/master.py).
+
+The update is the fp32 AdamW arithmetic of the other paths (optim/adamw.py), with the master
+read from bf16 and the new weight rounded stochastically back into it (bits: the hash of
+(block, step, "p", index), store/states.py `rounding_key`); m and v are read and written in the
+block's `state_dtype` as on an fp32 master. Two implementations, bit for bit the same:
+
+- `update_bf16_master_c`: csrc/adamw.c mt_adamw_bf16m_{fp32,bf16,int8}, one pass, OpenMP.
+- `update_bf16_master_reference`: plain PyTorch ops in the kernel's order on the same float32
+  scalars, any device (tests, and `impl: torch`).
+
+A bf16 master is the block's streamed copy: there is no shadow to write; the gradient comes
+from the block's own bf16 landing (`ParamBlock.grad`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from megatrain.optim.update_io import StepScalars, read_states, write_states
+from megatrain.store.blocks import ParamBlock
+from megatrain.store.master import MASTER_KEY
+from megatrain.store.states import (
+    QUANT_BLOCK,
+    bf16_stochastic,
+    dynamic_map,
+    quantize_table,
+    rounding_key,
+    rounding_keys,
+)
+
+
+def update_bf16_master_c(
+    lib: ctypes.CDLL, block: ParamBlock, s: StepScalars, num_threads: int
+) -> None:
+    assert block.master_dtype == "bf16" and block.shadow is None
+    grad = block.grad_landing
+    key_p = rounding_key(block.rounding_name, block.step, MASTER_KEY)
+    common = (
+        grad.data_ptr(),
+        int(grad.dtype == torch.bfloat16),
+        block.numel,
+        block.decay_numel,
+        *s.as_c_floats(),
+    )
+    p, m, v = (t.data_ptr() for t in (block.master, block.exp_avg, block.exp_avg_sq))
+    if block.state_dtype == "fp32":
+        lib.mt_adamw_bf16m_fp32(p, m, v, *common, key_p, num_threads)
+    elif block.state_dtype == "bf16":
+        keys = rounding_keys(block.rounding_name, block.step)
+        lib.mt_adamw_bf16m_bf16(p, m, v, *common, key_p, *keys, num_threads)
+    else:
+        assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+        tables = [(dynamic_map(signed)[0], quantize_table(signed)) for signed in (True, False)]
+        lib.mt_adamw_bf16m_int8(
+            p,
+            m,
+            block.exp_avg_scale.data_ptr(),
+            v,
+            block.exp_avg_sq_scale.data_ptr(),
+            *common,
+            *(t.data_ptr() for table in tables for t in table),  # map, lookup of m, of v
+            key_p,
+            num_threads,
+        )
+
+
+def update_bf16_master_reference(
+    block: ParamBlock, s: StepScalars, *, chunk: int = 64 * QUANT_BLOCK
+) -> None:
+    """The bf16-master update in plain PyTorch, `chunk` elements at a time: each operation one
+    correctly rounded float32 op in the C kernel's order, so results equal it bit for bit."""
+    assert chunk % QUANT_BLOCK == 0 and block.master_dtype == "bf16"
+    device = block.master.device
+    f32 = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in vars(s).items()}
+    key_p = rounding_key(block.rounding_name, block.step, MASTER_KEY)
+    keys = rounding_keys(block.rounding_name, block.step)
+    for lo in range(0, block.numel, chunk):
+        hi = min(lo + chunk, block.numel)
+        grad = block.grad_landing[lo:hi].float() * f32["grad_scale"]
+        if block.state_dtype == "fp32":
+            m_old, v_old = block.exp_avg[lo:hi], block.exp_avg_sq[lo:hi]
+        else:
+            m_old, v_old = read_states(block, lo, hi)
+        p = block.master[lo:hi].float()  # a copy: the master is written once, rounded
+        p[: max(0, min(block.decay_numel, hi) - lo)].mul_(f32["decay"])
+        m = m_old + f32["one_minus_b1"] * (grad - m_old)
+        v = v_old * f32["beta2"] + f32["one_minus_b2"] * grad * grad
+        # as update_compressed_reference: sqrt in float64 rounded once (C's sqrtf), and a
+        # full-size divisor (CUDA divides by a 0-dim tensor as a multiply by its reciprocal)
+        root = torch.sqrt(v.double()).float()
+        denom = root / f32["bc2_sqrt"].expand_as(v) + f32["eps"]
+        p.sub_(f32["step_size"] * (m / denom))
+        block.master[lo:hi].copy_(bf16_stochastic(p, key_p, lo))
+        if block.state_dtype == "fp32":
+            block.exp_avg[lo:hi].copy_(m)
+            block.exp_avg_sq[lo:hi].copy_(v)
+        else:
+            write_states(block, lo, hi, m, v, keys)

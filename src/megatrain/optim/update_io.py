@@ -1,0 +1,73 @@
+"""What the compressed-state updates share: one block's update scalars (float32, as the C
+kernels take them) and the chunked reads and writes of bf16 / int8 m and v in their stored
+layouts (store/states.py), used by the torch references of optim/adamw.py and
+optim/bf16_master.py so that both round exactly as the C kernels do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.store.blocks import ParamBlock
+from megatrain.store.states import (
+    QUANT_BLOCK,
+    bf16_stochastic,
+    dequantize_blockwise,
+    quantize_blockwise,
+)
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """The scalars of one block's update, as both compressed-state paths use them (float32)."""
+
+    decay: float  # 1 - lr * weight_decay, on the block's decayed range
+    beta2: float
+    one_minus_b1: float
+    one_minus_b2: float
+    step_size: float  # lr / (1 - beta1^step)
+    bc2_sqrt: float  # sqrt(1 - beta2^step)
+    eps: float
+    grad_scale: float
+
+    def as_c_floats(self) -> tuple[float, ...]:
+        return (
+            self.decay,
+            self.beta2,
+            self.one_minus_b1,
+            self.one_minus_b2,
+            self.step_size,
+            self.bc2_sqrt,
+            self.eps,
+            self.grad_scale,
+        )
+
+
+def read_states(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if block.state_dtype == "bf16":
+        return block.exp_avg[lo:hi].float(), block.exp_avg_sq[lo:hi].float()
+    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+    blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
+    return (
+        dequantize_blockwise(block.exp_avg[lo:hi], block.exp_avg_scale[blocks], signed=True),
+        dequantize_blockwise(block.exp_avg_sq[lo:hi], block.exp_avg_sq_scale[blocks], signed=False),
+    )
+
+
+def write_states(
+    block: ParamBlock, lo: int, hi: int, m: torch.Tensor, v: torch.Tensor, keys: tuple[int, int]
+) -> None:
+    if block.state_dtype == "bf16":
+        block.exp_avg[lo:hi].copy_(bf16_stochastic(m, keys[0], lo))
+        block.exp_avg_sq[lo:hi].copy_(bf16_stochastic(v, keys[1], lo))
+        return
+    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+    blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
+    for codes, scale, value, signed in (
+        (block.exp_avg, block.exp_avg_scale, m, True),
+        (block.exp_avg_sq, block.exp_avg_sq_scale, v, False),
+    ):
+        new_codes, absmax = quantize_blockwise(value, signed=signed)
+        codes[lo:hi].copy_(new_codes)
+        scale[blocks].copy_(absmax)
