@@ -209,8 +209,9 @@ class OptimizerConfig:
     less those other processes keep busy) but two; with several ranks on a node, each rank's
     share of them less one (megatrain/threads.py)."""
     state_dtype: str = "fp32"
-    """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4)
-    or "int8" (block-wise 8-bit Adam, ~2); master weights stay fp32 (docs/optimizer_states.md)."""
+    """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4),
+    "int8" (block-wise 8-bit Adam, ~2) or "int4" (block-wise 4-bit AdamW, 1.06); master weights
+    stay fp32 (docs/optimizer_states.md)."""
 
     def validate(self) -> None:
         check_types("optimizer", self)
@@ -296,7 +297,8 @@ class CheckpointConfig:
     """Dtype of the exported weights: "bf16" or "fp32"."""
     save_final: bool = True
     """Write a resumable checkpoint at the end of the run (12 bytes per parameter with fp32
-    AdamW states, 8 with bf16, about 6 with int8). False: only the Hugging Face export (2 bytes
+    AdamW states, 8 with bf16, about 6 with int8, about 5 with int4). False: only the Hugging
+    Face export (2 bytes
     per parameter in bf16) keeps the trained weights."""
 
     def validate(self) -> None:

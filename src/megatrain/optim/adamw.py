@@ -13,9 +13,10 @@ Blocks of the GPU tier take the "torch" path on the device (`update(on_device=Tr
 Both release the GIL, so a host worker thread can run them while the main thread drives the GPU.
 Results equal `torch.optim.AdamW` + `clip_grad_norm_` to fp32 rounding (tests/test_adamw.py).
 
-Blocks whose m and v are compressed (`ParamBlock.state_dtype` "bf16" or "int8", layouts and
-rounding in store/states.py) take the same update with m and v dequantized as read and rounded
-as written: "c" runs csrc/adamw.c's mt_adamw_bf16 / mt_adamw_int8 (one pass over memory),
+Blocks whose m and v are compressed (`ParamBlock.state_dtype` "bf16", "int8" or "int4", layouts
+and rounding in store/states.py and store/int4.py) take the same update with m and v dequantized
+as read and rounded as written: "c" runs csrc/adamw.c's mt_adamw_bf16 / _int8 / _int4 (one pass
+over memory),
 "torch" runs `update_compressed_reference`, plain PyTorch ops in the same order on the same
 float32 scalars, which the C kernel equals bit for bit (tests/test_optim_states_parity.py).
 """
@@ -29,6 +30,13 @@ import torch
 
 from megatrain.native import load_adamw_kernel
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.int4 import (
+    INT4_BLOCK,
+    dequantize_int4,
+    int4_kernel_mids,
+    int4_map,
+    quantize_int4,
+)
 from megatrain.store.states import (
     QUANT_BLOCK,
     bf16_stochastic,
@@ -194,6 +202,9 @@ class CpuAdamW:
             )
             return
         assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+        if block.state_dtype == "int4":
+            self._update_int4_c(block, common)
+            return
         tables = [(dynamic_map(signed)[0], quantize_table(signed)) for signed in (True, False)]
         self._lib.mt_adamw_int8(
             block.master.data_ptr(),
@@ -203,6 +214,21 @@ class CpuAdamW:
             block.exp_avg_sq_scale.data_ptr(),
             *common,
             *(t.data_ptr() for table in tables for t in table),  # map, lookup of m, of v
+            self.num_threads,
+        )
+
+    def _update_int4_c(self, block: ParamBlock, common: tuple[object, ...]) -> None:
+        assert self._lib is not None
+        assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+        self._lib.mt_adamw_int4(
+            block.master.data_ptr(),
+            block.exp_avg.data_ptr(),
+            block.exp_avg_scale.data_ptr(),
+            block.exp_avg_sq.data_ptr(),
+            block.exp_avg_sq_scale.data_ptr(),
+            *common,
+            int4_map(True)[0].data_ptr(),  # m's values; v's are computed (csrc/adamw.c)
+            int4_kernel_mids().data_ptr(),
             self.num_threads,
         )
 
@@ -273,6 +299,8 @@ def update_compressed_reference(
 def _read_states(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     if block.state_dtype == "bf16":
         return block.exp_avg[lo:hi].float(), block.exp_avg_sq[lo:hi].float()
+    if block.state_dtype == "int4":
+        return _read_int4(block, lo, hi)
     assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
     blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
     return (
@@ -288,6 +316,9 @@ def _write_states(
         block.exp_avg[lo:hi].copy_(bf16_stochastic(m, keys[0], lo))
         block.exp_avg_sq[lo:hi].copy_(bf16_stochastic(v, keys[1], lo))
         return
+    if block.state_dtype == "int4":
+        _write_int4(block, lo, m, v)
+        return
     assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
     blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
     for codes, scale, value, signed in (
@@ -297,3 +328,35 @@ def _write_states(
         new_codes, absmax = quantize_blockwise(value, signed=signed)
         codes[lo:hi].copy_(new_codes)
         scale[blocks].copy_(absmax)
+
+
+def _int4_parts(lo: int, n: int) -> tuple[slice, slice]:
+    """(bytes of codes, scales) of values lo .. lo + n of an int4 block; lo a block start."""
+    assert lo % INT4_BLOCK == 0
+    first, count = lo // INT4_BLOCK, -(-n // INT4_BLOCK)
+    return slice(first * INT4_BLOCK // 2, (first + count) * INT4_BLOCK // 2), slice(
+        first, first + count
+    )
+
+
+def _read_int4(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+    codes, scales = _int4_parts(lo, hi - lo)
+    return (
+        dequantize_int4(block.exp_avg[codes], block.exp_avg_scale[scales], hi - lo, signed=True),
+        dequantize_int4(
+            block.exp_avg_sq[codes], block.exp_avg_sq_scale[scales], hi - lo, signed=False
+        ),
+    )
+
+
+def _write_int4(block: ParamBlock, lo: int, m: torch.Tensor, v: torch.Tensor) -> None:
+    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+    codes, scales = _int4_parts(lo, m.numel())
+    for packed, scale, value, signed in (
+        (block.exp_avg, block.exp_avg_scale, m, True),
+        (block.exp_avg_sq, block.exp_avg_sq_scale, v, False),
+    ):
+        new_codes, absmax = quantize_int4(value, signed=signed)
+        packed[codes].copy_(new_codes)
+        scale[scales].copy_(absmax)

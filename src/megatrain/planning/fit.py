@@ -3,6 +3,7 @@ the numbers and what to change (megatrain.planning.plan collects them)."""
 
 from __future__ import annotations
 
+from megatrain.choices import STATE_DTYPES
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB, Hardware, gib
 from megatrain.store.states import state_bytes_per_param
@@ -44,10 +45,20 @@ def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
     advice = ["a machine with more RAM", "a smaller model"]
     if est.settings["compute_dtype"] == "fp32":
         advice.append(f"bf16 compute ({6 + states:.0f} instead of {8 + states:.0f} B/param)")
-    if states > state_bytes_per_param("int8"):
+    smaller = [
+        (dtype, states - state_bytes_per_param(dtype))
+        for dtype in sorted(STATE_DTYPES, key=state_bytes_per_param)
+        if state_bytes_per_param(dtype) < states
+    ]
+    if smaller:
+        saved = [
+            f"{dtype} ({less:.0f}{' B/param' if i == 0 else ''} less)"
+            for i, (dtype, less) in enumerate(smaller)
+        ]
         advice.append(
-            f"compressed AdamW states, optimizer.state_dtype: int8 ({states - 2:.0f} B/param "
-            "less)" + (" or bf16 (4 less)" if states > state_bytes_per_param("bf16") else "")
+            "compressed AdamW states, optimizer.state_dtype: "
+            + (", ".join(saved[:-1]) + " or " if len(saved) > 1 else "")
+            + saved[-1]
         )
     return (
         f"host RAM: predicted {gib(h.total_bytes)} (store {gib(h.store_bytes)} = "
