@@ -2,7 +2,7 @@
 
 Layout of one checkpoint, `<output_dir>/checkpoints/step-<N>/` (names: run_files.py):
     blocks/<block>.safetensors   fp32 master, exp_avg, exp_avg_sq of one store block, the states
-                                 as stored (fp32, bf16, or int8 codes plus exp_avg_scale and
+                                 as stored (fp32, bf16, or int8 / int4 codes plus exp_avg_scale and
                                  exp_avg_sq_scale; store/states.py) (metadata: the block's
                                  optimizer step, parameter names and state_dtype)
                                  (a block held on the GPU, optimizer-state tier, is saved
@@ -224,7 +224,7 @@ def load_checkpoint(path: str | Path, store: HostStore) -> dict[str, Any]:
                 block.step = int(meta["step"])
         for key, dst in targets.items():
             # a whole block from a sharded checkpoint's parts: concatenated, padding dropped
-            # (int8 shards are whole quantization blocks, so their scales concatenate too)
+            # (int8 / int4 shards are whole quantization blocks: their codes, scales concatenate)
             dst.copy_(torch.cat(parts[key])[: dst.numel()])
         block.refresh_shadow()
     state: dict[str, Any] = json.loads(state_file.read_text())

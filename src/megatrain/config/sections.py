@@ -298,8 +298,7 @@ class CheckpointConfig:
     save_final: bool = True
     """Write a resumable checkpoint at the end of the run (12 bytes per parameter with fp32
     AdamW states, 8 with bf16, about 6 with int8, about 5 with int4). False: only the Hugging
-    Face export (2 bytes
-    per parameter in bf16) keeps the trained weights."""
+    Face export (2 bytes per parameter in bf16) keeps the trained weights."""
 
     def validate(self) -> None:
         check_types("checkpoint", self)

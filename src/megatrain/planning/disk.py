@@ -3,9 +3,10 @@
 What a run writes under `training.output_dir`:
     checkpoint    `checkpoint_nbytes`: per store block its fp32 master (4 bytes per parameter)
                   and AdamW exp_avg, exp_avg_sq at the run's optimizer.state_dtype (8 fp32, 4
-                  bf16, 2 + the int8 scales; store/states.py), every rank's padded part when
-                  sharded: 12, 8 or ~6 bytes per parameter. The checkpoint writer writes
-                  exactly these bytes of tensors (checkpoint/saving.py `part_bytes`), plus
+                  bf16, 2 + the int8 scales, 1 + the int4 scales; store/states.py), every
+                  rank's padded part when sharded: 12, 8, ~6 or ~5 bytes per parameter. The
+                  checkpoint writer writes exactly these bytes of tensors
+                  (checkpoint/saving.py `part_bytes`), plus
                   small files (trainer_state.json with the RNG states, config.yaml);
                   `keep_last` of them are kept, and while the next one is written (into a
                   temporary folder, before the oldest is pruned) keep_last + 1 exist at once
@@ -107,7 +108,7 @@ def checkpoint_nbytes(block_numels: Iterable[int], state_dtype: str, *, world: i
 
 
 def checkpoint_bytes_per_param(state_dtype: str) -> float:
-    """A checkpoint's bytes per parameter: 12 (fp32 states), 8 (bf16), ~6 (int8)."""
+    """A checkpoint's bytes per parameter: 12 (fp32 states), 8 (bf16), ~6 (int8), ~5 (int4)."""
     return MASTER_BYTES_PER_PARAM + state_bytes_per_param(state_dtype)
 
 

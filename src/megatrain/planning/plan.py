@@ -61,7 +61,7 @@ class RunShape:
     loss_chunk_tokens: int | None  # None: the head's default for the vocabulary
     pin_memory: bool
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
-    state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
+    state_dtype: str  # AdamW m and v on the host: choices.py STATE_DTYPES (host memory)
     gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
     compiled: bool = False  # decoder layers torch.compile'd (training.compile_layers)
     activation_offload: str = "off"  # layer inputs to the host: "auto", "on" or "off"

@@ -38,7 +38,7 @@ class Setup:
     micro_batch_size: int
     grad_accum: int = 1
     layout: str = "padded"  # "padded" rows (masks), "packed" samples, "full" rows (no mask)
-    state_dtype: str = "fp32"  # AdamW m and v on the host: "fp32", "bf16" or "int8"
+    state_dtype: str = "fp32"  # AdamW m and v on the host: choices.py STATE_DTYPES
     pin_memory: bool = True
     data_bytes: int = 0  # the tokenized data in host memory
     ranks: Ranks = ONE_PROCESS  # several: per-rank batch and GPU, per-node host

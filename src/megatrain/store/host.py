@@ -36,7 +36,7 @@ class HostStore:
     one block (a tied lm_head in the embedding's); within a block the decayed parameters come
     first; the HF model's parameters are replaced by meta tensors, so weights exist once.
 
-    `state_dtype` ("fp32", "bf16", "int8"; store/states.py) is the layout of every block's
+    `state_dtype` (choices.py STATE_DTYPES; store/states.py) is the layout of every block's
     AdamW m and v; the master is always fp32.
     """
 
