@@ -51,14 +51,16 @@ def test_engine_with_the_kernel_equals_the_engine_with_the_reference(tmp_path: P
 @pytest.mark.slow
 def test_demo_eval_loss_with_int4_states_not_worse_than_fp32(tmp_path: Path) -> None:
     """The demo shortened to 2 epochs (98 steps), seed 42, fp32 and int4 states: int4's final
-    eval loss at most 2% above fp32's (the bound the int8 and bf16 states meet in
+    eval loss at most 2% above fp32's (the bound int8 and bf16 are held to, two-sided, in
     test_optim_states_training.py).
 
-    One-sided, and why: over seeds 42, 1 and 2 (docs/optimizer_states.md) int4 ended 0.9%,
-    4.8% and 6.6% *below* fp32, while fp32's own eval loss ranged over 1.33-1.45 from seed to
-    seed: a two-sided 2% bound fails where int4 trains better; a cost of the compression is
-    the failure to catch, and at every seed measured int4 is at least 2.9 points of fp32's
-    loss inside this bound.
+    One-sided, from five seeds (42, 1, 2, 3, 4; docs/optimizer_states.md): int4 ended -0.9%,
+    -4.8%, -6.6%, -1.3% and +1.2% from fp32, while fp32's own eval loss ranged over 1.31-1.45
+    from seed to seed and int4's over 1.32-1.35. A two-sided 2% bound fails on the seeds where
+    int4 ends well below fp32; a cost of the compression is what this test is for, and every
+    seed measured is inside the one-sided bound, by 0.8 points of fp32's loss at least and by
+    2.9 at seed 42 (whose 2-epoch run is not chaotic: fp32 with eps x (1 + 1e-4) moves it by
+    0.001%, so another CPU's rounding will not move it by points).
     """
     eval_loss = {}
     for state_dtype in ("fp32", "int4"):
