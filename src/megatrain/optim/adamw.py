@@ -16,9 +16,9 @@ Results equal `torch.optim.AdamW` + `clip_grad_norm_` to fp32 rounding (tests/te
 Blocks whose m and v are compressed (`ParamBlock.state_dtype` "bf16", "int8" or "int4", layouts
 and rounding in store/states.py and store/int4.py) take the same update with m and v dequantized
 as read and rounded as written: "c" runs csrc/adamw.c's mt_adamw_bf16 / _int8 / _int4 (one pass
-over memory),
-"torch" runs `update_compressed_reference`, plain PyTorch ops in the same order on the same
-float32 scalars, which the C kernel equals bit for bit (tests/test_optim_states_parity.py).
+over memory), "torch" runs `update_compressed_reference`, plain PyTorch ops in the same order on
+the same float32 scalars, which the C kernel equals bit for bit
+(tests/optim/test_optim_states_parity.py, test_optim_states_int4.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from megatrain.native import load_adamw_kernel
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.int4 import (
     INT4_BLOCK,
+    INT4_HALF,
     dequantize_int4,
     int4_kernel_mids,
     int4_map,
@@ -333,10 +334,8 @@ def _write_states(
 def _int4_parts(lo: int, n: int) -> tuple[slice, slice]:
     """(bytes of codes, scales) of values lo .. lo + n of an int4 block; lo a block start."""
     assert lo % INT4_BLOCK == 0
-    first, count = lo // INT4_BLOCK, -(-n // INT4_BLOCK)
-    return slice(first * INT4_BLOCK // 2, (first + count) * INT4_BLOCK // 2), slice(
-        first, first + count
-    )
+    first, end = lo // INT4_BLOCK, -(-(lo + n) // INT4_BLOCK)
+    return slice(first * INT4_HALF, end * INT4_HALF), slice(first, end)
 
 
 def _read_int4(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
