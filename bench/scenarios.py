@@ -237,7 +237,8 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "adamw": Scenario(
         "CPU AdamW: C kernel vs torch fused, Gparams/s and host copy bandwidth; compressed "
-        "state layouts (optimizer.state_dtype bf16, int8) through the C kernel",
+        "state layouts (optimizer.state_dtype bf16, int8, int4) through the C kernel (int4 vs "
+        "int8 on the GPU host: planning/timing.py INT4_VS_INT8_CPU was measured on the dev VM)",
         (
             (
                 PY,
@@ -251,7 +252,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "--huge",
                 "yes",
                 "--state-dtypes",
-                "fp32,bf16,int8",
+                "fp32,bf16,int8,int4",
             ),
         ),
     ),

@@ -5,7 +5,7 @@ them (store/states.py, planning/long_context.py). The row layouts have their own
 (layouts.py).
 """
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
+STATE_DTYPES = ("fp32", "bf16", "int8", "int4")
 """optimizer.state_dtype: how AdamW's m and v are kept (store/states.py)."""
 
 MASTER_DTYPES = ("fp32", "bf16")

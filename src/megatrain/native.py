@@ -199,3 +199,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mt_adamw_bf16m_int8.argtypes = [vp, vp, vp, vp, vp, vp, i32, i64, i64, *hyper]
     lib.mt_adamw_bf16m_int8.argtypes += [vp, vp, vp, vp, u32, i32]
     lib.mt_adamw_bf16m_int8.restype = None
+    lib.mt_adamw_int4.argtypes = [vp, vp, vp, vp, vp, vp, i32, vp, i64, i64, *hyper]
+    lib.mt_adamw_int4.argtypes += [vp, vp, i32]
+    lib.mt_adamw_int4.restype = None
+    lib.mt_adamw_bf16m_int4.argtypes = [vp, vp, vp, vp, vp, vp, i32, i64, i64, *hyper]
+    lib.mt_adamw_bf16m_int4.argtypes += [vp, vp, u32, i32]
+    lib.mt_adamw_bf16m_int4.restype = None

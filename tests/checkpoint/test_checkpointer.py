@@ -1,8 +1,8 @@
 """Checkpoint bytes: what the disk check predicts from the parameter counts (planning/disk.py
 `checkpoint_nbytes`), what `Checkpointer.bytes_needed` counts from the store, and the tensor
-bytes the checkpoint's files hold are one number, for fp32, bf16 and int8 AdamW states, written
-by one process or by two ranks (each its padded part, store/shard.py); a run's disk check and
-its checkpoints agree."""
+bytes the checkpoint's files hold are one number, for fp32, bf16, int8 and int4 AdamW states,
+written by one process or by two ranks (each its padded part, store/shard.py); a run's disk
+check and its checkpoints agree."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _predicted(state_dtype: str, world: int) -> int:
     return checkpoint_nbytes(blocks, state_dtype, world=world)
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
 def test_one_process_writes_the_predicted_bytes(tmp_path: Path, state_dtype: str) -> None:
     store = _store(state_dtype)
     ckpt = Checkpointer(tmp_path, keep_last=1)
@@ -61,12 +61,14 @@ def test_one_process_writes_the_predicted_bytes(tmp_path: Path, state_dtype: str
     written = tensor_bytes(path)
     assert written == ckpt.bytes_needed(store) == _predicted(state_dtype, world=1)
     params = sum(b.numel for b in store.blocks)
-    per_param = {"fp32": 12, "bf16": 8, "int8": 6}[state_dtype]
+    per_param = {"fp32": 12, "bf16": 8, "int8": 6, "int4": 4}[state_dtype]
     scales = 8 * sum(-(-b.numel // 2048) for b in store.blocks) if state_dtype == "int8" else 0
+    if state_dtype == "int4":  # per (partial) block of 128: 2 x 64 bytes of codes, 2 scales
+        scales = (2 * 64 + 8) * sum(-(-b.numel // 128) for b in store.blocks)
     assert written == per_param * params + scales  # not 12 B/param for compressed states
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
 def test_two_ranks_write_the_predicted_bytes(tmp_path: Path, state_dtype: str) -> None:
     """Each rank writes its padded part of every block (as checkpoint/shards.py has every rank
     do, into one folder); together they are what both predictions say."""

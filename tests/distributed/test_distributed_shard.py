@@ -21,7 +21,7 @@ from megatrain.store.shard import ShardedBlock, layout_numel, shard_block, shard
 from megatrain.store.states import QUANT_BLOCK, num_quant_blocks, zero_code
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
 def test_shards_cover_each_block_once_with_zero_padding(state_dtype: str) -> None:
     model = load_causal_lm(None, model_type="llama", tiny=True, seed=0)
     store = HostStore(discover(model), compute_dtype=torch.bfloat16, state_dtype=state_dtype)
@@ -32,7 +32,10 @@ def test_shards_cover_each_block_once_with_zero_padding(state_dtype: str) -> Non
         align = world * QUANT_BLOCK  # shards are whole int8 quantization blocks
         assert padded % align == 0 and block.numel <= padded < block.numel + align
         for s in shards:
-            assert s.state_dtype == state_dtype and s.exp_avg.numel() == s.numel
+            codes_per_value = 0.5 if state_dtype == "int4" else 1  # int4: two codes a byte
+            assert s.state_dtype == state_dtype and s.exp_avg.numel() == s.numel * codes_per_value
+            if state_dtype == "int4":  # whole blocks of 128 (they divide QUANT_BLOCK)
+                assert s.exp_avg_scale is not None and s.exp_avg_scale.numel() == s.numel // 128
             if state_dtype == "int8":
                 assert s.exp_avg_scale is not None
                 assert (

@@ -1,8 +1,11 @@
 """AdamW on a rank's shard equals AdamW on the whole block, per state dtype (store/shard.py).
 
-The optimizer is elementwise except for int8's per-quantization-block absmax, and shards are
-whole quantization blocks, so updating each shard with its slice of the gradient must give,
-reassembled, bit for bit the whole block's master and states (fp32, int8), over several steps.
+The optimizer is elementwise except for int8's and int4's per-quantization-block absmax, and
+shards are whole quantization blocks, so updating each shard with its slice of the gradient must
+give, reassembled, bit for bit the whole block's master and states (fp32, int8, int4), over
+several steps. (int4's last partial block: the whole block's unused nibbles hold the codes of 0,
+and so do the shard's padding values, whose m stays 0 and whose v, at most 1/16 of the block's
+largest, keeps the lowest code.)
 bf16 stochastic rounding salts its keys with the shard offset, so shard 0 (offset 0) equals
 the whole block bit for bit, and the other shards' rounding differs from the whole block's
 only by its random bits: one step's master (computed before the states are rounded) is equal.
@@ -56,7 +59,7 @@ def _cat(shards: list[ShardedBlock], key: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("impl", ["c", "torch"])
-@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int4"])
 def test_sharded_update_equals_the_whole_block(impl: str, state_dtype: str) -> None:
     if impl == "c" and CpuAdamW(AdamWHyper(), impl="auto").impl != "c":
         pytest.skip("no C compiler")

@@ -48,7 +48,7 @@ SIZES = [
 
 
 @needs_kernel
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "decay_numel"), SIZES)
 @pytest.mark.parametrize("threads", [1, 3])

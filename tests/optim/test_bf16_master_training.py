@@ -65,7 +65,7 @@ COMMON = (
 )
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
 def test_bf16_master_checkpoint_as_stored_and_resume_exactly(
     tmp_path: Path, state_dtype: str
 ) -> None:

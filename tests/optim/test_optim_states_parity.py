@@ -1,6 +1,7 @@
 """Compressed AdamW states: the C kernel equals the plain-PyTorch reference bit for bit on any
 thread count, and the reference is AdamW on dequantized states (checked against a float64 AdamW
-step)."""
+step). int4's own checks (thread counts, midpoints, round trip) are in
+test_optim_states_int4.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from megatrain.native import load_adamw_kernel
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.int4 import dequantize_int4
 from megatrain.store.states import (
     QUANT_BLOCK,
     allocate_states,
@@ -56,7 +58,7 @@ SIZES = [
 
 
 @needs_kernel
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("bf16_grads", [False, True])
 @pytest.mark.parametrize(("n", "decay_numel"), SIZES)
 def test_c_kernel_equals_torch_reference_bit_for_bit(
@@ -110,6 +112,13 @@ def _dequantized(block: ParamBlock) -> tuple[torch.Tensor, torch.Tensor]:
     if block.state_dtype == "bf16":
         return block.exp_avg.double(), block.exp_avg_sq.double()
     assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+    if block.state_dtype == "int4":
+        return (
+            dequantize_int4(block.exp_avg, block.exp_avg_scale, block.numel, signed=True).double(),
+            dequantize_int4(
+                block.exp_avg_sq, block.exp_avg_sq_scale, block.numel, signed=False
+            ).double(),
+        )
     return (
         dequantize_blockwise(block.exp_avg, block.exp_avg_scale, signed=True).double(),
         dequantize_blockwise(block.exp_avg_sq, block.exp_avg_sq_scale, signed=False).double(),
@@ -117,7 +126,7 @@ def _dequantized(block: ParamBlock) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("impl", ["torch"] + (["c"] if load_adamw_kernel() else []))
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int4"])
 def test_update_is_adamw_on_the_dequantized_states(impl: str, state_dtype: str) -> None:
     """One step from the stored states equals a float64 AdamW step from their dequantized
     values, to float32 rounding: the compression only rounds what is stored."""

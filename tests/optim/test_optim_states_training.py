@@ -15,6 +15,7 @@ from safetensors import safe_open
 from megatrain.checkpoint.saving import latest_checkpoint
 from megatrain.config import load_config
 from megatrain.recipes.sft import Trainer
+from megatrain.store.int4 import INT4_BLOCK
 from megatrain.store.states import QUANT_BLOCK
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
@@ -43,7 +44,7 @@ def _blocks(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int4"])
 def test_compressed_states_checkpoint_as_stored_and_resume_exactly(
     tmp_path: Path, state_dtype: str
 ) -> None:
@@ -73,16 +74,19 @@ def test_compressed_states_checkpoint_as_stored_and_resume_exactly(
         assert set(layer) == {"master", "exp_avg", "exp_avg_sq"}
     else:
         assert layer["exp_avg"].dtype == layer["exp_avg_sq"].dtype == torch.uint8
-        assert layer["exp_avg_scale"].shape == (-(-numel // QUANT_BLOCK),)
+        block_size = INT4_BLOCK if state_dtype == "int4" else QUANT_BLOCK
+        assert layer["exp_avg_scale"].shape == (-(-numel // block_size),)
         assert bool((layer["exp_avg_sq_scale"] > 0).all())
     # the store holds exactly what was saved, and what it holds is this many bytes
     block = trainer.store.layers[0]
     for key, saved in final["layer.0.safetensors"].items():
         assert torch.equal({"master": block.master, **block.state_tensors()}[key], saved)
-    per_param = 2 if state_dtype == "int8" else 4
-    assert sum(t.nbytes for t in block.state_tensors().values()) == per_param * numel + (
-        8 * -(-numel // QUANT_BLOCK) if state_dtype == "int8" else 0
-    )
+    expected = {  # m and v: codes (int4: 64 bytes a block of 128, two codes a byte) + scales
+        "bf16": 4 * numel,
+        "int8": 2 * numel + 8 * -(-numel // QUANT_BLOCK),
+        "int4": (2 * 64 + 8) * -(-numel // INT4_BLOCK),
+    }
+    assert sum(t.nbytes for t in block.state_tensors().values()) == expected[state_dtype]
     # resume from step 3 in a fresh output directory: the same losses and the same bytes
     resumed, _, _ = _train(
         tmp_path / "b",

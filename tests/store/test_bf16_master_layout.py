@@ -24,6 +24,7 @@ from megatrain.planning.hardware import GIB
 from megatrain.planning.plan import RunShape, plan_resources
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
+from megatrain.store.int4 import INT4_BLOCK, INT4_HALF
 from megatrain.store.master import weight_bytes_per_param
 from megatrain.store.shard import shard_block, shard_master
 from megatrain.store.states import QUANT_BLOCK, allocate_states
@@ -49,7 +50,7 @@ def _store(state_dtype: str, rank: int = 0, world: int = 1) -> HostStore:
     )
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
 def test_store_bytes_equal_the_estimate(state_dtype: str) -> None:
     """2 (bf16 master) + 2 (bf16 gradient landing) + m and v per parameter, no shadow."""
     store = _store(state_dtype)
@@ -59,7 +60,11 @@ def test_store_bytes_equal_the_estimate(state_dtype: str) -> None:
         assert block.grad is not None and block.grad_landing is block.grad
         assert block.grad.dtype == torch.bfloat16
     numels = [b.numel for b in store.blocks]
-    expected = sum((2 + 2 + STATE_BYTES[state_dtype]) * n for n in numels)
+    if state_dtype == "int4":  # two codes a byte per state, an fp32 absmax per 128 per state
+        states = sum(2 * (INT4_HALF + 4) * math.ceil(n / INT4_BLOCK) for n in numels)
+    else:
+        states = sum(STATE_BYTES[state_dtype] * n for n in numels)
+    expected = sum(4 * n for n in numels) + states
     if state_dtype == "int8":
         expected += sum(8 * math.ceil(n / QUANT_BLOCK) for n in numels)
     assert store.host_bytes() == expected
@@ -111,7 +116,7 @@ def test_fit_check_suggests_a_bf16_master() -> None:
     bf16 = predict(spec, master_dtype="bf16", **kwargs)  # type: ignore[arg-type]
     assert host_problem(bf16, hw, margin_gib=1.0) is None
     problem = host_problem(fp32, hw, margin_gib=1.0)
-    assert problem is not None and "optimizer.master_dtype: bf16 (2 B/param less)" in problem
+    assert problem is not None and "Use optimizer.master_dtype: bf16 (12.00 B/param" in problem
 
 
 def test_the_gpu_tier_takes_no_block_of_a_bf16_master() -> None:

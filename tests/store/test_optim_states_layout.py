@@ -26,11 +26,12 @@ from megatrain.store.states import (
 from predict import predict
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
-# m + v bytes of one parameter: fp32 exact; bf16; int8 codes + two fp32 scales per 2048
-STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2 + 8 / 2048}
+# m + v bytes of one parameter: fp32 exact; bf16; int8 codes + two fp32 scales per 2048; int4
+# codes (two a byte) + two fp32 scales per 128
+STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2 + 8 / 2048, "int4": 1 + 8 / 128}
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
 def test_store_bytes_equal_the_estimate(state_dtype: str) -> None:
     assert state_bytes_per_param(state_dtype) == STATE_BYTES[state_dtype]
     model = load_causal_lm(None, model_type="llama", tiny=True)
@@ -43,6 +44,8 @@ def test_store_bytes_equal_the_estimate(state_dtype: str) -> None:
     )
     if state_dtype == "int8":  # codes, and one fp32 absmax per (partial) block for m and v
         expected += sum(2 * n + 8 * math.ceil(n / QUANT_BLOCK) for n in numels)
+    if state_dtype == "int4":  # 64 bytes of codes and one fp32 absmax per (partial) 128, each
+        expected += sum(2 * (64 + 4) * math.ceil(n / 128) for n in numels)
     assert store.host_bytes() == expected
     spec = model_spec(tiny_config("llama"))
     est = predict(spec, seq_len=32, micro_batch_size=1, state_dtype=state_dtype)
@@ -51,14 +54,15 @@ def test_store_bytes_equal_the_estimate(state_dtype: str) -> None:
 
 
 def test_bytes_per_parameter_of_a_large_model() -> None:
-    """bf16 compute: 14, 10 and 8 (+ 8/2048 for the scales) bytes per parameter."""
+    """bf16 compute: 14, 10, 8 (+ 8/2048 for the scales) and 7 (+ 8/128) bytes per parameter."""
     spec = model_spec(tiny_config("llama", hidden_size=1024, intermediate_size=4096))
     per_param = {}
-    for state_dtype in ("fp32", "bf16", "int8"):
+    for state_dtype in ("fp32", "bf16", "int8", "int4"):
         est = predict(spec, seq_len=32, micro_batch_size=1, state_dtype=state_dtype)
         per_param[state_dtype] = est.host.store_bytes / est.total_params
     assert per_param["fp32"] == 14 and per_param["bf16"] == 10
     assert 8 < per_param["int8"] <= 8 + 8 / 2048 + 1e-6  # partial blocks: at most one each
+    assert 7 + 8 / 128 <= per_param["int4"] <= 7 + 8 / 128 + 1e-4
 
 
 def test_fit_check_counts_the_state_dtype_and_suggests_it() -> None:
@@ -72,7 +76,25 @@ def test_fit_check_counts_the_state_dtype_and_suggests_it() -> None:
     assert host_problem(int8, hw, margin_gib=1.0) is None
     problem = host_problem(fp32, hw, margin_gib=1.0)
     assert problem is not None and "14 B/param" in problem
-    assert "optimizer.state_dtype: int8 (6 B/param less) or bf16 (4 less)" in problem
+    # the least compressed store that fits: bf16 states, 4 + 4 + 2 bytes a parameter
+    assert "Use optimizer.state_dtype: bf16 (10.00 B/param, predicted " in problem
+    assert "the least compressed store that fits" in problem
+    # a host short of the int8 store (8.004 B/param): int4 states (7.0625) are the least
+    # compressed store that fits; with a bf16 master 6.004 and 5.0625 would too
+    small = Hardware(host_bytes=int(7.5 * params) + GIB, process_baseline_bytes=0)
+    kwargs["hardware"] = small
+    int8 = predict(spec, state_dtype="int8", **kwargs)  # type: ignore[arg-type]
+    problem = host_problem(int8, small, margin_gib=1.0)
+    assert problem is not None and "Use optimizer.state_dtype: int4 (7.06 B/param" in problem
+    # a host that holds none: the most compact store named with what it would need
+    tiny = Hardware(host_bytes=4 * params + GIB, process_baseline_bytes=0)
+    kwargs["hardware"] = tiny
+    problem = host_problem(predict(spec, **kwargs), tiny, margin_gib=1.0)  # type: ignore[arg-type]
+    assert problem is not None and problem.endswith(
+        "(the most compact store, optimizer.state_dtype: int4 and optimizer.master_dtype: bf16 "
+        f"(5.06 B/param, predicted {problem.split('predicted ')[-1].split(')')[0]}), does not "
+        "fit either)"
+    )
 
 
 def test_stochastic_rounding_brackets_is_unbiased_and_deterministic() -> None:
@@ -108,6 +130,7 @@ def test_state_nbytes_of_partial_blocks() -> None:
     assert state_nbytes(1, "int8") == 2 + 8
     assert state_nbytes(QUANT_BLOCK + 1, "int8") == 2 * (QUANT_BLOCK + 1) + 16
     assert state_nbytes(10, "bf16") == 40 and state_nbytes(10, "fp32") == 80
+    assert state_nbytes(1, "int4") == 2 * (64 + 4) and state_nbytes(257, "int4") == 6 * (64 + 4)
     with pytest.raises(ValueError, match=r"optimizer\.state_dtype must be one of"):
         state_nbytes(10, "fp8")
 

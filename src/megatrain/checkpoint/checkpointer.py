@@ -12,9 +12,9 @@ its part, rank 0 commits): the same folder layout, the same atomic commit, the s
 
 Invariants:
 - `bytes_needed(store)` is the bytes of tensors a save writes (headers and the small files
-  aside), each state at its own dtype (fp32, bf16, int8 with scales); it equals planning/disk.py
-  `checkpoint_nbytes` of the run's parameter counts, which the disk check uses before the model
-  is loaded. tests/checkpoint/test_checkpointer.py holds the three equal.
+  aside), each state at its own dtype (fp32, bf16, int8 / int4 with scales); it equals
+  planning/disk.py `checkpoint_nbytes` of the run's parameter counts, which the disk check
+  uses before the model is loaded. tests/checkpoint/test_checkpointer.py holds the three equal.
 - `load` restores the store exactly as saved (master, states, per-block step) and returns the
   trainer state the recipe saved; it refuses a checkpoint of another world size with the fix,
   before reading any block. A whole-model read of a sharded checkpoint (`megatrain export`) uses

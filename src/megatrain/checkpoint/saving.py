@@ -3,7 +3,7 @@
 Layout of one checkpoint, `<output_dir>/checkpoints/step-<N>/` (names: run_files.py):
     blocks/<block>.safetensors   master, exp_avg, exp_avg_sq of one store block, as stored: the
                                  master fp32 or bf16 (store/master.py), the states fp32, bf16,
-                                 or int8 codes plus exp_avg_scale and exp_avg_sq_scale
+                                 or int8 / int4 codes plus exp_avg_scale and exp_avg_sq_scale
                                  (store/states.py) (metadata: the block's optimizer step,
                                  parameter names, state_dtype and master_dtype)
                                  (a block held on the GPU, optimizer-state tier, is saved
@@ -226,7 +226,7 @@ def load_checkpoint(path: str | Path, store: HostStore) -> dict[str, Any]:
                 block.step = int(meta["step"])
         for key, dst in targets.items():
             # a whole block from a sharded checkpoint's parts: concatenated, padding dropped
-            # (int8 shards are whole quantization blocks, so their scales concatenate too)
+            # (int8 / int4 shards are whole quantization blocks: their codes, scales concatenate)
             dst.copy_(torch.cat(parts[key])[: dst.numel()])
         block.refresh_shadow()
     state: dict[str, Any] = json.loads(state_file.read_text())

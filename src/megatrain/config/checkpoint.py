@@ -23,8 +23,9 @@ class CheckpointConfig:
     """Dtype of the exported weights: "bf16" or "fp32"."""
     save_final: bool = True
     """Write a resumable checkpoint at the end of the run (12 bytes per parameter with fp32
-    AdamW states, 8 with bf16, about 6 with int8). False: only the Hugging Face export (2 bytes
-    per parameter in bf16) keeps the trained weights."""
+    AdamW states, 8 with bf16, about 6 with int8, about 5 with int4; 2 less with a bf16
+    master). False: only the Hugging Face export (2 bytes per parameter in bf16) keeps the
+    trained weights."""
 
     def validate(self) -> None:
         check_types("checkpoint", self)

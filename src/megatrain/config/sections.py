@@ -219,8 +219,8 @@ class OptimizerConfig:
     process may use (its CPU affinity, less those other processes keep busy) but two; with
     several ranks on a node, each rank's share of them less one (megatrain/threads.py)."""
     state_dtype: str = "fp32"
-    """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4)
-    or "int8" (block-wise 8-bit Adam, ~2); master weights stay fp32 (docs/optimizer_states.md)."""
+    """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4),
+    "int8" (block-wise 8-bit Adam, ~2) or "int4" (block-wise 4-bit, 1.06; optimizer_states.md)."""
     master_dtype: str = "fp32"
     """Master weights on the host: "fp32" (4 B/param, plus the 2 B/param bf16 copy that
     streams to the GPU) or "bf16" (2 B/param: the update runs in fp32 and is rounded

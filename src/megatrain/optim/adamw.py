@@ -13,11 +13,12 @@ Blocks of the GPU tier take the "torch" path on the device (`update(on_device=Tr
 Both release the GIL, so a host worker thread can run them while the main thread drives the GPU.
 Results equal `torch.optim.AdamW` + `clip_grad_norm_` to fp32 rounding (tests/test_adamw.py).
 
-Blocks whose m and v are compressed (`ParamBlock.state_dtype` "bf16" or "int8", layouts and
-rounding in store/states.py) take the same update with m and v dequantized as read and rounded
-as written: "c" runs csrc/adamw.c's mt_adamw_bf16 / mt_adamw_int8 (one pass over memory),
-"torch" runs `update_compressed_reference`, plain PyTorch ops in the same order on the same
-float32 scalars, which the C kernel equals bit for bit (tests/test_optim_states_parity.py).
+Blocks whose m and v are compressed (`ParamBlock.state_dtype` "bf16", "int8" or "int4", layouts
+and rounding in store/states.py and store/int4.py) take the same update with m and v dequantized
+as read and rounded as written: "c" runs csrc/adamw.c's mt_adamw_bf16 / _int8 / _int4 (one pass
+over memory), "torch" runs `update_compressed_reference`, plain PyTorch ops in the same order on
+the same float32 scalars, which the C kernel equals bit for bit
+(tests/optim/test_optim_states_parity.py, test_optim_states_int4.py).
 Blocks with a bf16 master (`ParamBlock.master_dtype`) take optim/bf16_master.py's update.
 """
 
@@ -32,6 +33,10 @@ from megatrain.native import load_adamw_kernel
 from megatrain.optim.bf16_master import update_bf16_master_c, update_bf16_master_reference
 from megatrain.optim.update_io import StepScalars, read_states, write_states
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.int4 import (
+    int4_kernel_mids,
+    int4_map,
+)
 from megatrain.store.states import (
     QUANT_BLOCK,
     dynamic_map,
@@ -176,6 +181,9 @@ class CpuAdamW:
             )
             return
         assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+        if block.state_dtype == "int4":
+            self._update_int4_c(block, common)
+            return
         tables = [(dynamic_map(signed)[0], quantize_table(signed)) for signed in (True, False)]
         self._lib.mt_adamw_int8(
             block.master.data_ptr(),
@@ -185,6 +193,21 @@ class CpuAdamW:
             block.exp_avg_sq_scale.data_ptr(),
             *common,
             *(t.data_ptr() for table in tables for t in table),  # map, lookup of m, of v
+            self.num_threads,
+        )
+
+    def _update_int4_c(self, block: ParamBlock, common: tuple[object, ...]) -> None:
+        assert self._lib is not None
+        assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+        self._lib.mt_adamw_int4(
+            block.master.data_ptr(),
+            block.exp_avg.data_ptr(),
+            block.exp_avg_scale.data_ptr(),
+            block.exp_avg_sq.data_ptr(),
+            block.exp_avg_sq_scale.data_ptr(),
+            *common,
+            int4_map(True)[0].data_ptr(),  # m's values; v's are computed (csrc/adamw.c)
+            int4_kernel_mids().data_ptr(),
             self.num_threads,
         )
 

@@ -21,6 +21,7 @@ import torch
 
 from megatrain.optim.update_io import StepScalars, read_states, write_states
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.int4 import int4_kernel_mids, int4_map
 from megatrain.store.master import MASTER_KEY
 from megatrain.store.states import (
     QUANT_BLOCK,
@@ -51,7 +52,22 @@ def update_bf16_master_c(
     elif block.state_dtype == "bf16":
         keys = rounding_keys(block.rounding_name, block.step)
         lib.mt_adamw_bf16m_bf16(p, m, v, *common, key_p, *keys, num_threads)
+    elif block.state_dtype == "int4":
+        assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+        lib.mt_adamw_bf16m_int4(
+            p,
+            m,
+            block.exp_avg_scale.data_ptr(),
+            v,
+            block.exp_avg_sq_scale.data_ptr(),
+            *common,
+            int4_map(True)[0].data_ptr(),  # m's values; v's are computed (csrc/adamw.c)
+            int4_kernel_mids().data_ptr(),
+            key_p,
+            num_threads,
+        )
     else:
+        assert block.state_dtype == "int8"
         assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
         tables = [(dynamic_map(signed)[0], quantize_table(signed)) for signed in (True, False)]
         lib.mt_adamw_bf16m_int8(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.int4 import INT4_BLOCK, INT4_HALF, dequantize_int4, quantize_int4
 from megatrain.store.states import (
     QUANT_BLOCK,
     bf16_stochastic,
@@ -47,6 +48,8 @@ class StepScalars:
 def read_states(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     if block.state_dtype == "bf16":
         return block.exp_avg[lo:hi].float(), block.exp_avg_sq[lo:hi].float()
+    if block.state_dtype == "int4":
+        return _read_int4(block, lo, hi)
     assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
     blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
     return (
@@ -62,6 +65,9 @@ def write_states(
         block.exp_avg[lo:hi].copy_(bf16_stochastic(m, keys[0], lo))
         block.exp_avg_sq[lo:hi].copy_(bf16_stochastic(v, keys[1], lo))
         return
+    if block.state_dtype == "int4":
+        _write_int4(block, lo, m, v)
+        return
     assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
     blocks = slice(lo // QUANT_BLOCK, -(-hi // QUANT_BLOCK))
     for codes, scale, value, signed in (
@@ -71,3 +77,33 @@ def write_states(
         new_codes, absmax = quantize_blockwise(value, signed=signed)
         codes[lo:hi].copy_(new_codes)
         scale[blocks].copy_(absmax)
+
+
+def _int4_parts(lo: int, n: int) -> tuple[slice, slice]:
+    """(bytes of codes, scales) of values lo .. lo + n of an int4 block; lo a block start."""
+    assert lo % INT4_BLOCK == 0
+    first, end = lo // INT4_BLOCK, -(-(lo + n) // INT4_BLOCK)
+    return slice(first * INT4_HALF, end * INT4_HALF), slice(first, end)
+
+
+def _read_int4(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+    codes, scales = _int4_parts(lo, hi - lo)
+    return (
+        dequantize_int4(block.exp_avg[codes], block.exp_avg_scale[scales], hi - lo, signed=True),
+        dequantize_int4(
+            block.exp_avg_sq[codes], block.exp_avg_sq_scale[scales], hi - lo, signed=False
+        ),
+    )
+
+
+def _write_int4(block: ParamBlock, lo: int, m: torch.Tensor, v: torch.Tensor) -> None:
+    assert block.exp_avg_scale is not None and block.exp_avg_sq_scale is not None
+    codes, scales = _int4_parts(lo, m.numel())
+    for packed, scale, value, signed in (
+        (block.exp_avg, block.exp_avg_scale, m, True),
+        (block.exp_avg_sq, block.exp_avg_sq_scale, v, False),
+    ):
+        new_codes, absmax = quantize_int4(value, signed=signed)
+        packed[codes].copy_(new_codes)
+        scale[scales].copy_(absmax)

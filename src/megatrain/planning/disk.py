@@ -4,13 +4,13 @@ What a run writes under `training.output_dir`:
     checkpoint    `checkpoint_nbytes`: per store block its master at the run's
                   optimizer.master_dtype (4 bytes per parameter fp32, 2 bf16; store/master.py)
                   and AdamW exp_avg, exp_avg_sq at the run's optimizer.state_dtype (8 fp32, 4
-                  bf16, 2 + the int8 scales; store/states.py), every rank's padded part when
-                  sharded: 12, 8 or ~6 bytes per parameter with an fp32 master (2 less with
-                  bf16). The checkpoint writer writes exactly these bytes of tensors
-                  (checkpoint/saving.py `part_bytes`), plus small files (trainer_state.json
-                  with the RNG states, config.yaml); `keep_last` of them are kept, and while
-                  the next one is written (into a temporary folder, before the oldest is
-                  pruned) keep_last + 1 exist at once
+                  bf16, 2 + the int8 scales, 1 + the int4 scales; store/states.py), every
+                  rank's padded part when sharded: 12, 8, ~6 or ~5 bytes per parameter with an
+                  fp32 master (2 less with bf16). The checkpoint writer writes exactly these
+                  bytes of tensors (checkpoint/saving.py `part_bytes`), plus small files
+                  (trainer_state.json with the RNG states, config.yaml); `keep_last` of them
+                  are kept, and while the next one is written (into a temporary folder, before
+                  the oldest is pruned) keep_last + 1 exist at once
     HF export     2 (bf16) or 4 (fp32) bytes per parameter, plus config and tokenizer files;
                   written after the last checkpoint, while the kept checkpoints still exist
     metrics       one JSON line per optimizer step and evaluation (under 2 KiB each)
@@ -114,8 +114,8 @@ def checkpoint_nbytes(
 
 
 def checkpoint_bytes_per_param(state_dtype: str, master_dtype: str = "fp32") -> float:
-    """A checkpoint's bytes per parameter: 12 (fp32 states), 8 (bf16), ~6 (int8) with an fp32
-    master; 2 less with a bf16 one."""
+    """A checkpoint's bytes per parameter: 12 (fp32 states), 8 (bf16), ~6 (int8), ~5 (int4)
+    with an fp32 master; 2 less with a bf16 one."""
     return master_bytes_per_param(master_dtype) + state_bytes_per_param(state_dtype)
 
 

@@ -4,10 +4,10 @@ Host (bytes per parameter P; the store of store/host.py, every block):
 - bf16 compute: fp32 master + exp_avg + exp_avg_sq pageable (12), bf16 shadow pinned (2;
   gradients land in it). fp32 compute: exp_avg + exp_avg_sq pageable (8), fp32 master and
   fp32 gradient pinned (8). exp_avg + exp_avg_sq take 8 with `state_dtype` fp32, 4 with bf16
-  and 2 + 8/2048 (codes + per-block scales) with int8 (store/states.py, counted per block):
-  14, 10 and ~8 B/param in bf16 compute. A bf16 master (`master_dtype`, store/master.py):
-  the master pinned (2; it is the streamed copy, no shadow) and a bf16 gradient landing
-  pinned (2), m and v as above: 12, 8 and ~6.
+  2 + 8/2048 (codes + per-block scales) with int8 and 1 + 8/128 with int4 (store/states.py,
+  counted per block): 14, 10, ~8 and ~7 B/param in bf16 compute. A bf16 master
+  (`master_dtype`, store/master.py): the master pinned (2; it is the streamed copy, no shadow)
+  and a bf16 gradient landing pinned (2), m and v as above: 12, 8, ~6 and ~5.
 - Pinned blocks of 32 MiB and more are huge-page mappings page-locked with cudaHostRegister
   (store/memory.py): their size rounded up to 2 MiB. Smaller ones come from torch's caching
   host allocator, which rounds up to a power of two. `pinned_reserved_bytes` counts that.

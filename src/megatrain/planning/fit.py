@@ -3,6 +3,7 @@ the numbers and what to change (megatrain.planning.plan collects them)."""
 
 from __future__ import annotations
 
+from megatrain.choices import MASTER_DTYPES, STATE_DTYPES
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB, Hardware, gib
 from megatrain.store.master import weight_bytes_per_param
@@ -41,29 +42,58 @@ def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
     if h.total_bytes <= free:
         return None
     per_param = h.store_bytes / est.total_params
-    states = state_bytes_per_param(est.settings.get("state_dtype", "fp32"))
-    advice = ["a machine with more RAM", "a smaller model"]
+    smaller, note = _smaller_store(est, free)
+    advice = [*smaller, "a machine with more RAM", "a smaller model"]
     if est.settings["compute_dtype"] == "fp32":
+        states = state_bytes_per_param(est.settings.get("state_dtype", "fp32"))
         advice.append(f"bf16 compute ({6 + states:.0f} instead of {8 + states:.0f} B/param)")
-    if states > state_bytes_per_param("int8"):
-        advice.append(
-            f"compressed AdamW states, optimizer.state_dtype: int8 ({states - 2:.0f} B/param "
-            "less)" + (" or bf16 (4 less)" if states > state_bytes_per_param("bf16") else "")
-        )
-    bf16_compute = est.settings["compute_dtype"] == "bf16"
-    if bf16_compute and est.settings.get("master_dtype", "fp32") == "fp32":
-        saved = weight_bytes_per_param("fp32") - weight_bytes_per_param("bf16")
-        advice.append(
-            f"bf16 master weights with stochastic rounding, optimizer.master_dtype: bf16 "
-            f"({saved} B/param less)"
-        )
     return (
         f"host RAM: predicted {gib(h.total_bytes)} (store {gib(h.store_bytes)} = "
         f"{per_param:.0f} B/param x {est.total_params / 1e9:.2f}B params, pinned blocks "
         f"rounded up to {gib(h.pinned_reserved_bytes)}, process {gib(h.baseline_bytes)}, "
         f"data {gib(h.data_bytes)}) > {gib(free)} available ({gib(hw.host_bytes)} "
-        f"total - margin {margin_gib:g} GiB). Use " + ", or ".join(advice)
+        f"total - margin {margin_gib:g} GiB). Use " + ", or ".join(advice) + note
     )
+
+
+def store_choices(bf16_compute: bool) -> list[tuple[str, str, float]]:
+    """(master_dtype, state_dtype, host store bytes per parameter) of every store layout, the
+    least compressed first (the order `_smaller_store` offers them in)."""
+    masters = MASTER_DTYPES if bf16_compute else ("fp32",)
+    choices = [
+        (master, state, weight_bytes_per_param(master, bf16_compute=bf16_compute)
+         + state_bytes_per_param(state))
+        for master in masters
+        for state in STATE_DTYPES
+    ]  # fmt: skip
+    return sorted(choices, key=lambda c: -c[2])
+
+
+def _smaller_store(est: Estimate, free: float) -> tuple[list[str], str]:
+    """(advice, note): the least compressed store layout that fits `free` bytes with its bytes
+    per parameter (everything else of the prediction as it is), or, when none does, a note of
+    what the most compact one would need."""
+    s = est.settings
+    now = (s.get("master_dtype", "fp32"), s.get("state_dtype", "fp32"))
+    choices = store_choices(s["compute_dtype"] == "bf16")
+    per_param = {(m, st): b for m, st, b in choices}[now]
+    smaller = [c for c in choices if c[2] < per_param]
+    if not smaller:
+        return [], ""
+    others = est.host.total_bytes - est.host.store_bytes
+
+    def total(b: float) -> float:
+        return others + est.host.store_bytes * b / per_param
+
+    def named(master: str, state: str, b: float) -> str:
+        keys = [f"optimizer.state_dtype: {state}"] if state != now[1] else []
+        keys += [f"optimizer.master_dtype: {master}"] if master != now[0] else []
+        return f"{' and '.join(keys)} ({b:.2f} B/param, predicted {gib(total(b))})"
+
+    fitting = [c for c in smaller if total(c[2]) <= free]
+    if fitting:
+        return [named(*fitting[0]) + ", the least compressed store that fits"], ""
+    return [], f" (the most compact store, {named(*smaller[-1])}, does not fit either)"
 
 
 def gpu_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:

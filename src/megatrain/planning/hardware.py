@@ -17,7 +17,7 @@ process's CPU affinity, i.e. vCPUs, less busy ones and the two that drive the GP
 core); `probe()` also measures the rates (a few seconds), the AdamW on those threads.
 `measured` names the fields that came from this machine or from the user (`--gpu-gib`,
 optimizer.threads); everything else is assumed. The default rate is the fp32 kernel's, which
-is bound by memory bandwidth and taken as flat across hosts; the compressed (bf16, int8)
+is bound by memory bandwidth and taken as flat across hosts; the compressed (bf16, int8, int4)
 kernels' rate is derived from it and grows with `optimizer_threads` (planning/timing.py
 `state_dtype_speed`, fitted to runs on 14, 30 and 62 threads) unless probed with the run's
 own state dtype. Two other defaults are fitted, not measured: `achieved_fraction_fp32` and

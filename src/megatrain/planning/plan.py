@@ -61,8 +61,7 @@ class RunShape:
     loss_chunk_tokens: int | None  # None: the head's default for the vocabulary
     pin_memory: bool
     check_gpu: bool  # a CUDA run: the GPU peak must fit too
-    state_dtype: str  # AdamW m and v on the host: "fp32", "bf16" or "int8" (host memory)
-    master_dtype: str = "fp32"  # master weights on the host: "fp32" or "bf16" (host memory)
+    state_dtype: str  # AdamW m and v on the host: choices.py STATE_DTYPES (host memory)
     gpu_state_blocks: int | str = 0  # GPU-tier blocks, or "auto" (resolved by the plan)
     compiled: bool = False  # decoder layers torch.compile'd (training.compile_layers)
     activation_offload: str = "off"  # layer inputs to the host: "auto", "on" or "off"
@@ -71,6 +70,7 @@ class RunShape:
     ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
     rank: int = 0  # this process's rank
     vision: VisionLoad = NO_VISION  # a vision-language run's (planning/setup.py)
+    master_dtype: str = "fp32"  # master weights on the host: "fp32" or "bf16" (host memory)
 
     @classmethod
     def of(

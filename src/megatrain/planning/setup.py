@@ -38,7 +38,7 @@ class Setup:
     micro_batch_size: int
     grad_accum: int = 1
     layout: str = "padded"  # "padded" rows (masks), "packed" samples, "full" rows (no mask)
-    state_dtype: str = "fp32"  # AdamW m and v on the host: "fp32", "bf16" or "int8"
+    state_dtype: str = "fp32"  # AdamW m and v on the host: choices.py STATE_DTYPES
     master_dtype: str = "fp32"  # master weights on the host: "fp32" or "bf16" (store/master.py)
     pin_memory: bool = True
     data_bytes: int = 0  # the tokenized data in host memory

@@ -12,8 +12,8 @@ Host buffers per block:
             source), or bf16 master weights (`optimizer.master_dtype: bf16`, store/master.py:
             pinned, the copy source itself, no shadow)
 - `exp_avg`, `exp_avg_sq`  AdamW m and v in the block's `state_dtype` (store/states.py): fp32,
-            bf16, or int8 (uint8 codes, with one fp32 absmax per quantization block in
-            `exp_avg_scale`, `exp_avg_sq_scale`)
+            bf16, or int8 / int4 (uint8 codes, int4 two a byte, with one fp32 absmax per
+            quantization block in `exp_avg_scale`, `exp_avg_sq_scale`)
 - `shadow`  bf16 copy of the weights, pinned: the host-to-device source in bf16 compute. Between
             a layer's backward and its optimizer update it holds that layer's bf16 gradient
             instead (the weights are not needed then); the update reads the gradient and writes
@@ -70,9 +70,9 @@ class ParamBlock:
     shadow: torch.Tensor | None = field(default=None, repr=False)
     grad: torch.Tensor | None = field(default=None, repr=False)
     step: int = 0  # optimizer steps applied to this block
-    state_dtype: str = "fp32"  # layout of exp_avg / exp_avg_sq: "fp32", "bf16" or "int8"
-    exp_avg_scale: torch.Tensor | None = field(default=None, repr=False)  # int8 only
-    exp_avg_sq_scale: torch.Tensor | None = field(default=None, repr=False)  # int8 only
+    state_dtype: str = "fp32"  # layout of exp_avg / exp_avg_sq: store/states.py STATE_DTYPES
+    exp_avg_scale: torch.Tensor | None = field(default=None, repr=False)  # int8, int4
+    exp_avg_sq_scale: torch.Tensor | None = field(default=None, repr=False)  # int8, int4
 
     @classmethod
     def with_states(

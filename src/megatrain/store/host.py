@@ -37,7 +37,7 @@ class HostStore:
     one block (a tied lm_head in the embedding's); within a block the decayed parameters come
     first; the HF model's parameters are replaced by meta tensors, so weights exist once.
 
-    `state_dtype` ("fp32", "bf16", "int8"; store/states.py) is the layout of every block's
+    `state_dtype` (choices.py STATE_DTYPES; store/states.py) is the layout of every block's
     AdamW m and v; `master_dtype` ("fp32", "bf16"; store/master.py) that of its master: a bf16
     master is pinned and is itself the copy the device streams (no shadow), and the gradient
     lands in a bf16 buffer of its own (`ParamBlock.grad`).

@@ -10,7 +10,8 @@ with zero gradient and zero states to zero.
 Shards are whole int8 quantization blocks (n is a multiple of QUANT_BLOCK, store/states.py), so
 rank r's quantization blocks are exactly the whole block's blocks r x n / QUANT_BLOCK, ...: the
 sharded int8 update equals the one-process update, and a sharded checkpoint's parts concatenate
-into the whole block's codes and scales. bf16 stochastic rounding salts its keys with the shard
+into the whole block's codes and scales. The same holds for int4's blocks of 128 (store/int4.py),
+which divide QUANT_BLOCK. bf16 stochastic rounding salts its keys with the shard
 offset (`ShardedBlock.rounding_name`), so ranks do not reuse each other's random bits.
 
 A `ShardedBlock` is a `ParamBlock` whose flat tensors are the shard: `numel` and

@@ -1,4 +1,4 @@
-"""AdamW state layouts of the host store: fp32, bf16 and block-wise 8-bit m and v.
+"""AdamW state layouts of the host store: fp32, bf16 and block-wise 8-bit and 4-bit m and v.
 
 `optimizer.state_dtype` picks one layout per store; every block records its own
 (`ParamBlock.state_dtype`), so an optimizer (the C kernel, the torch reference, a device-side
@@ -19,6 +19,9 @@ tier) reads the layout from the block it updates. Bytes of m + v per parameter:
   paper): the code is the number of midpoints between neighbouring map values that lie below
   the normalised value, so every implementation that compares against the same float32
   midpoints picks the same code. Block size 2048, as in the paper.
+- int4: 1 + 8 / 128. 4-bit AdamW (Li et al., arXiv 2309.01507): blocks of 128, two codes a
+  byte, a signed dynamic-exponent map for m and a linear map without zero for v; its layout,
+  maps and torch reference are store/int4.py's.
 
 A block's quantization blocks start at its element 0 and may straddle its decay boundary: the
 compressed kernels update a whole block in one call.
@@ -32,6 +35,7 @@ from functools import cache
 import torch
 
 from megatrain.choices import STATE_DTYPES
+from megatrain.store.int4 import allocate_int4_states, int4_nbytes
 
 QUANT_BLOCK = 2048
 _MASK32 = 0xFFFFFFFF
@@ -55,11 +59,14 @@ def state_nbytes(numel: int, state_dtype: str) -> int:
         return 8 * numel
     if state_dtype == "bf16":
         return 4 * numel
+    if state_dtype == "int4":
+        return int4_nbytes(numel)
     return 2 * numel + 2 * 4 * num_quant_blocks(numel)
 
 
 def state_bytes_per_param(state_dtype: str) -> float:
-    """m + v bytes per parameter, the int8 scales amortised over full quantization blocks."""
+    """m + v bytes per parameter, the scales amortised over full quantization blocks (2048 is
+    a multiple of int4's 128)."""
     return state_nbytes(QUANT_BLOCK, state_dtype) / QUANT_BLOCK
 
 
@@ -71,6 +78,8 @@ def allocate_states(numel: int, state_dtype: str) -> dict[str, torch.Tensor]:
     if state_dtype in ("fp32", "bf16"):
         dtype = torch.float32 if state_dtype == "fp32" else torch.bfloat16
         return {"exp_avg": host_zeros(numel, dtype), "exp_avg_sq": host_zeros(numel, dtype)}
+    if state_dtype == "int4":
+        return allocate_int4_states(numel)
     return {
         "exp_avg": host_zeros(numel, torch.uint8).fill_(zero_code(signed=True)),
         "exp_avg_sq": host_zeros(numel, torch.uint8).fill_(zero_code(signed=False)),
