@@ -141,15 +141,17 @@ class TrainingConfig:
     other processes keep the cores busy, fewer threads run faster (megatrain/threads.py)."""
     compile_layers: str | bool = "auto"
     """torch.compile each decoder layer: 1.35x the model TFLOPS of eager layers on an H100
-    (Llama-3.1-8B shape, 64k tokens per step: 430 against 319), a minute or so of compiling in
-    the first step. "auto": on a GPU, for rows of one fixed length (packed, pre-training) when
-    every layer is softmax attention with an MLP or routed experts (MoE: 1.40x) and needs no MLP
-    tiles (the plan profiles eager layers of those kinds, which the compiled ones do not
-    exceed; planning/builder.py COMPILE_AUTO_KINDS); otherwise, on the CPU and in
-    `megatrain grpo` (rows of every length) eager. Hybrid linear-attention layers (Qwen3.5,
-    Qwen3-Next) stay eager under auto: with flash-linear-attention they ran slower compiled
-    (Qwen3.5-27B cut to 16 layers: 11.5 s a step against 9.6-9.8 eager) and held 2.7x the eager
-    layer's memory in their backward. true / false: as given."""
+    (Llama-3.1-8B shape, 64k tokens per step: 430 against 319), a minute or so of compiling in the
+    first step, once: one graph per layer structure and grad mode, with dynamic shapes, so a short
+    micro-batch or another padded length does not compile again (docs/architecture.md "Compiled
+    layers"). "auto": on a GPU, for rows of one fixed length (packed, pre-training) when every layer
+    is softmax attention with an MLP or routed experts (MoE: 1.40x) and needs no MLP tiles (the plan
+    profiles eager layers of those kinds, which the compiled ones do not exceed; planning/builder.py
+    COMPILE_AUTO_KINDS); otherwise, on the CPU and in `megatrain grpo` (rows of every length) eager.
+    Hybrid linear-attention layers (Qwen3.5, Qwen3-Next) stay eager under auto: with
+    flash-linear-attention they ran slower compiled (Qwen3.5-27B cut to 16 layers: 11.5 s a step
+    against 9.6-9.8 eager) and held 2.7x the eager layer's memory in their backward. true / false:
+    as given."""
     overwrite_output_dir: bool = False
     """Start a new run (resume_from: null) in a non-empty output_dir. The previous run's files
     there (config.yaml, metrics.jsonl, tensorboard, wandb, swanlog, checkpoints, hf_model) are
