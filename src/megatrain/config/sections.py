@@ -185,6 +185,13 @@ class TrainingConfig:
             raise ValueError(f"training.device={self.device!r} must be one of {allowed}")
 
 
+PLANNED_BATCH: dict[str, dict[str, Any]] = {"training": {"micro_batch_size": "auto"}}
+"""The defaults `megatrain grpo` and `megatrain dpo` put under the config file (and `megatrain
+estimate` for their runs): the plan picks the micro-batch (planning/batch_size.py). A GRPO step
+is one generation batch, its rows fixed, so "auto" only changes how they are batched; a
+preference step keeps gradient_accumulation_steps (or global_batch_size) as `train` does."""
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     name: str = "adamw"

@@ -28,10 +28,12 @@ def pick_micro_batch(
     hardware: Hardware,
     gpu_margin_gib: float,
     max_micro_batch_size: int = 64,
+    rows_multiple: int = 1,
 ) -> tuple[int, int, str]:
     """(micro_batch_size, grad_accum, reason). Raises ValueError, with the numbers and what to
     change, when not even the smallest candidate fits. Every candidate is `setup` with its
-    micro-batch size and accumulation."""
+    micro-batch size and accumulation, a multiple of `rows_multiple` (rows that share a
+    micro-batch: a preference pair's chosen and rejected)."""
     seq_len = setup.seq_len
     if (tokens_per_step is None) == (grad_accum is None):
         raise ValueError("give exactly one of tokens_per_step and grad_accum")
@@ -41,7 +43,15 @@ def pick_micro_batch(
             raise ValueError(
                 f"tokens_per_step ({tokens_per_step}) must be a multiple of seq_len ({seq_len})"
             )
-        candidates = [(b, rows // b) for b in range(1, rows + 1) if rows % b == 0]
+        candidates = [
+            (b, rows // b) for b in range(rows_multiple, rows + 1, rows_multiple) if rows % b == 0
+        ]
+        if not candidates:
+            raise ValueError(
+                f"training.global_batch_size gives {rows} rows per step (per rank), but a "
+                f"micro-batch holds a multiple of {rows_multiple} (a preference pair's rows "
+                f"share one): make the rows per step a multiple of {rows_multiple}"
+            )
     else:
         assert grad_accum is not None
         if grad_accum < 1:
@@ -49,7 +59,7 @@ def pick_micro_batch(
         candidates = [
             (1 << k, grad_accum)
             for k in range(max_micro_batch_size.bit_length())
-            if 1 << k <= max_micro_batch_size
+            if rows_multiple <= 1 << k <= max_micro_batch_size and (1 << k) % rows_multiple == 0
         ]
     budget = hardware.gpu_bytes - gpu_margin_gib * GIB
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain.config import TrainConfig
+from megatrain.data.config import PREFERENCE_STAGES
 from megatrain.distributed import Placement, rows_per_rank
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.head import default_chunk_tokens
@@ -70,6 +71,7 @@ class RunShape:
     ranks: Ranks = ONE_PROCESS  # processes of the job (torchrun); the batch is per rank
     rank: int = 0  # this process's rank
     vision: VisionLoad = NO_VISION  # a vision-language run's (planning/setup.py)
+    rows_multiple: int = 1  # "auto" micro-batches hold a multiple of it (a preference pair: 2)
 
     @classmethod
     def of(
@@ -103,6 +105,7 @@ class RunShape:
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             rank=p.rank,
             vision=VisionLoad(not cfg.model.freeze_vision, not cfg.model.freeze_projector, images),
+            rows_multiple=2 if cfg.data.stage in PREFERENCE_STAGES else 1,
         )
 
     def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:
@@ -217,7 +220,12 @@ def plan_resources(
         )
         template = shape.setup(shape.engine_plan(spec, 0, None, most_tiles), 1, 1)
         micro_batch_size, grad_accum, reason = pick_micro_batch(
-            spec, template, hardware=hardware, gpu_margin_gib=gpu_margin_gib, **target
+            spec,
+            template,
+            hardware=hardware,
+            gpu_margin_gib=gpu_margin_gib,
+            rows_multiple=shape.rows_multiple,
+            **target,
         )
     elif tokens_per_step is not None:
         grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)

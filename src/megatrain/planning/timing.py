@@ -13,6 +13,10 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - a forward-only pass (engine.logprobs: DPO's reference pass): the forward's loads and layer
   visits, the head's forward 2 x V x D x T, no backward, gradient copies or optimizer; its
   launches counted as the loss's (which include the backward's: an upper bound);
+- a reference pass (engine.serving: GRPO's KL reference, dpo.reference: weights) adds the
+  copy of the GPU tier's reference weights to the device (`reference_swap_s`); in fp32 compute
+  the tier's own weights also go to the host and back (in bf16 they are rebuilt from the
+  device's fp32 master: a cast, not counted);
 - copies: each layer goes to the GPU twice per step (forward, backward) except the
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
@@ -233,6 +237,21 @@ def step_time(
         model_tflops=6 * spec.active_params * tokens / step_s / 1e12,
         vision_s=vision_fwd + vision_bwd,
     )
+
+
+def reference_swap_s(spec: ModelSpec, hw: Hardware, gpu_state_blocks: int, cuda: bool) -> float:
+    """Seconds `StreamingEngine.serving` copies a GPU tier's weights around a reference pass:
+    the reference's over the host link, and in fp32 compute the tier's own there and back
+    (the module docstring). 0 without a tier or off CUDA (the device is the host)."""
+    tier = TierSplit.of(spec.num_layers, gpu_state_blocks)
+    params = sum(layer.params for layer in spec.layers[: tier.layers])
+    params += spec.embed_params * tier.embed + spec.head_params * tier.head
+    if not cuda or not params:
+        return 0.0
+    nbytes = params * spec.compute_dtype.itemsize
+    if spec.compute_dtype == torch.bfloat16:
+        return nbytes / (hw.h2d_gbps * 1e9)
+    return nbytes * (2 / (hw.h2d_gbps * 1e9) + 1 / (hw.d2h_gbps * 1e9))
 
 
 def state_dtype_speed(state_dtype: str, threads: int) -> float:

@@ -215,7 +215,7 @@ class GRPOTrainer(Recipe):
         batches = sequence_batches(
             [p.prompt_ids for p in prompts],
             rollout.completions,
-            micro_batch_size=int(self.cfg.training.micro_batch_size),
+            micro_batch_size=self.builder.batch()[0],  # the plan's, when "auto"
             pad_token_id=self.pad_id,
             pad_to_multiple_of=self.cfg.data.pad_to_multiple_of,
         )
