@@ -112,7 +112,9 @@ class TrainingConfig:
     seed: int = 42
     """Seed of random init and of everything random in training (data has its own `seed`)."""
     micro_batch_size: int | str = 1
-    """Rows per forward/backward: an integer >= 1, or "auto" (the largest that fits the GPU)."""
+    """Rows per forward/backward: an integer >= 1, or "auto" (the largest that fits the GPU).
+    `megatrain grpo` and `megatrain dpo` default to "auto" (under grpo: the largest divisor of
+    the generation batch; under dpo: an even count)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     global_batch_size: int | None = None

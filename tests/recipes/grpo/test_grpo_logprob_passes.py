@@ -7,6 +7,7 @@
   triangle inequality). Only rounding differs: a padded row attends to nothing past its end
   (the mask), but its matrix products run at another shape, whose sums the CPU may order
   differently.
+- Rows grouped by length (`length_order`) pad less and change the step only by rounding.
 - With grpo.num_iterations 1 the recipe runs no old-policy pass: old_logp = logp.detach(). A
   step that computes the pass instead (the same weights, the same micro-batches) gets the same
   log-probs bit for bit: the pass and the step's forward run the same kernels on the same
@@ -22,7 +23,12 @@ import torch
 
 from megatrain.engine.head import TokenObjective
 from megatrain.recipes.grpo.loss import GRPOLoss, token_weights
-from megatrain.recipes.grpo.sequences import completion_mask, per_row, sequence_batches
+from megatrain.recipes.grpo.sequences import (
+    completion_mask,
+    length_order,
+    per_row,
+    sequence_batches,
+)
 from megatrain.verify import TOLERANCES
 from run_helpers import parity_engine, rel_error
 
@@ -67,11 +73,15 @@ def test_batched_logprob_pass_equals_one_row_at_a_time_within_fp32() -> None:
         assert rel_error(b, s.double()) <= 2 * TOL
 
 
-def _step(old_pass: bool) -> tuple[float, dict[str, torch.Tensor]]:
+def _step(old_pass: bool, order: list[int] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     """One GRPO step (beta 0, num_iterations 1) on a fresh engine; `old_pass`: the old
-    log-probs from a pass before it, as num_iterations > 1 computes them."""
+    log-probs from a pass before it, as num_iterations > 1 computes them; `order`: the rows'
+    (None: as they come)."""
     structure, _, engine, landed = parity_engine(LR)
     prompts, completions, advantages = _sequences(structure.causal_lm.config.vocab_size)
+    if order is not None:
+        prompts, completions = [prompts[i] for i in order], [completions[i] for i in order]
+        advantages = [advantages[i] for i in order]
     micro = sequence_batches(prompts, completions, micro_batch_size=2, pad_token_id=0)
     weights = token_weights(
         [completion_mask(b) for b in micro], loss_type="dapo", max_completion_length=9
@@ -97,3 +107,29 @@ def test_skipped_old_policy_pass_gives_the_same_step_bit_for_bit() -> None:
     assert grads_skipped.keys() == grads_computed.keys() and grads_skipped
     for name, g in grads_skipped.items():
         assert torch.equal(g, grads_computed[name]), name
+
+
+def test_length_order_groups_rows_and_changes_the_step_only_by_rounding() -> None:
+    """Longest first where there are several micro-batches: micro-batches of 2 rows of the six
+    sequences (rows of 14, 7, 13, 5, 14, 8 tokens) pad to 14 + 13 + 14 = 41 columns given as
+    they come, 14 + 13 + 7 = 34 grouped. The step's loss is a sum over rows, so the order
+    changes only its rounding: both orders are within the fp32 bound of float64 for any
+    micro-batching (test_grpo_loss_parity.py), so within twice that of each other."""
+    _, _, engine, _ = parity_engine(LR)
+    vocab = engine.structure.causal_lm.config.vocab_size
+    engine.close()
+    prompts, completions, _ = _sequences(vocab)
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    order = length_order(lengths, 2)
+    assert order == [0, 4, 2, 5, 1, 3]
+    assert length_order(lengths, 6) == list(range(6))  # one micro-batch: nothing to group
+    given = sequence_batches(prompts, completions, micro_batch_size=2, pad_token_id=0)
+    grouped = sequence_batches(
+        [prompts[i] for i in order], [completions[i] for i in order], micro_batch_size=2,
+        pad_token_id=0,
+    )  # fmt: skip
+    assert [b.input_ids.shape[1] for b in given] == [14, 13, 14]
+    assert [b.input_ids.shape[1] for b in grouped] == [14, 13, 7]
+    loss_given = _step(False, order=None)[0]
+    loss_grouped = _step(False, order=order)[0]
+    assert abs(loss_grouped - loss_given) <= 2 * TOL * abs(loss_given)

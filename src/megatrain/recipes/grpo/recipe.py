@@ -10,8 +10,9 @@ counts it.
 
 One generation batch: sample completions with the current weights (rollout.py), score them
 (rewards.py), group-normalise the rewards into advantages (advantages.py), lay the sequences
-out as micro-batches (sequences.py); with num_iterations > 1 keep their log-probs under the
-current weights (the "old" policy), with beta > 0 their log-probs under the reference weights;
+out as micro-batches (sequences.py: grouped by length where there are several); with
+num_iterations > 1 keep their log-probs under the current weights (the "old" policy), with
+beta > 0 their log-probs under the reference weights;
 then take num_iterations engine steps on the GRPO objective (loss.py).
 
 Exact resume: checkpoints are written at generation-batch boundaries only (the base saves when
@@ -53,7 +54,12 @@ from megatrain.recipes.grpo.plan import (
 from megatrain.recipes.grpo.prompts import Prompt, load_prompts
 from megatrain.recipes.grpo.rewards import load_reward
 from megatrain.recipes.grpo.rollout import Rollout, device_model, generate
-from megatrain.recipes.grpo.sequences import completion_mask, per_row, sequence_batches
+from megatrain.recipes.grpo.sequences import (
+    completion_mask,
+    length_order,
+    per_row,
+    sequence_batches,
+)
 from megatrain.recipes.records import report_plan, step_record
 
 
@@ -212,10 +218,14 @@ class GRPOTrainer(Recipe):
             num_generations=g.num_generations,
             scaling=g.reward_scaling,
         )
+        rows = self.builder.batch()[0]  # the plan's, when "auto"
+        completions = rollout.completions
+        lengths = [len(p.prompt_ids) + len(c) for p, c in zip(prompts, completions, strict=True)]
+        order = length_order(lengths, rows)
         batches = sequence_batches(
-            [p.prompt_ids for p in prompts],
-            rollout.completions,
-            micro_batch_size=self.builder.batch()[0],  # the plan's, when "auto"
+            [prompts[i].prompt_ids for i in order],
+            [completions[i] for i in order],
+            micro_batch_size=rows,
             pad_token_id=self.pad_id,
             pad_to_multiple_of=self.cfg.data.pad_to_multiple_of,
         )
@@ -225,7 +235,9 @@ class GRPOTrainer(Recipe):
         )
         inputs = [
             {"advantages": a, "weights": w}
-            for a, w in zip(per_row(adv.advantages, batches), weights, strict=True)
+            for a, w in zip(
+                per_row([adv.advantages[i] for i in order], batches), weights, strict=True
+            )
         ]
         t1 = time.perf_counter()
         self._add_logprobs(batches, inputs)
