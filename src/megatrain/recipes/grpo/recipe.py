@@ -240,7 +240,9 @@ class GRPOTrainer(Recipe):
             )
         ]
         t1 = time.perf_counter()
+        peak = _PhasePeak(self.builder.device)
         self._add_logprobs(batches, inputs)
+        logprob_memory = peak.record("logprob") if self._logprob_passes else {}
         lengths = [len(c) for c in rollout.completions]
         total = torch.tensor(adv.rewards)
         record |= {
@@ -253,6 +255,7 @@ class GRPOTrainer(Recipe):
             "time/generation_s": timing.pop("time/generation_s"),
             "time/logprob_s": round(time.perf_counter() - t1, 4),
             **timing,
+            **logprob_memory,
         }
         return _Generation(batches, inputs, record)
 
@@ -300,6 +303,11 @@ class GRPOTrainer(Recipe):
             record["time/prefill_capture_s"] = round(rollout.prefill_s, 4)
             record["time/decode_step_ms"] = round(1e3 * rollout.decode_s / rollout.decode_steps, 3)
         return rollout, record
+
+    @property
+    def _logprob_passes(self) -> bool:
+        """Whether a generation batch runs a log-prob pass (plan.py `logprob_passes`)."""
+        return self.cfg.grpo.num_iterations > 1 or self.reference is not None
 
     def _add_logprobs(self, batches: list[Any], inputs: list[dict[str, torch.Tensor]]) -> None:
         """The old policy's log-probs (num_iterations > 1) and the reference's (beta > 0)."""
