@@ -16,7 +16,7 @@ from megatrain.config.dpo import DPOConfig
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.memory import MemoryConfig
 from megatrain.config.types import check_choice, check_int, check_number, check_types
-from megatrain.data.config import DataConfig
+from megatrain.data.config import PREFERENCE_STAGES, DataConfig
 from megatrain.dtypes import DTYPE_NAMES as DTYPES
 from megatrain.dtypes import torch_dtype
 from megatrain.trackers import TRACKER_NAMES
@@ -325,7 +325,7 @@ class TrainConfig:
         self.grpo.validate()
         self.dpo.validate()
         t, d = self.training, self.data
-        if d.stage in ("dpo", "kto") and (d.stage == "kto") != (self.dpo.loss_type == "kto"):
+        if d.stage in PREFERENCE_STAGES and (d.stage == "kto") != (self.dpo.loss_type == "kto"):
             raise ValueError(
                 f"data.stage={d.stage!r} with dpo.loss_type={self.dpo.loss_type!r}: KTO rows "
                 "(data.stage: kto) train with loss_type: kto, pairs (dpo) with the others"
@@ -366,6 +366,12 @@ class TrainConfig:
         """How rows are laid out: "padded", "packed" (positions restart inside rows) or "full"
         (plain causal rows); decided by the data section (DataConfig.layout)."""
         return self.data.layout()
+
+    @property
+    def rows_together(self) -> int:
+        """Rows that share a micro-batch: 2 for preference data (a pair's chosen and rejected,
+        a KTO row and its KL row), else 1; "auto" micro-batches hold a multiple of it."""
+        return 2 if self.data.stage in PREFERENCE_STAGES else 1
 
 
 SECTIONS: dict[str, type] = {

@@ -341,13 +341,10 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         """The passes inside (`logprobs`) run on `reference`'s weights: its copies are swapped
         into the store, and a GPU tier's device weights (never streamed from the store) are
         overwritten with them and rebuilt after. GRPO's KL reference, DPO's `dpo.reference:
-        weights`. The caller waits for the updates first.
-
-        A tier block's bf16 weights are rebuilt from its fp32 master on the device (a cast,
-        rounded to nearest even as its update writes them: the same bits); only fp32 compute,
-        where the weights are the master, keeps a host copy of them meanwhile. So the swap
-        costs one host-to-device copy of the tier's reference weights (planned:
-        recipes/grpo/plan.py `logprob_passes`)."""
+        weights`. The caller waits for the updates first. A tier block's bf16 weights are
+        rebuilt from its fp32 master on the device (a cast, rounded to nearest even as its
+        update writes them: the same bits); fp32 compute (the weights are the master) keeps
+        a host copy meanwhile (planned: planning/timing.py `reference_swap_s`)."""
         assert not (self.comm.sharded and self.tier.blocks), "a sharded tier's reference"
         kept = [
             None if self._rebuilt_from_master(b) else self.tier.weights(b).to("cpu", copy=True)

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain.config import TrainConfig
-from megatrain.data.config import PREFERENCE_STAGES
 from megatrain.distributed import Placement, rows_per_rank
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.head import default_chunk_tokens
@@ -105,7 +104,7 @@ class RunShape:
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             rank=p.rank,
             vision=VisionLoad(not cfg.model.freeze_vision, not cfg.model.freeze_projector, images),
-            rows_multiple=2 if cfg.data.stage in PREFERENCE_STAGES else 1,
+            rows_multiple=cfg.rows_together,
         )
 
     def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:

@@ -13,10 +13,7 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - a forward-only pass (engine.logprobs: DPO's reference pass): the forward's loads and layer
   visits, the head's forward 2 x V x D x T, no backward, gradient copies or optimizer; its
   launches counted as the loss's (which include the backward's: an upper bound);
-- a reference pass (engine.serving: GRPO's KL reference, dpo.reference: weights) adds the
-  copy of the GPU tier's reference weights to the device (`reference_swap_s`); in fp32 compute
-  the tier's own weights also go to the host and back (in bf16 they are rebuilt from the
-  device's fp32 master: a cast, not counted);
+- a reference pass (engine.serving) adds the GPU tier's weights swap (`reference_swap_s`);
 - copies: each layer goes to the GPU twice per step (forward, backward) except the
   `num_slots` last layers, which stay resident; the head (and a tied table) once. Gradients
   come back once, in the compute dtype. H2D and D2H are separate streams (full duplex);
@@ -240,18 +237,15 @@ def step_time(
 
 
 def reference_swap_s(spec: ModelSpec, hw: Hardware, gpu_state_blocks: int, cuda: bool) -> float:
-    """Seconds `StreamingEngine.serving` copies a GPU tier's weights around a reference pass:
-    the reference's over the host link, and in fp32 compute the tier's own there and back
-    (the module docstring). 0 without a tier or off CUDA (the device is the host)."""
-    tier = TierSplit.of(spec.num_layers, gpu_state_blocks)
+    """Seconds `StreamingEngine.serving` copies a GPU tier's weights around a reference pass
+    (GRPO's KL reference, dpo.reference: weights): the reference's over the host link; in fp32
+    compute also the tier's own to the host and back (bf16 rebuilds them from the device's
+    fp32 master: a cast, not counted). 0 without a tier or off CUDA (the device is the host)."""
+    tier, c = TierSplit.of(spec.num_layers, gpu_state_blocks), spec.compute_dtype.itemsize
     params = sum(layer.params for layer in spec.layers[: tier.layers])
-    params += spec.embed_params * tier.embed + spec.head_params * tier.head
-    if not cuda or not params:
-        return 0.0
-    nbytes = params * spec.compute_dtype.itemsize
-    if spec.compute_dtype == torch.bfloat16:
-        return nbytes / (hw.h2d_gbps * 1e9)
-    return nbytes * (2 / (hw.h2d_gbps * 1e9) + 1 / (hw.d2h_gbps * 1e9))
+    nbytes = (params + spec.embed_params * tier.embed + spec.head_params * tier.head) * c * cuda
+    up, down = nbytes / (hw.h2d_gbps * 1e9), nbytes / (hw.d2h_gbps * 1e9)
+    return up if spec.compute_dtype == torch.bfloat16 else 2 * up + down
 
 
 def state_dtype_speed(state_dtype: str, threads: int) -> float:
