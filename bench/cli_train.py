@@ -68,8 +68,11 @@ DEMO_TEXT = ROOT / "src" / "megatrain" / "assets" / "demo" / "demo_text.txt"
 PREDICTED = re.compile(
     r"resources: host ([\d.]+) GiB, GPU peak ([\d.]+) GiB, step ([\d.]+) s \(predicted\)"
 )
-# megatrain grpo's rollout estimate (recipes/grpo/plan.py format_rollout)
-PREDICTED_GRPO = re.compile(r"GRPO step: rollout ([\d.]+) s \+ training ([\d.]+) s")
+# megatrain grpo's estimate of one generation batch (recipes/grpo/plan.py format_logprobs)
+PREDICTED_GRPO = re.compile(
+    r"GRPO step: rollout ([\d.]+) s \+ log-prob passes ([\d.]+) s \+ training "
+    r"(?:\d+ x )?([\d.]+) s = ([\d.]+) s"
+)
 PREDICTED_DECODE = re.compile(
     r"decoding steps x ([\d.]+) ms(?: \(reads ([\d.]+) ms \+ (\d+) ops x ([\d.]+) us\))?"
 )
@@ -159,7 +162,8 @@ def write_run(a: argparse.Namespace, overrides: list[str], out: Path) -> Path:
         "training": {
             "output_dir": str(out / "run"),
             "micro_batch_size": a.micro,
-            "gradient_accumulation_steps": a.rows // a.micro,
+            # "auto": the plan picks the micro-batch (grpo: of the generation batch's rows)
+            "gradient_accumulation_steps": 1 if a.micro == "auto" else a.rows // a.micro,
             "seq_len": a.seq,
             "max_steps": a.steps,
         },
@@ -264,7 +268,12 @@ def _grpo_prediction(log_text: str, decode_ms: float | None) -> dict[str, Any]:
     found: dict[str, Any] = {}
     step = PREDICTED_GRPO.search(log_text)
     if step:
-        found |= {"pred_rollout_s": float(step.group(1)), "pred_train_s": float(step.group(2))}
+        found |= {
+            "pred_rollout_s": float(step.group(1)),
+            "pred_logprob_s": float(step.group(2)),
+            "pred_train_s": float(step.group(3)),
+            "pred_grpo_step_s": float(step.group(4)),
+        }
     decode = PREDICTED_DECODE.search(log_text)
     if decode:
         found["pred_decode_step_ms"] = float(decode.group(1))
@@ -281,7 +290,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=32, help="rows per optimizer step")
-    ap.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
+    ap.add_argument(
+        "--micro",
+        type=lambda text: text if text == "auto" else int(text),
+        default=4,
+        help="rows per micro-batch, or auto (the plan's: megatrain grpo's and dpo's default)",
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     ap.add_argument("--timeout", type=int, default=560)

@@ -10,8 +10,8 @@ from transformers import Qwen2Config
 from megatrain.planning import Hardware, model_spec
 from megatrain.planning.hardware import GIB
 from megatrain.planning.layer_time import COMPILED_SPEEDUP, HBM_FRACTION
+from megatrain.planning.optimizer_rate import STATE_DTYPE_SPEED
 from megatrain.planning.spec import ModelSpec
-from megatrain.planning.timing import STATE_DTYPE_SPEED
 from predict import predict
 
 H100 = Hardware(gpu_bytes=80 * GIB, optimizer_gparams_s=3.85)

@@ -15,8 +15,12 @@ from megatrain.distributed import Placement
 from megatrain.planning import Hardware, model_spec
 from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import detect, probe
+from megatrain.planning.optimizer_rate import (
+    STATE_DTYPE_SPEED,
+    optimizer_gparams_s,
+    state_dtype_speed,
+)
 from megatrain.planning.report import format_estimate
-from megatrain.planning.timing import STATE_DTYPE_SPEED, optimizer_gparams_s, state_dtype_speed
 from megatrain.threads import optimizer_threads
 from predict import predict
 

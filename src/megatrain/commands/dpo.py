@@ -11,6 +11,7 @@ from megatrain.commands.done_line import done_line
 from megatrain.commands.train import add_print_config, print_config
 from megatrain.config import load_config
 from megatrain.config.dpo import check_preference_run
+from megatrain.config.sections import PLANNED_BATCH
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    base = {"data": {"stage": "dpo"}}
+    base = {"data": {"stage": "dpo"}, **PLANNED_BATCH}  # the plan picks the micro-batch
     cfg = load_config(args.config, args.overrides, base=base)  # config errors before torch loads
     if args.print_config:
         return print_config(cfg, args)

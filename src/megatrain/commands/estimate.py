@@ -33,7 +33,9 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from megatrain.config import TrainConfig
+from megatrain.config.sections import PLANNED_BATCH
 from megatrain.config.shorthand import model_values, shorthand_config
+from megatrain.data.config import PREFERENCE_STAGES
 from megatrain.layouts import LAYOUTS
 
 if TYPE_CHECKING:
@@ -132,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     cfg = _config(args)
+    if args.grpo or cfg.data.stage in PREFERENCE_STAGES:  # megatrain grpo's and dpo's defaults
+        cfg = _config(args, defaults=PLANNED_BATCH)
     if args.grpo:  # the batch and rows megatrain grpo trains (and its engine runs)
         cfg = training_config(cfg)
     builder = _builder(cfg, args)
@@ -200,13 +204,14 @@ def _reference(
     cfg: TrainConfig, plan: ResourcePlan, builder: PlanBuilder, pairs: int | None
 ) -> ReferencePlan | None:
     """What the reference of a preference run costs (None: not a preference run)."""
-    if cfg.data.stage not in ("dpo", "kto"):
+    if cfg.data.stage not in PREFERENCE_STAGES:
         if pairs is not None:
             raise ValueError(
                 f"--pairs {pairs}: data.stage={cfg.data.stage!r} is no preference run; --pairs "
                 "is for a config with data.stage: dpo or kto (megatrain dpo)"
             )
         return None
+    from megatrain.planning.timing import reference_swap_s
     from megatrain.recipes.dpo.plan import reference_plan
 
     if pairs is None:
@@ -220,6 +225,9 @@ def _reference(
         reference=cfg.dpo.reference,
         pairs=(pairs,),
         world_size=builder.placement.world_size,
+        swap_s=reference_swap_s(
+            builder.spec, builder.hardware, plan.gpu_state_blocks, builder.placement.is_cuda
+        ),
     )
 
 
@@ -253,7 +261,9 @@ def _builder(cfg: TrainConfig, args: argparse.Namespace) -> PlanBuilder:
     return PlanBuilder(cfg, hardware=hardware, placement=placement)
 
 
-def _config(args: argparse.Namespace) -> TrainConfig:
+def _config(
+    args: argparse.Namespace, defaults: dict[str, dict[str, Any]] | None = None
+) -> TrainConfig:
     from megatrain.model.loading import parse_config_sets
 
     given = [x for x in (args.config, args.model, args.model_type) if x]
@@ -280,7 +290,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     }
     if args.tokens_per_step is not None:
         values["training.gradient_accumulation_steps"] = None  # follows from tokens per step
-    return shorthand_config(args.config, args.overrides, values=values)
+    return shorthand_config(args.config, args.overrides, values=values, defaults=defaults)
 
 
 def _longest(

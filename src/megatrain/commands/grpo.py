@@ -7,6 +7,7 @@ import os
 
 from megatrain.commands.done_line import done_line
 from megatrain.config import load_config
+from megatrain.config.sections import PLANNED_BATCH
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
             "`megatrain grpo --config FILE`"
         )
 
-    cfg = load_config(args.config, args.overrides)  # config errors before torch loads
+    # config errors before torch loads; the plan picks the micro-batch unless the file does
+    cfg = load_config(args.config, args.overrides, base=PLANNED_BATCH)
     from megatrain.recipes.grpo.recipe import GRPOTrainer
 
     trainer = GRPOTrainer(cfg)

@@ -36,15 +36,13 @@ from megatrain.config.loading import (
     save_config,
 )
 from megatrain.config.memory import MemoryConfig
+from megatrain.config.optimizer import LR_SCHEDULERS, OPTIMIZER_IMPLS, OptimizerConfig
 from megatrain.config.sections import (
     ATTN_IMPLEMENTATIONS,
     DTYPES,
-    LR_SCHEDULERS,
-    OPTIMIZER_IMPLS,
     SECTIONS,
     LoggingConfig,
     ModelConfig,
-    OptimizerConfig,
     TrainConfig,
     TrainingConfig,
 )

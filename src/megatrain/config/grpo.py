@@ -24,7 +24,8 @@ class GRPOConfig:
     """Completions sampled per prompt (the group whose rewards are normalised together), >= 2."""
     prompts_per_step: int = 2
     """Prompts per generation batch; each optimizer step trains on their num_generations
-    completions each, in micro-batches of training.micro_batch_size rows."""
+    completions each, in micro-batches of training.micro_batch_size rows ("auto", the default
+    of megatrain grpo: the plan's, a divisor of prompts_per_step x num_generations)."""
     max_prompt_length: int | None = 512
     """Prompt tokens kept after the chat template (the last ones: left truncation); None: all."""
     max_completion_length: int = 256

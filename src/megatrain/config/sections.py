@@ -10,13 +10,14 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatrain.choices import MASTER_DTYPES, SINK_ATTENTION, STATE_DTYPES
+from megatrain.choices import SINK_ATTENTION
 from megatrain.config.checkpoint import CheckpointConfig
 from megatrain.config.dpo import DPOConfig
 from megatrain.config.grpo import GRPOConfig
 from megatrain.config.memory import MemoryConfig
+from megatrain.config.optimizer import OptimizerConfig
 from megatrain.config.types import check_choice, check_int, check_number, check_types
-from megatrain.data.config import DataConfig
+from megatrain.data.config import PREFERENCE_STAGES, DataConfig
 from megatrain.dtypes import DTYPE_NAMES as DTYPES
 from megatrain.dtypes import torch_dtype
 from megatrain.trackers import TRACKER_NAMES
@@ -32,8 +33,6 @@ ATTN_IMPLEMENTATIONS = (
     "flex_attention",
     SINK_ATTENTION,
 )
-LR_SCHEDULERS = ("constant", "linear", "cosine")
-OPTIMIZER_IMPLS = ("auto", "c", "torch")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -113,7 +112,8 @@ class TrainingConfig:
     """Seed of random init and of everything random in training (data has its own `seed`)."""
     micro_batch_size: int | str = 1
     """Rows per forward/backward: an integer >= 1, or "auto" (the largest that fits the GPU; on
-    the CPU, host RAM beside the store)."""
+    the CPU, host RAM beside the store). `megatrain grpo` and `megatrain dpo` default to "auto"
+    (grpo: the largest divisor of the generation batch; dpo: an even count)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     global_batch_size: int | None = None
@@ -188,84 +188,11 @@ class TrainingConfig:
             raise ValueError(f"training.device={self.device!r} must be one of {allowed}")
 
 
-@dataclass(frozen=True)
-class OptimizerConfig:
-    name: str = "adamw"
-    """The optimizer; only "adamw" (fp32 AdamW on the CPU)."""
-    learning_rate: float = 1e-5
-    """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW (beta1, beta2); in YAML a list of two numbers."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay of the parameters that decay (see no_decay, decay_1d)."""
-    no_decay: tuple[str, ...] = ("bias", "norm")
-    """Regexes searched in parameter names; matching parameters get no weight decay."""
-    decay_1d: bool = False
-    """Also decay 1-D parameters (biases, norm weights), which otherwise never decay."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this; 0 disables clipping."""
-    lr_scheduler: str = "cosine"
-    """Decay after warmup: "constant", "linear" or "cosine"."""
-    warmup_steps: int = 0
-    """Linear warmup steps. Exclusive with warmup_ratio."""
-    warmup_ratio: float = 0.0
-    """Warmup as a fraction of all optimizer steps, 0 <= r < 1. Exclusive with warmup_steps."""
-    min_lr_ratio: float = 0.0
-    """Floor of the linear/cosine decay as a fraction of learning_rate."""
-    impl: str = "auto"
-    """AdamW kernel: "c" (compiled C, OpenMP), "torch", or "auto" (c when it compiles)."""
-    threads: int | None = None
-    """CPU threads for the optimizer (its results do not depend on them); None: the cores this
-    process may use (its CPU affinity, less those other processes keep busy) but two; with
-    several ranks on a node, each rank's share of them less one (megatrain/threads.py)."""
-    state_dtype: str = "fp32"
-    """AdamW m and v on the host: "fp32" (exact, 8 B/param), "bf16" (stochastic rounding, 4),
-    "int8" (block-wise 8-bit Adam, ~2) or "int4" (block-wise 4-bit, 1.06; optimizer_states.md)."""
-    master_dtype: str = "fp32"
-    """Master weights on the host: "fp32" (4 B/param, plus the 2 B/param bf16 copy that
-    streams to the GPU) or "bf16" (2 B/param: the update runs in fp32 and is rounded
-    stochastically into the bf16 master, which is also the streamed copy; gradients then land
-    in a bf16 buffer of their own, 2 B/param). bf16 needs model.compute_dtype bf16 and keeps
-    no GPU tier (docs/optimizer_states.md)."""
-
-    def validate(self) -> None:
-        check_types("optimizer", self)
-        check_choice("optimizer.name", self.name, ("adamw",))
-        check_number("optimizer.learning_rate", self.learning_rate, low=0.0)
-        for i, beta in enumerate(self.betas):
-            check_number(f"optimizer.betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
-        check_number("optimizer.eps", self.eps, low=0.0, low_open=True)
-        check_number("optimizer.weight_decay", self.weight_decay, low=0.0)
-        for pattern in self.no_decay:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(
-                    f"optimizer.no_decay: {pattern!r} is not a valid regular expression ({e})"
-                ) from e
-        check_number("optimizer.max_grad_norm", self.max_grad_norm, low=0.0)
-        check_choice("optimizer.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
-        check_int("optimizer.warmup_steps", self.warmup_steps, minimum=0)
-        check_number("optimizer.warmup_ratio", self.warmup_ratio, low=0, high=1, high_open=True)
-        if self.warmup_steps > 0 and self.warmup_ratio > 0:
-            raise ValueError(
-                f"optimizer.warmup_steps={self.warmup_steps!r} and optimizer.warmup_ratio="
-                f"{self.warmup_ratio!r} are both set; set one of them and leave the other at 0"
-            )
-        check_number("optimizer.min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
-        check_choice("optimizer.impl", self.impl, OPTIMIZER_IMPLS)
-        check_int("optimizer.threads", self.threads, minimum=1, optional=True)
-        check_choice("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
-        check_choice("optimizer.master_dtype", self.master_dtype, MASTER_DTYPES)
-
-    @property
-    def clip_norm(self) -> float | None:
-        """The global gradient norm to clip to, or None: clipping off (max_grad_norm 0).
-
-        The one place "0 disables clipping" is decided; everything else asks this."""
-        return self.max_grad_norm if self.max_grad_norm > 0 else None
+PLANNED_BATCH: dict[str, dict[str, Any]] = {"training": {"micro_batch_size": "auto"}}
+"""The defaults `megatrain grpo` and `megatrain dpo` put under the config file (and `megatrain
+estimate` for their runs): the plan picks the micro-batch (planning/batch_size.py). A GRPO step
+is one generation batch, its rows fixed, so "auto" only changes how they are batched; a
+preference step keeps gradient_accumulation_steps (or global_batch_size) as `train` does."""
 
 
 @dataclass(frozen=True)
@@ -326,7 +253,7 @@ class TrainConfig:
         self.grpo.validate()
         self.dpo.validate()
         t, d = self.training, self.data
-        if d.stage in ("dpo", "kto") and (d.stage == "kto") != (self.dpo.loss_type == "kto"):
+        if d.stage in PREFERENCE_STAGES and (d.stage == "kto") != (self.dpo.loss_type == "kto"):
             raise ValueError(
                 f"data.stage={d.stage!r} with dpo.loss_type={self.dpo.loss_type!r}: KTO rows "
                 "(data.stage: kto) train with loss_type: kto, pairs (dpo) with the others"
@@ -386,6 +313,12 @@ class TrainConfig:
         """How rows are laid out: "padded", "packed" (positions restart inside rows) or "full"
         (plain causal rows); decided by the data section (DataConfig.layout)."""
         return self.data.layout()
+
+    @property
+    def rows_together(self) -> int:
+        """Rows that share a micro-batch: 2 for preference data (a pair's chosen and rejected,
+        a KTO row and its KL row), else 1; "auto" micro-batches hold a multiple of it."""
+        return 2 if self.data.stage in PREFERENCE_STAGES else 1
 
 
 SECTIONS: dict[str, type] = {

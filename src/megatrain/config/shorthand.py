@@ -41,17 +41,20 @@ def shorthand_config(
     *,
     base: Mapping[str, Mapping[str, Any]] | None = None,
     values: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> TrainConfig:
     """The config of YAML `path` (None: `base`) with `values` (`section.key` -> value; None
-    skipped) and then argv `overrides` applied.
+    skipped) and then argv `overrides` applied. `defaults` lie under both the file and
+    `base`: a command's own defaults (config/sections.py PLANNED_BATCH for grpo and dpo runs).
 
     Without a file, a model given by `model.model_type` gets the built-in tokenizer when none
     is named: commands that take short forms feed random or no tokens.
     """
     values = {k: v for k, v in (values or {}).items() if v is not None}
-    start: dict[str, dict[str, Any]] | None = None
+    start: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (defaults or {}).items()}
     if path is None:
-        start = {k: dict(v) for k, v in (base or {}).items()}
+        for section, body in (base or {}).items():
+            start.setdefault(section, {}).update(body)
         if "model.model_type" in values and "model.tokenizer" not in values:
             start.setdefault("model", {})["tokenizer"] = "demo"
     tokens: list[str] = []

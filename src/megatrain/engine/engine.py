@@ -340,10 +340,16 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
     def serving(self, reference: ReferenceWeights) -> Iterator[None]:
         """The passes inside (`logprobs`) run on `reference`'s weights: its copies are swapped
         into the store, and a GPU tier's device weights (never streamed from the store) are
-        overwritten with them, their own kept on the host and put back after. GRPO's KL
-        reference, DPO's `dpo.reference: weights`. The caller waits for the updates first."""
+        overwritten with them and rebuilt after. GRPO's KL reference, DPO's `dpo.reference:
+        weights`. The caller waits for the updates first. A tier block's bf16 weights are
+        rebuilt from its fp32 master on the device (a cast, rounded to nearest even as its
+        update writes them: the same bits); fp32 compute (the weights are the master) keeps
+        a host copy meanwhile (planned: planning/timing.py `reference_swap_s`)."""
         assert not (self.comm.sharded and self.tier.blocks), "a sharded tier's reference"
-        kept = [self.tier.weights(b).to("cpu", copy=True) for b in self.tier.blocks]
+        kept = [
+            None if self._rebuilt_from_master(b) else self.tier.weights(b).to("cpu", copy=True)
+            for b in self.tier.blocks
+        ]
         for block in self.tier.blocks:
             self.tier.weights(block).copy_(reference.copy_of(block))
         self.slots.invalidate()  # the layers the device slots hold are the policy's
@@ -353,7 +359,12 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         finally:
             self.slots.invalidate()
             for block, own in zip(self.tier.blocks, kept, strict=True):
-                self.tier.weights(block).copy_(own)
+                self.tier.weights(block).copy_(block.master if own is None else own)
+
+    def _rebuilt_from_master(self, block: ParamBlock) -> bool:
+        """Whether a tier block's device weights are its bf16 shadow of an fp32 master."""
+        weights = self.tier.weights(block)
+        return weights is block.shadow and block.master.dtype == torch.float32
 
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""

@@ -34,12 +34,16 @@ def pick_micro_batch(
     max_micro_batch_size: int = 64,
     on_host: bool = False,
     host_margin_gib: float = 0.0,
+    rows_multiple: int = 1,
 ) -> tuple[int, int, str]:
     """(micro_batch_size, grad_accum, reason). Raises ValueError, with the numbers and what to
     change, when not even the smallest candidate fits. Every candidate is `setup` with its
-    micro-batch size and accumulation."""
+    micro-batch size and accumulation, a multiple of `rows_multiple` (rows that share a
+    micro-batch: a preference pair's chosen and rejected)."""
     seq_len = setup.seq_len
-    candidates = _candidates(seq_len, tokens_per_step, grad_accum, max_micro_batch_size)
+    candidates = _candidates(
+        seq_len, tokens_per_step, grad_accum, max_micro_batch_size, rows_multiple
+    )
     if on_host:
         memory, total, margin_gib = "host RAM (a CPU run)", hardware.host_bytes, host_margin_gib
     else:
@@ -92,9 +96,14 @@ def pick_micro_batch(
 
 
 def _candidates(
-    seq_len: int, tokens_per_step: int | None, grad_accum: int | None, max_micro_batch_size: int
+    seq_len: int,
+    tokens_per_step: int | None,
+    grad_accum: int | None,
+    max_micro_batch_size: int,
+    rows_multiple: int = 1,
 ) -> list[tuple[int, int]]:
-    """(micro_batch_size, grad_accum) pairs to choose from, smallest micro-batch first."""
+    """(micro_batch_size, grad_accum) pairs to choose from, smallest micro-batch first; every
+    micro-batch a multiple of `rows_multiple` rows (a preference pair's rows share one)."""
     if (tokens_per_step is None) == (grad_accum is None):
         raise ValueError("give exactly one of tokens_per_step and grad_accum")
     if tokens_per_step is not None:
@@ -103,12 +112,21 @@ def _candidates(
             raise ValueError(
                 f"tokens_per_step ({tokens_per_step}) must be a multiple of seq_len ({seq_len})"
             )
-        return [(b, rows // b) for b in range(1, rows + 1) if rows % b == 0]
+        candidates = [
+            (b, rows // b) for b in range(rows_multiple, rows + 1, rows_multiple) if rows % b == 0
+        ]
+        if not candidates:
+            raise ValueError(
+                f"training.global_batch_size gives {rows} rows per step (per rank), but a "
+                f"micro-batch holds a multiple of {rows_multiple} (a preference pair's rows "
+                f"share one): make the rows per step a multiple of {rows_multiple}"
+            )
+        return candidates
     assert grad_accum is not None
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     return [
         (1 << k, grad_accum)
         for k in range(max_micro_batch_size.bit_length())
-        if 1 << k <= max_micro_batch_size
+        if rows_multiple <= 1 << k <= max_micro_batch_size and (1 << k) % rows_multiple == 0
     ]

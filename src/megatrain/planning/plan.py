@@ -71,6 +71,7 @@ class RunShape:
     rank: int = 0  # this process's rank
     vision: VisionLoad = NO_VISION  # a vision-language run's (planning/setup.py)
     master_dtype: str = "fp32"  # master weights on the host: "fp32" or "bf16" (host memory)
+    rows_multiple: int = 1  # "auto" micro-batches hold a multiple of it (a preference pair: 2)
 
     @classmethod
     def of(
@@ -105,6 +106,7 @@ class RunShape:
             ranks=Ranks(p.local_world_size, p.world_size // p.local_world_size),
             rank=p.rank,
             vision=VisionLoad(not cfg.model.freeze_vision, not cfg.model.freeze_projector, images),
+            rows_multiple=cfg.rows_together,
         )
 
     def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:
@@ -226,6 +228,7 @@ def plan_resources(
             gpu_margin_gib=gpu_margin_gib,
             on_host=not shape.check_gpu,  # a CPU run: its step's buffers are host memory
             host_margin_gib=host_margin_gib,
+            rows_multiple=shape.rows_multiple,
             **target,
         )
     elif tokens_per_step is not None:

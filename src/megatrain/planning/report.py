@@ -7,7 +7,7 @@ from megatrain.engine.tiling import TilePolicy
 from megatrain.planning.disk import checkpoint_bytes_per_param
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB
-from megatrain.planning.timing import optimizer_gparams_s
+from megatrain.planning.optimizer_rate import optimizer_gparams_s
 
 _W = 44  # label column
 

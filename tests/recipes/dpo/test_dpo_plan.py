@@ -106,3 +106,21 @@ def test_pairs_on_a_run_without_preference_data_is_refused() -> None:
     args.overrides, args.pairs = [], 10
     with pytest.raises(ValueError, match="--pairs 10"):
         run(args)
+
+
+@pytest.mark.parametrize(("dtype", "copies"), [("bf16", 1), ("fp32", 3)])
+def test_weights_reference_adds_the_gpu_tier_swap(
+    capsys: pytest.CaptureFixture[str], dtype: str, copies: int
+) -> None:
+    """A GPU tier of two layers: its reference weights go up for the pass (bf16: the tier's own
+    are rebuilt from the device's fp32 master after); in fp32 the tier's own weights, its
+    master, also go to the host and back: 3 copies of the tier's bytes at the link's rate."""
+    args = ("--dpo.reference", "weights", "--memory.gpu_state_blocks", "2", "--dtype", dtype)
+    status, report = _estimate(_dpo(*args), capsys)
+    assert status == 0
+    ref, hw = report["reference"], report["hardware"]
+    spec = model_spec(tiny_config("llama"), dtype)
+    tier_bytes = sum(la.params for la in spec.layers[:2]) * (2 if dtype == "bf16" else 4)
+    assert hw["h2d_gbps"] == hw["d2h_gbps"]  # the defaults: one rate for both ways
+    assert ref["swap_s"] == pytest.approx(copies * tier_bytes / (hw["h2d_gbps"] * 1e9), rel=1e-12)
+    assert ref["step_extra_s"] == pytest.approx(report["time"]["forward_s"] + ref["swap_s"])

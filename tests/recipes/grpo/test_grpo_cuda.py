@@ -56,3 +56,27 @@ def test_cached_blocks_count_as_free_for_the_rollout(tmp_path: Path) -> None:
         assert not trainer._streamed_generation()  # the rollout needs far less than is cached
     finally:
         trainer.close()
+
+
+def test_reference_pass_swaps_a_bf16_gpu_tier_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """beta > 0 in bf16 with every block in the GPU tier (a tiny model): the reference pass
+    writes the reference's weights into the tier and rebuilds the policy's from the fp32 master
+    on the GPU (StreamingEngine.serving). Step 1 trains the weights the reference holds (KL ~0:
+    the same weights, rounding of two passes at most), later steps moved away from it (KL > 0:
+    the tier served the reference, not the policy). The log-prob phase starts where the rollout
+    did (no host round trip left a buffer behind) and peaks below the training step."""
+    trainer = _trainer(
+        tmp_path,
+        *("--training.max_steps", "3", "--grpo.beta", "0.1", "--model.compute_dtype", "bf16"),
+        *("--memory.gpu_state_blocks", "99"),
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    assert rows[0]["kl"] < 1e-4 and rows[1]["kl"] > rows[0]["kl"] and rows[2]["kl"] > 0
+    for r in rows:
+        assert r["gpu_start_gib/logprob"] <= r["gpu_start_gib/rollout"] + 0.01
+        assert r["gpu_peak_gib/logprob"] <= r["gpu_peak_gib/train"]

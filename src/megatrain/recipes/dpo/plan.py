@@ -11,7 +11,8 @@ half as many pairs, per micro-batch). The reference adds, per `dpo.reference`:
   host and in each checkpoint.
 - "weights": a copy of what the engine streams (compute dtype: 2 bytes per parameter in bf16,
   4 in fp32) in host RAM and in each checkpoint, and one forward-only pass per optimizer step
-  (forward_s), on that step's micro-batches. Not counted: the overlap the step loses as the
+  (forward_s), on that step's micro-batches, plus the GPU tier's swap around it
+  (planning/timing.py reference_swap_s, `swap_s`). Not counted: the overlap the step loses as the
   pass first waits for the previous step's updates (recipes/dpo/reference.py).
 - reference-free losses (orpo, simpo): nothing.
 
@@ -46,6 +47,7 @@ class ReferencePlan:
     step_extra_s: float  # added to every optimizer step (weights; else 0)
     host_bytes: int  # the table, or the copy of the weights
     checkpoint_bytes: int  # what each checkpoint holds of it (the same bytes)
+    swap_s: float = 0.0  # of step_extra_s: the GPU tier's weights swapped (weights)
 
 
 def reference_plan(
@@ -56,14 +58,17 @@ def reference_plan(
     reference: str,
     pairs: tuple[int, ...],
     world_size: int = 1,
+    swap_s: float = 0.0,
 ) -> ReferencePlan:
-    """The reference's cost for `pairs` (per table: train, eval) on `plan`'s batch."""
+    """The reference's cost for `pairs` (per table: train, eval) on `plan`'s batch; `swap_s`:
+    the GPU tier's swap around a pass of "weights" (planning/timing.py reference_swap_s)."""
     pass_s = plan.estimate.time.forward_s
     if loss_type in REFERENCE_FREE:
         return ReferencePlan("none", 0, 0, pass_s, 0.0, 0.0, 0, 0)
     if reference == "weights":
         copy = spec.total_params * spec.compute_dtype.itemsize
-        return ReferencePlan("weights", 0, 0, pass_s, 0.0, pass_s, copy, copy)
+        step_s = pass_s + swap_s
+        return ReferencePlan("weights", 0, 0, pass_s, 0.0, step_s, copy, copy, swap_s)
     per_micro = max(1, plan.micro_batch_size // 2)
     per_pass = plan.grad_accum * world_size
     passes = sum(math.ceil(math.ceil(n / per_micro) / per_pass) for n in pairs)

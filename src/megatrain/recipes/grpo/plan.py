@@ -13,6 +13,16 @@ path; on the CPU it is resident. A resident rollout decodes on the static path
 (recipes/grpo/decode.py: static KV cache, CUDA graphs, the forward compiled or not) when
 `grpo.compile_decode` asks for it and the model allows it (`decode_mode`).
 
+Log-prob passes (`logprob_passes`): with grpo.beta > 0 the reference's, with grpo.num_iterations
+> 1 the old policy's, once per generation batch, each a forward-only pass over the training
+step's own micro-batches (StreamingEngine.logprobs: the engine's forward schedule, no layer
+input kept, the head's forward only), planned as the timing model's forward-only replay
+(StepTime.forward_s); the reference's adds the GPU tier's swap (planning/timing.py
+reference_swap_s). With num_iterations 1 the weights that sampled the batch are the ones
+trained, so the old policy's pass is not run: old_logp = logp.detach() (ratio 1 in value, the
+gradient of A x logp), as TRL does. One generation batch: rollout + log-prob passes +
+num_iterations training steps.
+
 Invariant: the recipe generates on the path this plan chooses (recipes/grpo/recipe.py asks it
 with the free memory the device reports), so `megatrain estimate --grpo` names the path the run
 takes.
@@ -29,7 +39,22 @@ from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.plan import ResourcePlan
 from megatrain.planning.rollout import DECODE_OP_S, RolloutEstimate, rollout_estimate
+from megatrain.planning.timing import reference_swap_s
 from megatrain.recipes.grpo.decode import static_decode_problem
+
+
+@dataclass(frozen=True)
+class LogprobPass:
+    """One forward-only pass over a generation batch, in the training step's micro-batches."""
+
+    name: str  # "old policy" or "reference"
+    setting: str  # the key that asks for it
+    forward_s: float  # the engine's forward and the head's, replayed (StepTime.forward_s)
+    swap_s: float  # the reference's weights into the GPU tier and back (engine.serving)
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_s + self.swap_s
 
 
 @dataclass(frozen=True)
@@ -40,15 +65,26 @@ class GRPOPlan:
     decode_reason: str  # why a resident rollout decodes the way it does (decode_mode)
     problems: tuple[str, ...]  # training's and the rollout's; empty when both fit
     on_gpu: bool  # a CUDA run (else everything, rollout included, runs on the CPU)
+    logprobs: tuple[LogprobPass, ...] = ()  # the passes each generation batch runs
+    iterations: int = 1  # optimizer steps per generation batch (grpo.num_iterations)
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
     @property
+    def logprob_s(self) -> float:
+        return sum(p.seconds for p in self.logprobs)
+
+    @property
+    def train_s(self) -> float:
+        """The generation batch's optimizer steps."""
+        return self.iterations * self.training.estimate.time.step_s
+
+    @property
     def step_s(self) -> float:
-        """One generation batch: rollout + one training step (num_iterations 1, beta 0)."""
-        return self.rollout.rollout_s + self.training.estimate.time.step_s
+        """One generation batch: rollout + log-prob passes + num_iterations training steps."""
+        return self.rollout.rollout_s + self.logprob_s + self.train_s
 
     def require_fit(self) -> None:
         if self.problems:
@@ -61,37 +97,56 @@ def training_config(cfg: TrainConfig) -> TrainConfig:
     micro-batches are its gradient accumulation, its rows max_prompt_length +
     max_completion_length tokens at most (rounded up to data.pad_to_multiple_of; as
     training.seq_len says when max_prompt_length is None) are training.seq_len, and
-    compile_layers "auto" is eager (rows of every length)."""
+    compile_layers "auto" is eager (rows of every length).
+
+    training.micro_batch_size "auto" (the default of `megatrain grpo`): the generation batch's
+    rows are training.global_batch_size, so the plan picks the micro-batch among the divisors
+    of the batch's sequences (planning/batch_size.py: the largest whose predicted GPU peak
+    fits) and the accumulation follows; the log-prob passes run the same micro-batches."""
     t, g = cfg.training, cfg.grpo
-    if not isinstance(t.micro_batch_size, int):
-        raise ValueError(
-            "training.micro_batch_size='auto' is not available for megatrain grpo yet; set "
-            "the rows per micro-batch (a divisor of grpo.prompts_per_step x "
-            "grpo.num_generations keeps micro-batches equal)"
-        )
     sequences = g.prompts_per_step * g.num_generations
-    accumulation = -(-sequences // t.micro_batch_size)
-    if t.gradient_accumulation_steps not in (1, accumulation):
-        raise ValueError(
-            f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}: megatrain "
-            f"grpo trains each generation batch (grpo.prompts_per_step x grpo.num_generations "
-            f"= {sequences} sequences) as one optimizer step in micro-batches of "
-            f"training.micro_batch_size={t.micro_batch_size} rows, {accumulation} of them; "
-            "remove the key (or set it to that count)"
+    if t.micro_batch_size == "auto":
+        _check_auto_batch(t.gradient_accumulation_steps, t.global_batch_size, sequences)
+        training = dataclasses.replace(
+            t, gradient_accumulation_steps=1, global_batch_size=sequences
         )
+    else:
+        assert isinstance(t.micro_batch_size, int)
+        accumulation = -(-sequences // t.micro_batch_size)
+        if t.gradient_accumulation_steps not in (1, accumulation):
+            raise ValueError(
+                f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}: "
+                f"megatrain grpo trains each generation batch (grpo.prompts_per_step x "
+                f"grpo.num_generations = {sequences} sequences) as one optimizer step in "
+                f"micro-batches of training.micro_batch_size={t.micro_batch_size} rows, "
+                f"{accumulation} of them; remove the key (or set it to that count)"
+            )
+        training = dataclasses.replace(t, gradient_accumulation_steps=accumulation)
     seq_len = cfg.seq_len
     if g.max_prompt_length is not None:
         multiple = max(cfg.data.pad_to_multiple_of, 1)
         seq_len = -(-(g.max_prompt_length + g.max_completion_length) // multiple) * multiple
     compile_layers = False if t.compile_layers == "auto" else t.compile_layers
-    training = dataclasses.replace(
-        t,
-        gradient_accumulation_steps=accumulation,
-        seq_len=seq_len,
-        compile_layers=compile_layers,
-    )
+    training = dataclasses.replace(training, seq_len=seq_len, compile_layers=compile_layers)
     data = dataclasses.replace(cfg.data, cutoff_len=min(cfg.data.cutoff_len, seq_len))
     return dataclasses.replace(cfg, training=training, data=data)
+
+
+def _check_auto_batch(accumulation: int, global_batch: int | None, sequences: int) -> None:
+    """Refuse batch keys that contradict a generation batch of `sequences` rows per step."""
+    if accumulation != 1:
+        raise ValueError(
+            f"training.gradient_accumulation_steps={accumulation} with micro_batch_size: auto: "
+            f"megatrain grpo trains each generation batch (grpo.prompts_per_step x "
+            f"grpo.num_generations = {sequences} sequences) as one optimizer step and the plan "
+            "picks its micro-batches; remove the key (or set training.micro_batch_size)"
+        )
+    if global_batch not in (None, sequences):
+        raise ValueError(
+            f"training.global_batch_size={global_batch}: megatrain grpo trains grpo."
+            f"prompts_per_step x grpo.num_generations = {sequences} rows per optimizer step; "
+            "remove the key (or change those two)"
+        )
 
 
 def rollout_reserve(builder: PlanBuilder) -> int:
@@ -160,7 +215,27 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
             "grpo.max_completion_length"
             + ("" if streamed else ", or set grpo.generation: streamed")
         )
-    return GRPOPlan(training, chosen, reason, decode_reason, tuple(problems), on_gpu)
+    passes = logprob_passes(builder, training)
+    return GRPOPlan(
+        training, chosen, reason, decode_reason, tuple(problems), on_gpu, passes, g.num_iterations
+    )
+
+
+def logprob_passes(builder: PlanBuilder, training: ResourcePlan) -> tuple[LogprobPass, ...]:
+    """The log-prob passes of one generation batch (the module docstring): none with
+    num_iterations 1 and beta 0."""
+    g, forward_s = builder.cfg.grpo, training.estimate.time.forward_s
+    passes = []
+    if g.num_iterations > 1:
+        passes.append(
+            LogprobPass("old policy", f"grpo.num_iterations {g.num_iterations}", forward_s, 0.0)
+        )
+    if g.beta > 0:
+        swap_s = reference_swap_s(
+            builder.spec, builder.hardware, training.gpu_state_blocks, builder.placement.is_cuda
+        )
+        passes.append(LogprobPass("reference", f"grpo.beta {g.beta:g}", forward_s, swap_s))
+    return tuple(passes)
 
 
 def decode_mode(builder: PlanBuilder) -> tuple[str, str]:
@@ -193,7 +268,8 @@ def decode_mode(builder: PlanBuilder) -> tuple[str, str]:
 
 
 def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
-    """The rollout phase as JSON: the estimate's fields, its peak and the GRPO step."""
+    """The rollout phase as JSON: the estimate's fields, its peak, the log-prob passes and
+    the GRPO step (one generation batch)."""
     r = plan.rollout
     return asdict(r) | {
         "gpu_peak_bytes": r.gpu_peak_bytes,
@@ -201,6 +277,9 @@ def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
         "tokens_per_s": r.tokens_per_s,
         "reason": plan.reason,
         "decode": plan.decode_reason,
+        "logprob_passes": [asdict(p) | {"seconds": p.seconds} for p in plan.logprobs],
+        "logprob_s": plan.logprob_s,
+        "train_s": plan.train_s,
         "step_s": plan.step_s,
     }
 
@@ -226,7 +305,32 @@ def format_rollout(plan: GRPOPlan) -> str:
         + (f"graph capture {r.capture_s:.2f} s + " if r.capture_s else "")
         + f"{r.completion_tokens} decoding steps x {1e3 * r.decode_token_s:.1f} ms{per_step} = "
         f"{r.rollout_s:.1f} s ({r.tokens_per_s:,.0f} tokens/s)",
-        f"GRPO step: rollout {r.rollout_s:.1f} s + training "
-        f"{plan.training.estimate.time.step_s:.1f} s = {plan.step_s:.1f} s",
+        *format_logprobs(plan),
     ]
     return "\n".join(lines)
+
+
+def format_logprobs(plan: GRPOPlan) -> list[str]:
+    """The log-prob passes and the whole GRPO step, as lines of `format_rollout`."""
+    t = plan.training
+    lines = [
+        f"GRPO log-prob passes (forward only, no layer input kept; the training micro-batches: "
+        f"{t.grad_accum} x {t.micro_batch_size} rows)"
+    ]
+    for p in plan.logprobs:
+        swap = f" + GPU-tier swap {p.swap_s:.2f} s" if p.swap_s else ""
+        lines.append(f"  {p.name} ({p.setting}): forward {p.forward_s:.2f} s{swap}")
+    if plan.iterations == 1:
+        lines.append(
+            "  old policy: not run (grpo.num_iterations 1: the sampling weights are the "
+            "trained ones, old_logp = logp.detach(), ratio 1, as in TRL)"
+        )
+    if all(p.name != "reference" for p in plan.logprobs):
+        lines.append("  reference: not run (grpo.beta 0: no KL term)")
+    steps = f"{plan.iterations} x " if plan.iterations > 1 else ""
+    lines.append(
+        f"GRPO step: rollout {plan.rollout.rollout_s:.1f} s + log-prob passes "
+        f"{plan.logprob_s:.1f} s + training {steps}{t.estimate.time.step_s:.1f} s = "
+        f"{plan.step_s:.1f} s" + (" per generation batch" if plan.iterations > 1 else "")
+    )
+    return lines

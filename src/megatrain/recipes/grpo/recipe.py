@@ -10,8 +10,9 @@ counts it.
 
 One generation batch: sample completions with the current weights (rollout.py), score them
 (rewards.py), group-normalise the rewards into advantages (advantages.py), lay the sequences
-out as micro-batches (sequences.py); with num_iterations > 1 keep their log-probs under the
-current weights (the "old" policy), with beta > 0 their log-probs under the reference weights;
+out as micro-batches (sequences.py: grouped by length where there are several); with
+num_iterations > 1 keep their log-probs under the current weights (the "old" policy), with
+beta > 0 their log-probs under the reference weights;
 then take num_iterations engine steps on the GRPO objective (loss.py).
 
 Exact resume: checkpoints are written at generation-batch boundaries only (the base saves when
@@ -53,7 +54,12 @@ from megatrain.recipes.grpo.plan import (
 from megatrain.recipes.grpo.prompts import Prompt, load_prompts
 from megatrain.recipes.grpo.rewards import load_reward
 from megatrain.recipes.grpo.rollout import Rollout, device_model, generate
-from megatrain.recipes.grpo.sequences import completion_mask, per_row, sequence_batches
+from megatrain.recipes.grpo.sequences import (
+    completion_mask,
+    length_order,
+    per_row,
+    sequence_batches,
+)
 from megatrain.recipes.records import report_plan, step_record
 
 
@@ -212,10 +218,14 @@ class GRPOTrainer(Recipe):
             num_generations=g.num_generations,
             scaling=g.reward_scaling,
         )
+        rows = self.builder.batch()[0]  # the plan's, when "auto"
+        completions = rollout.completions
+        lengths = [len(p.prompt_ids) + len(c) for p, c in zip(prompts, completions, strict=True)]
+        order = length_order(lengths, rows)
         batches = sequence_batches(
-            [p.prompt_ids for p in prompts],
-            rollout.completions,
-            micro_batch_size=int(self.cfg.training.micro_batch_size),
+            [prompts[i].prompt_ids for i in order],
+            [completions[i] for i in order],
+            micro_batch_size=rows,
             pad_token_id=self.pad_id,
             pad_to_multiple_of=self.cfg.data.pad_to_multiple_of,
         )
@@ -225,10 +235,14 @@ class GRPOTrainer(Recipe):
         )
         inputs = [
             {"advantages": a, "weights": w}
-            for a, w in zip(per_row(adv.advantages, batches), weights, strict=True)
+            for a, w in zip(
+                per_row([adv.advantages[i] for i in order], batches), weights, strict=True
+            )
         ]
         t1 = time.perf_counter()
+        peak = _PhasePeak(self.builder.device)
         self._add_logprobs(batches, inputs)
+        logprob_memory = peak.record("logprob") if self._logprob_passes else {}
         lengths = [len(c) for c in rollout.completions]
         total = torch.tensor(adv.rewards)
         record |= {
@@ -241,6 +255,7 @@ class GRPOTrainer(Recipe):
             "time/generation_s": timing.pop("time/generation_s"),
             "time/logprob_s": round(time.perf_counter() - t1, 4),
             **timing,
+            **logprob_memory,
         }
         return _Generation(batches, inputs, record)
 
@@ -288,6 +303,11 @@ class GRPOTrainer(Recipe):
             record["time/prefill_capture_s"] = round(rollout.prefill_s, 4)
             record["time/decode_step_ms"] = round(1e3 * rollout.decode_s / rollout.decode_steps, 3)
         return rollout, record
+
+    @property
+    def _logprob_passes(self) -> bool:
+        """Whether a generation batch runs a log-prob pass (plan.py `logprob_passes`)."""
+        return self.cfg.grpo.num_iterations > 1 or self.reference is not None
 
     def _add_logprobs(self, batches: list[Any], inputs: list[dict[str, torch.Tensor]]) -> None:
         """The old policy's log-probs (num_iterations > 1) and the reference's (beta > 0)."""
