@@ -237,32 +237,3 @@ def test_export_writes_the_bf16_master_in_the_dtype_asked(tmp_path: Path, dtype:
                 assert torch.equal(tensor, block.view(block.master, entry).to(wanted))
                 checked += 1
     assert checked >= len(trainer.store.layers)
-
-
-@pytest.mark.slow
-def test_demo_eval_loss_with_a_bf16_master_within_2_percent_of_fp32(tmp_path: Path) -> None:
-    """The demo shortened to 2 epochs (98 steps) in bf16 compute, the same data and seed: a
-    bf16 master's final eval loss within 2% of the fp32 master's, or within twice the distance
-    a 1e-4 relative nudge of eps moves the fp32 run, when that is larger (bf16 compute makes
-    the run less steady than fp32 compute: docs/optimizer_states.md measures 0.9%)."""
-    runs = {
-        "fp32": (),
-        "fp32, eps x (1 + 1e-4)": ("--optimizer.eps", "1.0001e-8"),
-        "bf16 master": ("--optimizer.master_dtype", "bf16"),
-    }
-    eval_loss = {}
-    for i, (name, overrides) in enumerate(runs.items()):
-        trainer = _trainer(
-            tmp_path / str(i), *overrides, "--model.compute_dtype", "bf16",
-            "--training.num_epochs", "2", "--checkpoint.export_hf", "false",
-        )  # fmt: skip
-        try:
-            loss = trainer.train().eval_loss
-        finally:
-            trainer.close()
-        assert loss is not None
-        eval_loss[name] = loss
-    fp32 = eval_loss["fp32"]
-    assert fp32 < 2.0  # the run learned (from ~6.2)
-    bound = max(0.02 * fp32, 2 * abs(eval_loss["fp32, eps x (1 + 1e-4)"] - fp32))
-    assert abs(eval_loss["bf16 master"] - fp32) <= bound, (eval_loss, bound)

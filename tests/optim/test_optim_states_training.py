@@ -109,49 +109,60 @@ def test_checkpoint_of_another_state_dtype_is_refused(tmp_path: Path) -> None:
         _trainer(tmp_path, *common, "--checkpoint.resume_from", "auto")
 
 
-# The demo shortened to 2 epochs (98 steps): final eval loss of each state dtype relative to
-# fp32's at the same seed, (dtype - fp32) / fp32 in %, measured 2026-11-27 at training seeds 42,
-# 1, 2, 3 on an AMD EPYC (AVX-512, 1 thread) and seed 42 on an Intel Xeon (AVX-512, 2 threads).
-# The difference is a property of the trajectory, not only of the dtype: fp32's own final eval
-# loss ranges over 8.8% across these seeds (1.3318-1.4493).
+# The demo shortened to 2 epochs (98 steps): the final eval loss of each compact store relative
+# to fp32's (fp32 compute, fp32 master and states) at the same training seed, (x - fp32) / fp32
+# in %, measured 2026-11-27: seeds 42, 1, 2, 3 on an AMD EPYC (AVX-512, 1 thread) and on an
+# Intel Xeon (AVX-512, 2 threads; bf16 and int8, seed 42 also once more before the thread count
+# was fixed per run), int4 also seed 4 on the AMD EPYC. The difference is a property of the
+# trajectory as much as of the format: fp32's own eval loss ranges over 8.8% across these seeds
+# (1.3318-1.4493).
+COMPACT_STORES: dict[str, tuple[str, ...]] = {
+    "bf16": ("--optimizer.state_dtype", "bf16"),
+    "int8": ("--optimizer.state_dtype", "int8"),
+    "int4": ("--optimizer.state_dtype", "int4"),
+    "bf16 master": ("--optimizer.master_dtype", "bf16", "--model.compute_dtype", "bf16"),
+}
 MEASURED_DIFF_PCT = {
-    "bf16": (1.51, -0.75, -1.31, -0.21, 2.04),
-    "int8": (1.86, 0.05, 2.68, 3.10, 1.60),
+    "bf16": (1.51, -0.75, -1.31, -0.21, 2.04, 1.48, -1.72, -1.57, 0.18),
+    "int8": (1.86, 0.05, 2.68, 3.10, 1.60, 1.36, -0.44, 3.32, 2.74),
+    "int4": (-0.89, -4.78, -6.57, -1.27, 1.17),
+    "bf16 master": (0.48, -1.97, -4.55, -2.40),
 }
 
 
 def _bound_pct(samples: tuple[float, ...]) -> float:
-    """mean + 3 standard deviations of the measured differences: a correct dtype falls outside
-    on about 1 CPU or seed in 700 if the differences are normal."""
+    """mean + 3 standard deviations of the measured differences: a correct store ends above it
+    on about 1 CPU or seed in 700 if the differences are normal. One-sided: ending below fp32's
+    loss is no defect (int4 does on most seeds)."""
     return statistics.mean(samples) + 3 * statistics.stdev(samples)
 
 
 @pytest.mark.slow
-def test_demo_eval_loss_with_compressed_states_close_to_fp32(tmp_path: Path) -> None:
+def test_demo_eval_loss_with_compact_stores_close_to_fp32(tmp_path: Path) -> None:
     """The demo with its schedule shortened to 2 epochs (98 steps, ~15 s per run on 2 cores),
-    the same data and seed per state dtype: each compressed dtype's final eval loss lies within
-    the margin measured over seeds and CPUs (MEASURED_DIFF_PCT: bf16 4.6%, int8 5.4%).
+    the same data and seed for each store: each compact store's final eval loss at most its
+    margin measured over seeds and CPUs above fp32's (MEASURED_DIFF_PCT: bf16 states 4.3%,
+    int8 5.8%, int4 6.9%, bf16 master with bf16 compute 4.1%).
 
     A fixed 2% was one run's number: bf16 ended 2.04% above fp32 on an Intel Xeon, and int8
-    3.1% above at seed 3 on an AMD EPYC, with nothing wrong in either. What this still catches:
-    a state format that costs more than its measured spread (a broken quantizer does not learn
-    at all, or ends far above fp32's loss).
+    3.3% above at seed 2 there, with nothing wrong in either. What this still catches: a store
+    that costs more than its measured spread (a broken quantizer or rounding does not learn, or
+    ends far above fp32's loss).
     """
     eval_loss = {}
-    for state_dtype in ("fp32", *MEASURED_DIFF_PCT):
+    for name, overrides in {"fp32": (), **COMPACT_STORES}.items():
         _, loss, _ = _train(
-            tmp_path / state_dtype,
-            "--optimizer.state_dtype",
-            state_dtype,
+            tmp_path / name.replace(" ", "_"),
+            *overrides,
             "--training.num_epochs",
             "2",
             "--checkpoint.export_hf",
             "false",
         )
         assert loss is not None
-        eval_loss[state_dtype] = loss
+        eval_loss[name] = loss
     fp32 = eval_loss["fp32"]
     assert fp32 < 2.0  # the run learned (from ~6.2)
-    for state_dtype, samples in MEASURED_DIFF_PCT.items():
-        diff_pct = 100 * (eval_loss[state_dtype] - fp32) / fp32
-        assert abs(diff_pct) <= _bound_pct(samples), (eval_loss, state_dtype, diff_pct)
+    for name, samples in MEASURED_DIFF_PCT.items():
+        diff_pct = 100 * (eval_loss[name] - fp32) / fp32
+        assert diff_pct <= _bound_pct(samples), (eval_loss, name, diff_pct)

@@ -430,6 +430,38 @@ static inline uint32_t quantize4_v(float x) {
         max_v = vi > max_v ? vi : max_v;                                          \
     }
 
+/* Past the end of a partial block the new m and v are 0 (codes of 0 and of v's smallest value,
+ * as the reference): from `used` to the half's end. */
+static inline void int4_zero_tail(float *new_m, float *new_v, int64_t used) {
+    for (int64_t j = used; j < Q4HALF; j++) {
+        new_m[j] = 0.0f;
+        new_v[j] = 0.0f;
+    }
+}
+
+/* A block's new absmax and its 128 m and v requantized into two nibbles a byte; two loops:
+ * GCC does not if-convert the two quantizers in one. */
+static inline void int4_requantize(uint8_t *mq, uint8_t *vq, const float *new_m,
+                                   const float *new_v, float max_m, float max_v, float *absmax_m,
+                                   float *absmax_v, const uint32_t *pos_bits_m) {
+    *absmax_m = max_m;
+    *absmax_v = max_v;
+    const float div_m = max_m > 0.0f ? max_m : 1.0f;
+    const float div_v = max_v > 0.0f ? max_v : 1.0f;
+#pragma omp simd
+    for (int j = 0; j < Q4HALF; j++) {
+        const uint32_t lo_code = quantize4_m(pos_bits_m, new_m[j] / div_m);
+        const uint32_t hi_code = quantize4_m(pos_bits_m, new_m[j + Q4HALF] / div_m);
+        mq[j] = (uint8_t)(lo_code | hi_code << 4);
+    }
+#pragma omp simd
+    for (int j = 0; j < Q4HALF; j++) {
+        const uint32_t lo_code = quantize4_v(new_v[j] / div_v);
+        const uint32_t hi_code = quantize4_v(new_v[j + Q4HALF] / div_v);
+        vq[j] = (uint8_t)(lo_code | hi_code << 4);
+    }
+}
+
 void mt_adamw_int4(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_absmax,
                    const void *g, int g_is_bf16, uint16_t *shadow, int64_t n, int64_t decay_end,
                    float decay, float beta2, float one_minus_b1, float one_minus_b2,
@@ -450,10 +482,7 @@ void mt_adamw_int4(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
             const int64_t lo = b * Q4BLOCK + half;
             const int64_t hi = lo + Q4HALF < n ? lo + Q4HALF : n;
             const int shift = half ? 4 : 0;
-            for (int64_t j = hi > lo ? hi - lo : 0; j < Q4HALF; j++) {
-                new_m[half + j] = 0.0f;
-                new_v[half + j] = 0.0f;
-            }
+            int4_zero_tail(new_m + half, new_v + half, hi > lo ? hi - lo : 0);
             if (shadow && g_is_bf16) {
                 INT4_LOOP(bf16_load(gb, i), shadow[i] = bf16_round(pi);)
             } else if (shadow) {
@@ -464,23 +493,8 @@ void mt_adamw_int4(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
                 INT4_LOOP(gf[i], )
             }
         }
-        m_absmax[b] = max_m;
-        v_absmax[b] = max_v;
-        const float div_m = max_m > 0.0f ? max_m : 1.0f;
-        const float div_v = max_v > 0.0f ? max_v : 1.0f;
-        /* two loops: GCC does not if-convert the two quantizers in one */
-#pragma omp simd
-        for (int j = 0; j < Q4HALF; j++) {
-            const uint32_t lo_code = quantize4_m(pos_bits_m, new_m[j] / div_m);
-            const uint32_t hi_code = quantize4_m(pos_bits_m, new_m[j + Q4HALF] / div_m);
-            mq[j] = (uint8_t)(lo_code | hi_code << 4);
-        }
-#pragma omp simd
-        for (int j = 0; j < Q4HALF; j++) {
-            const uint32_t lo_code = quantize4_v(new_v[j] / div_v);
-            const uint32_t hi_code = quantize4_v(new_v[j + Q4HALF] / div_v);
-            vq[j] = (uint8_t)(lo_code | hi_code << 4);
-        }
+        int4_requantize(mq, vq, new_m, new_v, max_m, max_v, &m_absmax[b], &v_absmax[b],
+                        pos_bits_m);
     }
 }
 
@@ -519,31 +533,14 @@ void mt_adamw_bf16m_int4(uint16_t *p, uint8_t *m, float *m_absmax, uint8_t *v, f
             const int64_t lo = b * Q4BLOCK + half;
             const int64_t hi = lo + Q4HALF < n ? lo + Q4HALF : n;
             const int shift = half ? 4 : 0;
-            for (int64_t j = hi > lo ? hi - lo : 0; j < Q4HALF; j++) {
-                new_m[half + j] = 0.0f;
-                new_v[half + j] = 0.0f;
-            }
+            int4_zero_tail(new_m + half, new_v + half, hi > lo ? hi - lo : 0);
             if (g_is_bf16) {
                 MASTER_INT4_LOOP(bf16_load(gb, i))
             } else {
                 MASTER_INT4_LOOP(gf[i])
             }
         }
-        m_absmax[b] = max_m;
-        v_absmax[b] = max_v;
-        const float div_m = max_m > 0.0f ? max_m : 1.0f;
-        const float div_v = max_v > 0.0f ? max_v : 1.0f;
-#pragma omp simd
-        for (int j = 0; j < Q4HALF; j++) {
-            const uint32_t lo_code = quantize4_m(pos_bits_m, new_m[j] / div_m);
-            const uint32_t hi_code = quantize4_m(pos_bits_m, new_m[j + Q4HALF] / div_m);
-            mq[j] = (uint8_t)(lo_code | hi_code << 4);
-        }
-#pragma omp simd
-        for (int j = 0; j < Q4HALF; j++) {
-            const uint32_t lo_code = quantize4_v(new_v[j] / div_v);
-            const uint32_t hi_code = quantize4_v(new_v[j + Q4HALF] / div_v);
-            vq[j] = (uint8_t)(lo_code | hi_code << 4);
-        }
+        int4_requantize(mq, vq, new_m, new_v, max_m, max_v, &m_absmax[b], &v_absmax[b],
+                        pos_bits_m);
     }
 }
