@@ -31,7 +31,13 @@ import torch
 
 from megatrain.native import load_adamw_kernel
 from megatrain.optim.bf16_master import update_bf16_master_c, update_bf16_master_reference
-from megatrain.optim.update_io import StepScalars, read_states, write_states
+from megatrain.optim.update_io import (
+    StepScalars,
+    adamw_chunk,
+    read_states,
+    scalar_tensors,
+    write_states,
+)
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.int4 import (
     int4_kernel_mids,
@@ -253,23 +259,15 @@ def update_compressed_reference(
     bit for bit the kernel's; device-agnostic (the block's tensors may live on any device).
     """
     assert chunk % QUANT_BLOCK == 0
-    device = block.master.device
-    f32 = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in vars(s).items()}
+    f32 = scalar_tensors(s, block.master.device)
     keys = rounding_keys(block.rounding_name, block.step)
     for lo in range(0, block.numel, chunk):
         hi = min(lo + chunk, block.numel)
         grad = block.grad_landing[lo:hi].float() * f32["grad_scale"]  # read before the shadow
         m_old, v_old = read_states(block, lo, hi)
         p = block.master[lo:hi]
-        p[: max(0, min(block.decay_numel, hi) - lo)].mul_(f32["decay"])
-        m = m_old + f32["one_minus_b1"] * (grad - m_old)
-        v = v_old * f32["beta2"] + f32["one_minus_b2"] * grad * grad
-        # sqrt in float64, rounded once to float32: the correctly rounded sqrt of C's sqrtf
-        # (torch's vectorized float32 sqrt is not, on AVX-512). A full-size divisor: CUDA
-        # divides by a 0-dim tensor as a multiply by its reciprocal.
-        root = torch.sqrt(v.double()).float()
-        denom = root / f32["bc2_sqrt"].expand_as(v) + f32["eps"]
-        p.sub_(f32["step_size"] * (m / denom))
+        decayed = max(0, min(block.decay_numel, hi) - lo)
+        m, v = adamw_chunk(p, m_old, v_old, grad, f32, decayed)
         if block.shadow is not None:
             block.shadow[lo:hi].copy_(p)
         write_states(block, lo, hi, m, v, keys)

@@ -19,7 +19,13 @@ import ctypes
 
 import torch
 
-from megatrain.optim.update_io import StepScalars, read_states, write_states
+from megatrain.optim.update_io import (
+    StepScalars,
+    adamw_chunk,
+    read_states,
+    scalar_tensors,
+    write_states,
+)
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.int4 import int4_kernel_mids, int4_map
 from megatrain.store.master import MASTER_KEY
@@ -89,29 +95,15 @@ def update_bf16_master_reference(
     """The bf16-master update in plain PyTorch, `chunk` elements at a time: each operation one
     correctly rounded float32 op in the C kernel's order, so results equal it bit for bit."""
     assert chunk % QUANT_BLOCK == 0 and block.master_dtype == "bf16"
-    device = block.master.device
-    f32 = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in vars(s).items()}
+    f32 = scalar_tensors(s, block.master.device)
     key_p = rounding_key(block.rounding_name, block.step, MASTER_KEY)
     keys = rounding_keys(block.rounding_name, block.step)
     for lo in range(0, block.numel, chunk):
         hi = min(lo + chunk, block.numel)
         grad = block.grad_landing[lo:hi].float() * f32["grad_scale"]
-        if block.state_dtype == "fp32":
-            m_old, v_old = block.exp_avg[lo:hi], block.exp_avg_sq[lo:hi]
-        else:
-            m_old, v_old = read_states(block, lo, hi)
+        m_old, v_old = read_states(block, lo, hi)
         p = block.master[lo:hi].float()  # a copy: the master is written once, rounded
-        p[: max(0, min(block.decay_numel, hi) - lo)].mul_(f32["decay"])
-        m = m_old + f32["one_minus_b1"] * (grad - m_old)
-        v = v_old * f32["beta2"] + f32["one_minus_b2"] * grad * grad
-        # as update_compressed_reference: sqrt in float64 rounded once (C's sqrtf), and a
-        # full-size divisor (CUDA divides by a 0-dim tensor as a multiply by its reciprocal)
-        root = torch.sqrt(v.double()).float()
-        denom = root / f32["bc2_sqrt"].expand_as(v) + f32["eps"]
-        p.sub_(f32["step_size"] * (m / denom))
+        decayed = max(0, min(block.decay_numel, hi) - lo)
+        m, v = adamw_chunk(p, m_old, v_old, grad, f32, decayed)
         block.master[lo:hi].copy_(bf16_stochastic(p, key_p, lo))
-        if block.state_dtype == "fp32":
-            block.exp_avg[lo:hi].copy_(m)
-            block.exp_avg_sq[lo:hi].copy_(v)
-        else:
-            write_states(block, lo, hi, m, v, keys)
+        write_states(block, lo, hi, m, v, keys)

@@ -45,7 +45,37 @@ class StepScalars:
         )
 
 
+def scalar_tensors(s: StepScalars, device: torch.device) -> dict[str, torch.Tensor]:
+    """The step's scalars as float32 0-dim tensors on `device` (the references' operands)."""
+    return {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in vars(s).items()}
+
+
+def adamw_chunk(
+    p: torch.Tensor,
+    m_old: torch.Tensor,
+    v_old: torch.Tensor,
+    grad: torch.Tensor,
+    f32: dict[str, torch.Tensor],
+    decayed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of the C kernels' AdamW in plain PyTorch, each operation one correctly rounded
+    float32 op in their order: decays the first `decayed` values of `p` and updates `p` in
+    place; returns the new m and v."""
+    p[:decayed].mul_(f32["decay"])
+    m = m_old + f32["one_minus_b1"] * (grad - m_old)
+    v = v_old * f32["beta2"] + f32["one_minus_b2"] * grad * grad
+    # sqrt in float64, rounded once to float32: the correctly rounded sqrt of C's sqrtf
+    # (torch's vectorized float32 sqrt is not, on AVX-512). A full-size divisor: CUDA
+    # divides by a 0-dim tensor as a multiply by its reciprocal.
+    root = torch.sqrt(v.double()).float()
+    denom = root / f32["bc2_sqrt"].expand_as(v) + f32["eps"]
+    p.sub_(f32["step_size"] * (m / denom))
+    return m, v
+
+
 def read_states(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if block.state_dtype == "fp32":
+        return block.exp_avg[lo:hi], block.exp_avg_sq[lo:hi]
     if block.state_dtype == "bf16":
         return block.exp_avg[lo:hi].float(), block.exp_avg_sq[lo:hi].float()
     if block.state_dtype == "int4":
@@ -61,6 +91,10 @@ def read_states(block: ParamBlock, lo: int, hi: int) -> tuple[torch.Tensor, torc
 def write_states(
     block: ParamBlock, lo: int, hi: int, m: torch.Tensor, v: torch.Tensor, keys: tuple[int, int]
 ) -> None:
+    if block.state_dtype == "fp32":
+        block.exp_avg[lo:hi].copy_(m)
+        block.exp_avg_sq[lo:hi].copy_(v)
+        return
     if block.state_dtype == "bf16":
         block.exp_avg[lo:hi].copy_(bf16_stochastic(m, keys[0], lo))
         block.exp_avg_sq[lo:hi].copy_(bf16_stochastic(v, keys[1], lo))
