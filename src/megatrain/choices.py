@@ -11,6 +11,9 @@ STATE_DTYPES = ("fp32", "bf16", "int8", "int4")
 MASTER_DTYPES = ("fp32", "bf16")
 """optimizer.master_dtype: how the master weights are kept (store/master.py)."""
 
+GRAD_DTYPES = ("bf16", "int8")
+"""optimizer.grad_dtype: how a bf16 master's gradients wait for their update (store/grads.py)."""
+
 OFFLOAD_CHOICES = ("auto", "on", "off")
 """memory.activation_offload: whether layer inputs wait in host memory
 (planning/long_context.py)."""

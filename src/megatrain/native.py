@@ -192,16 +192,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mt_adamw_int8.argtypes += [vp, vp, vp, vp, i32]
     lib.mt_adamw_int8.restype = None
     # bf16 master weights (optim/bf16_master.py): p, m, v ..., then the keys of p (m, v)
-    lib.mt_adamw_bf16m_fp32.argtypes = [vp, vp, vp, vp, i32, i64, i64, *hyper, u32, i32]
+    lib.mt_adamw_bf16m_fp32.argtypes = [vp, vp, vp, vp, i32, vp, i64, i64, *hyper, u32, i32]
     lib.mt_adamw_bf16m_fp32.restype = None
-    lib.mt_adamw_bf16m_bf16.argtypes = [vp, vp, vp, vp, i32, i64, i64, *hyper, u32, u32, u32, i32]
+    lib.mt_adamw_bf16m_bf16.argtypes = [vp, vp, vp, vp, i32, vp, i64, i64, *hyper]
+    lib.mt_adamw_bf16m_bf16.argtypes += [u32, u32, u32, i32]
     lib.mt_adamw_bf16m_bf16.restype = None
-    lib.mt_adamw_bf16m_int8.argtypes = [vp, vp, vp, vp, vp, vp, i32, i64, i64, *hyper]
+    lib.mt_adamw_bf16m_int8.argtypes = [vp, vp, vp, vp, vp, vp, i32, vp, i64, i64, *hyper]
     lib.mt_adamw_bf16m_int8.argtypes += [vp, vp, vp, vp, u32, i32]
     lib.mt_adamw_bf16m_int8.restype = None
     lib.mt_adamw_int4.argtypes = [vp, vp, vp, vp, vp, vp, i32, vp, i64, i64, *hyper]
     lib.mt_adamw_int4.argtypes += [vp, vp, i32]
     lib.mt_adamw_int4.restype = None
-    lib.mt_adamw_bf16m_int4.argtypes = [vp, vp, vp, vp, vp, vp, i32, i64, i64, *hyper]
+    lib.mt_adamw_bf16m_int4.argtypes = [vp, vp, vp, vp, vp, vp, i32, vp, i64, i64, *hyper]
     lib.mt_adamw_bf16m_int4.argtypes += [vp, vp, u32, i32]
     lib.mt_adamw_bf16m_int4.restype = None

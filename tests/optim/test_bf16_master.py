@@ -3,7 +3,8 @@
 Why stochastic rounding: tiny updates move a bf16-SR master as they move fp32 (in the mean
 over elements, within a bound derived below), while a round-to-nearest bf16 master stays
 frozen. The rounding itself is unbiased. The C kernel equals the torch reference bit for bit
-for every state dtype, shape and thread count.
+for every state dtype, gradient format (fp32, bf16, int8 codes with units), shape and thread
+count.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from megatrain.native import load_adamw_kernel
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.grads import num_grad_blocks, quantize_gradient_
 from megatrain.store.master import MASTER_KEY
 from megatrain.store.states import QUANT_BLOCK, allocate_states, bf16_stochastic, rounding_key
 
@@ -36,6 +38,8 @@ def _block(
         **allocate_states(n, state_dtype),  # type: ignore[arg-type]
     )
     block.grad = torch.empty(n, dtype=grad_dtype)
+    if grad_dtype == torch.int8:  # held compactly: codes and one unit per GRAD_BLOCK
+        block.grad_unit = torch.empty(num_grad_blocks(n))
     return block
 
 
@@ -49,7 +53,7 @@ SIZES = [
 
 @needs_kernel
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32, torch.int8])
 @pytest.mark.parametrize(("n", "decay_numel"), SIZES)
 @pytest.mark.parametrize("threads", [1, 3])
 def test_c_kernel_equals_torch_reference_bit_for_bit(
@@ -66,7 +70,10 @@ def test_c_kernel_equals_torch_reference_bit_for_bit(
         spread = 10.0 ** torch.randint(-4, 1, (n,), generator=gen).float()
         grad = torch.randn(n, generator=gen) * spread * 10.0 ** -(2 * (step % 2))
         for block in (c_block, ref_block):
-            block.grad_landing.copy_(grad)
+            if block.grad_unit is not None:
+                quantize_gradient_(grad, block.grad, block.grad_unit, key=step)
+            else:
+                block.grad_landing.copy_(grad)
         c_opt.update(c_block, lr=3e-3, grad_scale=scale)
         ref_opt.update(ref_block, lr=3e-3, grad_scale=scale)
         assert c_block.master.dtype == torch.bfloat16

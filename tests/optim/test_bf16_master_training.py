@@ -23,6 +23,7 @@ from megatrain.optim.adamw import AdamWHyper, CpuAdamW, StepScalars
 from megatrain.optim.bf16_master import update_bf16_master_reference
 from megatrain.recipes.sft import Trainer
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.grads import POOL_LANDINGS, held_gradient
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 BF16_MASTER = ("--optimizer.master_dtype", "bf16", "--model.compute_dtype", "bf16")
@@ -65,16 +66,29 @@ COMMON = (
 )
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
+INT8_GRADS = ("--optimizer.grad_dtype", "int8")
+NO_CLIPPING = ("--optimizer.max_grad_norm", "0")  # the gradients land in a shared pool
+
+
+@pytest.mark.parametrize(
+    ("state_dtype", "hold"),
+    [("fp32", ()), ("bf16", ()), ("int8", ()), ("int4", ()), ("int4", INT8_GRADS),
+     ("int4", NO_CLIPPING)],
+)  # fmt: skip
 def test_bf16_master_checkpoint_as_stored_and_resume_exactly(
-    tmp_path: Path, state_dtype: str
+    tmp_path: Path, state_dtype: str, hold: tuple[str, ...]
 ) -> None:
-    common = (*BF16_MASTER, "--optimizer.state_dtype", state_dtype, *COMMON)
+    common = (*BF16_MASTER, "--optimizer.state_dtype", state_dtype, *hold, *COMMON)
     straight, trainer = _train(tmp_path / "a", *common)
     final = _blocks(tmp_path / "a" / "checkpoints" / "step-00000006")
     block = trainer.store.layers[0]
     assert block.master.dtype == torch.bfloat16 and block.shadow is None
-    assert block.grad is not None and block.grad.dtype == torch.bfloat16  # gradient landing
+    if hold == NO_CLIPPING:  # every landing went back to the pool after its update
+        assert block.grad is None and trainer.store.grad_pool is not None
+        assert len(trainer.store.grad_pool.buffers()) == POOL_LANDINGS
+    else:
+        wanted = torch.int8 if hold == INT8_GRADS else torch.bfloat16
+        assert block.grad is not None and block.grad.dtype == wanted  # gradient landing
     assert final["layer.0.safetensors"]["master"].dtype == torch.bfloat16
     for key, saved in final["layer.0.safetensors"].items():
         assert torch.equal({"master": block.master, **block.state_tensors()}[key], saved)
@@ -122,10 +136,12 @@ def _copy(block: ParamBlock) -> ParamBlock:
     )
     assert block.grad is not None
     copy.grad = block.grad.clone()
+    copy.grad_unit = block.grad_unit.clone() if block.grad_unit is not None else None
     return copy
 
 
-def test_engine_updates_equal_the_torch_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hold", [(), INT8_GRADS, NO_CLIPPING])
+def test_engine_updates_equal_the_torch_reference(tmp_path: Path, hold: tuple[str, ...]) -> None:
     """Every update of a 3-step run with clipping (demo, bf16 compute, fp32 states), replayed:
     `update_bf16_master_reference` on a copy of the block as the engine's update found it
     gives the same bf16 master and states bit for bit. Against torch.optim.AdamW (fp32, from
@@ -137,11 +153,12 @@ def test_engine_updates_equal_the_torch_reference(tmp_path: Path) -> None:
     2^-24 of the terms of that weight: |p| and the step, at most 3.2 lr for betas (0.9, 0.999)
     (|m_hat| / sqrt(v_hat) <= (1 - b1) / sqrt(1 - b2), Kingma & Ba sec. 2.1). The first loss
     equals an fp32-master run's: both start from the same bf16 weights (the fp32 weights
-    rounded to nearest)."""
+    rounded to nearest). int8 gradients: the same, the gradient being what the update read
+    (codes x units); clipping off: the same on the gradient a shared landing held."""
     trainer = _trainer(
         tmp_path / "bf16", *BF16_MASTER, "--training.max_steps", "3",
         "--checkpoint.export_hf", "false", "--optimizer.weight_decay", "0.1",
-        "--optimizer.max_grad_norm", "0.5", "--optimizer.learning_rate", "1e-3",
+        "--optimizer.max_grad_norm", "0.5", "--optimizer.learning_rate", "1e-3", *hold,
     )  # fmt: skip
     optimizer: CpuAdamW = trainer.engine.worker.optimizer
     real, seen = optimizer.update, []
@@ -159,7 +176,7 @@ def test_engine_updates_equal_the_torch_reference(tmp_path: Path) -> None:
     finally:
         trainer.close()
     assert len(seen) == 3 * len(trainer.store.blocks)
-    assert any(u.grad_scale < 1.0 for u in seen)  # clipping took part
+    assert any(u.grad_scale < 1.0 for u in seen) == (hold != NO_CLIPPING)  # clipping took part
     hyper = optimizer.hyper
     assert hyper.betas == (0.9, 0.999)  # the step bound below is for these
     for u in seen:
@@ -178,7 +195,7 @@ def test_engine_updates_equal_the_torch_reference(tmp_path: Path) -> None:
             block.exp_avg_sq, u.after["v"]
         )
         p_ref, m_ref, v_ref = _torch_adamw(block, p0, m0, v0, u, hyper)
-        g = block.grad_landing.float() * u.grad_scale
+        g = held_gradient(block, 0, block.numel) * u.grad_scale
         m_bound = 4 * 2.0**-24 * (m0.abs() + g.abs())
         assert bool(((u.after["m"] - m_ref).abs() <= m_bound).all()), block.name
         torch.testing.assert_close(u.after["v"], v_ref, rtol=1e-6, atol=0)
@@ -205,7 +222,7 @@ def _torch_adamw(
     decayed = ((0, block.decay_numel, hyper.weight_decay), (block.decay_numel, block.numel, 0.0))
     for lo, hi, wd in decayed:
         p = torch.nn.Parameter(p0[lo:hi].clone())
-        p.grad = u.before.grad_landing[lo:hi].float() * u.grad_scale  # type: ignore[union-attr]
+        p.grad = held_gradient(u.before, lo, hi) * u.grad_scale
         opt = torch.optim.AdamW(
             [p], lr=u.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=wd, foreach=False
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,9 +23,11 @@ from megatrain.planning import Hardware, host_problem, model_spec
 from megatrain.planning.disk import checkpoint_bytes_per_param, checkpoint_nbytes
 from megatrain.planning.hardware import GIB
 from megatrain.planning.plan import RunShape, plan_resources
+from megatrain.planning.ranks import Ranks
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.grads import GRAD_BLOCK, POOL_LANDINGS
 from megatrain.store.host import HostStore
-from megatrain.store.int4 import INT4_BLOCK, INT4_HALF
+from megatrain.store.int4 import INT4_BLOCK, INT4_HALF, int4_nbytes
 from megatrain.store.master import weight_bytes_per_param
 from megatrain.store.shard import shard_block, shard_master
 from megatrain.store.states import QUANT_BLOCK, allocate_states
@@ -36,7 +39,7 @@ DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 STATE_BYTES = {"fp32": 8, "bf16": 4, "int8": 2}
 
 
-def _store(state_dtype: str, rank: int = 0, world: int = 1) -> HostStore:
+def _store(state_dtype: str, rank: int = 0, world: int = 1, **hold: Any) -> HostStore:
     model = load_causal_lm(None, model_type="llama", tiny=True, seed=0)
     shard = None
     if world > 1:
@@ -47,6 +50,7 @@ def _store(state_dtype: str, rank: int = 0, world: int = 1) -> HostStore:
         state_dtype=state_dtype,
         master_dtype="bf16",
         shard=shard,
+        **hold,
     )
 
 
@@ -73,6 +77,40 @@ def test_store_bytes_equal_the_estimate(state_dtype: str) -> None:
                   master_dtype="bf16")  # fmt: skip
     assert est.host.store_bytes == store.host_bytes()
     assert est.settings["master_dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(("grad_dtype", "clipping"), [("int8", True), ("bf16", False)])
+def test_held_gradient_bytes_equal_the_estimate(
+    grad_dtype: str, clipping: bool, world: int
+) -> None:
+    """int8 held gradients (clipping on): per block int8 codes + one fp32 unit per 2048 values,
+    where the bf16 landing took 2 bytes a value. Clipping off: no block owns a landing; the
+    store has POOL_LANDINGS bf16 landings of its largest block. The store allocates what the
+    planner counts, whole or as a rank's shards."""
+    stores = [_store("int4", r, world, grad_dtype=grad_dtype, clipping=clipping)
+              for r in range(world)]  # fmt: skip
+    for store in stores:
+        for block in store.blocks:
+            if grad_dtype == "int8":
+                assert block.grad is not None and block.grad.dtype == torch.int8
+                assert block.grad_unit is not None
+                assert block.grad_unit.numel() == math.ceil(block.numel / GRAD_BLOCK)
+            else:
+                assert block.grad is None and block.grad_pool is store.grad_pool
+        own = sum(b.master.numel() * 2 + int4_nbytes(b.numel) for b in store.blocks)
+        if grad_dtype == "int8":
+            own += sum(b.numel + 4 * math.ceil(b.numel / GRAD_BLOCK) for b in store.blocks)
+        else:
+            assert store.grad_pool is not None
+            own += POOL_LANDINGS * 2 * max(b.numel for b in store.blocks)
+        assert store.host_bytes() == own
+    spec = model_spec(tiny_config("llama"))
+    est = predict(spec, seq_len=32, micro_batch_size=1, state_dtype="int4", master_dtype="bf16",
+                  grad_dtype=grad_dtype, clipping=clipping, pin_memory=False,
+                  ranks=Ranks(world, 1))  # fmt: skip
+    assert est.host.store_bytes == sum(s.host_bytes() for s in stores)
+    assert est.settings["grad_dtype"] == grad_dtype
 
 
 def test_bytes_per_parameter_of_a_large_model() -> None:

@@ -86,13 +86,15 @@ def test_fit_check_counts_the_state_dtype_and_suggests_it() -> None:
     int8 = predict(spec, state_dtype="int8", **kwargs)  # type: ignore[arg-type]
     problem = host_problem(int8, small, margin_gib=1.0)
     assert problem is not None and "Use optimizer.state_dtype: int4 (7.06 B/param" in problem
-    # a host that holds none: the most compact store named with what it would need
+    # a host that holds none: the most compact store (bf16 master, int4 states, int8 held
+    # gradients: 2 + 1.0625 + 1.002) named with what it would need
     tiny = Hardware(host_bytes=4 * params + GIB, process_baseline_bytes=0)
     kwargs["hardware"] = tiny
     problem = host_problem(predict(spec, **kwargs), tiny, margin_gib=1.0)  # type: ignore[arg-type]
     assert problem is not None and problem.endswith(
         "(the most compact store, optimizer.state_dtype: int4 and optimizer.master_dtype: bf16 "
-        f"(5.06 B/param, predicted {problem.split('predicted ')[-1].split(')')[0]}), does not "
+        "and optimizer.grad_dtype: int8 "
+        f"(4.06 B/param, predicted {problem.split('predicted ')[-1].split(')')[0]}), does not "
         "fit either)"
     )
 

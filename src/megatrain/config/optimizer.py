@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from megatrain.choices import MASTER_DTYPES, STATE_DTYPES
+from megatrain.choices import GRAD_DTYPES, MASTER_DTYPES, STATE_DTYPES
 from megatrain.config.types import check_choice, check_int, check_number, check_types
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -54,6 +54,12 @@ class OptimizerConfig:
     stochastically into the bf16 master, which is also the streamed copy; gradients then land
     in a bf16 buffer of their own, 2 B/param). bf16 needs model.compute_dtype bf16 and keeps
     no GPU tier (docs/optimizer_states.md)."""
+    grad_dtype: str = "bf16"
+    """How a bf16 master's gradients wait on the host for their update while clipping needs
+    all of them: "bf16" (2 B/param) or "int8" (1.002: block-wise, rounded stochastically on the
+    GPU after the exact norm is taken). Without clipping (max_grad_norm 0) each update runs
+    after its block's backward and the gradient lands in a few shared bf16 buffers instead.
+    Only with master_dtype bf16 (an fp32 master's gradient lands in its bf16 copy, free)."""
 
     def validate(self) -> None:
         check_types("optimizer", self)
@@ -84,6 +90,14 @@ class OptimizerConfig:
         check_int("optimizer.threads", self.threads, minimum=1, optional=True)
         check_choice("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
         check_choice("optimizer.master_dtype", self.master_dtype, MASTER_DTYPES)
+        check_choice("optimizer.grad_dtype", self.grad_dtype, GRAD_DTYPES)
+        if self.grad_dtype != "bf16" and self.master_dtype == "fp32":
+            raise ValueError(
+                f"optimizer.grad_dtype: {self.grad_dtype} sets how a bf16 master's gradients are "
+                "held, but optimizer.master_dtype is fp32, whose gradients land in its bf16 copy "
+                "and cost no host memory: set optimizer.master_dtype: bf16 as well, or remove "
+                "optimizer.grad_dtype"
+            )
 
     @property
     def clip_norm(self) -> float | None:

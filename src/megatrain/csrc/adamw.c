@@ -239,6 +239,24 @@ void mt_adamw_int8(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
  * lowbias32(i ^ chunk_key_p), the same bits formula as the bf16 states' (key_p: store/states.py
  * rounding_key(block, step, "p")). One pass; m and v are kept in fp32, bf16 or int8 as above.
  * optim/bf16_master.py's torch reference does the same operations; the two agree bit for bit. */
+/* A bf16 master's gradient `g` (`g_kind`): fp32 (0), bf16 (1), or int8 codes read as
+ * code * g_unit[i / QBLOCK], one fp32 unit per quantization block of the codes (2: a gradient held
+ * compactly until its update, store/grads.py). Each kernel below expands its loop once per kind. */
+#define G_BF16 1
+#define G_INT8 2
+#define GRAD_KINDS(LOOP)                                                          \
+    if (g_kind == G_BF16) {                                                       \
+        LOOP(bf16_load(gb, i))                                                    \
+    } else if (g_kind == G_INT8) {                                                \
+        LOOP((float)gq[i] * g_unit[i / QBLOCK])                                   \
+    } else {                                                                      \
+        LOOP(gf[i])                                                               \
+    }
+#define GRAD_POINTERS                                                             \
+    const uint16_t *gb = (const uint16_t *)g;                                     \
+    const float *gf = (const float *)g;                                           \
+    const int8_t *gq = (const int8_t *)g;
+
 #define MASTER_ELEMENT(LOAD_G)                                                    \
     float gi = (LOAD_G) * grad_scale;                                             \
     float po = bf16_load(p, i);                                                   \
@@ -260,24 +278,19 @@ void mt_adamw_int8(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
     }
 
 /* bf16 master, fp32 m and v. */
-void mt_adamw_bf16m_fp32(uint16_t *p, float *m, float *v, const void *g, int g_is_bf16,
-                         int64_t n, int64_t decay_end, float decay, float beta2,
-                         float one_minus_b1, float one_minus_b2, float step_size,
+void mt_adamw_bf16m_fp32(uint16_t *p, float *m, float *v, const void *g, int g_kind,
+                         const float *g_unit, int64_t n, int64_t decay_end, float decay,
+                         float beta2, float one_minus_b1, float one_minus_b2, float step_size,
                          float bc2_sqrt, float eps, float grad_scale, uint32_t key_p,
                          int nthreads) {
-    const uint16_t *gb = (const uint16_t *)g;
-    const float *gf = (const float *)g;
+    GRAD_POINTERS
     const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t c = 0; c < nchunks; c++) {
         const int64_t lo = c * CHUNK;
         const int64_t hi = lo + CHUNK < n ? lo + CHUNK : n;
         const uint32_t chunk_key_p = lowbias32(key_p ^ (uint32_t)((uint64_t)lo >> 32));
-        if (g_is_bf16) {
-            MASTER_FP32_LOOP(bf16_load(gb, i))
-        } else {
-            MASTER_FP32_LOOP(gf[i])
-        }
+        GRAD_KINDS(MASTER_FP32_LOOP)
     }
 }
 
@@ -292,13 +305,12 @@ void mt_adamw_bf16m_fp32(uint16_t *p, float *m, float *v, const void *g, int g_i
     }
 
 /* bf16 master, bf16 m and v (each with its own key, as mt_adamw_bf16). */
-void mt_adamw_bf16m_bf16(uint16_t *p, uint16_t *m, uint16_t *v, const void *g, int g_is_bf16,
-                         int64_t n, int64_t decay_end, float decay, float beta2,
-                         float one_minus_b1, float one_minus_b2, float step_size,
+void mt_adamw_bf16m_bf16(uint16_t *p, uint16_t *m, uint16_t *v, const void *g, int g_kind,
+                         const float *g_unit, int64_t n, int64_t decay_end, float decay,
+                         float beta2, float one_minus_b1, float one_minus_b2, float step_size,
                          float bc2_sqrt, float eps, float grad_scale, uint32_t key_p,
                          uint32_t key_m, uint32_t key_v, int nthreads) {
-    const uint16_t *gb = (const uint16_t *)g;
-    const float *gf = (const float *)g;
+    GRAD_POINTERS
     const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t c = 0; c < nchunks; c++) {
@@ -308,11 +320,7 @@ void mt_adamw_bf16m_bf16(uint16_t *p, uint16_t *m, uint16_t *v, const void *g, i
         const uint32_t chunk_key_p = lowbias32(key_p ^ high);
         const uint32_t chunk_key_m = lowbias32(key_m ^ high);
         const uint32_t chunk_key_v = lowbias32(key_v ^ high);
-        if (g_is_bf16) {
-            MASTER_BF16_LOOP(bf16_load(gb, i))
-        } else {
-            MASTER_BF16_LOOP(gf[i])
-        }
+        GRAD_KINDS(MASTER_BF16_LOOP)
     }
 }
 
@@ -331,13 +339,13 @@ void mt_adamw_bf16m_bf16(uint16_t *p, uint16_t *m, uint16_t *v, const void *g, i
 
 /* bf16 master, int8 m and v: mt_adamw_int8's two halves per quantization block. */
 void mt_adamw_bf16m_int8(uint16_t *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_absmax,
-                         const void *g, int g_is_bf16, int64_t n, int64_t decay_end,
-                         float decay, float beta2, float one_minus_b1, float one_minus_b2,
-                         float step_size, float bc2_sqrt, float eps, float grad_scale,
+                         const void *g, int g_kind, const float *g_unit, int64_t n,
+                         int64_t decay_end, float decay, float beta2, float one_minus_b1,
+                         float one_minus_b2, float step_size, float bc2_sqrt, float eps,
+                         float grad_scale,
                          const float *map_m, const uint32_t *table_m, const float *map_v,
                          const uint32_t *table_v, uint32_t key_p, int nthreads) {
-    const uint16_t *gb = (const uint16_t *)g;
-    const float *gf = (const float *)g;
+    GRAD_POINTERS
     const int64_t nblocks = (n + QBLOCK - 1) / QBLOCK;
 #pragma omp parallel for schedule(dynamic, CHUNK / QBLOCK) num_threads(nthreads)
     for (int64_t b = 0; b < nblocks; b++) {
@@ -347,11 +355,7 @@ void mt_adamw_bf16m_int8(uint16_t *p, uint8_t *m, float *m_absmax, uint8_t *v, f
         const uint32_t chunk_key_p = lowbias32(key_p ^ (uint32_t)((uint64_t)lo >> 32));
         const float scale_m = m_absmax[b], scale_v = v_absmax[b];
         float max_m = 0.0f, max_v = 0.0f;
-        if (g_is_bf16) {
-            MASTER_INT8_LOOP(bf16_load(gb, i))
-        } else {
-            MASTER_INT8_LOOP(gf[i])
-        }
+        GRAD_KINDS(MASTER_INT8_LOOP)
         m_absmax[b] = max_m;
         v_absmax[b] = max_v;
         const float div_m = max_m > 0.0f ? max_m : 1.0f;
@@ -514,13 +518,13 @@ void mt_adamw_int4(float *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_a
     }
 
 void mt_adamw_bf16m_int4(uint16_t *p, uint8_t *m, float *m_absmax, uint8_t *v, float *v_absmax,
-                         const void *g, int g_is_bf16, int64_t n, int64_t decay_end,
-                         float decay, float beta2, float one_minus_b1, float one_minus_b2,
-                         float step_size, float bc2_sqrt, float eps, float grad_scale,
+                         const void *g, int g_kind, const float *g_unit, int64_t n,
+                         int64_t decay_end, float decay, float beta2, float one_minus_b1,
+                         float one_minus_b2, float step_size, float bc2_sqrt, float eps,
+                         float grad_scale,
                          const float *map_m, const uint32_t *pos_bits_m, uint32_t key_p,
                          int nthreads) {
-    const uint16_t *gb = (const uint16_t *)g;
-    const float *gf = (const float *)g;
+    GRAD_POINTERS
     const int64_t nblocks = (n + Q4BLOCK - 1) / Q4BLOCK;
 #pragma omp parallel for schedule(dynamic, CHUNK / Q4BLOCK) num_threads(nthreads)
     for (int64_t b = 0; b < nblocks; b++) {
@@ -534,11 +538,7 @@ void mt_adamw_bf16m_int4(uint16_t *p, uint8_t *m, float *m_absmax, uint8_t *v, f
             const int64_t hi = lo + Q4HALF < n ? lo + Q4HALF : n;
             const int shift = half ? 4 : 0;
             int4_zero_tail(new_m + half, new_v + half, hi > lo ? hi - lo : 0);
-            if (g_is_bf16) {
-                MASTER_INT4_LOOP(bf16_load(gb, i))
-            } else {
-                MASTER_INT4_LOOP(gf[i])
-            }
+            GRAD_KINDS(MASTER_INT4_LOOP)
         }
         int4_requantize(mq, vq, new_m, new_v, max_m, max_v, &m_absmax[b], &v_absmax[b],
                         pos_bits_m);

@@ -21,6 +21,7 @@ from megatrain.engine.schedule import LOAD, RECOMPUTE, StepSchedule
 from megatrain.engine.timeline import ComputeTimer
 from megatrain.engine.transfers import Event
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.grads import gradient_key, int8_views, quantize_gradient_
 from megatrain.store.shard import layout_numel
 
 
@@ -180,17 +181,31 @@ class BackwardPass:
         """Copy (this rank's shard of) a block's gradient to the host; returns its squared
         norm (on the device). Several ranks: the shard of the gradient summed over ranks."""
         acc = self.comm.reduce(block, acc)
-        if self._stage is not None:  # bf16 compute: the gradient travels (and lands) as bf16
-            src = (
+        stage = (
+            (
                 self._stage[k][: block.numel]
                 if k is not None
                 else torch.empty(block.numel, dtype=torch.bfloat16, device=self.device)
             )
-            src.copy_(acc)
+            if self._stage is not None
+            else None
+        )
+        if block.grad_unit is not None:  # held as int8: the exact norm, then the codes travel
+            sumsq = torch.linalg.vector_norm(acc, dtype=torch.float32).square()
+            assert stage is not None
+            codes, units = int8_views(stage)
+            quantize_gradient_(acc, codes, units, gradient_key(block))
+            self.transfers.d2h(block.grad, codes, after=self.transfers.compute_event())
+            landed = self.transfers.d2h(block.grad_unit, units)  # same stream: after the codes
         else:
-            src = acc
-        sumsq = torch.linalg.vector_norm(src, dtype=torch.float32).square()
-        landed = self.transfers.d2h(block.grad_landing, src, after=self.transfers.compute_event())
+            if stage is not None:  # bf16 compute: the gradient travels (and lands) as bf16
+                stage.copy_(acc)
+            src = stage if stage is not None else acc
+            sumsq = torch.linalg.vector_norm(src, dtype=torch.float32).square()
+            block.take_landing()  # clipping off, bf16 master: a shared landing (may wait)
+            landed = self.transfers.d2h(
+                block.grad_landing, src, after=self.transfers.compute_event()
+            )
         if k is not None:
             self._acc_busy[k] = landed
         else:

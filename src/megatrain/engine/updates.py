@@ -138,4 +138,5 @@ class UpdateWorker:
         except BaseException as e:  # handed to the thread that waits for this block
             task.error = e
         finally:
+            task.block.release_landing()  # a shared landing (clipping off) is free again
             task.done.set()

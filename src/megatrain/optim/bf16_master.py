@@ -10,7 +10,8 @@ block's `state_dtype` as on an fp32 master. Two implementations, bit for bit the
   scalars, any device (tests, and `impl: torch`).
 
 A bf16 master is the block's streamed copy: there is no shadow to write; the gradient comes
-from the block's own bf16 landing (`ParamBlock.grad`).
+from the block's own landing (`ParamBlock.grad`): bf16, or int8 codes times their block's unit
+(`grad_unit`, store/grads.py), read as one fp32 product in both implementations.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatrain.optim.update_io import (
     write_states,
 )
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.grads import held_gradient
 from megatrain.store.int4 import int4_kernel_mids, int4_map
 from megatrain.store.master import MASTER_KEY
 from megatrain.store.states import (
@@ -47,7 +49,8 @@ def update_bf16_master_c(
     key_p = rounding_key(block.rounding_name, block.step, MASTER_KEY)
     common = (
         grad.data_ptr(),
-        int(grad.dtype == torch.bfloat16),
+        grad_kind(grad),
+        block.grad_unit.data_ptr() if block.grad_unit is not None else None,
         block.numel,
         block.decay_numel,
         *s.as_c_floats(),
@@ -100,10 +103,18 @@ def update_bf16_master_reference(
     keys = rounding_keys(block.rounding_name, block.step)
     for lo in range(0, block.numel, chunk):
         hi = min(lo + chunk, block.numel)
-        grad = block.grad_landing[lo:hi].float() * f32["grad_scale"]
+        grad = held_gradient(block, lo, hi) * f32["grad_scale"]
         m_old, v_old = read_states(block, lo, hi)
         p = block.master[lo:hi].float()  # a copy: the master is written once, rounded
         decayed = max(0, min(block.decay_numel, hi) - lo)
         m, v = adamw_chunk(p, m_old, v_old, grad, f32, decayed)
         block.master[lo:hi].copy_(bf16_stochastic(p, key_p, lo))
         write_states(block, lo, hi, m, v, keys)
+
+
+_GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/adamw.c g_kind
+
+
+def grad_kind(grad: torch.Tensor) -> int:
+    """csrc/adamw.c's code for how a bf16 master's gradient is stored."""
+    return _GRAD_KINDS[grad.dtype]

@@ -71,6 +71,7 @@ from megatrain.planning.long_context import device_inputs, host_input_bytes
 from megatrain.planning.setup import Setup
 from megatrain.planning.spec import ModelSpec, block_sizes, build_spec
 from megatrain.planning.timing import StepTime, step_time
+from megatrain.store.grads import gradient_hold
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,12 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
         pin_memory=setup.pin_memory,
         state_dtype=setup.state_dtype,
         master_dtype=setup.master_dtype,
+        grad_hold=gradient_hold(
+            setup.master_dtype,
+            setup.grad_dtype,
+            clipping=plan.clip_norm is not None,
+            bf16_compute=spec.compute_dtype == torch.bfloat16,
+        ),
         gpu_state_blocks=tier,
         ranks=setup.ranks,
         vision=(layout.numel(VISION), layout.numel(VISION_TRAIN)),
@@ -206,6 +213,7 @@ def _settings(
         loss_chunk_tokens=chunk,
         state_dtype=setup.state_dtype,
         master_dtype=setup.master_dtype,
+        grad_dtype=setup.grad_dtype,
         gpu_state_blocks=tier,
         compiled=plan.compile_layers,
         activations=boundaries.describe(),

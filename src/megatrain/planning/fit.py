@@ -3,9 +3,12 @@ the numbers and what to change (megatrain.planning.plan collects them)."""
 
 from __future__ import annotations
 
-from megatrain.choices import MASTER_DTYPES, STATE_DTYPES
+from typing import NamedTuple
+
+from megatrain.choices import GRAD_DTYPES, MASTER_DTYPES, STATE_DTYPES
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB, Hardware, gib
+from megatrain.store.grads import gradient_hold
 from megatrain.store.master import weight_bytes_per_param
 from megatrain.store.states import state_bytes_per_param
 
@@ -56,17 +59,37 @@ def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
     )
 
 
-def store_choices(bf16_compute: bool) -> list[tuple[str, str, float]]:
-    """(master_dtype, state_dtype, host store bytes per parameter) of every store layout, the
-    least compressed first (the order `_smaller_store` offers them in)."""
+class StoreChoice(NamedTuple):
+    """One layout of the host store: its optimizer keys and host bytes per parameter."""
+
+    master: str
+    state: str
+    grad: str  # a bf16 master's held gradients (store/grads.py); "bf16" otherwise
+    per_param: float
+
+    def keys(self, now: StoreChoice) -> list[str]:
+        """The optimizer keys to change to go from `now` to this layout."""
+        pairs = [("state_dtype", self.state, now.state), ("master_dtype", self.master, now.master)]
+        pairs += [("grad_dtype", self.grad, now.grad)]
+        return [f"optimizer.{key}: {new}" for key, new, old in pairs if new != old]
+
+
+def store_choices(bf16_compute: bool, *, clipping: bool = True) -> list[StoreChoice]:
+    """Every store layout with its host store bytes per parameter, the least compressed first
+    (the order `_smaller_store` offers them in). Held gradients differ only with a bf16 master
+    and clipping on (store/grads.py gradient_hold)."""
     masters = MASTER_DTYPES if bf16_compute else ("fp32",)
-    choices = [
-        (master, state, weight_bytes_per_param(master, bf16_compute=bf16_compute)
-         + state_bytes_per_param(state))
-        for master in masters
-        for state in STATE_DTYPES
-    ]  # fmt: skip
-    return sorted(choices, key=lambda c: -c[2])
+    choices = []
+    for master in masters:
+        grads = GRAD_DTYPES if master == "bf16" and clipping else ("bf16",)
+        for grad in grads:
+            hold = gradient_hold(master, grad, clipping=clipping, bf16_compute=bf16_compute)
+            weights = weight_bytes_per_param(master, bf16_compute=bf16_compute, grad_hold=hold)
+            for state in STATE_DTYPES:
+                choices.append(
+                    StoreChoice(master, state, grad, weights + state_bytes_per_param(state))
+                )
+    return sorted(choices, key=lambda c: -c.per_param)
 
 
 def _smaller_store(est: Estimate, free: float) -> tuple[list[str], str]:
@@ -74,26 +97,27 @@ def _smaller_store(est: Estimate, free: float) -> tuple[list[str], str]:
     per parameter (everything else of the prediction as it is), or, when none does, a note of
     what the most compact one would need."""
     s = est.settings
-    now = (s.get("master_dtype", "fp32"), s.get("state_dtype", "fp32"))
-    choices = store_choices(s["compute_dtype"] == "bf16")
-    per_param = {(m, st): b for m, st, b in choices}[now]
-    smaller = [c for c in choices if c[2] < per_param]
+    clipping = bool(s.get("clipping", True))
+    choices = store_choices(s["compute_dtype"] == "bf16", clipping=clipping)
+    master, state = s.get("master_dtype", "fp32"), s.get("state_dtype", "fp32")
+    grad = s.get("grad_dtype", "bf16") if master == "bf16" and clipping else "bf16"
+    now = next(c for c in choices if (c.master, c.state, c.grad) == (master, state, grad))
+    smaller = [c for c in choices if c.per_param < now.per_param]
     if not smaller:
         return [], ""
     others = est.host.total_bytes - est.host.store_bytes
 
     def total(b: float) -> float:
-        return others + est.host.store_bytes * b / per_param
+        return others + est.host.store_bytes * b / now.per_param
 
-    def named(master: str, state: str, b: float) -> str:
-        keys = [f"optimizer.state_dtype: {state}"] if state != now[1] else []
-        keys += [f"optimizer.master_dtype: {master}"] if master != now[0] else []
-        return f"{' and '.join(keys)} ({b:.2f} B/param, predicted {gib(total(b))})"
+    def named(c: StoreChoice) -> str:
+        keys = " and ".join(c.keys(now))
+        return f"{keys} ({c.per_param:.2f} B/param, predicted {gib(total(c.per_param))})"
 
-    fitting = [c for c in smaller if total(c[2]) <= free]
+    fitting = [c for c in smaller if total(c.per_param) <= free]
     if fitting:
-        return [named(*fitting[0]) + ", the least compressed store that fits"], ""
-    return [], f" (the most compact store, {named(*smaller[-1])}, does not fit either)"
+        return [named(fitting[0]) + ", the least compressed store that fits"], ""
+    return [], f" (the most compact store, {named(smaller[-1])}, does not fit either)"
 
 
 def gpu_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:

@@ -10,6 +10,7 @@ import torch
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
 from megatrain.planning.spec import ModelSpec
+from megatrain.store.grads import pool_buffers
 from megatrain.store.master import weight_buffers
 from megatrain.store.memory import HUGE_PAGE_MIN_BYTES
 from megatrain.store.states import state_nbytes
@@ -50,6 +51,7 @@ def host_memory(
     pin_memory: bool = True,
     state_dtype: str = "fp32",
     master_dtype: str = "fp32",
+    grad_hold: str | None = None,
     gpu_state_blocks: int = 0,
     offload_bytes: int = 0,
     ranks: Ranks = ONE_PROCESS,
@@ -72,9 +74,12 @@ def host_memory(
         pageable = sum(state_nbytes(n, state_dtype) for n in numels)
         pinned_per_block = []
         for n in numels:  # master, streamed copy, gradient landing (store/master.py)
-            weights, pinned_buffers = weight_buffers(n, master_dtype, bf16_compute=bf16)
+            weights, pinned_buffers = weight_buffers(
+                n, master_dtype, bf16_compute=bf16, grad_hold=grad_hold
+            )
             pageable += weights
             pinned_per_block += pinned_buffers
+        pinned_per_block += pool_buffers(numels, grad_hold or "")  # shared landings
         pinned = sum(pinned_per_block)
         reserved = sum(pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
         return pageable, pinned, reserved

@@ -71,6 +71,7 @@ class RunShape:
     rank: int = 0  # this process's rank
     vision: VisionLoad = NO_VISION  # a vision-language run's (planning/setup.py)
     master_dtype: str = "fp32"  # master weights on the host: "fp32" or "bf16" (host memory)
+    grad_dtype: str = "bf16"  # a bf16 master's held gradients: "bf16" or "int8" (store/grads.py)
     rows_multiple: int = 1  # "auto" micro-batches hold a multiple of it (a preference pair: 2)
 
     @classmethod
@@ -98,6 +99,7 @@ class RunShape:
             check_gpu=p.is_cuda,
             state_dtype=cfg.optimizer.state_dtype,
             master_dtype=cfg.optimizer.master_dtype,
+            grad_dtype=cfg.optimizer.grad_dtype,
             gpu_state_blocks=mem.gpu_state_blocks,
             compiled=compiled,
             activation_offload=mem.activation_offload,
@@ -155,6 +157,7 @@ class RunShape:
             layout=self.layout,
             state_dtype=self.state_dtype,
             master_dtype=self.master_dtype,
+            grad_dtype=self.grad_dtype,
             pin_memory=self.pin_memory,
             ranks=self.ranks,
             vision=self.vision,

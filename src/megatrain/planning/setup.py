@@ -40,6 +40,7 @@ class Setup:
     layout: str = "padded"  # "padded" rows (masks), "packed" samples, "full" rows (no mask)
     state_dtype: str = "fp32"  # AdamW m and v on the host: choices.py STATE_DTYPES
     master_dtype: str = "fp32"  # master weights on the host: "fp32" or "bf16" (store/master.py)
+    grad_dtype: str = "bf16"  # a bf16 master's held gradients (store/grads.py)
     pin_memory: bool = True
     data_bytes: int = 0  # the tokenized data in host memory
     ranks: Ranks = ONE_PROCESS  # several: per-rank batch and GPU, per-node host

@@ -210,6 +210,8 @@ class RunBuilder(PlanBuilder):
             decay_1d=opt.decay_1d,
             state_dtype=state_dtype or opt.state_dtype,
             master_dtype=master_dtype or opt.master_dtype,
+            grad_dtype=opt.grad_dtype,
+            clipping=opt.clip_norm is not None,
             shard=shard,
             vision=vision,
         )

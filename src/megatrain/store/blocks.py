@@ -19,7 +19,9 @@ Host buffers per block:
             instead (the weights are not needed then); the update reads the gradient and writes
             the new weights into the same place. So gradients need no host memory of their own.
 - `grad`    fp32 gradient, only in fp32 compute (where there is no bf16 shadow to reuse), or the
-            bf16 gradient landing of a bf16 master (whose streamed copy holds the weights).
+            gradient landing of a bf16 master (whose streamed copy holds the weights): bf16, or
+            int8 codes with `grad_unit`, or with clipping off one of the store's shared landings
+            (`grad_pool`) from the block's backward to its update (store/grads.py).
 
 A block of the GPU tier (`to_device`) holds all of these on the compute device instead, for the
 whole run: fp32 master, m, v, an fp32 gradient, and (bf16 compute) the shadow as the layer's
@@ -73,6 +75,8 @@ class ParamBlock:
     state_dtype: str = "fp32"  # layout of exp_avg / exp_avg_sq: store/states.py STATE_DTYPES
     exp_avg_scale: torch.Tensor | None = field(default=None, repr=False)  # int8, int4
     exp_avg_sq_scale: torch.Tensor | None = field(default=None, repr=False)  # int8, int4
+    grad_unit: torch.Tensor | None = field(default=None, repr=False)  # an int8 gradient's units
+    grad_pool: Any = field(default=None, repr=False)  # store/grads.py LandingPool, clipping off
 
     @classmethod
     def with_states(
@@ -112,8 +116,21 @@ class ParamBlock:
         """Where this block's gradient is copied to from the device (see module docstring)."""
         if self.grad is not None:
             return self.grad
-        assert self.shadow is not None
+        assert self.shadow is not None, f"{self.name}: no gradient landing taken"
         return self.shadow
+
+    def take_landing(self) -> None:
+        """Clipping off, bf16 master: take a shared landing for this step's gradient (waits
+        for a free one)."""
+        if self.grad_pool is not None:
+            assert self.grad is None, f"{self.name}: landing already taken"
+            self.grad = self.grad_pool.take(self.numel)
+
+    def release_landing(self) -> None:
+        """After the update: give a shared landing back."""
+        if self.grad_pool is not None and self.grad is not None:
+            self.grad_pool.give(self.grad)
+            self.grad = None
 
     def view(self, flat: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
         return flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
@@ -132,7 +149,8 @@ class ParamBlock:
 
     def host_bytes(self) -> int:
         total = 0
-        for t in (self.master, *self.state_tensors().values(), self.shadow, self.grad):
+        own = None if self.grad_pool is not None else self.grad  # a shared landing: the pool's
+        for t in (self.master, *self.state_tensors().values(), self.shadow, own, self.grad_unit):
             if t is not None and t.device.type == "cpu":
                 total += t.numel() * t.element_size()
         return total

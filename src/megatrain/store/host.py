@@ -21,7 +21,8 @@ from transformers import PreTrainedModel
 from megatrain.model.multimodal import unused_vision_params
 from megatrain.model.structure import ModelStructure
 from megatrain.store.blocks import ParamBlock, ParamEntry
-from megatrain.store.master import bf16_master_of, check_master_dtype, gradient_landing
+from megatrain.store.grads import LandingPool, allocate_hold, gradient_hold, pool_buffers
+from megatrain.store.master import bf16_master_of, check_master_dtype
 from megatrain.store.memory import host_zeros
 from megatrain.store.states import check_state_dtype
 
@@ -40,7 +41,8 @@ class HostStore:
     `state_dtype` (choices.py STATE_DTYPES; store/states.py) is the layout of every block's
     AdamW m and v; `master_dtype` ("fp32", "bf16"; store/master.py) that of its master: a bf16
     master is pinned and is itself the copy the device streams (no shadow), and the gradient
-    lands in a bf16 buffer of its own (`ParamBlock.grad`).
+    lands in a buffer of its own (`ParamBlock.grad`): bf16 or int8 per `grad_dtype` with
+    `clipping`, one of a few shared landings without (store/grads.py `gradient_hold`).
     """
 
     def __init__(
@@ -53,6 +55,8 @@ class HostStore:
         decay_1d: bool = False,
         state_dtype: str = "fp32",
         master_dtype: str = "fp32",
+        grad_dtype: str = "bf16",
+        clipping: bool = True,
         shard: Callable[..., ParamBlock] | None = None,
         vision: dict[str, nn.Module] | None = None,
     ) -> None:
@@ -78,6 +82,12 @@ class HostStore:
         self.pin_memory = pin_memory
         self.state_dtype = state_dtype
         self.master_dtype = master_dtype
+        self.grad_hold = gradient_hold(
+            master_dtype,
+            grad_dtype,
+            clipping=clipping,
+            bf16_compute=compute_dtype == torch.bfloat16,
+        )
         self._patterns = [re.compile(p, re.IGNORECASE) for p in no_decay]
         self._decay_1d = decay_1d
         self._shard = shard
@@ -106,6 +116,11 @@ class HostStore:
                 ("lm_head", structure.lm_head, prefix["lm_head"]),
             ],
         )
+        self.grad_pool: LandingPool | None = None
+        if pool_buffers([b.numel for b in self.blocks], self.grad_hold):
+            self.grad_pool = LandingPool(max(b.numel for b in self.blocks), pin=pin_memory)
+            for block in self.blocks:
+                block.grad_pool = self.grad_pool
 
     @property
     def blocks(self) -> list[ParamBlock]:
@@ -118,7 +133,8 @@ class HostStore:
         return sum(b.numel for b in self.blocks)
 
     def host_bytes(self) -> int:
-        return sum(b.host_bytes() for b in self.blocks)
+        pool = self.grad_pool.buffers() if self.grad_pool is not None else []
+        return sum(b.host_bytes() for b in self.blocks) + sum(2 * t.numel() for t in pool)
 
     def _build(
         self, name: str, roots: list[tuple[str, nn.Module, str]], skip: set[int] | None = None
@@ -162,6 +178,7 @@ class HostStore:
                 state_dtype=self.state_dtype,
                 master_dtype=self.master_dtype,
                 bf16=self.compute_dtype == torch.bfloat16,
+                grad_hold=self.grad_hold,
             )
         bf16_master = self.master_dtype == "bf16"
         block = ParamBlock.with_states(
@@ -173,7 +190,8 @@ class HostStore:
             state_dtype=self.state_dtype,
         )
         if bf16_master:  # the master is the streamed copy; the gradient lands beside it
-            block.grad = gradient_landing(offset, pin=self.pin_memory)
+            for key, tensor in allocate_hold(offset, self.grad_hold, pin=self.pin_memory).items():
+                setattr(block, key, tensor)
         elif self.compute_dtype == torch.bfloat16:
             block.shadow = host_zeros(offset, torch.bfloat16, pin=self.pin_memory)
             block.refresh_shadow()

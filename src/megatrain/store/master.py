@@ -28,6 +28,7 @@ import torch
 
 from megatrain.choices import MASTER_DTYPES
 from megatrain.store.blocks import to_bf16_
+from megatrain.store.grads import hold_buffers
 from megatrain.store.memory import host_zeros
 
 MASTER_KEY = "p"
@@ -48,21 +49,31 @@ def master_bytes_per_param(master_dtype: str) -> int:
     return 4 if master_dtype == "fp32" else 2
 
 
-def weight_buffers(numel: int, master_dtype: str, *, bf16_compute: bool) -> tuple[int, list[int]]:
-    """(pageable bytes, pinned buffers' bytes) of a block's master, streamed copy and gradient
-    landing on the host (see the module docstring); what HostStore allocates."""
+def weight_buffers(
+    numel: int, master_dtype: str, *, bf16_compute: bool, grad_hold: str | None = None
+) -> tuple[int, list[int]]:
+    """(pageable bytes, pinned buffers' bytes) of a block's master, streamed copy and own
+    gradient landing on the host (see the module docstring; `grad_hold`: store/grads.py, by
+    default a bf16 master's bf16 landing); what HostStore allocates. A pool of shared landings
+    is the store's, not the block's (store/grads.py pool_buffers)."""
     check_master_dtype(master_dtype)
     if not bf16_compute:  # the fp32 master is the streamed copy, an fp32 gradient lands
         assert master_dtype == "fp32", "a bf16 master needs bf16 compute"
-        return 0, [4 * numel, 4 * numel]
-    if master_dtype == "fp32":  # master pageable, the bf16 shadow pinned
+        return 0, [4 * numel, *hold_buffers(numel, "fp32")]
+    if master_dtype == "fp32":  # master pageable, the bf16 shadow pinned (the landing too)
         return 4 * numel, [2 * numel]
-    return 0, [2 * numel, 2 * numel]  # the bf16 master, the bf16 gradient landing
+    return 0, [2 * numel, *hold_buffers(numel, grad_hold or "bf16")]  # the bf16 master
 
 
-def weight_bytes_per_param(master_dtype: str, *, bf16_compute: bool = True) -> int:
-    pageable, pinned = weight_buffers(1, master_dtype, bf16_compute=bf16_compute)
-    return pageable + sum(pinned)
+def weight_bytes_per_param(
+    master_dtype: str, *, bf16_compute: bool = True, grad_hold: str | None = None
+) -> float:
+    """Bytes per parameter of weights and gradient landing, amortised over a large block."""
+    n = 1 << 20
+    pageable, pinned = weight_buffers(
+        n, master_dtype, bf16_compute=bf16_compute, grad_hold=grad_hold
+    )
+    return (pageable + sum(pinned)) / n
 
 
 def bf16_master_of(master: torch.Tensor, *, pin: bool) -> torch.Tensor:
@@ -70,8 +81,3 @@ def bf16_master_of(master: torch.Tensor, *, pin: bool) -> torch.Tensor:
     out = host_zeros(master.numel(), torch.bfloat16, pin=pin)
     to_bf16_(out, master)
     return out
-
-
-def gradient_landing(numel: int, *, pin: bool) -> torch.Tensor:
-    """A bf16 master's gradient buffer: the device's bf16 gradient lands here (pinned)."""
-    return host_zeros(numel, torch.bfloat16, pin=pin)

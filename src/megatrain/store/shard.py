@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.store.blocks import ParamBlock, ParamEntry
+from megatrain.store.grads import allocate_hold
 from megatrain.store.host import HostStore
-from megatrain.store.master import bf16_master_of, gradient_landing
+from megatrain.store.master import bf16_master_of
 from megatrain.store.memory import host_zeros
 from megatrain.store.states import QUANT_BLOCK
 
@@ -76,12 +77,14 @@ def shard_master(
     world: int,
     pin_memory: bool,
     master_dtype: str = "fp32",
+    grad_hold: str = "bf16",
 ) -> ShardedBlock:
     """Rank `rank`'s shard of a fresh block given by its whole fp32 `master`: the shard's
     master, zero AdamW states and its bf16 shadow (`bf16` compute) or fp32 gradient landing, in
     new host tensors, so `master` can be freed afterwards. The whole block's states and shadow
     are never made (HostStore under ranks builds only its master). A bf16 `master_dtype`: the
-    shard's master is bf16 (the streamed copy) with a bf16 gradient landing (store/master.py)."""
+    shard's master is bf16 (the streamed copy) with a gradient landing per `grad_hold`
+    (store/grads.py: the shard's own bf16 or int8 landing, or none when a pool serves it)."""
     numel = master.numel()
     padded, start, n = shard_range(numel, rank, world)
     lo, hi = min(start, numel), min(start + n, numel)
@@ -101,7 +104,8 @@ def shard_master(
         full_numel=numel,
     )
     if master_dtype == "bf16":
-        sharded.grad = gradient_landing(n, pin=pin_memory)
+        for key, tensor in allocate_hold(n, grad_hold, pin=pin_memory).items():
+            setattr(sharded, key, tensor)
     elif bf16:
         sharded.shadow = host_zeros(n, torch.bfloat16, pin=pin_memory)
         sharded.refresh_shadow()
