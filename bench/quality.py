@@ -1,7 +1,7 @@
 """Loss curves per optimizer state dtype (issue 13): the same fine-tuning run with fp32, bf16 and
 int8 AdamW states, side by side.
 
-    python bench/quality.py --out /tmp/quality [--steps 300] [--dtypes fp32,bf16,int8]
+    python bench/quality.py --out /tmp/quality [--steps 300] [--dtypes fp32,bf16,int8] [--gpus 4]
 
 The job: a ~1.04B-parameter Llama-architecture model (hidden 2048, MLP 5632, 23 layers, 16/4
 heads, the built-in 512-token demo tokenizer), random init, SFT on a scaled-up demo data set
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -59,7 +60,22 @@ def write_data(folder: Path, conversations: int, seed: int) -> None:
     (folder / "dataset_info.json").write_text(json.dumps({"quality": info}, indent=1))
 
 
-def overrides(out: Path, data: Path, steps: int, state_dtype: str, smoke: bool) -> list[str]:
+BF16_MASTER_INT4 = ["--optimizer.master_dtype", "bf16", "--optimizer.state_dtype", "int4"]
+RUNS = {
+    "fp32": [],
+    "fp32_seed1": ["--training.seed", "1"],  # the noise floor: another init and data order
+    "bf16": ["--optimizer.state_dtype", "bf16"],
+    "int8": ["--optimizer.state_dtype", "int8"],
+    "int4": ["--optimizer.state_dtype", "int4"],
+    "bf16m_int4": BF16_MASTER_INT4,
+    "bf16m_int4_int8g": [*BF16_MASTER_INT4, "--optimizer.grad_dtype", "int8"],
+    "bf16m_int4_noclip": [*BF16_MASTER_INT4, "--optimizer.max_grad_norm", "0"],
+}
+"""The runs --dtypes names: optimizer settings on top of the job (issue 41's combinations:
+bf16 master + int4 states with int8 held gradients and clipping, and without clipping)."""
+
+
+def overrides(out: Path, data: Path, steps: int, run: str, smoke: bool) -> list[str]:
     model = [] if smoke else [f"--model.config_overrides.{k}={v}" for k, v in MODEL.items()]
     return [
         *model,
@@ -68,11 +84,12 @@ def overrides(out: Path, data: Path, steps: int, state_dtype: str, smoke: bool) 
         *("--data.cutoff_len", "1024", "--data.val_size", "0.02"),
         *("--training.output_dir", str(out), "--training.max_steps", str(steps)),
         *("--training.micro_batch_size", "8", "--training.eval_every", "50"),
-        *("--optimizer.learning_rate", "3e-4", "--optimizer.state_dtype", state_dtype),
+        *("--optimizer.learning_rate", "3e-4"),
         *("--optimizer.max_grad_norm", "1.0", "--memory.gpu_state_blocks", "0"),
         *("--logging.progress_bar", "false", "--logging.report_to", "none"),
         *("--logging.log_every", "25", "--checkpoint.export_dtype", "bf16"),
         *("--checkpoint.save_final", "false"),
+        *RUNS[run],  # last: wins over the job's own keys (max_grad_norm)
     ]
 
 
@@ -101,39 +118,56 @@ def main() -> int:
     ap.add_argument("--data", type=Path, default=Path("/tmp/megatrain_quality_data"))
     ap.add_argument("--device", default="", help="training.device (default: the config's)")
     ap.add_argument("--smoke", action="store_true", help="the demo's tiny model (a CPU check)")
+    ap.add_argument(
+        "--gpus", type=int, default=1, help="runs at once, run i on GPU i %% gpus (its own cores)"
+    )
     a = ap.parse_args()
     data = a.data
     a.out.mkdir(parents=True, exist_ok=True)
     write_data(data, a.conversations, a.seed)
     curves: dict[str, dict[int, float]] = {}
-    for dtype in a.dtypes.split(","):
-        out = a.out / dtype
-        argv = [sys.executable, "-m", "megatrain", "train", "--config", str(DEMO_YAML)]
-        argv += overrides(out, data, a.steps, dtype, a.smoke)
-        if a.device:
-            argv += ["--training.device", a.device]
-        t0 = time.perf_counter()
-        with open(a.out / f"{dtype}.log", "w") as log:
-            rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
-        wall = time.perf_counter() - t0
-        if not (out / "metrics.jsonl").exists():
-            print(f"{dtype}: no metrics (rc {rc}); see {a.out / f'{dtype}.log'}", flush=True)
-            continue
-        losses, evals, step_s = read_metrics(out)
-        curves[dtype] = losses
-        last = [losses[s] for s in sorted(losses)[-20:]]
-        step_s.sort()
-        result(
-            bench="quality",
-            state_dtype=dtype,
-            rc=rc,
-            steps=len(losses),
-            wall_s=round(wall, 1),
-            median_step_s=round(step_s[len(step_s) // 2], 3) if step_s else None,
-            first_loss=round(losses[min(losses)], 4),
-            last20_loss=round(sum(last) / len(last), 4),
-            eval_loss={s: round(v, 4) for s, v in sorted(evals.items())},
-        )
+    runs = a.dtypes.split(",")
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        raise SystemExit(f"--dtypes: unknown run(s) {unknown}; choose from {', '.join(RUNS)}")
+    cores = max(1, (os.cpu_count() or 2) // a.gpus)
+    for wave in range(0, len(runs), a.gpus):
+        started = []
+        for i, run in enumerate(runs[wave : wave + a.gpus]):
+            out = a.out / run
+            argv = [sys.executable, "-m", "megatrain", "train", "--config", str(DEMO_YAML)]
+            argv += overrides(out, data, a.steps, run, a.smoke)
+            if a.device:
+                argv += ["--training.device", a.device]
+            env = dict(os.environ)
+            if a.gpus > 1:
+                env["CUDA_VISIBLE_DEVICES"] = str(i)
+                argv += ["--optimizer.threads", str(max(1, cores - 2))]
+            log = open(a.out / f"{run}.log", "w")  # noqa: SIM115 (closed below)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            started.append((run, out, proc, log, time.perf_counter()))
+        for run, out, proc, log, t0 in started:
+            rc = proc.wait()
+            log.close()
+            wall = time.perf_counter() - t0
+            if not (out / "metrics.jsonl").exists():
+                print(f"{run}: no metrics (rc {rc}); see {a.out / f'{run}.log'}", flush=True)
+                continue
+            losses, evals, step_s = read_metrics(out)
+            curves[run] = losses
+            last = [losses[s] for s in sorted(losses)[-20:]]
+            step_s.sort()
+            result(
+                bench="quality",
+                state_dtype=run,
+                rc=rc,
+                steps=len(losses),
+                wall_s=round(wall, 1),
+                median_step_s=round(step_s[len(step_s) // 2], 3) if step_s else None,
+                first_loss=round(losses[min(losses)], 4),
+                last20_loss=round(sum(last) / len(last), 4),
+                eval_loss={s: round(v, 4) for s, v in sorted(evals.items())},
+            )
     steps = sorted(set().union(*(c.keys() for c in curves.values()))) if curves else []
     with open(a.out / "curves.csv", "w") as f:
         f.write(",".join(["step", *curves]) + "\n")

@@ -8,6 +8,7 @@ from megatrain.planning.disk import checkpoint_bytes_per_param
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB
 from megatrain.planning.optimizer_rate import optimizer_gparams_s
+from megatrain.store.grads import gradient_hold
 
 _W = 44  # label column
 
@@ -54,17 +55,25 @@ def _setup_lines(est: Estimate) -> list[str]:
     ]
 
 
-# (compute dtype, master dtype) -> what the store's pageable and pinned bytes are
+# the store's gradient hold (store/grads.py) -> what its pageable and pinned bytes are
 _STORE_PARTS = {
-    ("bf16", "fp32"): ("fp32 master + Adam m, v", "bf16 shadow = gradient landing"),
-    ("bf16", "bf16"): ("Adam m, v", "bf16 master + bf16 gradient landing"),
-    ("fp32", "fp32"): ("Adam m, v", "fp32 master + gradient"),
+    "shadow": ("fp32 master + Adam m, v", "bf16 shadow = gradient landing"),
+    "bf16": ("Adam m, v", "bf16 master + bf16 gradient landing"),
+    "int8": ("Adam m, v", "bf16 master + int8 gradient landing"),
+    "pool": ("Adam m, v", "bf16 master + shared bf16 gradient landings"),
+    "fp32": ("Adam m, v", "fp32 master + gradient"),
 }
 
 
 def _host_lines(est: Estimate) -> list[str]:
-    hw, h = est.hardware, est.host
-    pageable, pinned = _STORE_PARTS[est.settings["compute_dtype"], est.settings["master_dtype"]]
+    hw, h, s = est.hardware, est.host, est.settings
+    hold = gradient_hold(
+        s["master_dtype"],
+        s.get("grad_dtype", "bf16"),
+        clipping=s["clipping"],
+        bf16_compute=s["compute_dtype"] == "bf16",
+    )
+    pageable, pinned = _STORE_PARTS[hold]
     return [
         f"{'host RAM':<{_W + 2}}{'GiB':>10}",
         _row(f"pageable ({pageable})", _gib(h.pageable_bytes)),
