@@ -85,6 +85,12 @@ _COMPILED_8B = (*_DENSE, "--rows", "32", "--micro", "8", "--steps", "5", "--")
 _COMPILED_8B += ("--training.compile_layers", "true")
 _INT8_14B = ("--preset", "qwen2.5-14b", "--rows", "4", "--micro", "4", "--steps", "5")
 _INT8_14B += ("--timeout", "320", "--", *_INT8)
+# issue 41: the most compact store (bf16 master, int4 states, int8 held gradients, clipping on)
+_COMPACT = ("--optimizer.master_dtype", "bf16", "--optimizer.state_dtype", "int4")
+_COMPACT += ("--optimizer.grad_dtype", "int8")
+_OSS_120B = ("--preset", "gpt-oss-120b", "--rows", "4", "--micro", "4", "--steps", "4")
+_OSS_120B += ("--warmup", "1", "--timeout", "1700", "--", *_COMPACT)
+_QUALITY = "fp32,fp32_seed1,bf16m_int4_int8g,bf16m_int4_noclip"
 _INT8_56B = ("--preset", "qwen2.5-72b", "--layers", "62", "--rows", "4", "--micro", "4")
 _INT8_56B += ("--steps", "4", "--warmup", "1", "--timeout", "550", "--", *_INT8)
 _FULL512K = ("--steps", "1", "--warmup", "0", "--timeout", "1680")  # one step, none to warm up
@@ -540,6 +546,21 @@ SCENARIOS: dict[str, Scenario] = {
         "on, host RSS against 8 B/param",
         (_cli("int8_56b", *_INT8_56B),),
         timeout_s=560,
+    ),
+    "capacity_120b": Scenario(
+        "issue 41: GPT-OSS-120B's shape whole (116.8B, random init) on one H100 of the 503 GiB "
+        "host, bf16 master + int4 states + int8 held gradients (4.06 B/param), clipping on, 8k "
+        "tokens/step, 3 steps after a warm-up; host RSS and the node's peak against the plan "
+        "(longer than one device command: start it in the background)",
+        (_cli("oss120b", *_OSS_120B),),
+        timeout_s=1750,
+    ),
+    "quality_compact": Scenario(
+        "issue 41: bench/quality.py's 1.04B job, fp32 with two seeds (the noise floor), bf16 "
+        "master + int4 states with int8 held gradients and clipping, and without clipping; "
+        "the four at once on four GPUs",
+        ((PY, "bench/quality.py", "--out", "$OUT/quality", "--gpus", "4", "--dtypes", _QUALITY),),
+        timeout_s=580,
     ),
     "user_dense": Scenario(
         "issue 22's rows as users run them (megatrain train, a config file, defaults, 10 "
