@@ -9,7 +9,8 @@
    differently can be compared after the rollout. Everything else is the production code.
 2. After each generation batch, every rank writes what it trains on to
    ROWS_DIR/batch-<index>-rank<rank>.json: per sequence, its tokens (prompt + completion) and,
-   on its completion tokens, the advantage and the loss weight of each.
+   on its completion tokens, the advantage, the loss weight and (grpo.beta > 0) the reference's
+   log-prob of each.
 """
 
 from __future__ import annotations
@@ -55,13 +56,11 @@ def recorded(self: recipe.GRPOTrainer, index: int) -> Any:
         for r in range(batch.input_ids.shape[0]):
             ids = batch.input_ids[r][batch.attention_mask[r] == 1]
             mine = batch.labels[r] != IGNORE_INDEX
-            rows.append(
-                {
-                    "tokens": ids.tolist(),
-                    "advantages": inputs["advantages"][r][mine].tolist(),
-                    "weights": inputs["weights"][r][mine].tolist(),
-                }
-            )
+            row = {"tokens": ids.tolist()}
+            for name in ("advantages", "weights", "ref_logps"):
+                if name in inputs:
+                    row[name] = inputs[name][r][mine].tolist()
+            rows.append(row)
     (ROWS_DIR / f"batch-{index}-rank{RANK}.json").write_text(json.dumps(rows))
     return gen
 

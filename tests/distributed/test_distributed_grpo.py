@@ -48,7 +48,7 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "grpo_demo.yaml"
 ENTRY = Path(__file__).resolve().parent / "grpo_groups.py"
-GROUP, LR, CLIP, K, STEPS = 3, 1e-2, 1.0, 128, 2
+GROUP, LR, CLIP, K, STEPS, BETA = 3, 1e-2, 1.0, 128, 2, 0.5
 U = 2.0**-24
 RTOL = 5 * K * U
 WEIGHT_ATOL = STEPS * LR * 2 * CLIP * (5 * K * U + 4 * U)
@@ -65,6 +65,7 @@ COMMON = [
     "--optimizer.eps", "1.0", "--training.max_steps", str(STEPS),
     "--checkpoint.save_every", "1", "--checkpoint.keep_last", "2",
     "--checkpoint.export_hf", "true", "--checkpoint.export_dtype", "fp32",
+    "--grpo.beta", str(BETA),
     "--logging.progress_bar", "false", "--logging.report_to", "none", "--logging.log_every", "1",
 ]  # fmt: skip
 
@@ -100,7 +101,15 @@ def _rows(out: Path, batch: int) -> list[dict]:
     rows = []
     for file in sorted(_rows_dir(out).glob(f"batch-{batch}-rank*.json")):
         rows += json.loads(file.read_text())
-    return sorted(rows, key=lambda r: json.dumps(r, sort_keys=True))
+    return sorted(rows, key=lambda r: json.dumps([r["tokens"], r["advantages"], r["weights"]]))
+
+
+def _split(rows: list[dict]) -> tuple[list[dict], torch.Tensor]:
+    """(the rows without their reference log-probs, those log-probs flat, float64)."""
+    logps = [x for r in rows for x in r["ref_logps"]]
+    return [{k: v for k, v in r.items() if k != "ref_logps"} for r in rows], torch.tensor(
+        logps, dtype=torch.float64
+    )
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +131,25 @@ def test_two_ranks_match_one_process(runs: tuple[Path, Path, Path]) -> None:
         files = list(_rows_dir(two).glob(f"batch-{batch}-rank*.json"))
         mine = [json.loads(f.read_text()) for f in files]
         assert [len(m) for m in mine] == [2 * GROUP, 2 * GROUP]  # 2 prompts' groups each
-        rows, ref = _rows(two, batch), _rows(one, batch)
+        (rows, logps), (ref, ref_logps) = _split(_rows(two, batch)), _split(_rows(one, batch))
         assert rows == ref  # the same sequences, advantages and token weights, bit for bit
         assert sum(w for r in ref for w in r["weights"]) == pytest.approx(1.0)  # dapo's mean
         assert any(a != 0.0 for r in ref for a in r["advantages"])  # a learning signal
+        # the reference pass on the ranks' all-gathered reference shards
+        torch.testing.assert_close(logps, ref_logps, rtol=RTOL, atol=0.0)
     exact = ["reward", "reward_std", f"rewards/{reward}:short/mean", "std_zero_share", "lr"]
     exact += ["completion_length", "completion_length_max", "clipped_share", "target_tokens"]
     assert [[r[k] for k in exact] for r in train] == [[r[k] for k in exact] for r in alone]
     assert all(r["clip_coef"] < 1.0 for r in alone)  # clipping was active
+    assert alone[0]["kl"] < 1e-9 < alone[1]["kl"]  # step 1 trains the reference weights
     for step, (r2, r1) in enumerate(zip(train, alone, strict=True)):
-        pairs = [zip(r["weights"], r["advantages"], strict=True) for r in _rows(one, step)]
+        rows, logps = _split(_rows(one, step))
+        pairs = [zip(r["weights"], r["advantages"], strict=True) for r in rows]
         terms = [abs(w * a) for pair in pairs for w, a in pair]
-        assert r2["loss"] == pytest.approx(r1["loss"], rel=0, abs=len(terms) * U * sum(terms))
+        kl_bound = (2 * r1["kl"]) ** 0.5 * 2 * RTOL * float(logps.abs().max())
+        assert r2["kl"] == pytest.approx(r1["kl"], rel=0, abs=kl_bound)
+        loss_bound = len(terms) * U * sum(terms) + BETA * kl_bound
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=0, abs=loss_bound)
         assert r2["entropy"] == pytest.approx(r1["entropy"], rel=RTOL, abs=0)
         assert r2["grad_norm"] == pytest.approx(r1["grad_norm"], rel=RTOL, abs=0)
     w2 = load_file(str(two / "hf_model" / "model.safetensors"))

@@ -186,8 +186,8 @@ class GRPOTrainer(Recipe):
         if self.reference is not None:  # the reference is the run's initial weights
             self.reference.load(path)
 
-    def write_checkpoint_files(self, folder: Path) -> None:
-        if self.reference is not None:
+    def write_rank_files(self, folder: Path) -> None:
+        if self.reference is not None:  # under several ranks, each rank's part
             self.reference.save(folder)
 
     def extra_checkpoint_bytes(self) -> int:
