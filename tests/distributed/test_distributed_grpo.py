@@ -29,7 +29,8 @@ n u sum_t |w_t A_t| for n summed tokens. A rank that skipped a reduction or norm
 own tokens would be off by ~lr x |g| ~ 1e-2 in the weights, far outside.
 
 Resume: the 2-rank run resumed from its step-1 checkpoint repeats step 2 bit for bit (each
-rank's sampling seed is a function of the batch and the rank alone).
+rank's sampling seed is a function of the batch and the rank alone; each rank reloads its own
+part of the KL reference).
 """
 
 from __future__ import annotations
@@ -166,6 +167,15 @@ def test_resume_under_two_ranks_is_exact(runs: tuple[Path, Path, Path], tmp_path
     two, _, reward = runs
     resumed = tmp_path / "resumed"
     step1 = two / "checkpoints" / "step-00000001"
+    # each rank's part of the KL reference: the copies of its own shards
+    parts = sorted(step1.glob("reference.rank*.safetensors"))
+    assert [f.name for f in parts] == [f"reference.rank00{r}-of-002.safetensors" for r in (0, 1)]
+    for r, part in enumerate(parts):
+        for name, copy in load_file(str(part)).items():
+            block = load_file(str(step1 / "blocks" / f"{name}.rank00{r}-of-002.safetensors"))
+            assert copy.shape == block["master"].shape  # fp32 compute: the master is copied
+    first, second = (load_file(str(f))["layer.0"] for f in parts)
+    assert not torch.equal(first, second)
     shutil.copytree(step1, resumed / "checkpoints" / step1.name)  # as if stopped after step 1
     _run(resumed, 2, reward, "--checkpoint.resume_from", "auto")
     keys = ["loss", "reward", "entropy", "grad_norm", "completion_length", "kl"]

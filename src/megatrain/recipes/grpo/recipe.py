@@ -50,6 +50,7 @@ from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.advantages import group_advantages
 from megatrain.recipes.grpo.decode import static_generate
 from megatrain.recipes.grpo.loss import GRPOLoss, token_weights, weight_totals
+from megatrain.recipes.grpo.phase_memory import PhasePeak
 from megatrain.recipes.grpo.plan import (
     GRPOPlan,
     decode_mode,
@@ -75,29 +76,7 @@ from megatrain.recipes.grpo.sequences import (
     sequence_batches,
 )
 from megatrain.recipes.records import report_plan, step_record
-
-
-class _PhasePeak:
-    """One phase's GPU memory on CUDA: what was allocated as it began, and the most allocated
-    from then until `record`."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device if device.type == "cuda" else None
-        self.start = 0
-        if self.device is not None:
-            self.start = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def record(self, phase: str) -> dict[str, float]:
-        """The phase's metrics, `gpu_start_gib/<phase>` and `gpu_peak_gib/<phase>` (none off
-        CUDA); before anything else resets the peak statistics (memory_record does)."""
-        if self.device is None:
-            return {}
-        peak = torch.cuda.max_memory_allocated(self.device)
-        return {
-            f"gpu_start_gib/{phase}": round(self.start / 2**30, 2),
-            f"gpu_peak_gib/{phase}": round(peak / 2**30, 2),
-        }
+from megatrain.store.shard import shard_range
 
 
 @dataclass
@@ -191,11 +170,15 @@ class GRPOTrainer(Recipe):
             self.reference.save(folder)
 
     def extra_checkpoint_bytes(self) -> int:
-        """The KL reference: a copy of what the engine streams, in the compute dtype."""
+        """The KL reference: a copy of what the engine streams, in the compute dtype (under
+        several ranks, every rank's shards, padded as store/shard.py pads them)."""
         if self.cfg.grpo.beta <= 0:
             return 0
-        spec = self.builder.spec
-        return spec.total_params * spec.compute_dtype.itemsize
+        spec, world = self.builder.spec, self.builder.placement.world_size
+        blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
+        if world > 1:
+            blocks = [shard_range(n, 0, world)[0] for n in blocks]
+        return sum(blocks) * spec.compute_dtype.itemsize
 
     def batch_prompts(self, index: int) -> list[Prompt]:
         """Generation batch `index`: the next prompts of a seeded permutation per epoch."""
@@ -243,7 +226,7 @@ class GRPOTrainer(Recipe):
         )
         batches, inputs = self._layout(prompts, rollout.completions, adv.advantages[mine])
         t1 = time.perf_counter()
-        peak = _PhasePeak(self.builder.device)
+        peak = PhasePeak(self.builder.device)
         self._add_logprobs(batches, inputs)
         logprob_memory = peak.record("logprob") if self._logprob_passes else {}
         total = torch.tensor(adv.rewards)
@@ -301,7 +284,7 @@ class GRPOTrainer(Recipe):
         t0 = time.perf_counter()
         self.engine.wait_updates()  # the store holds the current weights
         streamed = self._streamed_generation()
-        peak = _PhasePeak(b.device)
+        peak = PhasePeak(b.device)
         with device_model(
             self.structure,
             self.store,
@@ -403,7 +386,7 @@ class GRPOTrainer(Recipe):
             use_old=g.num_iterations > 1,
         )
         t0 = time.perf_counter()
-        peak = _PhasePeak(self.builder.device)
+        peak = PhasePeak(self.builder.device)
         objective = TokenObjective(fn, gen.inputs, temperature=g.temperature)
         result = self.optimizer_step(  # out of GPU memory: a smaller plan (recipes/oom.py)
             lambda engine: engine.train_step(gen.batches, lr=lr, objective=objective), metrics
