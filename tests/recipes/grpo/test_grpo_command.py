@@ -84,8 +84,8 @@ def test_uneven_ranks_and_bad_rewards_stop_with_one_clear_error(
     other = tmp_path / "other"
     assert main([*args, "--grpo.prompts_per_step", "3", "--training.output_dir", str(other)]) == 2
     err = capsys.readouterr().err
-    assert "grpo.prompts_per_step=3 prompts per generation batch do not split over the 2 " in err
-    assert "set grpo.prompts_per_step to a multiple of 2 (e.g. 4), or start 1 or 3 " in err
+    assert "grpo.prompts_per_step=3 prompts per generation batch do not split over 2 " in err
+    assert "set grpo.prompts_per_step to a multiple of 2 (e.g. 4), or run 1 or 3 processes" in err
     assert err.count("\n") == 1 and "Traceback" not in err  # one paragraph
     assert not other.exists()
 

@@ -36,11 +36,11 @@ def check_world(prompts_per_step: int, world_size: int) -> None:
     larger = -(-prompts_per_step // world_size) * world_size
     raise ValueError(
         f"grpo.prompts_per_step={prompts_per_step} prompts per generation batch do not split "
-        f"over the {world_size} processes of this torchrun job: each rank samples and trains "
-        f"whole prompt groups (the grpo.num_generations completions of a prompt stay on one "
-        f"rank), the same number on every rank; set grpo.prompts_per_step to a multiple of "
-        f"{world_size} (e.g. {larger}), or start {' or '.join(map(str, fits))} processes "
-        "(torchrun --nproc-per-node x --nnodes)"
+        f"over {world_size} processes (torchrun's --nproc-per-node x --nnodes): each rank "
+        f"samples and trains whole prompt groups (the grpo.num_generations completions of a "
+        f"prompt stay on one rank), the same number on every rank; set grpo.prompts_per_step "
+        f"to a multiple of {world_size} (e.g. {larger}), or run "
+        f"{' or '.join(map(str, fits))} processes"
     )
 
 

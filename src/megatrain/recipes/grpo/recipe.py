@@ -358,7 +358,8 @@ class GRPOTrainer(Recipe):
                 f"a rank's GPU has too little free memory for the resident rollout now "
                 f"({plan.reason}) and streamed generation does not run under torchrun: lower "
                 "grpo.prompts_per_step, grpo.num_generations or grpo.max_completion_length, "
-                "or raise memory.gpu_margin_gib"
+                "or raise memory.gpu_margin_gib (the engine's plan then leaves more room), and "
+                "resume from the last checkpoint"
             )
         return plan.rollout.streamed
 
