@@ -60,9 +60,13 @@ class Checkpointer:
         *,
         run_id: str,
         write_extra: Callable[[Path], None] | None = None,
+        write_part_extra: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write checkpoint `step` of lineage `run_id` atomically (with several ranks, every
-        rank calls it) and prune the lineage to `keep_last`; returns its folder."""
+        rank calls it) and prune the lineage to `keep_last`; returns its folder. Into the
+        folder before the commit: `write_extra(folder)` writes rank 0's files (the run's own:
+        its config...), `write_part_extra(folder)` every rank's (its part of a recipe's state,
+        named by rank; in one process, that process's)."""
         if self.world_size > 1:
             return save_sharded_checkpoint(
                 self.output_dir,
@@ -73,7 +77,14 @@ class Checkpointer:
                 keep_last=self.keep_last,
                 run_id=run_id,
                 write_extra=write_extra,
+                write_part_extra=write_part_extra,
             )
+
+        def write_both(folder: Path) -> None:
+            for write in (write_part_extra, write_extra):
+                if write is not None:
+                    write(folder)
+
         return save_checkpoint(
             self.output_dir,
             step,
@@ -81,7 +92,7 @@ class Checkpointer:
             trainer_state,
             keep_last=self.keep_last,
             run_id=run_id,
-            write_extra=write_extra,
+            write_extra=write_both,
         )
 
     def checkpoints(self) -> list[Path]:

@@ -85,7 +85,8 @@ def save_checkpoint(
     run_id: str,
     write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint `step` of run lineage `run_id` atomically; returns its directory."""
+    """Write checkpoint `step` of run lineage `run_id` atomically; returns its directory.
+    `write_extra(folder)` adds the caller's files before the commit."""
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(root)

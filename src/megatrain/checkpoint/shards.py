@@ -1,7 +1,8 @@
 """Checkpoints of a sharded run: every rank writes its part, rank 0 commits once all are durable.
 
 1. rank 0 clears stale temporaries and creates `.step-<N>.tmp-ranks/blocks` (then a barrier);
-2. every rank writes its part of every block there, each file fsynced (checkpoint.write_blocks);
+2. every rank writes its part of every block there, each file fsynced (checkpoint.write_blocks),
+   and its own files of the recipe's (GRPO's part of the KL reference);
 3. a barrier that also carries failures: if any rank failed (disk full, I/O error), its error
    is raised on that rank, the others stop quietly, and nothing is committed;
 4. rank 0 writes trainer_state.json (with the world size) and config.yaml, renames the
@@ -45,8 +46,11 @@ def save_sharded_checkpoint(
     keep_last: int,
     run_id: str,
     write_extra: Callable[[Path], None] | None = None,
+    write_part_extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint `step` of lineage `run_id` from every rank; returns its directory."""
+    """Write checkpoint `step` of lineage `run_id` from every rank; returns its directory.
+    `write_extra(folder)` runs on rank 0 (its files: the config...), `write_part_extra(folder)`
+    on every rank (its own files beside its parts, step 2)."""
     root = checkpoints_dir(output_dir)
     final = root / step_dir(step)
     tmp = root / f".step-{step:08d}.tmp-ranks"
@@ -59,6 +63,8 @@ def save_sharded_checkpoint(
     def write_part() -> None:
         try:
             write_blocks(tmp, store)
+            if write_part_extra is not None:
+                write_part_extra(tmp)
         except BaseException as e:
             if is_disk_full(e):
                 needed = world_size * part_bytes(store)  # every rank's part is alike

@@ -136,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if args.grpo or cfg.data.stage in PREFERENCE_STAGES:  # megatrain grpo's and dpo's defaults
         cfg = _config(args, defaults=PLANNED_BATCH)
-    if args.grpo:  # the batch and rows megatrain grpo trains (and its engine runs)
-        cfg = training_config(cfg)
+    if args.grpo:  # the batch and rows megatrain grpo trains (and its engine runs), per rank
+        from megatrain.planning.ranks import Ranks
+
+        cfg = training_config(cfg, Ranks(args.nproc_per_node, args.nnodes).world)
     builder = _builder(cfg, args)
     if not 0.0 <= args.image_share <= 1.0:
         raise ValueError(f"--image-share {args.image_share}: give a share between 0 and 1")

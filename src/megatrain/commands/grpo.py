@@ -1,9 +1,11 @@
-"""`megatrain grpo --config FILE [--section.key VALUE ...]`: GRPO with verifiable rewards."""
+"""`megatrain grpo --config FILE [--section.key VALUE ...]`: GRPO with verifiable rewards.
+
+Under torchrun (`torchrun --nproc-per-node N -m megatrain grpo ...`) the ranks share each
+generation batch's prompts and train data-parallel (recipes/grpo/ranks.py, docs/grpo.md)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 
 from megatrain.commands.done_line import done_line
 from megatrain.config import load_config
@@ -23,14 +25,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ValueError(
-            f"megatrain grpo was started as {world} processes (torchrun, WORLD_SIZE={world}); "
-            "GRPO runs in one process on one GPU for now: start it without torchrun, "
-            "`megatrain grpo --config FILE`"
-        )
-
     # config errors before torch loads; the plan picks the micro-batch unless the file does
     cfg = load_config(args.config, args.overrides, base=PLANNED_BATCH)
     from megatrain.recipes.grpo.recipe import GRPOTrainer

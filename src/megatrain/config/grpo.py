@@ -25,7 +25,8 @@ class GRPOConfig:
     prompts_per_step: int = 2
     """Prompts per generation batch; each optimizer step trains on their num_generations
     completions each, in micro-batches of training.micro_batch_size rows ("auto", the default
-    of megatrain grpo: the plan's, a divisor of prompts_per_step x num_generations)."""
+    of megatrain grpo: the plan's, a divisor of prompts_per_step x num_generations). Under
+    torchrun a multiple of the number of processes: each rank takes its share of the prompts."""
     max_prompt_length: int | None = 512
     """Prompt tokens kept after the chat template (the last ones: left truncation); None: all."""
     max_completion_length: int = 256

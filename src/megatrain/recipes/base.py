@@ -32,13 +32,15 @@ checkpoint and the resume flag.
 
 Checkpoints (checkpoint/checkpointer.py): trainer_state.json holds the step, run id,
 total_steps and the CPU threads the run computed with, plus `checkpoint_state()` (hook); the
-folder holds config.yaml plus what `write_checkpoint_files(folder)` (hook) writes.
+folder holds config.yaml plus what `write_checkpoint_files(folder)` (hook, rank 0) and
+`write_rank_files(folder)` (hook, every rank: its part of a sharded state) write.
 
 Hooks a recipe overrides (defaults in brackets): prepare_config [as is], build_data, plan_run
 [the builder's plan], report_plan [print it], build_parts [nothing], count_steps, advance,
 finish [nothing], load_state [nothing], checkpoint_state [{}], write_checkpoint_files
-[nothing], extra_checkpoint_bytes [0]; `loss_name` and `loss_fix` word the non-finite-loss
-stop. A new recipe, in outline (recipes/sft.py and recipes/grpo/recipe.py are the full ones):
+[nothing], write_rank_files [nothing], extra_checkpoint_bytes [0]; `loss_name` and `loss_fix`
+word the non-finite-loss stop. A new recipe, in outline (recipes/sft.py and
+recipes/grpo/recipe.py are the full ones):
 
     class MyTrainer(Recipe):
         def build_data(self): self.rows = load_rows(self.cfg.data, self.tokenizer)
@@ -182,10 +184,15 @@ class Recipe:
         return {}
 
     def write_checkpoint_files(self, folder: Path) -> None:
-        """Write the recipe's own files into a checkpoint's temporary `folder`."""
+        """Write the recipe's own files into a checkpoint's temporary `folder` (rank 0 only)."""
+
+    def write_rank_files(self, folder: Path) -> None:
+        """Write this rank's own files into a checkpoint's temporary `folder` (every rank, each
+        its own names; in one process, that process)."""
 
     def extra_checkpoint_bytes(self) -> int:
-        """Bytes of the files `write_checkpoint_files` adds to each checkpoint."""
+        """Bytes of the files `write_checkpoint_files` and every rank's `write_rank_files` add
+        to each checkpoint."""
         return 0
 
     # ------------------------------------------------------------------ setup
@@ -308,7 +315,12 @@ class Recipe:
             "threads": self.threads.count,  # a resume computes on them (threads.compute_threads)
         }
         path = self.checkpointer.save(
-            self.step, self.store, state, run_id=self.run_id, write_extra=self._write_extra
+            self.step,
+            self.store,
+            state,
+            run_id=self.run_id,
+            write_extra=self._write_extra,
+            write_part_extra=self.write_rank_files,
         )
         self.saved_step = self.step
         return path

@@ -4,8 +4,10 @@ GRPO's KL term needs the log-probs of the initial model. Rather than a second mo
 reference keeps one copy of what the engine copies to the device for each block (the bf16
 shadow: 2 bytes per parameter, or the fp32 master in fp32 compute: 4), and `swapped_in()` makes
 the store's blocks serve those tensors for the duration of a forward pass through the same
-engine. Invariant: the copies never change after construction; the store's own tensors are
-back in place when the context exits.
+engine. Under several ranks (store/shard.py) each rank keeps the copies of its own shards, and
+the engine's all-gather assembles the reference as it does the weights; each rank saves its
+part in its own file. Invariant: the copies never change after construction; the store's own
+tensors are back in place when the context exits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from safetensors.torch import save_file
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.memory import host_zeros
+from megatrain.store.shard import ShardedBlock
 
 
 class ReferenceWeights:
@@ -35,14 +38,23 @@ class ReferenceWeights:
 
     FILE = "reference.safetensors"
 
+    @property
+    def file_name(self) -> str:
+        """Its file in a checkpoint: FILE, or under several ranks this rank's part of it
+        (reference.rank<r>-of-<world>.safetensors: the copies of its shards)."""
+        block = self.store.blocks[0]
+        if not isinstance(block, ShardedBlock):
+            return self.FILE
+        return f"reference.rank{block.rank:03d}-of-{block.world_size:03d}.safetensors"
+
     def save(self, folder: Path) -> None:
         """Write the copies into a checkpoint folder (a resumed run keeps its reference)."""
         tensors = {b.name: c for b, c in zip(self.store.blocks, self.copies, strict=True)}
-        save_file(tensors, str(folder / self.FILE))
+        save_file(tensors, str(folder / self.file_name))
 
     def load(self, folder: Path) -> None:
         """Read the copies back from checkpoint `folder`."""
-        file = folder / self.FILE
+        file = folder / self.file_name
         if not file.is_file():
             raise FileNotFoundError(
                 f"checkpoint {folder} has no {self.FILE}: it was written without a KL "

@@ -68,17 +68,26 @@ def test_resume_repeats_rollouts_and_losses_exactly(tmp_path: Path) -> None:
     assert 0 < straight[0]["entropy"] < math.log(512)  # vocab_size 512: at most uniform's
 
 
-def test_torchrun_and_bad_rewards_stop_with_one_clear_error(
+def test_uneven_ranks_and_bad_rewards_stop_with_one_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def score(completions, **kwargs):\n    return [1.0]\n")
-    args = ["grpo", "--config", str(DEMO), *TINY, "--training.output_dir", str(tmp_path / "o")]
+    out = tmp_path / "o"
+    args = ["grpo", "--config", str(DEMO), *TINY, "--training.output_dir", str(out)]
     assert main([*args, "--grpo.reward_funcs", f"[{bad}:score]", "--training.max_steps", "1"]) == 2
     assert f"reward function '{bad}:score'" in capsys.readouterr().err
+    # rank 0 of a 2-process torchrun job: 3 prompts a batch do not split, refused before
+    # anything starts (no process group: the check reads torchrun's environment only)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(args) == 2
-    assert "started as 2 processes" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    other = tmp_path / "other"
+    assert main([*args, "--grpo.prompts_per_step", "3", "--training.output_dir", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "grpo.prompts_per_step=3 prompts per generation batch do not split over 2 " in err
+    assert "set grpo.prompts_per_step to a multiple of 2 (e.g. 4), or run 1 or 3 processes" in err
+    assert err.count("\n") == 1 and "Traceback" not in err  # one paragraph
+    assert not other.exists()
 
 
 def test_a_failed_start_leaves_the_folder_to_the_corrected_command(

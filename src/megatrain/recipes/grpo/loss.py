@@ -13,9 +13,9 @@ in value, gradient A_i). The step's loss sums w_it * l_it with weights that carr
     dr_grpo  w_it = 1 / (G * max_completion_length)  a constant
     dapo     w_it = 1 / sum_i |o_i|                  mean over all completion tokens
 
-(G = sequences in the batch, |o_i| = completion tokens of sequence i, at least 1). This is what
-TRL computes per micro-batch and divides by the accumulation steps (grpo, dr_grpo) or by the
-global token count (dapo), summed over the accumulated micro-batches of equal size.
+(G = sequences in the batch, every rank's; |o_i| = completion tokens of sequence i, at least 1).
+This is what TRL computes per micro-batch and divides by the accumulation steps (grpo, dr_grpo)
+or by the global token count (dapo), summed over the accumulated micro-batches of equal size.
 
 Per-token inputs (names of `TokenObjective.inputs`): "advantages", "weights", and when used
 "old_logps", "ref_logps"; each [B, S], aligned with the labels.
@@ -30,22 +30,34 @@ import torch
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
 
+def weight_totals(completion_masks: list[torch.Tensor]) -> tuple[int, float]:
+    """(sequences, completion tokens) of micro-batches: the denominators of `token_weights`."""
+    return sum(m.shape[0] for m in completion_masks), sum(float(m.sum()) for m in completion_masks)
+
+
 def token_weights(
-    completion_masks: list[torch.Tensor], *, loss_type: str, max_completion_length: int
+    completion_masks: list[torch.Tensor],
+    *,
+    loss_type: str,
+    max_completion_length: int,
+    job_totals: tuple[int, float] | None = None,
 ) -> list[torch.Tensor]:
     """Per-token loss weights (fp32 [B, S], 0 off the completions) of a step's micro-batches.
 
     `completion_masks[k]` is 1 on micro-batch k's completion tokens (label alignment); every
-    row is one sequence, and the normalisation spans all micro-batches (one optimizer step).
+    row is one sequence, and the normalisation spans the whole generation batch (one optimizer
+    step): these micro-batches, or under several ranks `job_totals`, the (sequences, completion
+    tokens) of every rank's micro-batches together (recipes/grpo/ranks.py), so that the ranks'
+    losses add up to one process's.
     """
     masks = [m.to(torch.float32) for m in completion_masks]
-    num_sequences = sum(m.shape[0] for m in masks)
+    num_sequences, num_tokens = job_totals or weight_totals(masks)
     if loss_type == "grpo":
         return [m / (m.sum(1, keepdim=True).clamp(min=1.0) * num_sequences) for m in masks]
     if loss_type == "dr_grpo":
         return [m / (num_sequences * max_completion_length) for m in masks]
     if loss_type == "dapo":
-        total = max(sum(float(m.sum()) for m in masks), 1.0)
+        total = max(num_tokens, 1.0)
         return [m / total for m in masks]
     raise ValueError(f"grpo.loss_type={loss_type!r} must be one of {list(LOSS_TYPES)}")
 

@@ -41,6 +41,7 @@ from megatrain.planning.plan import ResourcePlan
 from megatrain.planning.rollout import DECODE_OP_S, RolloutEstimate, rollout_estimate
 from megatrain.planning.timing import reference_swap_s
 from megatrain.recipes.grpo.decode import static_decode_problem
+from megatrain.recipes.grpo.ranks import check_world
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,12 @@ class GRPOPlan:
             raise ValueError("this GRPO run does not fit: " + "; ".join(self.problems))
 
 
-def training_config(cfg: TrainConfig) -> TrainConfig:
+def training_config(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
     """The config a GRPO run trains with, shared by `megatrain grpo` and `megatrain estimate
     --grpo` so that the engine runs the plan that was reported: the generation batch's
-    micro-batches are its gradient accumulation, its rows max_prompt_length +
+    micro-batches (each rank's share of them under `world_size` ranks, recipes/grpo/ranks.py;
+    a rank count that does not divide prompts_per_step is refused; with grpo.beta > 0 no GPU
+    tier, `_untiered`) are its gradient accumulation, its rows max_prompt_length +
     max_completion_length tokens at most (rounded up to data.pad_to_multiple_of; as
     training.seq_len says when max_prompt_length is None) are training.seq_len, and
     compile_layers "auto" is eager (rows of every length).
@@ -104,6 +107,7 @@ def training_config(cfg: TrainConfig) -> TrainConfig:
     of the batch's sequences (planning/batch_size.py: the largest whose predicted GPU peak
     fits) and the accumulation follows; the log-prob passes run the same micro-batches."""
     t, g = cfg.training, cfg.grpo
+    check_world(g.prompts_per_step, world_size)
     sequences = g.prompts_per_step * g.num_generations
     if t.micro_batch_size == "auto":
         _check_auto_batch(t.gradient_accumulation_steps, t.global_batch_size, sequences)
@@ -112,14 +116,16 @@ def training_config(cfg: TrainConfig) -> TrainConfig:
         )
     else:
         assert isinstance(t.micro_batch_size, int)
-        accumulation = -(-sequences // t.micro_batch_size)
+        accumulation = -(-sequences // world_size // t.micro_batch_size)  # each rank's
         if t.gradient_accumulation_steps not in (1, accumulation):
             raise ValueError(
                 f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}: "
                 f"megatrain grpo trains each generation batch (grpo.prompts_per_step x "
                 f"grpo.num_generations = {sequences} sequences) as one optimizer step in "
                 f"micro-batches of training.micro_batch_size={t.micro_batch_size} rows, "
-                f"{accumulation} of them; remove the key (or set it to that count)"
+                f"{accumulation} of them"
+                + (f" on each of the {world_size} ranks" if world_size > 1 else "")
+                + "; remove the key (or set it to that count)"
             )
         training = dataclasses.replace(t, gradient_accumulation_steps=accumulation)
     seq_len = cfg.seq_len
@@ -129,7 +135,25 @@ def training_config(cfg: TrainConfig) -> TrainConfig:
     compile_layers = False if t.compile_layers == "auto" else t.compile_layers
     training = dataclasses.replace(training, seq_len=seq_len, compile_layers=compile_layers)
     data = dataclasses.replace(cfg.data, cutoff_len=min(cfg.data.cutoff_len, seq_len))
-    return dataclasses.replace(cfg, training=training, data=data)
+    memory = cfg.memory
+    if world_size > 1 and g.beta > 0:
+        memory = dataclasses.replace(memory, gpu_state_blocks=_untiered(cfg, world_size))
+    return dataclasses.replace(cfg, training=training, data=data, memory=memory)
+
+
+def _untiered(cfg: TrainConfig, world_size: int) -> int:
+    """memory.gpu_state_blocks of a KL-regularised run on several ranks: none. The reference
+    pass swaps the reference into a GPU tier's resident weights, which each rank holds whole
+    while its reference copy is its shard (engine.serving); "auto" plans no tier."""
+    blocks = cfg.memory.gpu_state_blocks
+    if blocks not in ("auto", 0):
+        raise ValueError(
+            f"memory.gpu_state_blocks={blocks} with grpo.beta={cfg.grpo.beta:g} on "
+            f"{world_size} ranks: the KL reference's pass does not run on a sharded GPU tier "
+            "yet; set memory.gpu_state_blocks: 0 (or auto, which plans none here), or "
+            "grpo.beta: 0"
+        )
+    return 0
 
 
 def _check_auto_batch(accumulation: int, global_batch: int | None, sequences: int) -> None:
@@ -168,7 +192,7 @@ def rollout_of(builder: PlanBuilder, *, streamed: bool) -> RolloutEstimate:
     return rollout_estimate(
         builder.spec,
         builder.hardware,
-        sequences=g.prompts_per_step * g.num_generations,
+        sequences=g.prompts_per_step * g.num_generations // builder.placement.world_size,
         prompt_tokens=g.max_prompt_length or max(cfg.seq_len - g.max_completion_length, 1),
         completion_tokens=g.max_completion_length,
         streamed=streamed,
@@ -182,8 +206,9 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
     """Plan both phases; `free_gpu_bytes`: what the device reports free now (None: the GPU's
     size less the engine's persistent buffers, as predicted)."""
     cfg, g = builder.cfg, builder.cfg.grpo
-    assert cfg == training_config(cfg), "plan GRPO with training_config's config"
-    sequences = g.prompts_per_step * g.num_generations
+    world = builder.placement.world_size
+    assert cfg == training_config(cfg, world), "plan GRPO with training_config's config"
+    sequences = g.prompts_per_step * g.num_generations // world  # each rank's
     hw, margin = builder.hardware, cfg.memory.gpu_margin_gib * GIB
     _, decode_reason = decode_mode(builder)
     resident = rollout_of(builder, streamed=False)
@@ -214,6 +239,13 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
             "the engine: lower grpo.prompts_per_step, grpo.num_generations or "
             "grpo.max_completion_length"
             + ("" if streamed else ", or set grpo.generation: streamed")
+        )
+    if streamed and world > 1:
+        problems.append(
+            f"{reason}, so the rollout would stream the layers, which does not run under "
+            f"torchrun yet (each of the {world} ranks holds a shard of the weights): lower "
+            "grpo.prompts_per_step, grpo.num_generations or grpo.max_completion_length, or "
+            "use more ranks (each generates prompts_per_step / ranks prompts)"
         )
     passes = logprob_passes(builder, training)
     return GRPOPlan(

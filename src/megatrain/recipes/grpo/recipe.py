@@ -15,10 +15,16 @@ num_iterations > 1 keep their log-probs under the current weights (the "old" pol
 beta > 0 their log-probs under the reference weights;
 then take num_iterations engine steps on the GRPO objective (loss.py).
 
+Under torchrun (recipes/grpo/ranks.py) each rank samples and scores its share of the batch's
+prompt groups; the rewards are gathered so that every rank computes the whole batch's
+advantages and metrics, the loss weights are normalised over the whole batch, and the engine
+trains data-parallel on the sharded store (gradients and loss summed over the ranks).
+
 Exact resume: checkpoints are written at generation-batch boundaries only (the base saves when
 the step crosses a multiple of save_every, and a batch's steps are one unit); the prompts of
-batch g and its sampling seed are pure functions of (grpo.seed, g), so a resumed run draws the
-same prompts and, from the same weights, the same completions.
+batch g and its sampling seed are pure functions of (grpo.seed, g) and the rank, so a resumed
+run (on as many ranks: the base refuses another count) draws the same prompts and, from the
+same weights, the same completions.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 from megatrain.config import TrainConfig
 from megatrain.data.pipeline import pad_token_id_of
+from megatrain.distributed import any_rank, rank_env, rank_sums
 from megatrain.engine.head import TokenObjective
 from megatrain.metrics import MetricsLogger
 from megatrain.model.loading import is_vision_language
@@ -42,7 +49,8 @@ from megatrain.recipes.base import Recipe
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.advantages import group_advantages
 from megatrain.recipes.grpo.decode import static_generate
-from megatrain.recipes.grpo.loss import GRPOLoss, token_weights
+from megatrain.recipes.grpo.loss import GRPOLoss, token_weights, weight_totals
+from megatrain.recipes.grpo.phase_memory import PhasePeak
 from megatrain.recipes.grpo.plan import (
     GRPOPlan,
     decode_mode,
@@ -52,6 +60,13 @@ from megatrain.recipes.grpo.plan import (
     training_config,
 )
 from megatrain.recipes.grpo.prompts import Prompt, load_prompts
+from megatrain.recipes.grpo.ranks import (
+    job_rows,
+    job_stats,
+    job_totals,
+    rank_rows,
+    rollout_seed,
+)
 from megatrain.recipes.grpo.rewards import load_reward
 from megatrain.recipes.grpo.rollout import Rollout, device_model, generate
 from megatrain.recipes.grpo.sequences import (
@@ -61,29 +76,7 @@ from megatrain.recipes.grpo.sequences import (
     sequence_batches,
 )
 from megatrain.recipes.records import report_plan, step_record
-
-
-class _PhasePeak:
-    """One phase's GPU memory on CUDA: what was allocated as it began, and the most allocated
-    from then until `record`."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device if device.type == "cuda" else None
-        self.start = 0
-        if self.device is not None:
-            self.start = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def record(self, phase: str) -> dict[str, float]:
-        """The phase's metrics, `gpu_start_gib/<phase>` and `gpu_peak_gib/<phase>` (none off
-        CUDA); before anything else resets the peak statistics (memory_record does)."""
-        if self.device is None:
-            return {}
-        peak = torch.cuda.max_memory_allocated(self.device)
-        return {
-            f"gpu_start_gib/{phase}": round(self.start / 2**30, 2),
-            f"gpu_peak_gib/{phase}": round(peak / 2**30, 2),
-        }
+from megatrain.store.shard import shard_range
 
 
 @dataclass
@@ -115,7 +108,9 @@ class GRPOTrainer(Recipe):
         return RunBuilder(cfg, gpu_reserve=rollout_reserve)  # the GPU tier leaves it room
 
     def prepare_config(self, cfg: TrainConfig) -> TrainConfig:
-        return training_config(cfg)  # the plan's batch and rows are the engine's
+        env = rank_env()  # torchrun's ranks, before the process group (and anything) starts
+        # the plan's batch and rows are the engine's
+        return training_config(cfg, env.world_size if env else 1)
 
     def build_data(self) -> None:
         d, g = self.cfg.data, self.cfg.grpo
@@ -151,6 +146,7 @@ class GRPOTrainer(Recipe):
         self.eos_ids = [self.tokenizer.eos_token_id]
         self.min_completion_tokens = self.cfg.grpo.min_completion_length
         self.decode = decode_mode(b)[0]  # how resident rollouts decode (recipes/grpo/decode.py)
+        self.rank, self.world = b.placement.rank, b.placement.world_size
 
     def count_steps(self) -> int:
         t, g = self.cfg.training, self.cfg.grpo
@@ -169,16 +165,20 @@ class GRPOTrainer(Recipe):
         if self.reference is not None:  # the reference is the run's initial weights
             self.reference.load(path)
 
-    def write_checkpoint_files(self, folder: Path) -> None:
-        if self.reference is not None:
+    def write_rank_files(self, folder: Path) -> None:
+        if self.reference is not None:  # under several ranks, each rank's part
             self.reference.save(folder)
 
     def extra_checkpoint_bytes(self) -> int:
-        """The KL reference: a copy of what the engine streams, in the compute dtype."""
+        """The KL reference: a copy of what the engine streams, in the compute dtype (under
+        several ranks, every rank's shards, padded as store/shard.py pads them)."""
         if self.cfg.grpo.beta <= 0:
             return 0
-        spec = self.builder.spec
-        return spec.total_params * spec.compute_dtype.itemsize
+        spec, world = self.builder.spec, self.builder.placement.world_size
+        blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
+        if world > 1:
+            blocks = [shard_range(n, 0, world)[0] for n in blocks]
+        return sum(blocks) * spec.compute_dtype.itemsize
 
     def batch_prompts(self, index: int) -> list[Prompt]:
         """Generation batch `index`: the next prompts of a seeded permutation per epoch."""
@@ -206,20 +206,55 @@ class GRPOTrainer(Recipe):
             self.step_rewards.append(record["reward"])
 
     def _generation(self, index: int) -> _Generation:
-        """Generation batch `index`: sampled, scored, laid out as micro-batches, with the
-        per-token inputs of the GRPO objective."""
+        """Generation batch `index`: this rank's share sampled (recipes/grpo/ranks.py), every
+        share scored, the whole batch's advantages; this rank's rows laid out as micro-batches,
+        with the per-token inputs of the GRPO objective."""
         g = self.cfg.grpo
-        prompts = [p for p in self.batch_prompts(index) for _ in range(g.num_generations)]
+        job = [p for p in self.batch_prompts(index) for _ in range(g.num_generations)]
+        mine = rank_rows(len(job), self.rank, self.world)
+        prompts = job[mine]
         rollout, timing = self._rollout(prompts, index)
-        scores, record = self._score(prompts, rollout.completions)
+        scores = self._score(prompts, rollout.completions)
+        lengths = [len(c) for c in rollout.completions]
+        rows = torch.cat([scores, torch.tensor([lengths, rollout.clipped]).T.double()], 1)
+        every = job_rows(rows, self.rank, self.world)  # the job's, in one process's order
         adv = group_advantages(
-            scores,
+            every[:, :-2],
             torch.tensor(g.weights),
             num_generations=g.num_generations,
             scaling=g.reward_scaling,
         )
+        batches, inputs = self._layout(prompts, rollout.completions, adv.advantages[mine])
+        t1 = time.perf_counter()
+        peak = PhasePeak(self.builder.device)
+        self._add_logprobs(batches, inputs)
+        logprob_memory = peak.record("logprob") if self._logprob_passes else {}
+        total = torch.tensor(adv.rewards)
+        record = {
+            f"rewards/{fn.name}/mean": float(torch.nanmean(column))
+            for fn, column in zip(self.rewards, every[:, :-2].T, strict=True)
+        }
+        record |= {
+            "reward": float(torch.nanmean(total)),
+            "reward_std": float(total[~torch.isnan(total)].std()) if total.numel() > 1 else 0.0,
+            "completion_length": float(every[:, -2].mean()),
+            "completion_length_max": int(every[:, -2].max()),
+            "clipped_share": float(every[:, -1].mean()),
+            "std_zero_share": adv.std_zero_share,
+            "time/generation_s": timing.pop("time/generation_s"),
+            "time/logprob_s": round(time.perf_counter() - t1, 4),
+            **timing,
+            **logprob_memory,
+        }
+        return _Generation(batches, inputs, record)
+
+    def _layout(
+        self, prompts: list[Prompt], completions: list[list[int]], advantages: list[float]
+    ) -> tuple[list[Any], list[dict[str, torch.Tensor]]]:
+        """This rank's sequences as micro-batches (grouped by length), and each one's advantages
+        and loss weights per token, normalised over the whole batch (every rank's)."""
+        g = self.cfg.grpo
         rows = self.builder.batch()[0]  # the plan's, when "auto"
-        completions = rollout.completions
         lengths = [len(p.prompt_ids) + len(c) for p, c in zip(prompts, completions, strict=True)]
         order = length_order(lengths, rows)
         batches = sequence_batches(
@@ -231,33 +266,16 @@ class GRPOTrainer(Recipe):
         )
         masks = [completion_mask(x) for x in batches]
         weights = token_weights(
-            masks, loss_type=g.loss_type, max_completion_length=g.max_completion_length
+            masks,
+            loss_type=g.loss_type,
+            max_completion_length=g.max_completion_length,
+            job_totals=job_totals(*weight_totals(masks)),
         )
         inputs = [
             {"advantages": a, "weights": w}
-            for a, w in zip(
-                per_row([adv.advantages[i] for i in order], batches), weights, strict=True
-            )
+            for a, w in zip(per_row([advantages[i] for i in order], batches), weights, strict=True)
         ]
-        t1 = time.perf_counter()
-        peak = _PhasePeak(self.builder.device)
-        self._add_logprobs(batches, inputs)
-        logprob_memory = peak.record("logprob") if self._logprob_passes else {}
-        lengths = [len(c) for c in rollout.completions]
-        total = torch.tensor(adv.rewards)
-        record |= {
-            "reward": float(torch.nanmean(total)),
-            "reward_std": float(total[~torch.isnan(total)].std()) if total.numel() > 1 else 0.0,
-            "completion_length": float(np.mean(lengths)),
-            "completion_length_max": max(lengths),
-            "clipped_share": float(np.mean(rollout.clipped)),
-            "std_zero_share": adv.std_zero_share,
-            "time/generation_s": timing.pop("time/generation_s"),
-            "time/logprob_s": round(time.perf_counter() - t1, 4),
-            **timing,
-            **logprob_memory,
-        }
-        return _Generation(batches, inputs, record)
+        return batches, inputs
 
     def _rollout(self, prompts: list[Prompt], index: int) -> tuple[Rollout, dict[str, Any]]:
         """Completions of `prompts` sampled with the current weights, and the rollout's
@@ -266,7 +284,7 @@ class GRPOTrainer(Recipe):
         t0 = time.perf_counter()
         self.engine.wait_updates()  # the store holds the current weights
         streamed = self._streamed_generation()
-        peak = _PhasePeak(b.device)
+        peak = PhasePeak(b.device)
         with device_model(
             self.structure,
             self.store,
@@ -288,14 +306,15 @@ class GRPOTrainer(Recipe):
                 do_sample=True,
                 temperature=g.temperature,
                 top_p=g.top_p,
-                seed=g.seed * 1_000_003 + index,
+                seed=rollout_seed(g.seed, index, self.rank, self.world),
                 min_new_tokens=self.min_completion_tokens,
                 **static,
             )
         gen_s = time.perf_counter() - t0
+        (generated,) = rank_sums([float(rollout.generated_tokens)])  # every rank's, together
         record: dict[str, Any] = {
             "time/generation_s": round(gen_s, 4),
-            "generation_tokens_per_s": round(rollout.generated_tokens / max(gen_s, 1e-9), 1),
+            "generation_tokens_per_s": round(generated / max(gen_s, 1e-9), 1),
             "rollout_streamed": int(streamed),
         }
         record.update(peak.record("rollout"))
@@ -323,18 +342,29 @@ class GRPOTrainer(Recipe):
 
     def _streamed_generation(self) -> bool:
         """The path the plan picks for the memory free now (recipes/grpo/plan.py). The training
-        phase's
-        activations stay cached by PyTorch's allocator, which the device does not count as
-        free: they are handed back first (run 20's second step saw only that as free and
-        generated on the streamed path, some 0.5 s per token)."""
+        phase's activations stay cached by PyTorch's allocator, which the device does not count
+        as free: they are handed back first (run 20's second step saw only that as free and
+        generated on the streamed path, some 0.5 s per token). Under several ranks the streamed
+        path does not run: a rank short of memory stops every rank (the plan refused it at the
+        start, so only memory taken since then gets here)."""
         device = self.builder.device
         free = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(device)[0]
-        return grpo_plan(self.builder, free_gpu_bytes=free).rollout.streamed
+        plan = grpo_plan(self.builder, free_gpu_bytes=free)
+        if self.world > 1 and any_rank(plan.rollout.streamed):  # sync point
+            raise RuntimeError(
+                f"a rank's GPU has too little free memory for the resident rollout now "
+                f"({plan.reason}) and streamed generation does not run under torchrun: lower "
+                "grpo.prompts_per_step, grpo.num_generations or grpo.max_completion_length, "
+                "or raise memory.gpu_margin_gib (the engine's plan then leaves more room), and "
+                "resume from the last checkpoint"
+            )
+        return plan.rollout.streamed
 
-    def _score(self, prompts: list[Prompt], completions: list[list[int]]) -> tuple[Any, dict]:
+    def _score(self, prompts: list[Prompt], completions: list[list[int]]) -> torch.Tensor:
+        """Every reward function's score of every completion, float64 [N, F] (NaN: None)."""
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         shown = [
             [{"role": "assistant", "content": t}] if p.conversational else t
@@ -345,11 +375,7 @@ class GRPOTrainer(Recipe):
         columns = [
             fn([p.prompt for p in prompts], shown, completions, extras) for fn in self.rewards
         ]
-        scores = torch.tensor(columns, dtype=torch.float64).T  # [N, F]
-        record: dict[str, Any] = {}
-        for fn, column in zip(self.rewards, scores.T, strict=True):
-            record[f"rewards/{fn.name}/mean"] = float(torch.nanmean(column))
-        return scores, record
+        return torch.tensor(columns, dtype=torch.float64).T
 
     def _train_step(self, gen: _Generation, metrics: MetricsLogger, iteration: int) -> dict:
         g = self.cfg.grpo
@@ -361,7 +387,7 @@ class GRPOTrainer(Recipe):
             use_old=g.num_iterations > 1,
         )
         t0 = time.perf_counter()
-        peak = _PhasePeak(self.builder.device)
+        peak = PhasePeak(self.builder.device)
         objective = TokenObjective(fn, gen.inputs, temperature=g.temperature)
         result = self.optimizer_step(  # out of GPU memory: a smaller plan (recipes/oom.py)
             lambda engine: engine.train_step(gen.batches, lr=lr, objective=objective), metrics
@@ -370,9 +396,10 @@ class GRPOTrainer(Recipe):
         train_memory = peak.record("train")  # before step_record resets the peak
         record = step_record(result, lr, step_s, self.builder.device) | gen.record
         record["time/train_s"] = round(step_s, 4)
-        record["kl"] = fn.stats.kl
-        record["clip_ratio"] = fn.stats.clip_ratio
-        record["entropy"] = fn.stats.entropy
+        stats = job_stats(fn.stats, self.world)  # over every rank's tokens
+        record["kl"] = stats.kl
+        record["clip_ratio"] = stats.clip_ratio
+        record["entropy"] = stats.entropy
         record["iteration"] = iteration
         record.update(train_memory)
         metrics.log_step(self.step, record)

@@ -12,6 +12,11 @@ over the layers; the KV cache stays on the GPU): slow, but any size generates.
 Sampling is seeded by (seed, generation index) alone, under a forked RNG: a run and its resume
 draw the same completions from the same weights, and the global RNG is untouched.
 
+Under torchrun (store/shard.py: each rank holds a shard of every block) the resident copy is
+built from every rank's shards, all-gathered block by block on the device, so each rank
+generates its own prompts with the whole model (recipes/grpo/ranks.py); the streamed path
+streams from a whole store and does not run under several ranks (recipes/grpo/plan.py).
+
 A completion is the generated tokens up to and including the first end-of-sequence token, or
 `max_new_tokens` tokens when there is none (clipped).
 """
@@ -28,9 +33,12 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from megatrain.distributed import all_gather
 from megatrain.engine.slots import bind_module
 from megatrain.model.structure import ModelStructure
+from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
+from megatrain.store.shard import ShardedBlock, is_sharded
 
 
 @dataclass
@@ -80,13 +88,16 @@ def device_model(
     filled = set()
     with torch.no_grad():
         for block in resident:
+            source = _whole_source(block, device)
             for entry in block.entries:
-                params[entry.full_name].copy_(block.view(block.source, entry), non_blocking=True)
+                params[entry.full_name].copy_(block.view(source, entry), non_blocking=True)
                 filled.add(id(params[entry.full_name]))
+            del source
     assert filled == {id(p) for p in made.values()}, "every parameter lives in a store block"
     hooks = []
     if streamed:
         assert num_slots is not None, "streamed generation needs memory.num_slots"
+        assert not is_sharded(store), "streamed generation from a sharded store"
         hooks = _stream_layers(list(layers.children()), store, device, num_slots)
     model.eval()
     try:
@@ -97,6 +108,17 @@ def device_model(
         del model, params, made
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _whole_source(block: ParamBlock, device: torch.device) -> torch.Tensor:
+    """The block's copy source in its whole flat layout: the source itself, or under several
+    ranks (store/shard.py) every rank's shard all-gathered on `device` (a collective: every
+    rank builds its rollout model at the same point, block after block)."""
+    if not isinstance(block, ShardedBlock):
+        return block.source
+    full = torch.empty(block.padded_numel, dtype=block.source.dtype, device=device)
+    all_gather(full, block.source.to(device))
+    return full
 
 
 def _stream_layers(
