@@ -14,6 +14,7 @@ buffer of its own, no shadow; 22 bytes per parameter with fp32 states).
 from __future__ import annotations
 
 import argparse
+import itertools
 import threading
 import time
 
@@ -22,12 +23,18 @@ from common import result
 
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock
+from megatrain.store.grads import num_grad_blocks, quantize_gradient_
 from megatrain.store.memory import host_zeros
 from megatrain.store.states import allocate_states
 
 
 def make_blocks(
-    total: int, block: int, huge: bool, state_dtype: str = "fp32", master_dtype: str = "fp32"
+    total: int,
+    block: int,
+    huge: bool,
+    state_dtype: str = "fp32",
+    master_dtype: str = "fp32",
+    grad_dtype: str = "bf16",
 ) -> list[ParamBlock]:
     def zeros(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return host_zeros(n, dtype) if huge else torch.zeros(n, dtype=dtype)
@@ -54,6 +61,11 @@ def make_blocks(
             b.master = zeros(n, torch.bfloat16)
             b.master.copy_(master)
             b.grad = torch.randn(n).to(torch.bfloat16)
+            if grad_dtype == "int8":  # held as int8 codes and units (store/grads.py)
+                g = b.grad.float()
+                b.grad = zeros(n, torch.int8)
+                b.grad_unit = zeros(num_grad_blocks(n))
+                quantize_gradient_(g, b.grad, b.grad_unit, key=i)
         else:
             b.shadow = torch.randn(n).to(torch.bfloat16)
         blocks.append(b)
@@ -121,6 +133,11 @@ def main() -> None:
         help="optimizer.master_dtype layouts to time (fp32,bf16); bf16: C kernel only",
     )
     ap.add_argument(
+        "--grad-dtypes",
+        default="bf16",
+        help="a bf16 master's held gradients to time (bf16,int8: optimizer.grad_dtype)",
+    )
+    ap.add_argument(
         "--drop-flag",
         default="",
         help="build the C kernel without this compiler flag (an A/B of one flag, e.g. "
@@ -142,10 +159,11 @@ def main() -> None:
     )
     counts = [int(t) for t in a.threads.split(",") if t] or [torch.get_num_threads()]
     for master_dtype in a.master_dtypes.split(","):
-        for state_dtype in a.state_dtypes.split(","):
+        grads = a.grad_dtypes.split(",") if master_dtype == "bf16" else ["bf16"]
+        for state_dtype, grad_dtype in itertools.product(a.state_dtypes.split(","), grads):
             for huge in {"both": [True, False], "yes": [True], "no": [False]}[a.huge]:
-                blocks = make_blocks(total, block, huge, state_dtype, master_dtype)
-                run_all(blocks, counts, a.reps, huge, state_dtype, master_dtype)
+                blocks = make_blocks(total, block, huge, state_dtype, master_dtype, grad_dtype)
+                run_all(blocks, counts, a.reps, huge, state_dtype, master_dtype, grad_dtype)
 
 
 def run_all(
@@ -155,6 +173,7 @@ def run_all(
     huge: bool,
     state_dtype: str,
     master_dtype: str = "fp32",
+    grad_dtype: str = "bf16",
 ) -> None:
     total = sum(b.numel for b in blocks)
     # the torch path of compressed states / a bf16 master is a bit-exact test reference,
@@ -179,6 +198,7 @@ def run_all(
                     impl=impl,
                     state_dtype=state_dtype,
                     master_dtype=master_dtype,
+                    grad_dtype=grad_dtype,
                     threads=threads,
                     busy_main_thread=busy,
                     dropped_flag=DROPPED_FLAG[0] if impl == "c" else "",
