@@ -61,6 +61,15 @@ class OptimizerConfig:
     after its block's backward and the gradient lands in a few shared bf16 buffers instead.
     Only with master_dtype bf16 (an fp32 master's gradient lands in its bf16 copy, free)."""
 
+    gpu_update_blocks: int = 0
+    """Streamed blocks whose AdamW update runs on the GPU each step instead of the CPU: those
+    the CPU would reach last in forward order (the head, then the layers from the last; never
+    GPU-tier blocks). Their gradients stay on the GPU; master and states, in their stored
+    formats, are copied to the GPU, updated there with the same arithmetic (the same results,
+    bit for bit) and copied back while the CPU updates the rest. 0: off. Costs GPU memory:
+    each block's held gradient (2 B/param, int8 1) and one block's master and states. One
+    process only (not under torchrun). docs/performance.md, "GPU update share"."""
+
     def validate(self) -> None:
         check_types("optimizer", self)
         check_choice("optimizer.name", self.name, ("adamw",))
@@ -91,6 +100,7 @@ class OptimizerConfig:
         check_choice("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
         check_choice("optimizer.master_dtype", self.master_dtype, MASTER_DTYPES)
         check_choice("optimizer.grad_dtype", self.grad_dtype, GRAD_DTYPES)
+        check_int("optimizer.gpu_update_blocks", self.gpu_update_blocks, minimum=0)
         if self.grad_dtype != "bf16" and self.master_dtype == "fp32":
             raise ValueError(
                 f"optimizer.grad_dtype: {self.grad_dtype} sets how a bf16 master's gradients are "

@@ -4,7 +4,8 @@ A mixin of StreamingEngine (engine/engine.py), which owns every attribute declar
 split out only to keep each file readable. Per layer: refill its slot (prefetched), recompute
 its forward from the saved input with the forward's RNG state, `torch.autograd.grad` for the
 input and parameter gradients (summed in fp32 over micro-batches), then either ship the
-gradient device-to-host for the CPU AdamW or, for a GPU-tier block, keep it on the device.
+gradient device-to-host for the CPU AdamW or, for a GPU-tier block or one of the GPU update
+share (engine/gpu_share.py), keep it on the device.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class BackwardPass:
     aux: Any
     taps: list[Any]
     worker: Any
+    share: Any
     embedder: Any
     vision: Any
     capture: Any
@@ -179,7 +181,17 @@ class BackwardPass:
         self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None
     ) -> torch.Tensor:
         """Copy (this rank's shard of) a block's gradient to the host; returns its squared
-        norm (on the device). Several ranks: the shard of the gradient summed over ranks."""
+        norm (on the device). Several ranks: the shard of the gradient summed over ranks.
+        A block of the GPU update share keeps it on the device, rounded as it would land."""
+        if block in self.share:
+            sumsq, held = self.share.hold(block, acc)
+            self._landed[block.name] = held
+            if k is not None:
+                self._acc_busy[k] = held
+            if self.max_grad_norm is None:
+                self.updates_begun = True
+                self.share.submit(block, held, order=self._order[block.name], lr=lr, coef=1.0)
+            return sumsq
         acc = self.comm.reduce(block, acc)
         stage = (
             (

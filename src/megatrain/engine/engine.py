@@ -26,6 +26,10 @@ Step schedule (docs/architecture.md, "One optimizer step"):
    Blocks of the GPU tier (engine/tier.py: the first layers, then the embedding and the head)
    stay on the device: never copied, their gradient kept there, their AdamW run there on the
    compute stream (right after their backward, or with clipping once the global norm is known).
+   The GPU update share (engine/gpu_share.py, `gpu_update_blocks`: the streamed blocks the host
+   worker would reach last, the head and the last layers) keeps its gradients on the device
+   too; a second worker thread copies each one's master and states in, updates it there and
+   copies it back, beside the host worker; the next forward waits for it as for a host update.
 
 Several ranks (engine/collectives.py, store/shard.py): every block's weights reach the device
 as this rank's shard copied host-to-device and then all-gathered; its gradient leaves as a
@@ -52,6 +56,7 @@ from megatrain.engine.backward import BackwardPass
 from megatrain.engine.boundaries import Boundaries
 from megatrain.engine.collectives import Collectives
 from megatrain.engine.forward import ForwardPass
+from megatrain.engine.gpu_share import BlockFormats, GpuShare, share_order
 from megatrain.engine.head import ChunkedLoss, TokenObjective
 from megatrain.engine.layout import (
     ACCUMULATORS,
@@ -59,6 +64,8 @@ from megatrain.engine.layout import (
     GATHERED,
     HEAD,
     HEAD_GRAD,
+    SHARE_GRADS,
+    SHARE_STAGING,
     SLOTS,
     STAGING,
     TABLE,
@@ -135,7 +142,9 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         self.device = torch.device(device)
         self.dtype = store.compute_dtype
         self.max_grad_norm = plan.clip_norm
-        self.layout = DeviceLayout.of(plan, BlockSizes.of_store(store, structure.tied), self.dtype)
+        formats = BlockFormats(store.master_dtype, store.state_dtype, store.grad_hold)
+        sizes = BlockSizes.of_store(store, structure.tied)
+        self.layout = DeviceLayout.of(plan, sizes, self.dtype, formats)
         self.transfers = Transfers(self.device)
         self.comm = Collectives(self.transfers, world_size=plan.world_size, rank=plan.rank)
         move_body_buffers(structure, self.device)
@@ -169,6 +178,16 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
             [RouterTap(m, self.aux) for m in self.slots.modules] if self.aux is not None else []
         )
         self.worker = UpdateWorker(optimizer, threaded=threaded_optimizer)
+        streamed = [b for b in share_order(store.layers, store.head) if b not in self.tier]
+        self.share = GpuShare(
+            streamed[: plan.gpu_update_blocks],
+            formats,
+            optimizer,
+            self.transfers,
+            grads=self.layout.zeros(SHARE_GRADS, self.device),
+            staging=next(iter(self.layout.empty(SHARE_STAGING, self.device)), None),
+            threaded=threaded_optimizer,
+        )
         boundaries = plan.boundary_plan(len(store.layers))
         self.boundaries = Boundaries(boundaries, self.device)
         self.schedule = StepSchedule.of(
@@ -244,6 +263,8 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
             GATHERED: [] if self.embed_buf is None else [self.embed_buf],
             **self.vision.buffers(),
             TIER: _distinct(tier),
+            SHARE_GRADS: [t for t in (self.share.grads,) if t is not None],
+            SHARE_STAGING: [t for t in (self.share.staging,) if t is not None],
         }
 
     # ---------------------------------------------------------------- public API
@@ -277,11 +298,11 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
             for block in self.tier.blocks:  # before the next forward uses them (same stream)
                 self._update_tier(block, lr, coef)
             for order, block in enumerate(self.store.blocks):  # forward order
-                if block in self.tier:
-                    continue
-                self.worker.submit(
-                    block, self._landed[block.name], order=order, lr=lr, grad_scale=coef
-                )
+                landed = self._landed.get(block.name)
+                if block in self.share:
+                    self.share.submit(block, landed, order=order, lr=lr, coef=coef)
+                elif block not in self.tier:
+                    self.worker.submit(block, landed, order=order, lr=lr, grad_scale=coef)
         self.slots.invalidate()
         # sync points (already synced above); cross-entropy unchanged: sum of (chunk sum / count)
         value = self.comm.sum(value)  # each rank's part of the global mean
@@ -292,6 +313,7 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         timeline.step_s = time.perf_counter() - t0
         timer.read(timeline)
         timeline.optimizer_s, self.worker.busy_s = self.worker.busy_s, 0.0
+        timeline.gpu_update_s, self.share.worker.busy_s = self.share.worker.busy_s, 0.0
         return StepResult(
             loss=main + (aux_loss or 0.0),
             ce_loss=loss_ce,
@@ -369,6 +391,12 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""
         self.worker.wait_all(self.store.blocks)
+        self.share.worker.wait_all(self.share.blocks)
+
+    def _wait_update(self, block: ParamBlock) -> float:
+        """Block the host until `block`'s pending update (host or GPU share) is applied; the
+        seconds waited. Sync point (host)."""
+        return self.worker.wait(block) + self.share.wait(block)
 
     def abandon_step(self) -> None:
         """Undo a step that failed before any of its updates began (out of GPU memory): wait
@@ -386,6 +414,7 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
     def close(self) -> None:
         self.wait_updates()
         self.worker.close()
+        self.share.close()
 
 
 def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

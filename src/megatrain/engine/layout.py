@@ -17,7 +17,10 @@ Buffers (c = bytes of the compute dtype; "streamed" = layers outside the GPU tie
 - a vision-language model's vision modules (tower, projector), resident: the frozen ones, c;
   the trained ones (model.freeze_vision / freeze_projector false), c, and their gradient, fp32;
 - the GPU tier: per block its fp32 master (unless it is the weights), m, v and gradient over
-  the rank's shard, and its whole weights in the compute dtype (engine/tier.py).
+  the rank's shard, and its whole weights in the compute dtype (engine/tier.py);
+- the GPU update share (engine/gpu_share.py, `gpu_update_blocks`: streamed blocks from the
+  head back): each share block's held gradient in its landing format, and one staging set of
+  the largest share block's master and states (+ bf16 shadow), packed in uint8 buffers.
 
 Invariant: under ranks a block's device layout is its padded length (store/shard.py
 `shard_range`), its tier states the shard's.
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain.engine.gpu_share import BlockFormats, packed_bytes, share_order
 from megatrain.engine.plan import EnginePlan, tier_order
 from megatrain.model.multimodal import vision_split
 from megatrain.store.blocks import ParamBlock
@@ -90,6 +94,8 @@ VISION = "vision modules (frozen)"
 VISION_TRAIN = "vision weights (trained)"
 VISION_GRAD = "vision gradient (fp32)"
 TIER = "GPU tier (fp32 master, m, v, gradient, weights)"
+SHARE_GRADS = "GPU update share: held gradients"
+SHARE_STAGING = "GPU update share: master and states staging"
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,15 @@ class DeviceLayout:
     buffers: tuple[Buffer, ...]
 
     @classmethod
-    def of(cls, plan: EnginePlan, blocks: BlockSizes, compute_dtype: torch.dtype) -> DeviceLayout:
+    def of(
+        cls,
+        plan: EnginePlan,
+        blocks: BlockSizes,
+        compute_dtype: torch.dtype,
+        formats: BlockFormats | None = None,
+    ) -> DeviceLayout:
+        """`formats`: how the store keeps its blocks (the GPU update share's buffers; None:
+        fp32 master and states, the gradient held as the compute dtype's landing)."""
         world, c = plan.world_size, compute_dtype
         padded = [shard_range(n, 0, world)[0] if world > 1 else n for n in _order(blocks)]
         *layers, embed, head = padded
@@ -130,6 +144,13 @@ class DeviceLayout:
         states = 4 if c == torch.bfloat16 else 3  # fp32 master (unless the weights), m, v, grad
         tier_bytes = sum(n * c.itemsize + states * 4 * (n // world) for n in tier_sizes)
         out.append(Buffer(TIER, 1, tier_bytes, torch.uint8))
+        pairs = share_order(list(zip(layers, layer_tier, strict=True)), (head, head_tier))
+        share = [n for n, t in pairs if not t][: plan.gpu_update_blocks]
+        fmt = formats or BlockFormats(hold="shadow" if c == torch.bfloat16 else "fp32")
+        grads = sum(packed_bytes(fmt.gradient_parts(n)) for n in share)
+        staging = max((packed_bytes(fmt.staging_parts(n)) for n in share), default=0)
+        out.append(Buffer(SHARE_GRADS, 1, grads, torch.uint8))
+        out.append(Buffer(SHARE_STAGING, 1, staging, torch.uint8))
         return cls(tuple(b for b in out if b.count and b.numel))
 
     def __getitem__(self, name: str) -> Buffer:

@@ -10,9 +10,10 @@ embedding, then the head; engine/tier.py says why). The engine applies it to the
 blocks, the planner to the spec's block sizes.
 
 Invariants: every field is a resolved value (a count, a policy or None with a stated meaning);
-`gpu_state_blocks` is at most `len(tier_order(...))` of the model; `untiled` names layers the
-MLP tiles skip (engine/tiling.py `untiled_layers`), and `tiles` is None where no layer may be
-tiled at all (layers that draw random numbers).
+`gpu_state_blocks` is at most `len(tier_order(...))` of the model; `gpu_update_blocks` (the
+GPU update share, engine/gpu_share.py) counts streamed blocks only (more: all), and is 0 under
+ranks; `untiled` names layers the MLP tiles skip (engine/tiling.py `untiled_layers`), and
+`tiles` is None where no layer may be tiled at all (layers that draw random numbers).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class EnginePlan:
     rank: int = 0
     train_vision: bool = False  # a vision-language model's vision tower trains (store.vision)
     train_projector: bool = False  # ... its projector trains
+    gpu_update_blocks: int = 0  # streamed blocks (head, then last layers) updated on the GPU
 
     def __post_init__(self) -> None:
         assert self.num_slots >= 1, self.num_slots
@@ -76,6 +78,8 @@ class EnginePlan:
         assert self.loss_chunk_tokens >= 1, self.loss_chunk_tokens
         assert self.gpu_state_blocks >= 0, self.gpu_state_blocks
         assert 0 <= self.rank < self.world_size, (self.rank, self.world_size)
+        assert self.gpu_update_blocks >= 0, self.gpu_update_blocks
+        assert self.world_size == 1 or not self.gpu_update_blocks, "the planner refuses it"
 
     def boundary_plan(self, num_layers: int) -> BoundaryPlan:
         """Where each layer's input waits for the backward."""

@@ -24,6 +24,7 @@ class Timeline:
     wait_weights_s: float = 0.0  # compute stream idle, waiting for a layer's weights (CUDA)
     wait_optimizer_s: float = 0.0  # host blocked on a block's CPU update before its copy
     optimizer_s: float = 0.0  # CPU time spent in AdamW updates that finished in this step
+    gpu_update_s: float = 0.0  # host time of the GPU update share's updates (copies included)
     # GPU time of each phase (compute-stream events; host time on the CPU): the host phases
     # above end when their work is issued, so queued GPU work shows up in the next one
     forward_gpu_s: float = 0.0

@@ -85,16 +85,7 @@ class CpuAdamW:
         bc1 = 1.0 - beta1**block.step
         bc2_sqrt = math.sqrt(1.0 - beta2**block.step)
         if block.state_dtype != "fp32" or block.master_dtype != "fp32":
-            scalars = StepScalars(
-                decay=1.0 - lr * self.hyper.weight_decay,
-                beta2=beta2,
-                one_minus_b1=1.0 - beta1,
-                one_minus_b2=1.0 - beta2,
-                step_size=lr / bc1,
-                bc2_sqrt=bc2_sqrt,
-                eps=self.hyper.eps,
-                grad_scale=grad_scale,
-            )
+            scalars = self._scalars(block, lr, grad_scale)
             if block.master_dtype != "fp32":
                 self._update_bf16_master(block, scalars)
             elif self._lib is not None:
@@ -119,6 +110,34 @@ class CpuAdamW:
                         grad_scale,
                         self.hyper.weight_decay if decay != 1.0 else 0.0,
                     )
+
+    def update_reference(
+        self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0, chunk: int
+    ) -> None:
+        """One AdamW step on `block` through the torch reference of its C kernel, `chunk`
+        values a pass, on whatever device its tensors live (engine/gpu_share.py): every
+        format, bit for bit the C kernel's result (fp32 states with an fp32 master too:
+        `adamw_chunk` is mt_adamw's arithmetic, in its order)."""
+        block.step += 1
+        scalars = self._scalars(block, lr, grad_scale)
+        if block.master_dtype != "fp32":
+            update_bf16_master_reference(block, scalars, chunk=chunk)
+        else:
+            update_compressed_reference(block, scalars, chunk=chunk)
+
+    def _scalars(self, block: ParamBlock, lr: float, grad_scale: float) -> StepScalars:
+        """The float32 scalars of `block`'s coming update (`block.step` already counts it)."""
+        beta1, beta2 = self.hyper.betas
+        return StepScalars(
+            decay=1.0 - lr * self.hyper.weight_decay,
+            beta2=beta2,
+            one_minus_b1=1.0 - beta1,
+            one_minus_b2=1.0 - beta2,
+            step_size=lr / (1.0 - beta1**block.step),
+            bc2_sqrt=math.sqrt(1.0 - beta2**block.step),
+            eps=self.hyper.eps,
+            grad_scale=grad_scale,
+        )
 
     def _update_c(
         self,

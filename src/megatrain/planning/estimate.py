@@ -133,7 +133,8 @@ def estimate(spec: ModelSpec, setup: Setup, hardware: Hardware | None = None) ->
     `hardware` (None: this machine's, detected)."""
     plan, hw = setup.engine, hardware or detect()
     tier = min(plan.gpu_state_blocks, tier_size(spec.num_layers))
-    layout = DeviceLayout.of(plan, block_sizes(spec), spec.compute_dtype)
+    formats = setup.block_formats(spec.compute_dtype == torch.bfloat16)
+    layout = DeviceLayout.of(plan, block_sizes(spec), spec.compute_dtype, formats)
     chunk = min(plan.loss_chunk_tokens, setup.tokens_mb)
     tiles = setup.tile_count
     # the engine splits attention heads where it tiles: not for compiled layers

@@ -73,6 +73,16 @@ class RunShape:
     master_dtype: str = "fp32"  # master weights on the host: "fp32" or "bf16" (host memory)
     grad_dtype: str = "bf16"  # a bf16 master's held gradients: "bf16" or "int8" (store/grads.py)
     rows_multiple: int = 1  # "auto" micro-batches hold a multiple of it (a preference pair: 2)
+    gpu_update_blocks: int = 0  # streamed blocks updated on the GPU (engine/gpu_share.py)
+
+    def __post_init__(self) -> None:
+        if self.gpu_update_blocks and self.ranks.world > 1:
+            raise ValueError(
+                f"optimizer.gpu_update_blocks={self.gpu_update_blocks} under {self.ranks.world} "
+                "ranks: the GPU update share runs in one process only (each rank would have to "
+                "update its shard of the blocks on its GPU, which is not built yet); set "
+                "optimizer.gpu_update_blocks: 0, or train in one process"
+            )
 
     @classmethod
     def of(
@@ -109,6 +119,7 @@ class RunShape:
             rank=p.rank,
             vision=VisionLoad(not cfg.model.freeze_vision, not cfg.model.freeze_projector, images),
             rows_multiple=cfg.rows_together,
+            gpu_update_blocks=cfg.optimizer.gpu_update_blocks,
         )
 
     def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:
@@ -145,6 +156,7 @@ class RunShape:
             rank=self.rank,
             train_vision=self.vision.tower,
             train_projector=self.vision.projector,
+            gpu_update_blocks=self.gpu_update_blocks,
         )
 
     def setup(self, engine: EnginePlan, micro_batch_size: int, grad_accum: int) -> Setup:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatrain.engine.gpu_share import BlockFormats
 from megatrain.engine.plan import EnginePlan
 from megatrain.layouts import LAYOUTS
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
+from megatrain.store.grads import gradient_hold
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,14 @@ class Setup:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         assert self.layout in LAYOUTS, self.layout
+
+    def block_formats(self, bf16_compute: bool) -> BlockFormats:
+        """How the store will keep its blocks (the GPU update share's device buffers)."""
+        clipping = self.engine.clip_norm is not None
+        hold = gradient_hold(
+            self.master_dtype, self.grad_dtype, clipping=clipping, bf16_compute=bf16_compute
+        )
+        return BlockFormats(self.master_dtype, self.state_dtype, hold)
 
     @property
     def tokens_mb(self) -> int:

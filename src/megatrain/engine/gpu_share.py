@@ -1,0 +1,231 @@
+"""A planned share of the streamed blocks' AdamW updates, run on the GPU.
+
+`optimizer.gpu_update_blocks` = N: the last N streamed blocks in forward order (the head, then
+the last layers: `share_order`; never a GPU-tier block, never the embedding) are updated on the
+compute device instead of by the host worker. With clipping, the host worker updates blocks in
+forward order once the global norm is known, and the next forward waits for each; the share is
+what it would reach last, so the CPU and the GPU update at the same time and both are done
+before the next forward needs their blocks.
+
+Per share block and step:
+1. Backward (`hold`): its gradient never leaves the device. The fp32 accumulator is rounded
+   exactly as the host landing would hold it (store/grads.py HOLDS: a bf16 copy for an fp32
+   master's shadow, a bf16 master's bf16 or pool landing; int8 codes and units quantized with
+   the same key; fp32 in fp32 compute) into the block's own device buffer; its squared norm is
+   taken as `_ship` takes it, so the global norm is unchanged.
+2. Update (`update`, on a second host worker thread, engine/updates.py): the block's master and
+   AdamW states, as stored, are copied host-to-device into one staging set (the largest share
+   block's size), AdamW runs there through the torch references of the C kernels
+   (`CpuAdamW.update_reference`: the same StepScalars, stochastic-rounding keys, clipping
+   coefficient; bit for bit the host update), and master, states and the new weights (the bf16
+   shadow, or the master that is the streamed copy) are copied back device-to-host.
+3. The next forward's copy of the block waits for it as for a host update (`wait(block)`).
+
+Device memory (engine/layout.py SHARE_GRADS, SHARE_STAGING): every share block's held gradient
+(2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and one staging set of master + states
+(+ the bf16 shadow written by the update). The update's temporaries are a few fp32 tensors of
+DEVICE_CHUNK values, freed after each chunk.
+
+Invariants: one share block is updated at a time (one staging set); its update starts only
+after its held gradient is written (the landed event) and is complete (the copy stream
+synchronized) before `wait(block)` returns, so the next forward's host-to-device copy and the
+next backward's write of the held gradient come after it; under ranks there is no share (the
+planner refuses N > 0 there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from megatrain.engine.transfers import Event, Transfers
+from megatrain.engine.updates import UpdateWorker
+from megatrain.optim.adamw import CpuAdamW
+from megatrain.store.blocks import ParamBlock
+from megatrain.store.grads import gradient_key, num_grad_blocks, quantize_gradient_
+from megatrain.store.int4 import INT4_HALF, num_int4_blocks
+from megatrain.store.states import QUANT_BLOCK, num_quant_blocks
+
+T = TypeVar("T")
+
+ALIGN = 256
+"""Byte alignment of each tensor carved out of a share buffer."""
+DEVICE_CHUNK = 1024 * QUANT_BLOCK
+"""Values per pass of the torch reference on the device (2M: a few 8 MB temporaries)."""
+Parts = list[tuple[torch.dtype, int]]
+
+
+def share_order(layers: Sequence[T], head: T) -> list[T]:
+    """The blocks a share takes, first to last: the head, then layers from the last (what the
+    host worker reaches last in forward order); GPU-tier blocks are skipped by the caller."""
+    return [head, *reversed(layers)]
+
+
+@dataclass(frozen=True)
+class BlockFormats:
+    """How the store keeps a block: master and state dtypes, where its gradient is held
+    (store/grads.py HOLDS), and whether it has a bf16 shadow (fp32 master, bf16 compute)."""
+
+    master_dtype: str = "fp32"
+    state_dtype: str = "fp32"
+    hold: str = "shadow"
+
+    @property
+    def shadow(self) -> bool:
+        return self.hold == "shadow"
+
+    def gradient_parts(self, numel: int) -> Parts:
+        """The held gradient on the device, as the host landing would hold it."""
+        if self.hold == "fp32":
+            return [(torch.float32, numel)]
+        if self.hold == "int8":
+            return [(torch.int8, numel), (torch.float32, num_grad_blocks(numel))]
+        return [(torch.bfloat16, numel)]
+
+    def staging_parts(self, numel: int) -> Parts:
+        """Master, m, v (and their scales), then the shadow: the update's device copy."""
+        master = torch.bfloat16 if self.master_dtype == "bf16" else torch.float32
+        states: Parts
+        if self.state_dtype in ("fp32", "bf16"):
+            dtype = torch.float32 if self.state_dtype == "fp32" else torch.bfloat16
+            states = [(dtype, numel), (dtype, numel)]
+        else:
+            codes, scales = (
+                (INT4_HALF * num_int4_blocks(numel), num_int4_blocks(numel))
+                if self.state_dtype == "int4"
+                else (numel, num_quant_blocks(numel))
+            )
+            states = [(torch.uint8, codes), (torch.uint8, codes)]
+            states += [(torch.float32, scales), (torch.float32, scales)]
+        shadow: Parts = [(torch.bfloat16, numel)] if self.shadow else []
+        return [(master, numel), *states, *shadow]
+
+
+def packed_bytes(parts: Parts) -> int:
+    """Bytes of one buffer holding `parts`, each starting ALIGN-aligned."""
+    return sum(_aligned(n * d.itemsize) for d, n in parts)
+
+
+def carve(buffer: torch.Tensor, parts: Parts) -> list[torch.Tensor]:
+    """Views of a uint8 `buffer` with `parts`' dtypes and lengths (as `packed_bytes` packs)."""
+    out, at = [], 0
+    for dtype, n in parts:
+        out.append(buffer[at : at + n * dtype.itemsize].view(dtype))
+        at += _aligned(n * dtype.itemsize)
+    assert at <= buffer.numel(), (at, buffer.numel())
+    return out
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class GpuShare:
+    """The share's blocks, their held device gradients, and the worker that updates them."""
+
+    def __init__(
+        self,
+        blocks: Sequence[ParamBlock],
+        formats: BlockFormats,
+        optimizer: CpuAdamW,
+        transfers: Transfers,
+        *,
+        grads: torch.Tensor | None,
+        staging: torch.Tensor | None,
+        threaded: bool = True,
+    ) -> None:
+        self.blocks = list(blocks)
+        self.formats = formats
+        self.optimizer = optimizer
+        self.transfers = transfers
+        self.grads, self.staging = grads, staging
+        self._held: dict[str, list[torch.Tensor]] = {}
+        at = 0
+        for block in self.blocks:
+            assert grads is not None and staging is not None
+            parts = formats.gradient_parts(block.numel)
+            self._held[block.name] = carve(grads[at : at + packed_bytes(parts)], parts)
+            at += packed_bytes(parts)
+        self._stream = torch.cuda.Stream(transfers.device) if transfers.is_cuda else None
+        # duck-typed: the worker calls `update(block, lr=, grad_scale=)` on its thread
+        self.worker = UpdateWorker(self, threaded=threaded and bool(self.blocks))  # type: ignore[arg-type]
+
+    def __contains__(self, block: ParamBlock) -> bool:
+        return block.name in self._held
+
+    def hold(self, block: ParamBlock, acc: torch.Tensor) -> tuple[torch.Tensor, Event]:
+        """Keep a complete fp32 gradient `acc` on the device, rounded as the host landing would
+        hold it; (its squared norm as `_ship` takes it, the event marking it written)."""
+        held = self._held[block.name]
+        if self.formats.hold == "int8":  # the exact norm, then the codes (as `_ship`)
+            sumsq = torch.linalg.vector_norm(acc, dtype=torch.float32).square()
+            quantize_gradient_(acc, held[0], held[1], gradient_key(block))
+        else:
+            held[0].copy_(acc)
+            src = acc if self.formats.hold == "fp32" else held[0]
+            sumsq = torch.linalg.vector_norm(src, dtype=torch.float32).square()
+        return sumsq, self.transfers.compute_event()
+
+    def submit(
+        self, block: ParamBlock, landed: Event, *, order: int, lr: float, coef: float
+    ) -> None:
+        self.worker.submit(block, landed, order=order, lr=lr, grad_scale=coef)
+
+    def update(self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0) -> None:
+        """The block's AdamW on the device (the worker thread calls it once its held gradient
+        is written): states in, the reference update, master, states and weights out."""
+        assert self.staging is not None
+        stream = self._stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            device = self._device_block(block)
+            self.optimizer.update_reference(
+                device, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK
+            )
+            for name, host in _host_tensors(block).items():
+                host.copy_(getattr(device, name), non_blocking=True)
+            if stream is not None:
+                stream.synchronize()  # sync point (host): the block is back on the host
+        block.step = device.step
+
+    def _device_block(self, block: ParamBlock) -> ParamBlock:
+        """A ParamBlock over the staging views, master and states copied in from the host."""
+        assert self.staging is not None
+        parts = self.formats.staging_parts(block.numel)
+        views = carve(self.staging, parts)
+        shadow = views.pop() if self.formats.shadow else None
+        names = [n for n in _host_tensors(block) if n != "shadow"]
+        fields: dict[str, Any] = {}
+        for name, view in zip(names, views, strict=True):
+            host = getattr(block, name)
+            assert host.dtype == view.dtype and host.numel() == view.numel(), (block.name, name)
+            fields[name] = view.copy_(host.reshape(-1), non_blocking=True)
+        held = self._held[block.name]
+        return dataclasses.replace(
+            block,
+            **fields,
+            shadow=shadow,
+            grad=held[0],
+            grad_unit=held[1] if len(held) > 1 else None,
+            grad_pool=None,
+        )
+
+    def wait(self, block: ParamBlock) -> float:
+        """Block the host until `block`'s device update is done (sync point); seconds waited."""
+        return self.worker.wait(block)
+
+    def close(self) -> None:
+        self.worker.wait_all(self.blocks)
+        self.worker.close()
+
+
+def _host_tensors(block: ParamBlock) -> dict[str, torch.Tensor]:
+    """What the update rewrites on the host: master, states (and scales), the bf16 shadow."""
+    out = {"master": block.master, **block.state_tensors()}
+    if block.shadow is not None:
+        out["shadow"] = block.shadow
+    return out
