@@ -29,7 +29,7 @@ from megatrain.native import load_adamw_kernel
 from megatrain.planning.spec import block_sizes
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.sft import Trainer
-from megatrain.verify import make_batches, verify_config
+from megatrain.verify import make_batches, run_verify, verify_config, within
 
 LAYERS = 4  # the tiny llama's decoder layers
 BF16_MASTER = ("--optimizer.master_dtype", "bf16")
@@ -178,3 +178,11 @@ def test_share_resumes_exactly(tmp_path: Path) -> None:
         for key, saved in tensors.items():
             assert torch.equal(resumed[name][key], saved), (name, key)
             assert torch.equal(baseline[name][key], saved), (name, key)
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_share_matches_pytorch(clip: float) -> None:
+    """megatrain verify with a share: the gradients it snapshots (the share's on the device)
+    and the weights within the bf16 recipe's drift of plain PyTorch."""
+    reports = run_verify(_cfg(3, dtype="bf16", max_grad_norm=clip, grad_accum=2))
+    assert within(reports), [(r.excess, r.worst) for r in reports]

@@ -276,6 +276,7 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         assert objective is None or len(objective.inputs) == len(batches)
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
         self.updates_begun = False
+        self.share.on_gradient = self.worker.on_landed
         t0 = timer.mark()
         # The loss divides by the supervised tokens of the whole step, on every rank.
         target_tokens = self.comm.sum_int(sum(b.num_target_tokens for b in batches))

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -152,6 +152,9 @@ class GpuShare:
             self._held[block.name] = carve(grads[at : at + packed_bytes(parts)], parts)
             at += packed_bytes(parts)
         self._stream = torch.cuda.Stream(transfers.device) if transfers.is_cuda else None
+        # called with the device block once its gradient is in place, before its update
+        # (verify's snapshot: the engine passes the host worker's `on_landed`)
+        self.on_gradient: Callable[[ParamBlock], None] | None = None
         # duck-typed: the worker calls `update(block, lr=, grad_scale=)` on its thread
         self.worker = UpdateWorker(self, threaded=threaded and bool(self.blocks))  # type: ignore[arg-type]
 
@@ -183,6 +186,8 @@ class GpuShare:
         stream = self._stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             device = self._device_block(block)
+            if self.on_gradient is not None:
+                self.on_gradient(device)
             self.optimizer.update_reference(
                 device, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK
             )
