@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
             "gpu_tier_reason": plan.tier_reason,
             "activations_reason": plan.boundary_reason,
             "mlp_tiles_reason": plan.tiles_reason,
+            "gpu_update_share_reason": plan.share_reason,
             "longest_row": longest,
         }
         print(json.dumps({**report, **reasons}))
@@ -191,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"layer inputs: {plan.boundary_reason}")
     if plan.tiles_reason:
         print(f"auto {plan.tiles_reason}")
+    if plan.share_reason:
+        print(f"auto {plan.share_reason}")
     if args.longest:
         print(f"longest row that fits: {longest if longest else 'none'} tokens")
     print(

@@ -61,14 +61,16 @@ class OptimizerConfig:
     after its block's backward and the gradient lands in a few shared bf16 buffers instead.
     Only with master_dtype bf16 (an fp32 master's gradient lands in its bf16 copy, free)."""
 
-    gpu_update_blocks: int = 0
+    gpu_update_blocks: int | str = 0
     """Streamed blocks whose AdamW update runs on the GPU each step instead of the CPU: those
     the CPU would reach last in forward order (the head, then the layers from the last; never
     GPU-tier blocks). Their gradients stay on the GPU; master and states, in their stored
     formats, are copied to the GPU, updated there with the same arithmetic (the same results,
-    bit for bit) and copied back while the CPU updates the rest. 0: off. Costs GPU memory:
-    each block's held gradient (2 B/param, int8 1) and one block's master and states. One
-    process only (not under torchrun). docs/performance.md, "GPU update share"."""
+    bit for bit) and copied back while the CPU updates the rest. An integer >= 0 (0: off), or
+    "auto": the count whose predicted step is shortest (more while each one more shortens it
+    and the GPU holds it; 0 on the CPU). Costs GPU memory: each block's held gradient
+    (2 B/param, int8 1) and one block's master and states. One process only (not under
+    torchrun). docs/performance.md, "GPU update share"."""
 
     def validate(self) -> None:
         check_types("optimizer", self)
@@ -100,7 +102,14 @@ class OptimizerConfig:
         check_choice("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
         check_choice("optimizer.master_dtype", self.master_dtype, MASTER_DTYPES)
         check_choice("optimizer.grad_dtype", self.grad_dtype, GRAD_DTYPES)
-        check_int("optimizer.gpu_update_blocks", self.gpu_update_blocks, minimum=0)
+        blocks = self.gpu_update_blocks
+        if (isinstance(blocks, str) and blocks != "auto") or (
+            isinstance(blocks, int) and blocks < 0
+        ):
+            raise ValueError(
+                f"optimizer.gpu_update_blocks={blocks!r} must be an integer >= 0 (0: every "
+                "streamed block is updated on the CPU) or 'auto'"
+            )
         if self.grad_dtype != "bf16" and self.master_dtype == "fp32":
             raise ValueError(
                 f"optimizer.grad_dtype: {self.grad_dtype} sets how a bf16 master's gradients are "

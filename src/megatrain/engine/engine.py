@@ -56,7 +56,7 @@ from megatrain.engine.backward import BackwardPass
 from megatrain.engine.boundaries import Boundaries
 from megatrain.engine.collectives import Collectives
 from megatrain.engine.forward import ForwardPass
-from megatrain.engine.gpu_share import BlockFormats, GpuShare, share_order
+from megatrain.engine.gpu_share import BlockFormats, GpuShare, share_of
 from megatrain.engine.head import ChunkedLoss, TokenObjective
 from megatrain.engine.layout import (
     ACCUMULATORS,
@@ -178,9 +178,10 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
             [RouterTap(m, self.aux) for m in self.slots.modules] if self.aux is not None else []
         )
         self.worker = UpdateWorker(optimizer, threaded=threaded_optimizer)
-        streamed = [b for b in share_order(store.layers, store.head) if b not in self.tier]
         self.share = GpuShare(
-            streamed[: plan.gpu_update_blocks],
+            share_of(
+                store.layers, store.head, lambda b: b not in self.tier, plan.gpu_update_blocks
+            ),
             formats,
             optimizer,
             self.transfers,

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from megatrain.engine.plan import TierSplit
 from megatrain.engine.transfers import Event, Transfers
 from megatrain.engine.updates import UpdateWorker
 from megatrain.optim.adamw import CpuAdamW
@@ -60,10 +61,17 @@ DEVICE_CHUNK = 1024 * QUANT_BLOCK
 Parts = list[tuple[torch.dtype, int]]
 
 
-def share_order(layers: Sequence[T], head: T) -> list[T]:
-    """The blocks a share takes, first to last: the head, then layers from the last (what the
-    host worker reaches last in forward order); GPU-tier blocks are skipped by the caller."""
-    return [head, *reversed(layers)]
+def share_of(layers: Sequence[T], head: T, streamed: Callable[[T], bool], count: int) -> list[T]:
+    """The share's `count` blocks (fewer if fewer stream), first to last: the head, then the
+    layers from the last (what the host worker reaches last in forward order), skipping those
+    not `streamed` (the GPU tier's). `T`: a block, or what the planner knows of one."""
+    return [b for b in [head, *reversed(layers)] if streamed(b)][:count]
+
+
+def share_size(num_layers: int, tier: TierSplit, count: int) -> int:
+    """How many blocks a share of `count` holds beside `tier`: at most the streamed layers and
+    a streamed head."""
+    return min(count, num_layers - tier.layers + (not tier.head))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.engine.gpu_share import BlockFormats, packed_bytes, share_order
+from megatrain.engine.gpu_share import BlockFormats, packed_bytes, share_of
 from megatrain.engine.plan import EnginePlan, tier_order
 from megatrain.model.multimodal import vision_split
 from megatrain.store.blocks import ParamBlock
@@ -144,8 +144,13 @@ class DeviceLayout:
         states = 4 if c == torch.bfloat16 else 3  # fp32 master (unless the weights), m, v, grad
         tier_bytes = sum(n * c.itemsize + states * 4 * (n // world) for n in tier_sizes)
         out.append(Buffer(TIER, 1, tier_bytes, torch.uint8))
-        pairs = share_order(list(zip(layers, layer_tier, strict=True)), (head, head_tier))
-        share = [n for n, t in pairs if not t][: plan.gpu_update_blocks]
+        pairs = share_of(
+            list(zip(layers, layer_tier, strict=True)),
+            (head, head_tier),
+            lambda pair: not pair[1],
+            plan.gpu_update_blocks,
+        )
+        share = [n for n, _ in pairs]
         fmt = formats or BlockFormats(hold="shadow" if c == torch.bfloat16 else "fp32")
         grads = sum(packed_bytes(fmt.gradient_parts(n)) for n in share)
         staging = max((packed_bytes(fmt.staging_parts(n)) for n in share), default=0)

@@ -58,6 +58,7 @@ from transformers import PretrainedConfig
 
 from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.engine.gpu_share import share_size
 from megatrain.engine.layout import SLOTS, VISION, VISION_TRAIN, DeviceLayout
 from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.engine.schedule import StepSchedule
@@ -216,6 +217,9 @@ def _settings(
         master_dtype=setup.master_dtype,
         grad_dtype=setup.grad_dtype,
         gpu_state_blocks=tier,
+        gpu_update_blocks=share_size(
+            spec.num_layers, TierSplit.of(spec.num_layers, tier), plan.gpu_update_blocks
+        ),
         compiled=plan.compile_layers,
         activations=boundaries.describe(),
         mlp_tiles=setup.tile_count,

@@ -34,8 +34,9 @@ from typing import Any
 from megatrain.config import TrainConfig
 from megatrain.distributed import Placement, rows_per_rank
 from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.engine.gpu_share import share_size
 from megatrain.engine.head import default_chunk_tokens
-from megatrain.engine.plan import EnginePlan, tier_size
+from megatrain.engine.plan import EnginePlan, TierSplit, tier_size
 from megatrain.engine.tiling import TilePolicy, tileable, untiled_layers
 from megatrain.layouts import LAYOUTS
 from megatrain.planning.batch_size import pick_micro_batch
@@ -73,10 +74,14 @@ class RunShape:
     master_dtype: str = "fp32"  # master weights on the host: "fp32" or "bf16" (host memory)
     grad_dtype: str = "bf16"  # a bf16 master's held gradients: "bf16" or "int8" (store/grads.py)
     rows_multiple: int = 1  # "auto" micro-batches hold a multiple of it (a preference pair: 2)
-    gpu_update_blocks: int = 0  # streamed blocks updated on the GPU (engine/gpu_share.py)
+    gpu_update_blocks: int | str = 0  # streamed blocks updated on the GPU, or "auto"
 
     def __post_init__(self) -> None:
-        if self.gpu_update_blocks and self.ranks.world > 1:
+        if (
+            isinstance(self.gpu_update_blocks, int)
+            and self.gpu_update_blocks
+            and self.ranks.world > 1
+        ):
             raise ValueError(
                 f"optimizer.gpu_update_blocks={self.gpu_update_blocks} under {self.ranks.world} "
                 "ranks: the GPU update share runs in one process only (each rank would have to "
@@ -139,9 +144,15 @@ class RunShape:
         return 1 if policy is None else policy.count(self.seq_len)
 
     def engine_plan(
-        self, spec: ModelSpec, tier: int, boundaries: BoundaryPlan | None, tiles: int | None
+        self,
+        spec: ModelSpec,
+        tier: int,
+        boundaries: BoundaryPlan | None,
+        tiles: int | None,
+        share: int = 0,
     ) -> EnginePlan:
-        """The engine's plan with `tier` blocks, `boundaries` and `tiles` (a count for "auto")."""
+        """The engine's plan with `tier` blocks, `boundaries`, `tiles` (a count for "auto") and
+        `share` blocks updated on the GPU."""
         policy = self.tile_policy(spec, tiles)
         return EnginePlan(
             num_slots=self.num_slots,
@@ -156,7 +167,7 @@ class RunShape:
             rank=self.rank,
             train_vision=self.vision.tower,
             train_projector=self.vision.projector,
-            gpu_update_blocks=self.gpu_update_blocks,
+            gpu_update_blocks=share,
         )
 
     def setup(self, engine: EnginePlan, micro_batch_size: int, grad_accum: int) -> Setup:
@@ -251,9 +262,9 @@ def plan_resources(
     assert isinstance(micro_batch_size, int)
 
     def predict(
-        tier: int, boundaries: BoundaryPlan | None = None, tiles: int = most_tiles
+        tier: int, boundaries: BoundaryPlan | None = None, tiles: int = most_tiles, share: int = 0
     ) -> Estimate:
-        engine = shape.engine_plan(spec, tier, boundaries, tiles)
+        engine = shape.engine_plan(spec, tier, boundaries, tiles, share)
         return estimate(spec, shape.setup(engine, micro_batch_size, grad_accum), hardware)
 
     boundaries, boundary_reason = _pick_boundaries(
@@ -268,7 +279,11 @@ def plan_resources(
     predict = functools.partial(predict, boundaries=boundaries, tiles=tiles)
 
     tier, tier_reason = _tier(shape, spec, predict, hardware, gpu_margin_gib, gpu_reserve_bytes)
-    est = predict(tier)
+    budget = hardware.gpu_bytes - gpu_margin_gib * GIB - gpu_reserve_bytes
+    split, most = TierSplit.of(spec.num_layers, tier), tier_size(spec.num_layers)
+    streamed = share_size(spec.num_layers, split, most)  # the share's candidates
+    share, share_reason = _share(shape, functools.partial(predict, tier), streamed, budget)
+    est = predict(tier, share=share)
     problems = [host_problem(est, hardware, host_margin_gib)]
     if shape.check_gpu:
         problems.append(gpu_problem(est, hardware, gpu_margin_gib))
@@ -276,13 +291,14 @@ def plan_resources(
         micro_batch_size=micro_batch_size,
         grad_accum=grad_accum,
         estimate=est,
-        engine=shape.engine_plan(spec, tier, boundaries, tiles),
+        engine=shape.engine_plan(spec, tier, boundaries, tiles, share),
         batch_reason=reason,
         problems=tuple(p for p in problems if p),
         tier_reason=tier_reason,
         boundary_reason=boundary_reason,
         mlp_tiles=tiles,
         tiles_reason=tiles_reason,
+        share_reason=share_reason,
     )
 
 
@@ -351,6 +367,36 @@ def _tier(
     if shape.master_dtype != "fp32":
         return 0, f"GPU tier: none (master_dtype {shape.master_dtype}: fp32 only)"
     return _pick_tier(predict, blocks, shape.check_gpu, hardware, gpu_margin_gib, reserve)
+
+
+def _share(
+    shape: RunShape, predict: Callable[..., Estimate], streamed: int, budget: float
+) -> tuple[int, str | None]:
+    """The GPU update share's block count, and why "auto" chose it (None: it was given).
+
+    "auto": the predicted step (planning/timing.py's replay) with 0, 1, 2, ... share blocks,
+    while each one more shortens it and the GPU peak fits `budget`. Each block taken off the
+    CPU worker's tail shortens the host's updates by its CPU AdamW time and lengthens the
+    share's by its states' round trip over the link beside the weights; the step is bound by
+    the later of the two (and by compute), which first falls, then rises: the first count that
+    does not shorten the step ends the search. Where the CPU updates do not bound the step
+    (the GPU compute or the link does), that is 0, and no GPU memory is spent on it."""
+    if shape.gpu_update_blocks != "auto":
+        return int(shape.gpu_update_blocks), None
+    if not shape.check_gpu or shape.ranks.world > 1:
+        return 0, "GPU update share: none (" + ("no GPU)" if not shape.check_gpu else "ranks)")
+    base = best = predict(share=0)
+    count = 0
+    while count < streamed:
+        est = predict(share=count + 1)
+        if est.gpu.peak_bytes > budget or est.time.step_s >= best.time.step_s:
+            break
+        best, count = est, count + 1
+    return count, (
+        f"GPU update share: {count} blocks, predicted step {best.time.step_s:.2f} s "
+        f"(without {base.time.step_s:.2f} s; CPU AdamW {best.time.optimizer_s:.2f} s, the "
+        f"share's copies and GPU AdamW {best.time.share_s:.2f} s)"
+    )
 
 
 def _pick_tier(

@@ -5,7 +5,10 @@ with three streams (compute, H2D, D2H), the host thread and the optimizer worker
 refilled when the visit `num_slots` earlier is done with them, the next forward waits for each
 block's update before copying it, the worker takes the landed block the next forward needs
 first; without clipping updates start as gradients land, with clipping all start after the
-backward (engine/engine.py). planning/timing.py builds the costs and reads the last step.
+backward (engine/engine.py). The GPU update share's blocks (engine/gpu_share.py) ship no
+gradient; a second worker updates them one at a time, in forward order, each its states up on
+the H2D stream and back on the D2H stream (the link the weights use: the next forward's loads
+queue behind them). planning/timing.py builds the costs and reads the last step.
 `forward_passes(passes)` replays forward-only passes (log-probs without gradients: DPO's
 reference pass) the same way, without backward and optimizer.
 """
@@ -30,6 +33,8 @@ class Costs:
     d2h_embed_s: float
     opt_s: list[float]  # per block in forward order: embedding, layers, head (0: GPU tier)
     tier_opt_s: list[float]  # per block as opt_s: AdamW on the GPU (0: host blocks)
+    share_up_s: list[float]  # per block as opt_s: a share block's states up + its GPU AdamW
+    share_down_s: list[float]  # ... its master, states and weights back (0: not in the share)
     fwd_call_s: list[float]  # host issue time per layer forward (all micro-batches)
     bwd_call_s: list[float]  # per layer recompute + backward
     loss_call_s: float
@@ -45,7 +50,7 @@ class Replay:
     def __init__(self, c: Costs) -> None:
         self.c = c
         n = len(c.fwd_s)
-        self.t = self.g = self.h = self.d = self.worker = 0.0
+        self.t = self.g = self.h = self.d = self.worker = self.share_worker = 0.0
         self.updated = [0.0] * (n + 2)  # block (forward order) -> its last update's end
         self.slot_ready = [0.0] * c.schedule.num_slots
         self.slot_free = [0.0] * c.schedule.num_slots
@@ -124,9 +129,15 @@ class Replay:
         self.t += self.c.fwd_call_s[i]
         self._slot_compute(i, 0.0, self.c.fwd_s[i])
 
-    def _ship(self, order: int, seconds: float) -> None:
+    def _ship(self, order: int, seconds: float) -> float:
+        """A block's gradient is complete: copied down (a share block's stays); when its
+        accumulator is free again."""
+        if self.c.share_up_s[order]:
+            self.tasks.append((order, self.t, self.g))
+            return self.g
         self.d = max(self.d, self.g) + seconds
         self.tasks.append((order, self.t, self.d))
+        return self.d
 
     def _loss(self) -> None:
         self.t += self.c.loss_call_s
@@ -157,8 +168,7 @@ class Replay:
             else:
                 self.t += c.bwd_call_s[i]
                 self._slot_compute(i, acc_free[i % 2], c.bwd_s[i])
-                self._ship(1 + i, c.d2h_s[i])
-                acc_free[i % 2] = self.d
+                acc_free[i % 2] = self._ship(1 + i, c.d2h_s[i])
         self._finish(0, c.tier_embed, c.d2h_embed_s)
         self.t = max(self.t, self.g)  # sync point: the gradient norm
         if c.clipping:  # the GPU tier's updates are queued first, then the host's
@@ -168,7 +178,9 @@ class Replay:
     def _optimizer(self) -> None:
         """The worker: among submitted tasks whose gradient landed, lowest forward order
         first; with none landed, it blocks on the oldest submitted one."""
-        pending, now = list(self.tasks), self.worker
+        share = sorted(task for task in self.tasks if self.c.share_up_s[task[0]])
+        self._share_updates(share)
+        pending, now = [task for task in self.tasks if task not in share], self.worker
         while pending:
             ready = [task for task in pending if task[1] <= now]
             if not ready:
@@ -180,3 +192,13 @@ class Replay:
             self.updated[task[0]] = now
             pending.remove(task)
         self.worker, self.tasks = now, []
+
+    def _share_updates(self, tasks: list[tuple[int, float, float]]) -> None:
+        """The GPU update share's worker, one block at a time in forward order: states up
+        once its gradient is held, AdamW on the GPU, everything back down."""
+        c, now = self.c, self.share_worker
+        for order, submitted, held in tasks:
+            self.h = max(self.h, now, submitted, held) + c.share_up_s[order]
+            self.d = max(self.d, self.h) + c.share_down_s[order]
+            now = self.updated[order] = self.d
+        self.share_worker = now

@@ -24,6 +24,7 @@ class ResourcePlan:
     boundary_reason: str | None = None
     mlp_tiles: int = 1  # sequence tiles of the MLPs at seq_len (engine/tiling.py)
     tiles_reason: str | None = None  # why "auto" chose that many (None: set, or no choice)
+    share_reason: str | None = None  # why "auto" chose the GPU update share (None: given)
 
     @property
     def gpu_state_blocks(self) -> int:

@@ -23,6 +23,11 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - GPU tier (the first `gpu_state_blocks` of: layers, embedding, head; engine/tier.py): no
   copies and no CPU AdamW; their AdamW runs on the compute stream at GPU_ADAMW_GPARAMS_S, right
   after the block's backward, or with clipping after the norm sync of the step's end;
+- GPU update share (the last `gpu_update_blocks` streamed blocks: head, then layers from the
+  last; engine/gpu_share.py): no gradient copy down and no CPU AdamW; instead their master
+  and states, as stored, go up (H2D stream) and master, states and weights come back (D2H),
+  one block at a time, with the torch reference AdamW on the GPU at
+  GPU_REFERENCE_ADAMW_GPARAMS_S in between;
 - layer GPU time (planning/layer_time.py): FLOPs at the achieved rate, memory traffic, MoE
   routing, linear attention, the gradient sum, compiled layers;
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
@@ -63,6 +68,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain.engine.gpu_share import BlockFormats, share_of
 from megatrain.engine.plan import TierSplit
 from megatrain.engine.schedule import LOAD, RECOMPUTE, StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_numel, vision_width
@@ -94,6 +100,11 @@ layers' rate, which is lower below hidden ~1500."""
 GPU_ADAMW_GPARAMS_S = 60.0
 """Fused AdamW on the GPU (assumed, H100): ~34 bytes per parameter through HBM (read p, g, m,
 v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
+GPU_REFERENCE_ADAMW_GPARAMS_S = 10.0
+"""The GPU update share's AdamW (assumed, H100; not measured yet): the torch reference of the C
+kernels (optim/update_io.py) runs ~25 elementwise kernels per chunk, each reading and writing
+one or two fp32 tensors, ~250 bytes per parameter through HBM at ~2.5 TB/s. A tenth of the
+link's time for the same block (26 B/param each way at ~25 GB/s), so a rough figure is enough."""
 
 
 # The vision tower's achieved rate against the engine's at the tower's width, fitted to the
@@ -124,6 +135,7 @@ class StepTime:
     tokens_per_s: float  # of the whole job (every rank)
     model_tflops: float  # 6 x active params x tokens/s
     vision_s: float = 0.0  # a VLM's vision modules, forward + backward (in compute_s)
+    share_s: float = 0.0  # the GPU update share's copies up and down and its GPU AdamW
 
 
 def step_time(
@@ -164,6 +176,8 @@ def step_time(
         layer_scores=layer_scores,
         layer_causal=layer_causal,
         tier=TierSplit.of(spec.num_layers, plan.gpu_state_blocks),
+        share=plan.gpu_update_blocks,
+        formats=setup.block_formats(spec.compute_dtype == torch.bfloat16),
         state_dtype=setup.state_dtype,
         compiled=plan.compile_layers,
         ranks=ranks,
@@ -203,6 +217,7 @@ def step_time(
         tokens_per_s=tokens / step_s,
         model_tflops=6 * spec.active_params * tokens / step_s / 1e12,
         vision_s=vision_fwd + vision_bwd,
+        share_s=sum(costs.share_up_s) + sum(costs.share_down_s),
     )
 
 
@@ -269,6 +284,8 @@ def _costs(
     layer_scores: Sequence[tuple[int, int]],
     layer_causal: Sequence[bool],
     tier: TierSplit,
+    share: int,
+    formats: BlockFormats,
     state_dtype: str,
     compiled: bool,
     ranks: Ranks,
@@ -297,6 +314,16 @@ def _costs(
     host = [0 if gpu else p for p, gpu in zip(params, on_gpu, strict=True)]
     shard = [ranks.shard(p) for p in host]  # what this rank copies and updates
     tier_params = [p - h for p, h in zip(params, host, strict=True)]
+    # the share's blocks by forward position (embedding 0, layers, head n + 1)
+    shared = set(share_of(list(range(1, n + 1)), n + 1, lambda i: host[i] > 0, share))
+    up_s, down_s = [0.0] * (n + 2), [0.0] * (n + 2)
+    for i in shared:
+        parts = formats.staging_parts(params[i])  # master, m, v (and scales), the shadow
+        stored = sum(k * d.itemsize for d, k in parts[: len(parts) - formats.shadow])
+        weights = params[i] * elem if formats.shadow else 0  # the bf16 shadow comes back too
+        up_s[i] = stored / h2d + params[i] / (GPU_REFERENCE_ADAMW_GPARAMS_S * 1e9)
+        down_s[i] = (stored + weights) / d2h
+    kept = [0 if i in shared else p for i, p in enumerate(shard)]  # gradients down, CPU AdamW
     opt_rate /= ranks.nproc_per_node if ranks.world > 1 else 1  # the node's rate, shared
 
     def up(i: int) -> float:  # block i's weights: its shard over PCIe, then the all-gather
@@ -312,10 +339,10 @@ def _costs(
         head_fwd_s=loss / 3.0 / loss_rate,
         h2d_s=[up(i) for i in range(1, n + 1)],
         h2d_head_s=up(n + 1) + table,
-        d2h_s=[p * elem / d2h for p in shard[1:-1]],
-        d2h_head_s=shard[-1] * elem / d2h,
+        d2h_s=[p * elem / d2h for p in kept[1:-1]],
+        d2h_head_s=kept[-1] * elem / d2h,
         d2h_embed_s=shard[0] * elem / d2h,
-        opt_s=[p / opt_rate for p in shard],
+        opt_s=[p / opt_rate for p in kept],
         tier_opt_s=[  # the shard's AdamW, then the all-gather of the block's new weights
             ranks.shard(p) / gpu_opt_rate + ranks.collective_s(p * elem) if p else 0.0
             for p in tier_params
@@ -324,6 +351,8 @@ def _costs(
         bwd_call_s=[b * layer_launch for _, b in layer_ops],
         loss_call_s=loss_ops * launch,
         schedule=schedule,
+        share_up_s=up_s,
+        share_down_s=down_s,
         tier_embed=on_gpu[0],
         tier_head=on_gpu[-1],
         clipping=clipping,

@@ -25,6 +25,8 @@ def report_plan(plan: ResourcePlan, gpu: bool) -> None:
         print(f"memory.gpu_state_blocks auto: {plan.tier_reason}", flush=True)
     if plan.tiles_reason:
         print(f"memory.mlp_tiles auto: {plan.tiles_reason}", flush=True)
+    if plan.share_reason and plan.engine.gpu_update_blocks:
+        print(f"optimizer.gpu_update_blocks auto: {plan.share_reason}", flush=True)
     est = plan.estimate
     for line in est.advice:
         print(f"note: {line}", flush=True)
