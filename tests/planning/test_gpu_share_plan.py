@@ -1,0 +1,94 @@
+"""The GPU update share in the plan (planning/timing.py, planning/plan.py `_share`).
+
+On the assumed H100 test host (no GPU needed), the Qwen3-30B-A3B shape cut to 12 layers,
+64k tokens a step, compiled layers, int8 states (the CPU update bounds the step: the issue's
+case): the share takes its blocks' gradients off the link down and their AdamW off the CPU,
+and puts their states on the link up and back, in exactly the bytes the store holds; "auto"
+gives the count with the shortest predicted step, and none where the CPU does not bound it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from megatrain.planning.hardware import Hardware
+from megatrain.planning.optimizer_rate import optimizer_gparams_s
+from megatrain.planning.plan import RunShape
+from megatrain.planning.ranks import Ranks
+from megatrain.planning.timing import GPU_REFERENCE_ADAMW_GPARAMS_S
+from predict import cli_row_plan
+from shapes import LLAMA31_8B, QWEN3_30B_A3B_12
+
+H100 = Hardware().with_overrides(gpu_gib=79.2, host_gib=125)
+INT8 = {"training.compile_layers": True, "optimizer.state_dtype": "int8"}
+
+
+def _plan(share: int | str, shape: dict[str, Any] = QWEN3_30B_A3B_12, **settings: Any) -> Any:
+    return cli_row_plan(shape, H100, **{**INT8, "optimizer.gpu_update_blocks": share, **settings})
+
+
+def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
+    """Two blocks (the head, then layer 11): the CPU AdamW loses exactly their time, the
+    gradient copies down their bf16 bytes; the share's time is their master (4 B/param), int8
+    m and v (2 B/param, 8 B of scales per 2048) up, the same and the bf16 weights back, and
+    their AdamW at the GPU reference rate."""
+    base, two = _plan(0), _plan(2)
+    spec = base.estimate.settings
+    assert (base.engine.gpu_update_blocks, two.engine.gpu_update_blocks) == (0, 2)
+    assert two.estimate.settings["gpu_update_blocks"] == 2 and spec["gpu_update_blocks"] == 0
+    head = 151936 * 2048 + 2048  # lm_head and the final norm
+    layer = two.estimate.layer_params_max  # every layer of the shape is the same
+    params = head + layer
+    rate = optimizer_gparams_s(H100, "int8") * 1e9
+    t0, t2 = base.estimate.time, two.estimate.time
+    assert t0.optimizer_s - t2.optimizer_s == pytest.approx(params / rate, rel=1e-9)
+    assert t0.d2h_s - t2.d2h_s == pytest.approx(params * 2 / (H100.d2h_gbps * 1e9), rel=1e-9)
+    scales = sum(8 * -(-n // 2048) for n in (head, layer))
+    stored = 6 * params + scales
+    expected = (
+        stored / (H100.h2d_gbps * 1e9)
+        + (stored + 2 * params) / (H100.d2h_gbps * 1e9)
+        + params / (GPU_REFERENCE_ADAMW_GPARAMS_S * 1e9)
+    )
+    assert t2.share_s == pytest.approx(expected, rel=1e-9)
+    assert t2.step_s < t0.step_s  # the CPU bound the step: it is shorter
+    assert t2.compute_s == t0.compute_s
+
+
+def test_auto_takes_the_shortest_predicted_step() -> None:
+    auto = _plan("auto")
+    n = auto.engine.gpu_update_blocks
+    assert n > 0 and auto.share_reason.startswith(f"GPU update share: {n} blocks")
+    steps = {k: _plan(k).estimate.time.step_s for k in (0, n - 1, n, n + 1)}
+    assert auto.estimate.time.step_s == steps[n] < steps[n - 1] <= steps[0]
+    assert steps[n + 1] >= steps[n]  # one more no longer shortens it
+
+
+def test_auto_is_none_where_the_cpu_does_not_bound_the_step() -> None:
+    """Llama-3.1-8B at 64k tokens, fp32 states: GPU compute bounds the step (docs/performance.md
+    run 41); on the CPU there is no GPU to share with."""
+    dense = _plan(
+        "auto", {"model_type": "llama", **LLAMA31_8B}, **{"optimizer.state_dtype": "fp32"}
+    )
+    assert dense.engine.gpu_update_blocks == 0
+    on_cpu = cli_row_plan(QWEN3_30B_A3B_12, H100, "cpu", **{"optimizer.gpu_update_blocks": "auto"})
+    assert on_cpu.engine.gpu_update_blocks == 0
+    assert on_cpu.share_reason == "GPU update share: none (no GPU)"
+
+
+def test_a_share_under_ranks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"optimizer.gpu_update_blocks=2 under 2 ranks.*set"):
+        RunShape(
+            seq_len=2048,
+            num_slots=2,
+            layout="full",
+            clip_norm=1.0,
+            loss_chunk_tokens=None,
+            pin_memory=True,
+            check_gpu=True,
+            state_dtype="fp32",
+            ranks=Ranks(2),
+            gpu_update_blocks=2,
+        )
