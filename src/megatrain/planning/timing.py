@@ -26,8 +26,9 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - GPU update share (the last `gpu_update_blocks` streamed blocks: head, then layers from the
   last; engine/gpu_share.py): no gradient copy down and no CPU AdamW; instead their master
   and states, as stored, go up (H2D stream) and master, states and weights come back (D2H),
-  one block at a time, with the torch reference AdamW on the GPU at
-  GPU_REFERENCE_ADAMW_GPARAMS_S in between;
+  one block at a time, with the torch reference AdamW on the GPU in between
+  (GPU_REFERENCE_BYTES_PER_PARAM at GPU_UNFUSED_BYTES_PER_S; its slowing of the compute beside
+  it is not counted);
 - layer GPU time (planning/layer_time.py): FLOPs at the achieved rate, memory traffic, MoE
   routing, linear attention, the gradient sum, compiled layers;
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
@@ -100,11 +101,27 @@ layers' rate, which is lower below hidden ~1500."""
 GPU_ADAMW_GPARAMS_S = 60.0
 """Fused AdamW on the GPU (assumed, H100): ~34 bytes per parameter through HBM (read p, g, m,
 v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
-GPU_REFERENCE_ADAMW_GPARAMS_S = 10.0
-"""The GPU update share's AdamW (assumed, H100; not measured yet): the torch reference of the C
-kernels (optim/update_io.py) runs ~25 elementwise kernels per chunk, each reading and writing
-one or two fp32 tensors, ~250 bytes per parameter through HBM at ~2.5 TB/s. A tenth of the
-link's time for the same block (26 B/param each way at ~25 GB/s), so a rough figure is enough."""
+GPU_REFERENCE_BYTES_PER_PARAM = {
+    ("fp32", "fp32"): 272,
+    ("fp32", "bf16"): 2552,
+    ("fp32", "int8"): 498,
+    ("fp32", "int4"): 501,
+    ("bf16", "fp32"): 1465,
+    ("bf16", "bf16"): 3745,
+    ("bf16", "int8"): 1691,
+    ("bf16", "int4"): 1694,
+}
+"""Bytes the GPU update share's AdamW moves through GPU memory per parameter, by (master dtype,
+state dtype): the torch reference of the C kernels (optim/update_io.py), unfused, counted on
+the CPU (2026-11-28: a TorchDispatchMode summing every op's tensor arguments and results over
+`CpuAdamW.update_reference` on a 2M-value block in one chunk; a bf16 master with int8 held
+gradients, an fp32 master with its bf16 gradient). Each bf16 stochastic rounding (bf16 states'
+m and v, a bf16 master's weights) costs ~1.2 kB/param: its hash runs on int64 indices."""
+GPU_UNFUSED_BYTES_PER_S = 1.06e12
+"""What unfused elementwise kernels achieve of an H100's memory bandwidth (assumed, as
+docs/optimizer_states.md "Which tier" did: 0.29 s for the 374 B/param of a 0.82B int8 block),
+so the share's AdamW runs at GPU_UNFUSED_BYTES_PER_S / GPU_REFERENCE_BYTES_PER_PARAM: 3.9
+Gparams/s for fp32 states, 0.6 for a bf16 master (measure: docs/performance.md)."""
 
 
 # The vision tower's achieved rate against the engine's at the tower's width, fitted to the
@@ -321,7 +338,8 @@ def _costs(
         parts = formats.staging_parts(params[i])  # master, m, v (and scales), the shadow
         stored = sum(k * d.itemsize for d, k in parts[: len(parts) - formats.shadow])
         weights = params[i] * elem if formats.shadow else 0  # the bf16 shadow comes back too
-        up_s[i] = stored / h2d + params[i] / (GPU_REFERENCE_ADAMW_GPARAMS_S * 1e9)
+        work = GPU_REFERENCE_BYTES_PER_PARAM[formats.master_dtype, formats.state_dtype]
+        up_s[i] = stored / h2d + params[i] * work / GPU_UNFUSED_BYTES_PER_S
         down_s[i] = (stored + weights) / d2h
     kept = [0 if i in shared else p for i, p in enumerate(shard)]  # gradients down, CPU AdamW
     opt_rate /= ranks.nproc_per_node if ranks.world > 1 else 1  # the node's rate, shared
