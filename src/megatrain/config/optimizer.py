@@ -70,7 +70,7 @@ class OptimizerConfig:
     "auto": the count whose predicted step is shortest (more while each one more shortens it
     and the GPU holds it; 0 on the CPU). Costs GPU memory: each block's held gradient
     (2 B/param, int8 1) and one block's master and states. One process only (not under
-    torchrun). docs/performance.md, "GPU update share"."""
+    torchrun). docs/optimizer_states.md, "The GPU update share"."""
 
     def validate(self) -> None:
         check_types("optimizer", self)
