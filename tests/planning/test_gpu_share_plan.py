@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from megatrain.engine.gpu_share import WORK_BYTES
+from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING
+from megatrain.planning.estimate import SHARE_WORK
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.optimizer_rate import optimizer_gparams_s
 from megatrain.planning.plan import RunShape
@@ -54,6 +57,10 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
     )
     assert t2.share_s == pytest.approx(expected, rel=1e-9)
     assert t2.step_s < t0.step_s  # the CPU bound the step: it is shorter
+    # the GPU: held gradients, one staging set, the update's temporaries
+    items = two.estimate.gpu.items
+    assert items[SHARE_WORK] == WORK_BYTES and SHARE_WORK not in base.estimate.gpu.items
+    assert items[SHARE_GRADS] >= 2 * params and items[SHARE_STAGING] >= 6 * head
     assert t2.compute_s == t0.compute_s
 
 

@@ -23,8 +23,9 @@ Per share block and step:
 
 Device memory (engine/layout.py SHARE_GRADS, SHARE_STAGING): every share block's held gradient
 (2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and one staging set of master + states
-(+ the bf16 shadow written by the update). The update's temporaries are a few fp32 tensors of
-DEVICE_CHUNK values, freed after each chunk.
+(+ the bf16 shadow written by the update). The update's temporaries, up to WORK_BYTES, are
+freed after each pass of DEVICE_CHUNK values and kept by the allocator: the estimate counts
+them beside the layout.
 
 Invariants: one share block is updated at a time (one staging set); its update starts only
 after its held gradient is written (the landed event) and is complete (the copy stream
@@ -57,7 +58,16 @@ T = TypeVar("T")
 ALIGN = 256
 """Byte alignment of each tensor carved out of a share buffer."""
 DEVICE_CHUNK = 1024 * QUANT_BLOCK
-"""Values per pass of the torch reference on the device (2M: a few 8 MB temporaries)."""
+"""Values per pass of the torch reference on the device (2M: ~40 kernel launches a pass with
+fp32 states, ~250 with bf16 rounding, issued by the share's worker thread)."""
+WORK_BYTES_PER_VALUE = 81
+"""Peak bytes of the reference update's temporaries per value of a pass, the most of any format
+(a bf16 master or bf16 states: the stochastic rounding's int64 indices and hashes; fp32 states
+28, int8 38): counted on the CPU (2026-11-28, a TorchDispatchMode tracking every op's new
+storages until freed, over `CpuAdamW.update_reference` on a 1M-value block in one pass)."""
+WORK_BYTES = DEVICE_CHUNK * WORK_BYTES_PER_VALUE
+"""GPU memory the share's update allocates beside its buffers (its stream's pool keeps it),
+170 MB: planning/estimate.py counts it where there is a share."""
 Parts = list[tuple[torch.dtype, int]]
 
 

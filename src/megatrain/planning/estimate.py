@@ -58,8 +58,9 @@ from transformers import PretrainedConfig
 
 from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.engine.gpu_share import WORK_BYTES as SHARE_WORK_BYTES
 from megatrain.engine.gpu_share import share_size
-from megatrain.engine.layout import SLOTS, VISION, VISION_TRAIN, DeviceLayout
+from megatrain.engine.layout import SHARE_STAGING, SLOTS, VISION, VISION_TRAIN, DeviceLayout
 from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.engine.schedule import StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_saved_bytes_per_patch
@@ -228,6 +229,9 @@ def _settings(
     )
 
 
+SHARE_WORK = "GPU update share: AdamW temporaries"
+
+
 # A compiled Gated DeltaNet layer (torch's fallback kernels) keeps more for its backward than
 # the eager layer the meta profile measures: 12.0 GiB against 6.8 for one Qwen3.5-27B layer,
 # forward + backward on 4 x 2048 tokens on an H100 (docs/performance.md run 39); the compiled
@@ -279,6 +283,7 @@ def gpu_memory(
         **layout.bytes_by_name(),
         "embedding rows": mbs * min(setup.tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": mbs * profile.captured_bytes,
+        SHARE_WORK: SHARE_WORK_BYTES if SHARE_STAGING in layout else 0,
         "reduce-scatter output (ranks, fp32)": (
             ranks.shard(max((la.params for la in spec.layers), default=0)) * 4
             if ranks.world > 1
