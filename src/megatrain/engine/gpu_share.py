@@ -57,9 +57,11 @@ T = TypeVar("T")
 
 ALIGN = 256
 """Byte alignment of each tensor carved out of a share buffer."""
-DEVICE_CHUNK = 1024 * QUANT_BLOCK
-"""Values per pass of the torch reference on the device (2M: ~40 kernel launches a pass with
-fp32 states, ~250 with bf16 rounding, issued by the share's worker thread)."""
+DEVICE_CHUNK = 4096 * QUANT_BLOCK
+"""Values per pass of the torch reference on the device (8M): each pass is 40-250 kernel
+launches (fp32 states to bf16 rounding) issued from the share's worker thread under the GIL,
+beside the main thread's launches, so passes are large: a 0.6B-parameter block is 72 passes,
+about 6k launches with int8 states; the temporaries (WORK_BYTES) grow with it."""
 WORK_BYTES_PER_VALUE = 81
 """Peak bytes of the reference update's temporaries per value of a pass, the most of any format
 (a bf16 master or bf16 states: the stochastic rounding's int64 indices and hashes; fp32 states
@@ -67,7 +69,7 @@ WORK_BYTES_PER_VALUE = 81
 storages until freed, over `CpuAdamW.update_reference` on a 1M-value block in one pass)."""
 WORK_BYTES = DEVICE_CHUNK * WORK_BYTES_PER_VALUE
 """GPU memory the share's update allocates beside its buffers (its stream's pool keeps it),
-170 MB: planning/estimate.py counts it where there is a share."""
+680 MB: planning/estimate.py counts it where there is a share."""
 Parts = list[tuple[torch.dtype, int]]
 
 

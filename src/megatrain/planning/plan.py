@@ -11,7 +11,9 @@ refuses for a reason it did not see; the engine runs the EnginePlan that estimat
 GPU tier (engine/tier.py) is chosen after the batch: "auto" (`memory.gpu_state_blocks`) gives
 it the most blocks (engine/plan.py `tier_order`) whose predicted GPU peak (the allocator's
 reserved peak, planning/allocator_slack.py) still fits with `gpu_margin_gib` free; on the CPU
-"auto" is 0; a given count is clamped to the model's blocks.
+"auto" is 0; a given count is clamped to the model's blocks. Then the GPU update share
+(engine/gpu_share.py, `optimizer.gpu_update_blocks`): "auto" the count of the shortest
+predicted step that fits (planning/gpu_share.py); 0 on the CPU and under ranks.
 Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host
 (a node that cannot hold its ranks' shards is refused before loading); the tier is picked
 against one rank's GPU (states sharded, weights whole: planning/estimate.py).
@@ -42,6 +44,7 @@ from megatrain.layouts import LAYOUTS
 from megatrain.planning.batch_size import pick_micro_batch
 from megatrain.planning.estimate import Estimate, estimate
 from megatrain.planning.fit import gpu_problem, host_problem
+from megatrain.planning.gpu_share import pick_share
 from megatrain.planning.hardware import GIB, Hardware, gib
 from megatrain.planning.host_memory import pinned_reserved
 from megatrain.planning.long_context import choose_boundaries
@@ -279,10 +282,15 @@ def plan_resources(
     predict = functools.partial(predict, boundaries=boundaries, tiles=tiles)
 
     tier, tier_reason = _tier(shape, spec, predict, hardware, gpu_margin_gib, gpu_reserve_bytes)
-    budget = hardware.gpu_bytes - gpu_margin_gib * GIB - gpu_reserve_bytes
-    split, most = TierSplit.of(spec.num_layers, tier), tier_size(spec.num_layers)
-    streamed = share_size(spec.num_layers, split, most)  # the share's candidates
-    share, share_reason = _share(shape, functools.partial(predict, tier), streamed, budget)
+    share, share_reason = pick_share(
+        shape.gpu_update_blocks,
+        functools.partial(predict, tier),
+        share_size(
+            spec.num_layers, TierSplit.of(spec.num_layers, tier), tier_size(spec.num_layers)
+        ),
+        hardware.gpu_bytes - gpu_margin_gib * GIB - gpu_reserve_bytes,
+        why_none="no GPU" if not shape.check_gpu else "ranks" if shape.ranks.world > 1 else None,
+    )
     est = predict(tier, share=share)
     problems = [host_problem(est, hardware, host_margin_gib)]
     if shape.check_gpu:
@@ -367,36 +375,6 @@ def _tier(
     if shape.master_dtype != "fp32":
         return 0, f"GPU tier: none (master_dtype {shape.master_dtype}: fp32 only)"
     return _pick_tier(predict, blocks, shape.check_gpu, hardware, gpu_margin_gib, reserve)
-
-
-def _share(
-    shape: RunShape, predict: Callable[..., Estimate], streamed: int, budget: float
-) -> tuple[int, str | None]:
-    """The GPU update share's block count, and why "auto" chose it (None: it was given).
-
-    "auto": the predicted step (planning/timing.py's replay) with 0, 1, 2, ... share blocks,
-    while each one more shortens it and the GPU peak fits `budget`. Each block taken off the
-    CPU worker's tail shortens the host's updates by its CPU AdamW time and lengthens the
-    share's by its states' round trip over the link beside the weights; the step is bound by
-    the later of the two (and by compute), which first falls, then rises: the first count that
-    does not shorten the step ends the search. Where the CPU updates do not bound the step
-    (the GPU compute or the link does), that is 0, and no GPU memory is spent on it."""
-    if shape.gpu_update_blocks != "auto":
-        return int(shape.gpu_update_blocks), None
-    if not shape.check_gpu or shape.ranks.world > 1:
-        return 0, "GPU update share: none (" + ("no GPU)" if not shape.check_gpu else "ranks)")
-    base = best = predict(share=0)
-    count = 0
-    while count < streamed:
-        est = predict(share=count + 1)
-        if est.gpu.peak_bytes > budget or est.time.step_s >= best.time.step_s:
-            break
-        best, count = est, count + 1
-    return count, (
-        f"GPU update share: {count} blocks, predicted step {best.time.step_s:.2f} s "
-        f"(without {base.time.step_s:.2f} s; CPU AdamW {best.time.optimizer_s:.2f} s, the "
-        f"share's copies and GPU AdamW {best.time.share_s:.2f} s)"
-    )
 
 
 def _pick_tier(

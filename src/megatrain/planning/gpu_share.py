@@ -1,0 +1,47 @@
+"""How many streamed blocks the GPU update share takes (engine/gpu_share.py), for "auto".
+
+`pick_share` asks the planner's prediction (planning/estimate.py, whose step time replays the
+engine's schedule with the share: planning/timing.py) for 0, 1, 2, ... share blocks. Each
+block taken off the CPU worker's tail shortens the host's updates by its CPU AdamW time and
+lengthens the share's worker by its states' round trip over the link (beside the weights, on
+the same copy streams) and its GPU AdamW; the step is bound by the later of the two (and by
+compute), which first falls, then rises, so the first count that does not shorten the step
+ends the search. Where the CPU updates do not bound the step (the GPU compute or the link
+does), that is 0, and no GPU memory is spent on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megatrain.planning.estimate import Estimate
+
+
+def pick_share(
+    setting: int | str,
+    predict: Callable[..., Estimate],
+    streamed: int,
+    budget: float,
+    *,
+    why_none: str | None = None,
+) -> tuple[int, str | None]:
+    """The share's block count for `setting` (a count, or "auto"), and why "auto" chose it
+    (None: it was given). `predict(share=n)`: the run's estimate with n share blocks;
+    `streamed`: the blocks a share can take; `budget`: the GPU bytes its peak may reach;
+    `why_none`: why there is no share at all (no GPU, ranks)."""
+    if setting != "auto":
+        return int(setting), None
+    if why_none is not None:
+        return 0, f"GPU update share: none ({why_none})"
+    base = best = predict(share=0)
+    count = 0
+    while count < streamed:
+        est = predict(share=count + 1)
+        if est.gpu.peak_bytes > budget or est.time.step_s >= best.time.step_s:
+            break
+        best, count = est, count + 1
+    return count, (
+        f"GPU update share: {count} blocks, predicted step {best.time.step_s:.2f} s "
+        f"(without {base.time.step_s:.2f} s; CPU AdamW {best.time.optimizer_s:.2f} s, the "
+        f"share's copies and GPU AdamW {best.time.share_s:.2f} s)"
+    )
