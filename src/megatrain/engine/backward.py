@@ -190,7 +190,7 @@ class BackwardPass:
                 self._acc_busy[k] = held
             if self.max_grad_norm is None:
                 self.updates_begun = True
-                self.share.submit(block, held, order=self._order[block.name], lr=lr, coef=1.0)
+                self.share.submit(block, held, order=self._order[block.name], lr=lr, grad_scale=1.0)
             return sumsq
         acc = self.comm.reduce(block, acc)
         stage = (

@@ -300,11 +300,11 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
             for block in self.tier.blocks:  # before the next forward uses them (same stream)
                 self._update_tier(block, lr, coef)
             for order, block in enumerate(self.store.blocks):  # forward order
-                landed = self._landed.get(block.name)
-                if block in self.share:
-                    self.share.submit(block, landed, order=order, lr=lr, coef=coef)
-                elif block not in self.tier:
-                    self.worker.submit(block, landed, order=order, lr=lr, grad_scale=coef)
+                if block in self.tier:
+                    continue
+                updates = self.share if block in self.share else self.worker
+                landed = self._landed[block.name]
+                updates.submit(block, landed, order=order, lr=lr, grad_scale=coef)
         self.slots.invalidate()
         # sync points (already synced above); cross-entropy unchanged: sum of (chunk sum / count)
         value = self.comm.sum(value)  # each rank's part of the global mean

@@ -195,9 +195,10 @@ class GpuShare:
         return sumsq, self.transfers.compute_event()
 
     def submit(
-        self, block: ParamBlock, landed: Event, *, order: int, lr: float, coef: float
+        self, block: ParamBlock, landed: Event, *, order: int, lr: float, grad_scale: float
     ) -> None:
-        self.worker.submit(block, landed, order=order, lr=lr, grad_scale=coef)
+        """Queue the block's update once `landed` (its held gradient written) is done."""
+        self.worker.submit(block, landed, order=order, lr=lr, grad_scale=grad_scale)
 
     def update(self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0) -> None:
         """The block's AdamW on the device (the worker thread calls it once its held gradient
