@@ -116,36 +116,6 @@ ENGINE_PRESETS: dict[str, dict[str, Any]] = {
         ),
         max_position_embeddings=131072,
     ),
-    # GPT-OSS-120B: the 20B's config with 36 layers and 128 experts (transformers' GptOssConfig
-    # defaults; the public openai/gpt-oss-120b config.json): 116.8B parameters, 5.1B active
-    "gpt-oss-120b": dict(
-        model_type="gpt_oss",
-        hidden_size=2880,
-        intermediate_size=2880,
-        num_hidden_layers=36,
-        num_local_experts=128,
-        num_experts_per_tok=4,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=64,
-        sliding_window=128,
-        attention_bias=True,
-        swiglu_limit=7.0,
-        router_aux_loss_coef=0.9,
-        rms_norm_eps=1e-5,
-        vocab_size=201088,
-        tie_word_embeddings=False,
-        rope_theta=150000.0,
-        rope_scaling=dict(
-            rope_type="yarn",
-            factor=32.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            truncate=False,
-            original_max_position_embeddings=4096,
-        ),
-        max_position_embeddings=131072,
-    ),
     # Qwen3-Next-80B-A3B (hybrid: Gated DeltaNet x3, gated full attention x1, repeating; every
     # layer MoE, 512 experts top 10 + a shared expert): the public
     # Qwen/Qwen3-Next-80B-A3B-Instruct config.json; layer_types follow the layer count
@@ -176,4 +146,12 @@ ENGINE_PRESETS: dict[str, dict[str, Any]] = {
         partial_rotary_factor=0.25,
         max_position_embeddings=262144,
     ),
+}
+
+# GPT-OSS-120B: the 20B's config with 36 layers and 128 experts (transformers' GptOssConfig
+# defaults; the public openai/gpt-oss-120b config.json): 116.8B parameters, 5.1B active
+ENGINE_PRESETS["gpt-oss-120b"] = {
+    **ENGINE_PRESETS["gpt-oss-20b"],
+    "num_hidden_layers": 36,
+    "num_local_experts": 128,
 }

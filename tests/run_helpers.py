@@ -1,7 +1,7 @@
 """Shared by the run tests: the demo config shrunk to a tiny model (`tiny_run_args`), a run
 interrupted inside a given optimizer step (`crash_during_step`), the gradients an engine ships
-(`parity_engine`, `grad_snapshot`, `rel_error`) and KTO rows from the demo's preference pairs
-(`kto_folder`)."""
+(`parity_engine`, `grad_snapshot`, `rel_error`), KTO rows from the demo's preference pairs
+(`kto_folder`) and the exported weights of two runs compared (`assert_exports_close`)."""
 
 from __future__ import annotations
 
@@ -100,3 +100,18 @@ def kto_folder(folder: Path, rows: int) -> Path:
     info = {"kto": {"file_name": "kto.jsonl", "columns": columns}}
     (folder / "dataset_info.json").write_text(json.dumps(info))
     return folder
+
+
+def assert_exports_close(one: Path, two: Path, atol: float) -> None:
+    """The two runs' HF exports (output folders `one`, `two`) hold the same tensors, each
+    element within `atol`, and no element differs by `atol` or more."""
+    from safetensors.torch import load_file
+
+    w1 = load_file(str(one / "hf_model" / "model.safetensors"))
+    w2 = load_file(str(two / "hf_model" / "model.safetensors"))
+    assert w2.keys() == w1.keys()
+    moved = 0.0
+    for name, ref in w1.items():
+        torch.testing.assert_close(w2[name], ref, rtol=0.0, atol=atol)
+        moved = max(moved, float((ref - w2[name]).abs().max()))
+    assert moved < atol

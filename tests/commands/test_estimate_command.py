@@ -14,6 +14,7 @@ from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
 from megatrain.model.tiny import tiny_config
 from megatrain.planning import Hardware, model_spec
+from megatrain.planning.fit import store_choices
 from megatrain.planning.hardware import GIB
 from predict import predict
 
@@ -268,3 +269,35 @@ def test_export_row_names_the_configured_dtype(capsys: pytest.CaptureFixture[str
     assert (
         "Hugging Face export                               none  checkpoint.export_hf: false" in out
     )
+
+
+def test_host_store_layouts_in_the_table_and_the_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """One row per store layout (bf16 compute, clipping on: 12), the run's marked with "*" and
+    equal to the estimate's own host total; --json carries the same rows."""
+    argv = ["--model-type", "llama", "--tiny", "--seq-len", "64", "--host-gib", "16"]
+    argv += ["--optimizer.state_dtype", "int8", "--optimizer.master_dtype", "bf16"]
+    status, out = _run([*argv, "--json"], capsys)
+    report = json.loads(out)
+    table = report["host_store_layouts"]
+    assert status == 0 and table["host_bytes"] == 16 * GIB and table["host_margin_gib"] == 4.0
+    choices = store_choices(True, clipping=True)
+    rows = table["rows"]
+    assert [(r["master_dtype"], r["state_dtype"], r["grad_dtype"]) for r in rows] == [
+        (c.master, c.state, c.grad) for c in choices
+    ]
+    assert [r["bytes_per_param"] for r in rows] == [c.per_param for c in choices]
+    (own,) = [r for r in rows if r["own"]]
+    assert (own["master_dtype"], own["state_dtype"], own["grad_dtype"]) == ("bf16", "int8", "bf16")
+    assert own["host_bytes"] == report["host"]["total_bytes"]
+    assert own["step_s"] == report["time"]["step_s"]
+    assert all(r["fits"] for r in rows)  # a tiny model on 16 GiB
+    status, out = _run(argv, capsys)
+    lines = out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("host store layouts")))
+    marked = [line for line in lines[start:] if line.startswith("* ")]
+    assert marked == [
+        line for line in lines if line.startswith("* state_dtype int8, master_dtype bf16, ")
+    ]
+    assert marked[0].split()[7] == f"{own['bytes_per_param']:.2f}"
+    assert marked[0].split()[8] == f"{own['host_bytes'] / GIB:.2f}"
+    assert len([line for line in lines[start:] if line[2:].startswith("state_dtype ")]) == 12

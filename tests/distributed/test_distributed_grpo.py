@@ -46,6 +46,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from run_helpers import assert_exports_close
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "grpo_demo.yaml"
 ENTRY = Path(__file__).resolve().parent / "grpo_groups.py"
@@ -153,14 +155,7 @@ def test_two_ranks_match_one_process(runs: tuple[Path, Path, Path]) -> None:
         assert r2["loss"] == pytest.approx(r1["loss"], rel=0, abs=loss_bound)
         assert r2["entropy"] == pytest.approx(r1["entropy"], rel=RTOL, abs=0)
         assert r2["grad_norm"] == pytest.approx(r1["grad_norm"], rel=RTOL, abs=0)
-    w2 = load_file(str(two / "hf_model" / "model.safetensors"))
-    w1 = load_file(str(one / "hf_model" / "model.safetensors"))
-    assert w2.keys() == w1.keys()
-    moved = 0.0
-    for name, ref in w1.items():
-        torch.testing.assert_close(w2[name], ref, rtol=0.0, atol=WEIGHT_ATOL)
-        moved = max(moved, float((ref - w2[name]).abs().max()))
-    assert moved < WEIGHT_ATOL
+    assert_exports_close(one, two, WEIGHT_ATOL)
 
 
 def test_resume_under_two_ranks_is_exact(runs: tuple[Path, Path, Path], tmp_path: Path) -> None:

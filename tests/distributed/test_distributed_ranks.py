@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 
 from megatrain.config import load_config
 from megatrain.recipes.sft import Trainer
+from run_helpers import assert_exports_close
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.yaml"
@@ -126,14 +127,7 @@ def test_two_ranks_match_one_process(runs: tuple[Path, Path, list[float]]) -> No
     (ev2,), (ev1,) = _records(two, "eval"), _records(one, "eval")
     assert ev2["eval_tokens"] == ev1["eval_tokens"]  # every eval row once, across the ranks
     torch.testing.assert_close(ev2["eval_loss"], ev1["eval_loss"], rtol=LOSS_RTOL, atol=0.0)
-    w2 = load_file(str(two / "hf_model" / "model.safetensors"))
-    w1 = load_file(str(one / "hf_model" / "model.safetensors"))
-    assert w2.keys() == w1.keys()
-    moved = 0.0
-    for name, ref in w1.items():
-        torch.testing.assert_close(w2[name], ref, rtol=0.0, atol=WEIGHT_ATOL)
-        moved = max(moved, float((ref - w2[name]).abs().max()))
-    assert moved < WEIGHT_ATOL
+    assert_exports_close(one, two, WEIGHT_ATOL)
 
 
 def _oom_run(tmp_path: Path, plant: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -20,9 +20,12 @@ The machine is this one (`--probe` measures its rates, a few seconds), with the 
 host's numbers for what is not measured (on a machine without a GPU the GPU itself: a note
 says so); `--gpu-gib` / `--host-gib` set the memory sizes.
 
-Prints a table, or with `--json` one JSON object. Exit status 0 when the setup fits, 1 when it
-does not (the reasons are printed), 2 for a usage error. torch and transformers are imported
-where the command runs, not here: `megatrain --help` parses without them.
+Prints a table, or with `--json` one JSON object; both list every host store layout
+(optimizer.state_dtype, master_dtype, grad_dtype) with this run's host RAM, the largest model
+the host holds and the step with it (planning/store_table.py). Exit status 0 when the setup
+fits, 1 when it does not (the reasons are printed), 2 for a usage error. torch and
+transformers are imported where the command runs, not here: `megatrain --help` parses without
+them.
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatrain.model.kernels import kernel_report
     from megatrain.planning import format_estimate
+    from megatrain.planning.store_table import store_table
     from megatrain.recipes.grpo.plan import (
         format_rollout,
         grpo_plan,
@@ -155,12 +159,14 @@ def run(args: argparse.Namespace) -> int:
 
         plan = with_reference(plan, ref, builder.hardware, cfg.memory.host_margin_gib)
     est, mem = plan.estimate, cfg.memory
+    layouts = store_table(builder.spec, plan.setup, builder.hardware, mem.host_margin_gib)
     problems = grpo.problems if grpo else plan.problems
     fits = not problems
     problem = "; ".join(problems) if problems else None
     longest = _longest(cfg, builder.hardware, builder.placement, layout) if args.longest else None
     if args.json:
         report = {**est.to_dict(), "fits": fits, "problem": problem}
+        report["host_store_layouts"] = dataclasses.asdict(layouts)
         if grpo:
             report["grpo"] = rollout_dict(grpo)
         if ref is not None:
@@ -176,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**report, **reasons}))
         return 0 if fits else 1
     c = cfg.checkpoint
-    print(format_estimate(est, c.export_dtype if c.export_hf else None))
+    print(format_estimate(est, c.export_dtype if c.export_hf else None, layouts))
     for line in kernel_report(builder.spec.structure):  # as `train` prints it
         print(f"kernels: {line}")
     if grpo:

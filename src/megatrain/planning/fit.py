@@ -92,6 +92,15 @@ def store_choices(bf16_compute: bool, *, clipping: bool = True) -> list[StoreCho
     return sorted(choices, key=lambda c: -c.per_param)
 
 
+def store_of(
+    choices: list[StoreChoice], master: str, state: str, grad: str, *, clipping: bool
+) -> StoreChoice:
+    """The layout of `choices` a run's optimizer keys select (optimizer.grad_dtype counts only
+    with a bf16 master and clipping on: store/grads.py gradient_hold)."""
+    grad = grad if master == "bf16" and clipping else "bf16"
+    return next(c for c in choices if (c.master, c.state, c.grad) == (master, state, grad))
+
+
 def _smaller_store(est: Estimate, free: float) -> tuple[list[str], str]:
     """(advice, note): the least compressed store layout that fits `free` bytes with its bytes
     per parameter (everything else of the prediction as it is), or, when none does, a note of
@@ -99,9 +108,13 @@ def _smaller_store(est: Estimate, free: float) -> tuple[list[str], str]:
     s = est.settings
     clipping = bool(s.get("clipping", True))
     choices = store_choices(s["compute_dtype"] == "bf16", clipping=clipping)
-    master, state = s.get("master_dtype", "fp32"), s.get("state_dtype", "fp32")
-    grad = s.get("grad_dtype", "bf16") if master == "bf16" and clipping else "bf16"
-    now = next(c for c in choices if (c.master, c.state, c.grad) == (master, state, grad))
+    now = store_of(
+        choices,
+        s.get("master_dtype", "fp32"),
+        s.get("state_dtype", "fp32"),
+        s.get("grad_dtype", "bf16"),
+        clipping=clipping,
+    )
     smaller = [c for c in choices if c.per_param < now.per_param]
     if not smaller:
         return [], ""

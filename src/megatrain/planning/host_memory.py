@@ -27,6 +27,7 @@ class HostMemory:
     load_peak_bytes: int  # while the fp32 model moves into the store (ranks: one at a time)
     offload_bytes: int = 0  # layer inputs offloaded during the step (in total_bytes)
     load_extra_bytes: int = 0  # ranks: what each more rank loading at once adds to the peak
+    load_moved_bytes: int = 0  # in load_peak_bytes: the fp32 copy of the block being moved
 
     @property
     def store_bytes(self) -> int:
@@ -111,6 +112,7 @@ def host_memory(
         load_peak_bytes=loading,
         offload_bytes=local * offload_bytes,
         load_extra_bytes=extra,
+        load_moved_bytes=twice,
     )
 
 

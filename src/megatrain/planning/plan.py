@@ -291,7 +291,9 @@ def plan_resources(
         hardware.gpu_bytes - gpu_margin_gib * GIB - gpu_reserve_bytes,
         why_none="no GPU" if not shape.check_gpu else "ranks" if shape.ranks.world > 1 else None,
     )
-    est = predict(tier, share=share)
+    engine = shape.engine_plan(spec, tier, boundaries, tiles, share)
+    setup = shape.setup(engine, micro_batch_size, grad_accum)
+    est = estimate(spec, setup, hardware)
     problems = [host_problem(est, hardware, host_margin_gib)]
     if shape.check_gpu:
         problems.append(gpu_problem(est, hardware, gpu_margin_gib))
@@ -299,9 +301,10 @@ def plan_resources(
         micro_batch_size=micro_batch_size,
         grad_accum=grad_accum,
         estimate=est,
-        engine=shape.engine_plan(spec, tier, boundaries, tiles, share),
+        engine=engine,
         batch_reason=reason,
         problems=tuple(p for p in problems if p),
+        setup=setup,
         tier_reason=tier_reason,
         boundary_reason=boundary_reason,
         mlp_tiles=tiles,
@@ -358,6 +361,16 @@ def _pick_boundaries(
     )
 
 
+def tier_refusal(state_dtype: str, master_dtype: str) -> str | None:
+    """Why the GPU tier takes no block of this store (None: it may): it keeps fp32 states and
+    an fp32 master (config/sections.py refuses a tier given with others)."""
+    if state_dtype != "fp32":
+        return f"state_dtype {state_dtype}: fp32 only"
+    if master_dtype != "fp32":
+        return f"master_dtype {master_dtype}: fp32 only"
+    return None
+
+
 def _tier(
     shape: RunShape,
     spec: ModelSpec,
@@ -370,10 +383,9 @@ def _tier(
     blocks = tier_size(spec.num_layers)
     if shape.gpu_state_blocks != "auto":
         return min(int(shape.gpu_state_blocks), blocks), None
-    if shape.state_dtype != "fp32":
-        return 0, f"GPU tier: none (state_dtype {shape.state_dtype}: fp32 only)"
-    if shape.master_dtype != "fp32":
-        return 0, f"GPU tier: none (master_dtype {shape.master_dtype}: fp32 only)"
+    refused = tier_refusal(shape.state_dtype, shape.master_dtype)
+    if refused:
+        return 0, f"GPU tier: none ({refused})"
     return _pick_tier(predict, blocks, shape.check_gpu, hardware, gpu_margin_gib, reserve)
 
 

@@ -8,6 +8,7 @@ from megatrain.planning.disk import checkpoint_bytes_per_param
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB
 from megatrain.planning.optimizer_rate import optimizer_gparams_s
+from megatrain.planning.store_table import StoreTable
 from megatrain.store.grads import gradient_hold
 
 _W = 44  # label column
@@ -17,9 +18,12 @@ def _row(label: str, value: str, note: str = "") -> str:
     return f"  {label:<{_W}}{value:>10}  {note}".rstrip()
 
 
-def format_estimate(est: Estimate, export_dtype: str | None = "bf16") -> str:
-    """The table: the setup, then host RAM, GPU peak, step time and disk, then the notes.
-    `export_dtype`: checkpoint.export_dtype of the Hugging Face export (None: no export)."""
+def format_estimate(
+    est: Estimate, export_dtype: str | None = "bf16", layouts: StoreTable | None = None
+) -> str:
+    """The table: the setup, then host RAM, GPU peak, step time, the host store's layouts (when
+    given: planning/store_table.py) and disk, then the notes. `export_dtype`:
+    checkpoint.export_dtype of the Hugging Face export (None: no export)."""
     lines = [
         *_setup_lines(est),
         "",
@@ -29,6 +33,7 @@ def format_estimate(est: Estimate, export_dtype: str | None = "bf16") -> str:
         "",
         *_time_lines(est),
         "",
+        *([*layouts.lines(), ""] if layouts else []),
         *_disk_lines(est, export_dtype),
         "",
         *(f"note: {n}" for n in (*est.advice, *est.notes)),

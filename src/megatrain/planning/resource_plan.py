@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.plan import EnginePlan
 from megatrain.planning.estimate import Estimate
+from megatrain.planning.setup import Setup
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class ResourcePlan:
     engine: EnginePlan  # what the engine runs (this rank's tier count: the builder agrees one)
     batch_reason: str | None  # why "auto" chose this micro-batch (None: it was given)
     problems: tuple[str, ...]
+    setup: Setup  # what `estimate` predicted (engine, batch, store layout)
     tier_reason: str | None = None  # why "auto" chose the GPU tier (None: it was given)
     boundary_reason: str | None = None
     mlp_tiles: int = 1  # sequence tiles of the MLPs at seq_len (engine/tiling.py)
