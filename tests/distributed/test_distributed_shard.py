@@ -67,7 +67,7 @@ def test_a_sharded_store_builds_only_whole_masters(compute: torch.dtype) -> None
 
     model = load_causal_lm(None, model_type="llama", tiny=True, seed=0)
     parts = HostStore(discover(model), compute_dtype=compute, shard=shard)
-    keys = {"name", "entries", "decay_numel", "state_dtype", "master_dtype", "bf16"}
+    keys = {"name", "entries", "decay_numel", "state_dtype", "master_dtype", "bf16", "grad_hold"}
     assert seen == [(b.numel, keys) for b in whole.blocks]
     for b, part in zip(whole.blocks, parts.blocks, strict=True):
         expect = shard_block(b, 1, 2, pin_memory=False)
