@@ -20,7 +20,11 @@ from megatrain.planning.hardware import Hardware
 from megatrain.planning.optimizer_rate import optimizer_gparams_s
 from megatrain.planning.plan import RunShape
 from megatrain.planning.ranks import Ranks
-from megatrain.planning.timing import GPU_REFERENCE_BYTES_PER_PARAM, GPU_UNFUSED_BYTES_PER_S
+from megatrain.planning.timing import (
+    GPU_REFERENCE_BYTES_PER_PARAM,
+    GPU_UNFUSED_BYTES_PER_S,
+    PAGEABLE_COPY_BYTES_PER_S,
+)
 from predict import cli_row_plan
 from shapes import LLAMA31_8B, QWEN3_30B_A3B_12
 
@@ -36,7 +40,8 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
     """Two blocks (the head, then layer 11): the CPU AdamW loses exactly their time, the
     gradient copies down their bf16 bytes; the share's time is their master (4 B/param), int8
     m and v (2 B/param, 8 B of scales per 2048) up, the same and the bf16 weights back, and
-    their AdamW at the GPU reference's bytes per parameter."""
+    their AdamW at the GPU reference's bytes per parameter; master and states cross the link
+    from pageable memory (PAGEABLE_COPY_BYTES_PER_S)."""
     base, two = _plan(0), _plan(2)
     spec = base.estimate.settings
     assert (base.engine.gpu_update_blocks, two.engine.gpu_update_blocks) == (0, 2)
@@ -51,8 +56,8 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
     scales = sum(8 * -(-n // 2048) for n in (head, layer))
     stored = 6 * params + scales
     expected = (
-        stored / (H100.h2d_gbps * 1e9)
-        + (stored + 2 * params) / (H100.d2h_gbps * 1e9)
+        2 * stored / PAGEABLE_COPY_BYTES_PER_S  # master and states, up and back
+        + 2 * params / (H100.d2h_gbps * 1e9)  # the bf16 weights back (pinned)
         + params * GPU_REFERENCE_BYTES_PER_PARAM["fp32", "int8"] / GPU_UNFUSED_BYTES_PER_S
     )
     assert t2.share_s == pytest.approx(expected, rel=1e-9)

@@ -117,6 +117,12 @@ the CPU (2026-11-28: a TorchDispatchMode summing every op's tensor arguments and
 `CpuAdamW.update_reference` on a 2M-value block in one chunk; a bf16 master with int8 held
 gradients, an fp32 master with its bf16 gradient). Each bf16 stochastic rounding (bf16 states'
 m and v, a bf16 master's weights) costs ~1.2 kB/param: its hash runs on int64 indices."""
+PAGEABLE_COPY_BYTES_PER_S = 10e9
+"""Host link rate of a copy from or to pageable host memory (the GPU update share's master and
+states: the store keeps them pageable; CUDA bounces them through its own pinned buffer). Fitted
+to docs/performance.md run 58 (one H100, 128 GiB host): the share of 2 blocks (0.91B
+parameters, fp32 master and int8 states, 12.8 GB up and down) took 1.68 s where the pinned
+rate predicted 0.70 s; with 0.43 s of GPU AdamW that leaves 1.25 s for the copies."""
 GPU_UNFUSED_BYTES_PER_S = 1.06e12
 """What unfused elementwise kernels achieve of an H100's memory bandwidth (assumed, as
 docs/optimizer_states.md "Which tier" did: 0.29 s for the 374 B/param of a 0.82B int8 block),
@@ -339,8 +345,8 @@ def _costs(
         stored = sum(k * d.itemsize for d, k in parts[: len(parts) - formats.shadow])
         weights = params[i] * elem if formats.shadow else 0  # the bf16 shadow comes back too
         work = GPU_REFERENCE_BYTES_PER_PARAM[formats.master_dtype, formats.state_dtype]
-        up_s[i] = stored / h2d + params[i] * work / GPU_UNFUSED_BYTES_PER_S
-        down_s[i] = (stored + weights) / d2h
+        up_s[i] = stored / PAGEABLE_COPY_BYTES_PER_S + params[i] * work / GPU_UNFUSED_BYTES_PER_S
+        down_s[i] = stored / PAGEABLE_COPY_BYTES_PER_S + weights / d2h
     kept = [0 if i in shared else p for i, p in enumerate(shard)]  # gradients down, CPU AdamW
     opt_rate /= ranks.nproc_per_node if ranks.world > 1 else 1  # the node's rate, shared
 
