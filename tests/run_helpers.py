@@ -1,7 +1,8 @@
 """Shared by the run tests: the demo config shrunk to a tiny model (`tiny_run_args`), a run
 interrupted inside a given optimizer step (`crash_during_step`), the gradients an engine ships
 (`parity_engine`, `grad_snapshot`, `rel_error`), KTO rows from the demo's preference pairs
-(`kto_folder`) and the exported weights of two runs compared (`assert_exports_close`)."""
+(`kto_folder`), the exported weights of two runs compared (`assert_exports_close`), and an
+engine built from a config run for a few generated steps (`engine_steps`, `block_states`)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,47 @@ def assert_exports_close(one: Path, two: Path, atol: float) -> None:
         torch.testing.assert_close(w2[name], ref, rtol=0.0, atol=atol)
         moved = max(moved, float((ref - w2[name]).abs().max()))
     assert moved < atol
+
+
+def engine_steps(
+    cfg: Any,
+    steps: int,
+    *,
+    optimizer: Any = None,
+    check: Any = None,
+) -> tuple[list[tuple[float, float]], Any, Any, Any]:
+    """(loss and grad norm per step, builder, store, engine) of `steps` generated steps of the
+    engine `cfg` builds (with `optimizer` if given); `check(engine, builder, store)` runs after
+    the last update, before the engine closes."""
+    from megatrain.recipes.builder import RunBuilder
+    from megatrain.verify import make_batches
+
+    builder = RunBuilder(cfg)
+    structure = builder.model()
+    store = builder.store(structure)
+    engine = builder.engine(structure, store, *([optimizer] if optimizer is not None else []))
+    vocab = structure.causal_lm.config.vocab_size
+    batches = make_batches(cfg, steps, vocab, 0, *builder.batch())
+    results = []
+    try:
+        for micro in batches:
+            r = engine.train_step(micro, lr=cfg.optimizer.learning_rate)
+            results.append((r.loss, r.grad_norm))
+        engine.wait_updates()
+        if check is not None:
+            check(engine, builder, store)
+    finally:
+        engine.close()
+    return results, builder, store, engine
+
+
+def block_states(store: Any, *, shadow: bool = True) -> dict[tuple[str, str], torch.Tensor]:
+    """Copies of every block's master, stored AdamW states, (bf16 shadow) and step count."""
+    state: dict[tuple[str, str], torch.Tensor] = {}
+    for b in store.blocks:
+        tensors = {"master": b.master, **b.state_tensors()}
+        if shadow and b.shadow is not None:
+            tensors["shadow"] = b.shadow
+        state |= {(b.name, k): t.clone() for k, t in tensors.items()}
+        state[(b.name, "step")] = torch.tensor(b.step)
+    return state

@@ -29,7 +29,8 @@ from megatrain.native import load_adamw_kernel
 from megatrain.planning.spec import block_sizes
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.sft import Trainer
-from megatrain.verify import make_batches, run_verify, verify_config, within
+from megatrain.verify import run_verify, verify_config, within
+from run_helpers import block_states, engine_steps
 
 LAYERS = 4  # the tiny llama's decoder layers
 BF16_MASTER = ("--optimizer.master_dtype", "bf16")
@@ -48,33 +49,16 @@ def _cfg(share: int, *args: str, **shorthands: Any) -> TrainConfig:
     )
 
 
+def _layout_as_planned(engine: Any, builder: Any, store: Any) -> None:
+    planned = DeviceLayout.of(
+        engine.plan, block_sizes(builder.spec), store.compute_dtype, engine.share.formats
+    )
+    assert held_bytes(engine.device_buffers()) == planned.bytes_by_name()
+
+
 def _train(cfg: TrainConfig, steps: int = 3) -> tuple[list[tuple[float, float]], dict, list]:
-    builder = RunBuilder(cfg)
-    structure = builder.model()
-    store = builder.store(structure)
-    engine = builder.engine(structure, store)
-    vocab = structure.causal_lm.config.vocab_size
-    batches = make_batches(cfg, steps, vocab, 0, *builder.batch())
-    results = []
-    try:
-        for micro in batches:
-            r = engine.train_step(micro, lr=cfg.optimizer.learning_rate)
-            results.append((r.loss, r.grad_norm))
-        engine.wait_updates()
-        planned = DeviceLayout.of(
-            engine.plan, block_sizes(builder.spec), store.compute_dtype, engine.share.formats
-        )
-        assert held_bytes(engine.device_buffers()) == planned.bytes_by_name()
-    finally:
-        engine.close()
-    state: dict[tuple[str, str], torch.Tensor] = {}
-    for b in store.blocks:
-        tensors = {"master": b.master, **b.state_tensors()}
-        if b.shadow is not None:
-            tensors["shadow"] = b.shadow
-        state |= {(b.name, k): t.clone() for k, t in tensors.items()}
-        state[(b.name, "step")] = torch.tensor(b.step)
-    return results, state, [b.name for b in engine.share.blocks]
+    results, _, store, engine = engine_steps(cfg, steps, check=_layout_as_planned)
+    return results, block_states(store), [b.name for b in engine.share.blocks]
 
 
 SHARE_ORDER = ["head", *(f"layer.{i}" for i in reversed(range(LAYERS)))]

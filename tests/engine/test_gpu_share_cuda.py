@@ -20,8 +20,8 @@ import torch
 from megatrain.config import TrainConfig
 from megatrain.engine.layout import DeviceLayout, held_bytes
 from megatrain.planning.spec import block_sizes
-from megatrain.recipes.builder import RunBuilder
-from megatrain.verify import make_batches, verify_config
+from megatrain.verify import verify_config
+from run_helpers import block_states, engine_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -43,33 +43,19 @@ def _cfg(share: int, *args: str, **shorthands: Any) -> TrainConfig:
     )
 
 
+def _layout_as_planned(engine: Any, builder: Any, store: Any) -> None:
+    planned = DeviceLayout.of(
+        engine.plan, block_sizes(builder.spec), store.compute_dtype, engine.share.formats
+    )
+    assert held_bytes(engine.device_buffers()) == planned.bytes_by_name()
+    if engine.share.blocks:
+        assert engine.share.grads is not None and engine.share.grads.is_cuda
+
+
 def _train(cfg: TrainConfig, steps: int = 3) -> tuple[list[tuple[float, float]], dict, int]:
-    builder = RunBuilder(cfg)
-    structure = builder.model()
-    store = builder.store(structure)
-    engine = builder.engine(structure, store)
-    batches = make_batches(cfg, steps, structure.causal_lm.config.vocab_size, 0, *builder.batch())
-    results = []
-    try:
-        for micro in batches:
-            r = engine.train_step(micro, lr=cfg.optimizer.learning_rate)
-            results.append((r.loss, r.grad_norm))
-        engine.wait_updates()
-        planned = DeviceLayout.of(
-            engine.plan, block_sizes(builder.spec), store.compute_dtype, engine.share.formats
-        )
-        assert held_bytes(engine.device_buffers()) == planned.bytes_by_name()
-        if engine.share.blocks:
-            assert engine.share.grads is not None and engine.share.grads.is_cuda
-    finally:
-        engine.close()
-    state = {}
-    for b in store.blocks:
-        tensors = {"master": b.master, **b.state_tensors()}
-        if b.shadow is not None:
-            tensors["shadow"] = b.shadow
-        assert all(t.device.type == "cpu" for t in tensors.values())  # streamed: on the host
-        state |= {(b.name, k): t.clone() for k, t in tensors.items()}
+    results, _, store, engine = engine_steps(cfg, steps, check=_layout_as_planned)
+    state = block_states(store)
+    assert all(t.device.type == "cpu" for t in state.values())  # streamed: on the host
     return results, state, len(engine.share.blocks)
 
 

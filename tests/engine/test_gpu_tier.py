@@ -21,7 +21,8 @@ from megatrain.config import TrainConfig
 from megatrain.optim.adamw import CpuAdamW
 from megatrain.recipes.builder import RunBuilder
 from megatrain.store.blocks import ParamBlock
-from megatrain.verify import make_batches, run_verify, verify_config, within
+from megatrain.verify import run_verify, verify_config, within
+from run_helpers import engine_steps
 
 LAYERS = 4  # the tiny llama's decoder layers
 ORDER = [*(f"layer.{i}" for i in range(LAYERS)), "embed", "head"]  # tier order
@@ -53,21 +54,8 @@ class _RecordingAdamW(CpuAdamW):
 
 
 def _train(cfg: TrainConfig, steps: int) -> tuple[list[tuple[float, float]], dict, list]:
-    builder = RunBuilder(cfg)
-    structure = builder.model()
-    store = builder.store(structure)
-    optimizer = _RecordingAdamW(builder.optimizer())
-    engine = builder.engine(structure, store, optimizer)
-    vocab = structure.causal_lm.config.vocab_size
-    batches = make_batches(cfg, steps, vocab, 0, *builder.batch())
-    results = []
-    try:
-        for micro in batches:
-            r = engine.train_step(micro, lr=cfg.optimizer.learning_rate)
-            results.append((r.loss, r.grad_norm))
-        engine.wait_updates()
-    finally:
-        engine.close()
+    optimizer = _RecordingAdamW(RunBuilder(cfg).optimizer())
+    results, builder, store, engine = engine_steps(cfg, steps, optimizer=optimizer)
     assert len(engine.tier) == builder.engine_plan().gpu_state_blocks
     assert engine.slots.resident == min(len(engine.tier), LAYERS)
     state = {

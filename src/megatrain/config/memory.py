@@ -7,7 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.choices import OFFLOAD_CHOICES
-from megatrain.config.types import check_choice, check_int, check_number, check_types
+from megatrain.config.types import (
+    check_choice,
+    check_count_or_auto,
+    check_int,
+    check_number,
+    check_types,
+)
 
 
 @dataclass(frozen=True)
@@ -61,14 +67,11 @@ class MemoryConfig:
                     f"memory.{key}={value!r} must be an integer >= 1 or 'auto' "
                     "(docs/configuration.md, memory section)"
                 )
-        blocks = self.gpu_state_blocks
-        if (isinstance(blocks, str) and blocks != "auto") or (
-            isinstance(blocks, int) and blocks < 0
-        ):
-            raise ValueError(
-                f"memory.gpu_state_blocks={blocks!r} must be an integer >= 0 (0: keep every "
-                "optimizer state on the host) or 'auto'"
-            )
+        check_count_or_auto(
+            "memory.gpu_state_blocks",
+            self.gpu_state_blocks,
+            "keep every optimizer state on the host",
+        )
         check_int("memory.num_slots", self.num_slots, minimum=1)
         check_int("memory.loss_chunk_tokens", self.loss_chunk_tokens, minimum=1, optional=True)
         check_number("memory.gpu_margin_gib", self.gpu_margin_gib, low=0.0)

@@ -7,7 +7,13 @@ import re
 from dataclasses import dataclass
 
 from megatrain.choices import GRAD_DTYPES, MASTER_DTYPES, STATE_DTYPES
-from megatrain.config.types import check_choice, check_int, check_number, check_types
+from megatrain.config.types import (
+    check_choice,
+    check_count_or_auto,
+    check_int,
+    check_number,
+    check_types,
+)
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 OPTIMIZER_IMPLS = ("auto", "c", "torch")
@@ -102,14 +108,11 @@ class OptimizerConfig:
         check_choice("optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
         check_choice("optimizer.master_dtype", self.master_dtype, MASTER_DTYPES)
         check_choice("optimizer.grad_dtype", self.grad_dtype, GRAD_DTYPES)
-        blocks = self.gpu_update_blocks
-        if (isinstance(blocks, str) and blocks != "auto") or (
-            isinstance(blocks, int) and blocks < 0
-        ):
-            raise ValueError(
-                f"optimizer.gpu_update_blocks={blocks!r} must be an integer >= 0 (0: every "
-                "streamed block is updated on the CPU) or 'auto'"
-            )
+        check_count_or_auto(
+            "optimizer.gpu_update_blocks",
+            self.gpu_update_blocks,
+            "every streamed block is updated on the CPU",
+        )
         if self.grad_dtype != "bf16" and self.master_dtype == "fp32":
             raise ValueError(
                 f"optimizer.grad_dtype: {self.grad_dtype} sets how a bf16 master's gradients are "

@@ -110,3 +110,9 @@ def check_number(
 def check_choice(key: str, value: object, choices: Sequence[object]) -> None:
     if value not in choices:
         raise ValueError(f"{key}={value!r} must be one of {list(choices)}")
+
+
+def check_count_or_auto(key: str, value: int | str, zero_means: str) -> None:
+    """A count of blocks a setting takes, or "auto" (the plan's choice)."""
+    if (isinstance(value, str) and value != "auto") or (isinstance(value, int) and value < 0):
+        raise ValueError(f"{key}={value!r} must be an integer >= 0 (0: {zero_means}) or 'auto'")
