@@ -16,7 +16,8 @@ from megatrain.distributed import Placement
 from megatrain.planning.allocator_slack import SLACK_ITEM, allocator_slack
 from megatrain.planning.estimate import GpuMemory, model_spec
 from megatrain.planning.hardware import GIB, Hardware
-from megatrain.planning.plan import RunShape, plan_resources
+from megatrain.planning.plan import plan_resources
+from megatrain.planning.run_shape import RunShape
 from megatrain.planning.setup import VisionLoad
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.plan import grpo_plan, rollout_reserve, training_config

@@ -18,9 +18,9 @@ from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING
 from megatrain.planning.estimate import SHARE_WORK
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.optimizer_rate import optimizer_gparams_s
-from megatrain.planning.plan import RunShape
 from megatrain.planning.ranks import Ranks
-from megatrain.planning.timing import (
+from megatrain.planning.run_shape import RunShape
+from megatrain.planning.share_time import (
     GPU_REFERENCE_BYTES_PER_PARAM,
     GPU_UNFUSED_BYTES_PER_S,
     PAGEABLE_COPY_BYTES_PER_S,

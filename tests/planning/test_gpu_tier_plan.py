@@ -19,7 +19,8 @@ from megatrain.commands.estimate import add_arguments, run
 from megatrain.config.memory import MemoryConfig
 from megatrain.planning import Estimate, Hardware, model_spec
 from megatrain.planning.hardware import GIB
-from megatrain.planning.plan import RunShape, plan_resources
+from megatrain.planning.plan import plan_resources
+from megatrain.planning.run_shape import RunShape
 from megatrain.planning.spec import ModelSpec
 from megatrain.planning.timing import GPU_ADAMW_GPARAMS_S
 from predict import predict

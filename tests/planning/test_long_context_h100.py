@@ -18,7 +18,8 @@ from megatrain.planning.allocator_slack import SLACK_ITEM
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB
 from megatrain.planning.long_context import choose_boundaries
-from megatrain.planning.plan import ResourcePlan, RunShape, plan_resources
+from megatrain.planning.plan import ResourcePlan, plan_resources
+from megatrain.planning.run_shape import RunShape
 from predict import predict
 from shapes import LLAMA31_8B as LLAMA_8B
 

@@ -19,8 +19,9 @@ from megatrain.commands.estimate import add_arguments, run
 from megatrain.planning import Estimate, Hardware, model_spec
 from megatrain.planning.fit import host_problem
 from megatrain.planning.hardware import GIB
-from megatrain.planning.plan import RunShape, plan_resources
+from megatrain.planning.plan import plan_resources
 from megatrain.planning.ranks import NCCL_HOST_GIB, NVLINK_GBPS, Ranks
+from megatrain.planning.run_shape import RunShape
 from megatrain.planning.spec import ModelSpec
 from megatrain.store.states import QUANT_BLOCK
 from predict import predict, ranks_estimate

@@ -16,8 +16,9 @@ from transformers import Qwen2Config
 
 from megatrain.planning import Estimate, Hardware, model_spec
 from megatrain.planning.hardware import GIB
-from megatrain.planning.plan import RunShape, plan_resources
+from megatrain.planning.plan import plan_resources
 from megatrain.planning.ranks import NCCL_GPU_GIB, Ranks
+from megatrain.planning.run_shape import RunShape
 from megatrain.planning.spec import ModelSpec
 from megatrain.planning.timing import GPU_ADAMW_GPARAMS_S
 from megatrain.store.states import QUANT_BLOCK

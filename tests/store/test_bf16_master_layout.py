@@ -22,8 +22,9 @@ from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.planning import Hardware, host_problem, model_spec
 from megatrain.planning.disk import checkpoint_bytes_per_param, checkpoint_nbytes
 from megatrain.planning.hardware import GIB
-from megatrain.planning.plan import RunShape, plan_resources
+from megatrain.planning.plan import plan_resources
 from megatrain.planning.ranks import Ranks
+from megatrain.planning.run_shape import RunShape
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.grads import GRAD_BLOCK, POOL_LANDINGS
 from megatrain.store.host import HostStore

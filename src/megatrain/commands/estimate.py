@@ -191,15 +191,7 @@ def run(args: argparse.Namespace) -> int:
         from megatrain.recipes.dpo.plan import format_reference
 
         print(format_reference(ref))
-    if plan.batch_reason:
-        print(f"auto micro-batch: {plan.batch_reason}")
-    if plan.tier_reason:
-        print(f"auto {plan.tier_reason}")
-    print(f"layer inputs: {plan.boundary_reason}")
-    if plan.tiles_reason:
-        print(f"auto {plan.tiles_reason}")
-    if plan.share_reason:
-        print(f"auto {plan.share_reason}")
+    _print_choices(plan)
     if args.longest:
         print(f"longest row that fits: {longest if longest else 'none'} tokens")
     print(
@@ -209,6 +201,20 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(problem)
     return 0 if fits else 1
+
+
+def _print_choices(plan: ResourcePlan) -> None:
+    """Why "auto" chose the batch, the GPU tier, the MLP tiles and the GPU update share, and
+    where the layer inputs wait."""
+    if plan.batch_reason:
+        print(f"auto micro-batch: {plan.batch_reason}")
+    if plan.tier_reason:
+        print(f"auto {plan.tier_reason}")
+    print(f"layer inputs: {plan.boundary_reason}")
+    if plan.tiles_reason:
+        print(f"auto {plan.tiles_reason}")
+    if plan.share_reason:
+        print(f"auto {plan.share_reason}")
 
 
 def _reference(

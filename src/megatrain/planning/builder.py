@@ -23,7 +23,8 @@ from megatrain.engine.plan import EnginePlan
 from megatrain.model.loading import load_config as load_hf_config
 from megatrain.planning import Hardware, ModelSpec, detect, model_spec
 from megatrain.planning.hardware import GIB, gib
-from megatrain.planning.plan import ResourcePlan, RunShape, resolve
+from megatrain.planning.plan import ResourcePlan, resolve
+from megatrain.planning.run_shape import RunShape
 
 _ATTENTION_KINDS = ("attention", "full_attention", "sliding_attention")
 COMPILE_AUTO_KINDS = (*_ATTENTION_KINDS, *(f"{kind}+moe" for kind in _ATTENTION_KINDS))

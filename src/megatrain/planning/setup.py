@@ -2,7 +2,7 @@
 
 `Setup` is the estimate's whole input besides the model and the hardware
 (planning/estimate.py `estimate(spec, setup, hardware)`); the planner builds it from the run's
-config (planning/plan.py `RunShape.setup`), tests and `megatrain estimate`'s what-if flags
+config (planning/run_shape.py `RunShape.setup`), tests and `megatrain estimate`'s what-if flags
 build their own.
 """
 

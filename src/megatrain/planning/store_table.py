@@ -3,7 +3,7 @@
 One row per layout of `fit.store_choices` for the run's compute dtype and clipping (the optimizer
 keys master_dtype, state_dtype, grad_dtype), least compressed first, each predicted by
 `estimate` with the run's setup and only those keys changed, and no GPU tier for the layouts the
-tier does not take (plan.py `tier_refusal`; the tier is not picked again for the others) (the
+tier does not take (gpu_tier.py `tier_refusal`; the tier is not picked again for the others) (the
 model's meta profile is cached on its spec, so a row costs the byte arithmetic and the step
 replay, milliseconds):
 - its store bytes per parameter (`StoreChoice.per_param`) and this model's predicted host RAM:
@@ -30,9 +30,9 @@ import torch
 
 from megatrain.planning.estimate import estimate
 from megatrain.planning.fit import host_problem, store_choices, store_of
+from megatrain.planning.gpu_tier import tier_refusal
 from megatrain.planning.hardware import GIB, Hardware
 from megatrain.planning.host_memory import HostMemory
-from megatrain.planning.plan import tier_refusal
 from megatrain.planning.setup import Setup
 from megatrain.planning.spec import ModelSpec
 

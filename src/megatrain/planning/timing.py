@@ -28,7 +28,7 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   and states, as stored, go up (H2D stream) and master, states and weights come back (D2H),
   one block at a time, with the torch reference AdamW on the GPU in between
   (GPU_REFERENCE_BYTES_PER_PARAM at GPU_UNFUSED_BYTES_PER_S; its slowing of the compute beside
-  it is not counted);
+  it is not counted; planning/share_time.py);
 - layer GPU time (planning/layer_time.py): FLOPs at the achieved rate, memory traffic, MoE
   routing, linear attention, the gradient sum, compiled layers;
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
@@ -69,7 +69,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.engine.gpu_share import BlockFormats, share_of
 from megatrain.engine.plan import TierSplit
 from megatrain.engine.schedule import LOAD, RECOMPUTE, StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_numel, vision_width
@@ -83,6 +82,7 @@ from megatrain.planning.optimizer_rate import optimizer_gparams_s
 from megatrain.planning.ranks import Ranks
 from megatrain.planning.replay import Costs, Replay
 from megatrain.planning.setup import Setup
+from megatrain.planning.share_time import share_seconds
 from megatrain.planning.spec import ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
@@ -101,33 +101,6 @@ layers' rate, which is lower below hidden ~1500."""
 GPU_ADAMW_GPARAMS_S = 60.0
 """Fused AdamW on the GPU (assumed, H100): ~34 bytes per parameter through HBM (read p, g, m,
 v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
-GPU_REFERENCE_BYTES_PER_PARAM = {
-    ("fp32", "fp32"): 272,
-    ("fp32", "bf16"): 2552,
-    ("fp32", "int8"): 498,
-    ("fp32", "int4"): 501,
-    ("bf16", "fp32"): 1465,
-    ("bf16", "bf16"): 3745,
-    ("bf16", "int8"): 1691,
-    ("bf16", "int4"): 1694,
-}
-"""Bytes the GPU update share's AdamW moves through GPU memory per parameter, by (master dtype,
-state dtype): the torch reference of the C kernels (optim/update_io.py), unfused, counted on
-the CPU (2026-11-28: a TorchDispatchMode summing every op's tensor arguments and results over
-`CpuAdamW.update_reference` on a 2M-value block in one chunk; a bf16 master with int8 held
-gradients, an fp32 master with its bf16 gradient). Each bf16 stochastic rounding (bf16 states'
-m and v, a bf16 master's weights) costs ~1.2 kB/param: its hash runs on int64 indices."""
-PAGEABLE_COPY_BYTES_PER_S = 10e9
-"""Host link rate of a copy from or to pageable host memory (the GPU update share's master and
-states: the store keeps them pageable; CUDA bounces them through its own pinned buffer). Fitted
-to docs/performance.md run 58 (one H100, 128 GiB host): the share of 2 blocks (0.91B
-parameters, fp32 master and int8 states, 12.8 GB up and down) took 1.68 s where the pinned
-rate predicted 0.70 s; with 0.43 s of GPU AdamW that leaves 1.25 s for the copies."""
-GPU_UNFUSED_BYTES_PER_S = 1.06e12
-"""What unfused elementwise kernels achieve of an H100's memory bandwidth (assumed, as
-docs/optimizer_states.md "Which tier" did: 0.29 s for the 374 B/param of a 0.82B int8 block),
-so the share's AdamW runs at GPU_UNFUSED_BYTES_PER_S / GPU_REFERENCE_BYTES_PER_PARAM: 3.9
-Gparams/s for fp32 states, 0.6 for a bf16 master (measure: docs/performance.md)."""
 
 
 # The vision tower's achieved rate against the engine's at the tower's width, fitted to the
@@ -182,28 +155,19 @@ def step_time(
     package's call in it counts as its fused kernels; `layer_scores`: per layer, the part of
     its traffic on eager attention's [S, S] scores (planning/layer_time.py); `layer_causal`:
     per layer, its attention called causal with no mask (LayerProfile.causal_only)."""
-    plan, ranks = setup.engine, setup.ranks
+    ranks = setup.ranks
     rows, seq, micro_batches = setup.micro_batch_size, setup.seq_len, setup.grad_accum
     costs, flops = _costs(
         spec,
         hw,
-        rows=rows,
-        seq=seq,
-        micro_batches=micro_batches,
+        setup,
         schedule=schedule,
-        clipping=plan.clip_norm is not None,
         layer_ops=layer_ops,
         loss_ops=loss_ops,
         layer_traffic=layer_traffic,
         layer_fused=layer_fused,
         layer_scores=layer_scores,
         layer_causal=layer_causal,
-        tier=TierSplit.of(spec.num_layers, plan.gpu_state_blocks),
-        share=plan.gpu_update_blocks,
-        formats=setup.block_formats(spec.compute_dtype == torch.bfloat16),
-        state_dtype=setup.state_dtype,
-        compiled=plan.compile_layers,
-        ranks=ranks,
     )
     vision_fwd, vision_bwd = _vision_s(spec, hw, setup)
     costs.fwd_s[0] += vision_fwd  # before layer 0, per micro-batch (engine/vision.py)
@@ -294,26 +258,22 @@ def _layer_flops(
 def _costs(
     spec: ModelSpec,
     hw: Hardware,
+    setup: Setup,
     *,
-    rows: int,
-    seq: int,
-    micro_batches: int,
     schedule: StepSchedule,
-    clipping: bool,
     layer_ops: list[tuple[int, int]],
     loss_ops: int,
     layer_traffic: Sequence[tuple[int, int]],
     layer_fused: Sequence[bool],
     layer_scores: Sequence[tuple[int, int]],
     layer_causal: Sequence[bool],
-    tier: TierSplit,
-    share: int,
-    formats: BlockFormats,
-    state_dtype: str,
-    compiled: bool,
-    ranks: Ranks,
 ) -> tuple[Costs, float]:
-    tokens = rows * seq * micro_batches
+    """Each layer's and block's seconds on each stream and the worker for `step_time`'s replay,
+    and the step's FLOPs (its arguments: `step_time`'s)."""
+    plan, ranks, seq, micro_batches = setup.engine, setup.ranks, setup.seq_len, setup.grad_accum
+    tier = TierSplit.of(spec.num_layers, plan.gpu_state_blocks)
+    compiled = plan.compile_layers
+    tokens = setup.micro_batch_size * seq * micro_batches
     launch = hw.op_launch_s * micro_batches
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     layer_launch = launch * (COMPILED_OPS_FRACTION if compiled else 1.0)
@@ -324,11 +284,9 @@ def _costs(
     )
     recomputes = [op.layer for op in schedule.backward if op.kind == RECOMPUTE]
     loss = 6.0 * spec.lm_head_params * tokens
-    loss_rate = rate  # never above the layers' rate (narrow models: small matmuls)
-    if spec.compute_dtype == torch.bfloat16:  # as flops_per_s: only bf16's rate is fitted
-        loss_rate = min(rate, hw.gpu_tflops_bf16 * 1e12 * LOSS_RATE_FRACTION)
+    loss_rate = _loss_rate(spec, hw, rate)
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
-    opt_rate = optimizer_gparams_s(hw, state_dtype) * 1e9
+    opt_rate = optimizer_gparams_s(hw, setup.state_dtype) * 1e9
     gpu_opt_rate = GPU_ADAMW_GPARAMS_S * 1e9
     n, resident = spec.num_layers, tier.layers
     # per block in forward order (embedding, layers, head): parameters the host updates
@@ -337,16 +295,8 @@ def _costs(
     host = [0 if gpu else p for p, gpu in zip(params, on_gpu, strict=True)]
     shard = [ranks.shard(p) for p in host]  # what this rank copies and updates
     tier_params = [p - h for p, h in zip(params, host, strict=True)]
-    # the share's blocks by forward position (embedding 0, layers, head n + 1)
-    shared = set(share_of(list(range(1, n + 1)), n + 1, lambda i: host[i] > 0, share))
-    up_s, down_s = [0.0] * (n + 2), [0.0] * (n + 2)
-    for i in shared:
-        parts = formats.staging_parts(params[i])  # master, m, v (and scales), the shadow
-        stored = sum(k * d.itemsize for d, k in parts[: len(parts) - formats.shadow])
-        weights = params[i] * elem if formats.shadow else 0  # the bf16 shadow comes back too
-        work = GPU_REFERENCE_BYTES_PER_PARAM[formats.master_dtype, formats.state_dtype]
-        up_s[i] = stored / PAGEABLE_COPY_BYTES_PER_S + params[i] * work / GPU_UNFUSED_BYTES_PER_S
-        down_s[i] = stored / PAGEABLE_COPY_BYTES_PER_S + weights / d2h
+    formats = setup.block_formats(spec.compute_dtype == torch.bfloat16)
+    shared, up_s, down_s = share_seconds(params, host, plan.gpu_update_blocks, formats, elem, d2h)
     kept = [0 if i in shared else p for i, p in enumerate(shard)]  # gradients down, CPU AdamW
     opt_rate /= ranks.nproc_per_node if ranks.world > 1 else 1  # the node's rate, shared
 
@@ -379,9 +329,17 @@ def _costs(
         share_down_s=down_s,
         tier_embed=on_gpu[0],
         tier_head=on_gpu[-1],
-        clipping=clipping,
+        clipping=plan.clip_norm is not None,
     )
     return costs, sum(fwd) + sum(bwd) + sum(fwd[i] for i in recomputes) + loss
+
+
+def _loss_rate(spec: ModelSpec, hw: Hardware, layer_rate: float) -> float:
+    """The loss's achieved FLOP/s: LOSS_RATE_FRACTION of the bf16 peak, never above the layers'
+    rate (narrow models: small matmuls)."""
+    if spec.compute_dtype != torch.bfloat16:  # as flops_per_s: only bf16's rate is fitted
+        return layer_rate
+    return min(layer_rate, hw.gpu_tflops_bf16 * 1e12 * LOSS_RATE_FRACTION)
 
 
 def _collectives_s(spec: ModelSpec, ranks: Ranks, c: Costs) -> float:
