@@ -2,7 +2,9 @@
 
 It runs an `EnginePlan` (engine/plan.py), allocates every persistent device buffer from its
 `DeviceLayout` (engine/layout.py) and issues loads and layer visits in the order of its
-`StepSchedule` (engine/schedule.py), the lists the planner's timing model replays.
+`StepSchedule` (engine/schedule.py), the lists the planner's timing model replays. Its parts
+are mixins, one role each: forward.py, loss.py and backward.py, the step's passes; buffers.py,
+the head's and embedding's device buffers and the list of every persistent one.
 
 Step schedule (docs/architecture.md, "One optimizer step"):
 1. Forward without autograd. Embedding rows gathered per micro-batch; then for each layer i:
@@ -54,22 +56,17 @@ import torch
 from megatrain.batch import Batch
 from megatrain.engine.backward import BackwardPass
 from megatrain.engine.boundaries import Boundaries
+from megatrain.engine.buffers import DeviceBuffers
 from megatrain.engine.collectives import Collectives
 from megatrain.engine.forward import ForwardPass
 from megatrain.engine.gpu_share import BlockFormats, GpuShare, share_of
-from megatrain.engine.head import ChunkedLoss, TokenObjective
+from megatrain.engine.head import TokenObjective
 from megatrain.engine.layout import (
     ACCUMULATORS,
-    EMBED_GRAD,
-    GATHERED,
-    HEAD,
-    HEAD_GRAD,
     SHARE_GRADS,
     SHARE_STAGING,
     SLOTS,
     STAGING,
-    TABLE,
-    TIER,
     BlockSizes,
     DeviceLayout,
 )
@@ -78,7 +75,7 @@ from megatrain.engine.microbatch import Embedder
 from megatrain.engine.plan import EnginePlan
 from megatrain.engine.rng import uses_randomness
 from megatrain.engine.schedule import StepSchedule
-from megatrain.engine.slots import LayerSlots, bind_module, device_copy, move_body_buffers
+from megatrain.engine.slots import LayerSlots, device_copy, move_body_buffers
 from megatrain.engine.tier import GpuTier
 from megatrain.engine.tiling import tile_per_token, tileable, untiled_layers
 from megatrain.engine.timeline import ComputeTimer, Timeline
@@ -106,7 +103,7 @@ class StepResult:
     timeline: Timeline
 
 
-class StreamingEngine(ForwardPass, BackwardPass, LossPass):
+class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
     """Runs optimizer steps of a model whose weights live in a HostStore, streaming layers.
 
     Owns the device side: the weight slots, the head and embedding on the device, gradient
@@ -202,71 +199,6 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         self._landed: dict[str, Event] = {}  # block name -> its gradient's device-to-host copy
         self._sumsq: list[torch.Tensor] = []  # squared gradient norm of each shipped block
         self._order = {b.name: i for i, b in enumerate(store.blocks)}  # forward position
-
-    def _build_head(self, loss_chunk_tokens: int) -> None:
-        st, store, layout = self.structure, self.store, self.layout
-        self.norm = device_copy(st.final_norm, self.device)
-        self.lm_head = device_copy(st.lm_head, self.device)
-        # GPU-tier blocks bring their own device weights and fp32 gradient
-        self.head_buf, self.head_acc = self._device_buffers(store.head, HEAD, HEAD_GRAD)
-        self.head_params = bind_module(
-            {"norm": self.norm, "lm_head": self.lm_head}, store.head, self.head_buf
-        )
-        self.table_buf, self.embed_acc = self._device_buffers(store.embed, TABLE, EMBED_GRAD)
-        self.head_grad_views = [store.head.view(self.head_acc, e) for e in store.head.entries]
-        if st.tied:  # the lm_head is the embedding table: it goes to the GPU whole for the loss
-            self.head_params += bind_module({"embed": self.lm_head}, store.embed, self.table_buf)
-            self.head_grad_views.append(store.embed.view(self.embed_acc, store.embed.entries[0]))
-        # Sharded: no host holds the whole embedding table; it is gathered on the device
-        # (unless it is resident: the GPU tier's).
-        self.embed_buf = next(iter(layout.empty(GATHERED, self.device)), None)
-        self._embed_free: Event = DONE
-        self.loss_fn = ChunkedLoss(st, self.norm, self.lm_head, loss_chunk_tokens)
-        self._head_ready: Event = DONE
-        self._head_free: Event = DONE
-        self._head_busy: list[Event] = []
-
-    def _device_buffers(
-        self, block: ParamBlock, weights: str, grad: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(compute-dtype weights, fp32 gradient) of a head or embedding block on the device:
-        the GPU tier's where it has them, else the layout's buffers `weights` and `grad` (an
-        empty weights tensor where the plan needs none: an untied embedding)."""
-        layout = self.layout
-        if block in self.tier:
-            weights_t = self.tier.weights(block)
-        else:
-            weights_t = next(iter(layout.empty(weights, self.device)), None)
-            if weights_t is None:
-                weights_t = torch.empty(0, dtype=self.dtype, device=self.device)
-        if self.tier.owns_gradient(block):
-            assert block.grad is not None
-            return weights_t, block.grad
-        grad_t = layout.zeros(grad, self.device)
-        assert grad_t is not None
-        return weights_t, grad_t
-
-    def device_buffers(self) -> dict[str, list[torch.Tensor]]:
-        """The persistent device tensors this engine holds, by layout name (engine/layout.py);
-        a GPU-tier block's by its states (tests compare them with the layout)."""
-        tier: list[torch.Tensor] = []
-        for block in self.tier.blocks:  # whole weights first: the shard's may be views of them
-            parts = (block.master, block.shadow, block.exp_avg, block.exp_avg_sq, block.grad)
-            tier += [self.tier.weights(block), *(t for t in parts if t is not None)]
-        return {
-            SLOTS: list(self.slots.buffers),
-            ACCUMULATORS: list(self._acc),
-            STAGING: list(self._stage or []),
-            HEAD: [] if self.store.head in self.tier else [self.head_buf],
-            TABLE: [] if self.store.embed in self.tier else [self.table_buf],
-            HEAD_GRAD: [] if self.tier.owns_gradient(self.store.head) else [self.head_acc],
-            EMBED_GRAD: [] if self.tier.owns_gradient(self.store.embed) else [self.embed_acc],
-            GATHERED: [] if self.embed_buf is None else [self.embed_buf],
-            **self.vision.buffers(),
-            TIER: _distinct(tier),
-            SHARE_GRADS: [t for t in (self.share.grads,) if t is not None],
-            SHARE_STAGING: [t for t in (self.share.staging,) if t is not None],
-        }
 
     # ---------------------------------------------------------------- public API
 
@@ -417,14 +349,3 @@ class StreamingEngine(ForwardPass, BackwardPass, LossPass):
         self.wait_updates()
         self.worker.close()
         self.share.close()
-
-
-def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each storage once (a tier block's weights may be its master, or hold its shard's)."""
-    seen: set[int] = set()
-    out = []
-    for t in tensors:
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            out.append(t)
-    return out

@@ -1,6 +1,7 @@
 """GRPO: reinforcement learning with verifiable rewards, full parameters, through the engine.
 
 recipe.py      GRPOTrainer: the only GRPO module that reads the config (megatrain grpo)
+checkpoint.py  the KL reference in checkpoints and the disk check (a mixin of GRPOTrainer)
 prompts.py     prompt data through the data registry, rendered with the chat template
 rewards.py     built-in and user reward functions (TRL's signature), checked calls
 advantages.py  group-normalised advantages (TRL's scale_rewards)

@@ -1,6 +1,7 @@
 """The GRPO recipe (`megatrain grpo`): the base recipe's lifecycle (recipes/base.py: output
 folder, plan and fit, disk check, build, resume incl. the world-size check, checkpoints, export,
-Ctrl-C) with GRPO's data, step and metrics. The only GRPO module that reads the config.
+Ctrl-C) with GRPO's data, step and metrics. The only GRPO module that reads the config, with
+its mixin checkpoint.py (the KL reference in checkpoints and the disk check).
 
 What differs from the base: the data are prompts and reward functions; the plan covers both
 phases, rollout and training (plan.py); one unit of training is a generation batch of
@@ -48,6 +49,7 @@ from megatrain.package_assets import demo_assets_dir
 from megatrain.recipes.base import Recipe
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.advantages import group_advantages
+from megatrain.recipes.grpo.checkpoint import ReferenceCheckpoint
 from megatrain.recipes.grpo.decode import static_generate
 from megatrain.recipes.grpo.loss import GRPOLoss, token_weights, weight_totals
 from megatrain.recipes.grpo.phase_memory import PhasePeak
@@ -76,7 +78,6 @@ from megatrain.recipes.grpo.sequences import (
     sequence_batches,
 )
 from megatrain.recipes.records import report_plan, step_record
-from megatrain.store.shard import shard_range
 
 
 @dataclass
@@ -96,7 +97,7 @@ class _Generation:
     record: dict[str, Any]  # its rollout metrics
 
 
-class GRPOTrainer(Recipe):
+class GRPOTrainer(ReferenceCheckpoint, Recipe):
     """One GRPO run (recipes/base.py has the lifecycle and its invariants).
 
     Invariant: `step` is a multiple of num_iterations between generation batches.
@@ -160,25 +161,6 @@ class GRPOTrainer(Recipe):
             return t.max_steps
         batches = math.ceil(t.num_epochs * len(self.prompts) / g.prompts_per_step)
         return max(1, batches) * g.num_iterations
-
-    def load_state(self, state: dict[str, Any], path: Path) -> None:
-        if self.reference is not None:  # the reference is the run's initial weights
-            self.reference.load(path)
-
-    def write_rank_files(self, folder: Path) -> None:
-        if self.reference is not None:  # under several ranks, each rank's part
-            self.reference.save(folder)
-
-    def extra_checkpoint_bytes(self) -> int:
-        """The KL reference: a copy of what the engine streams, in the compute dtype (under
-        several ranks, every rank's shards, padded as store/shard.py pads them)."""
-        if self.cfg.grpo.beta <= 0:
-            return 0
-        spec, world = self.builder.spec, self.builder.placement.world_size
-        blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
-        if world > 1:
-            blocks = [shard_range(n, 0, world)[0] for n in blocks]
-        return sum(blocks) * spec.compute_dtype.itemsize
 
     def batch_prompts(self, index: int) -> list[Prompt]:
         """Generation batch `index`: the next prompts of a seeded permutation per epoch."""
