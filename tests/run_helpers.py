@@ -2,7 +2,9 @@
 interrupted inside a given optimizer step (`crash_during_step`), the gradients an engine ships
 (`parity_engine`, `grad_snapshot`, `rel_error`), KTO rows from the demo's preference pairs
 (`kto_folder`), the exported weights of two runs compared (`assert_exports_close`), and an
-engine built from a config run for a few generated steps (`engine_steps`, `block_states`)."""
+engine built from a config run for a few generated steps (`engine_steps`, `block_states`), and
+a checkpoint's block files read back and a resumed run checked against them
+(`checkpoint_blocks`, `assert_resumes_exactly`)."""
 
 from __future__ import annotations
 
@@ -160,3 +162,34 @@ def block_states(store: Any, *, shadow: bool = True) -> dict[tuple[str, str], to
         state |= {(b.name, k): t.clone() for k, t in tensors.items()}
         state[(b.name, "step")] = torch.tensor(b.step)
     return state
+
+
+def checkpoint_blocks(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor of a checkpoint's `blocks/` files, by file name and key."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted((checkpoint / "blocks").iterdir()):
+        with safe_open(str(file), framework="pt") as f:
+            out[file.name] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    return out
+
+
+def assert_resumes_exactly(
+    losses_of: Any, tmp: Path, common: tuple[str, ...], straight: list[float]
+) -> None:
+    """A 6-step run in `tmp/a` (losses `straight`, checkpoints at steps 3 and 6) resumed from
+    step 3 into `tmp/b` by `losses_of(out, *overrides)`: steps 4-6 give the same losses and
+    the step-6 checkpoint holds the same tensors, bit for bit."""
+    resumed = losses_of(
+        tmp / "b",
+        *common,
+        "--checkpoint.resume_from",
+        str(tmp / "a" / "checkpoints" / "step-00000003"),
+    )
+    assert resumed == straight[3:]
+    final = checkpoint_blocks(tmp / "a" / "checkpoints" / "step-00000006")
+    again = checkpoint_blocks(tmp / "b" / "checkpoints" / "step-00000006")
+    for name, tensors in final.items():
+        for key, saved in tensors.items():
+            assert torch.equal(again[name][key], saved), (name, key)

@@ -24,6 +24,7 @@ from megatrain.optim.bf16_master import update_bf16_master_reference
 from megatrain.recipes.sft import Trainer
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.grads import POOL_LANDINGS, held_gradient
+from run_helpers import assert_resumes_exactly, checkpoint_blocks
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 BF16_MASTER = ("--optimizer.master_dtype", "bf16", "--model.compute_dtype", "bf16")
@@ -42,14 +43,6 @@ def _train(tmp: Path, *overrides: str) -> tuple[list[float], Trainer]:
     finally:
         trainer.close()
     return summary.losses, trainer
-
-
-def _blocks(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
-    out = {}
-    for file in sorted((checkpoint / "blocks").iterdir()):
-        with safe_open(str(file), framework="pt") as f:
-            out[file.name] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    return out
 
 
 COMMON = (
@@ -80,7 +73,7 @@ def test_bf16_master_checkpoint_as_stored_and_resume_exactly(
 ) -> None:
     common = (*BF16_MASTER, "--optimizer.state_dtype", state_dtype, *hold, *COMMON)
     straight, trainer = _train(tmp_path / "a", *common)
-    final = _blocks(tmp_path / "a" / "checkpoints" / "step-00000006")
+    final = checkpoint_blocks(tmp_path / "a" / "checkpoints" / "step-00000006")
     block = trainer.store.layers[0]
     assert block.master.dtype == torch.bfloat16 and block.shadow is None
     if hold == NO_CLIPPING:  # every landing went back to the pool after its update
@@ -92,17 +85,7 @@ def test_bf16_master_checkpoint_as_stored_and_resume_exactly(
     assert final["layer.0.safetensors"]["master"].dtype == torch.bfloat16
     for key, saved in final["layer.0.safetensors"].items():
         assert torch.equal({"master": block.master, **block.state_tensors()}[key], saved)
-    resumed, _ = _train(
-        tmp_path / "b",
-        *common,
-        "--checkpoint.resume_from",
-        str(tmp_path / "a" / "checkpoints" / "step-00000003"),
-    )
-    assert resumed == straight[3:]
-    again = _blocks(tmp_path / "b" / "checkpoints" / "step-00000006")
-    for name, tensors in final.items():
-        for key, saved in tensors.items():
-            assert torch.equal(again[name][key], saved), (name, key)
+    assert_resumes_exactly(lambda out, *a: _train(out, *a)[0], tmp_path, common, straight)
 
 
 def test_checkpoint_of_another_master_dtype_is_refused(tmp_path: Path) -> None:

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from megatrain.checkpoint.saving import latest_checkpoint
 from megatrain.config import load_config
 from megatrain.recipes.sft import Trainer
 from megatrain.store.int4 import INT4_BLOCK
 from megatrain.store.states import QUANT_BLOCK
+from run_helpers import assert_resumes_exactly, checkpoint_blocks
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
@@ -34,14 +34,6 @@ def _train(tmp: Path, *overrides: str) -> tuple[list[float], float | None, Train
     finally:
         trainer.close()
     return summary.losses, summary.eval_loss, trainer
-
-
-def _blocks(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
-    out = {}
-    for file in sorted((checkpoint / "blocks").iterdir()):
-        with safe_open(str(file), framework="pt") as f:
-            out[file.name] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    return out
 
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int4"])
@@ -66,7 +58,7 @@ def test_compressed_states_checkpoint_as_stored_and_resume_exactly(
         "0",
     )
     straight, _, trainer = _train(tmp_path / "a", *common)
-    final = _blocks(tmp_path / "a" / "checkpoints" / "step-00000006")
+    final = checkpoint_blocks(tmp_path / "a" / "checkpoints" / "step-00000006")
     layer = final["layer.0.safetensors"]
     numel = layer["master"].numel()
     if state_dtype == "bf16":
@@ -88,17 +80,7 @@ def test_compressed_states_checkpoint_as_stored_and_resume_exactly(
     }
     assert sum(t.nbytes for t in block.state_tensors().values()) == expected[state_dtype]
     # resume from step 3 in a fresh output directory: the same losses and the same bytes
-    resumed, _, _ = _train(
-        tmp_path / "b",
-        *common,
-        "--checkpoint.resume_from",
-        str(tmp_path / "a" / "checkpoints" / "step-00000003"),
-    )
-    assert resumed == straight[3:]
-    again = _blocks(tmp_path / "b" / "checkpoints" / "step-00000006")
-    for name, tensors in final.items():
-        for key, saved in tensors.items():
-            assert torch.equal(again[name][key], saved), (name, key)
+    assert_resumes_exactly(lambda out, *a: _train(out, *a)[0], tmp_path, common, straight)
 
 
 def test_checkpoint_of_another_state_dtype_is_refused(tmp_path: Path) -> None:
