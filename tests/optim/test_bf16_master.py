@@ -19,7 +19,7 @@ from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.grads import num_grad_blocks, quantize_gradient_
 from megatrain.store.master import MASTER_KEY
-from megatrain.store.states import QUANT_BLOCK, allocate_states, bf16_stochastic, rounding_key
+from megatrain.store.states import QUANT_BLOCK, bf16_stochastic, rounding_key
 
 needs_kernel = pytest.mark.skipif(load_adamw_kernel() is None, reason="no C compiler")
 
@@ -28,15 +28,10 @@ def _block(
     master: torch.Tensor, decay_numel: int, state_dtype: str, grad_dtype: torch.dtype
 ) -> ParamBlock:
     n = master.numel()
-    block = ParamBlock(
-        name="layer.3",
-        entries=[],
-        numel=n,
-        decay_numel=decay_numel,
-        master=master.clone(),
+    block = ParamBlock.with_states(
+        name="layer.3", entries=[], numel=n, decay_numel=decay_numel, master=master.clone(),
         state_dtype=state_dtype,
-        **allocate_states(n, state_dtype),  # type: ignore[arg-type]
-    )
+    )  # fmt: skip
     block.grad = torch.empty(n, dtype=grad_dtype)
     if grad_dtype == torch.int8:  # held compactly: codes and one unit per GRAD_BLOCK
         block.grad_unit = torch.empty(num_grad_blocks(n))

@@ -25,15 +25,10 @@ needs_kernel = pytest.mark.skipif(load_adamw_kernel() is None, reason="no C comp
 
 def _block(master: torch.Tensor, decay_numel: int, bf16_grads: bool) -> ParamBlock:
     n = master.numel()
-    block = ParamBlock(
-        name="layer.3",
-        entries=[],
-        numel=n,
-        decay_numel=decay_numel,
-        master=master.clone(),
+    block = ParamBlock.with_states(
+        name="layer.3", entries=[], numel=n, decay_numel=decay_numel, master=master.clone(),
         state_dtype="int4",
-        **allocate_states(n, "int4"),  # type: ignore[arg-type]
-    )
+    )  # fmt: skip
     if bf16_grads:
         block.shadow = torch.empty(n, dtype=torch.bfloat16)
     else:

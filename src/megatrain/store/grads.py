@@ -113,6 +113,7 @@ class LandingPool:
     def __init__(self, numel: int, *, pin: bool, count: int = POOL_LANDINGS) -> None:
         self.numel = numel
         self._free = [host_zeros(numel, torch.bfloat16, pin=pin) for _ in range(count)]
+        self._taken: dict[int, torch.Tensor] = {}  # by data pointer: the whole buffer
         self._cond = threading.Condition()
 
     def take(self, numel: int) -> torch.Tensor:
@@ -120,12 +121,13 @@ class LandingPool:
         with self._cond:
             while not self._free:
                 self._cond.wait()  # sync point (host): an update frees a landing
-            return self._free.pop()[:numel]
+            buffer = self._free.pop()
+            self._taken[buffer.data_ptr()] = buffer
+            return buffer[:numel]
 
     def give(self, landing: torch.Tensor) -> None:
-        base = landing._base if landing._base is not None else landing
         with self._cond:
-            self._free.append(base)
+            self._free.append(self._taken.pop(landing.data_ptr()))
             self._cond.notify()
 
     def buffers(self) -> list[torch.Tensor]:
