@@ -15,17 +15,20 @@ Per share block and step:
    taken as `_ship` takes it, so the global norm is unchanged.
 2. Update (`update`, on a second host worker thread, engine/updates.py): the block's master and
    AdamW states, as stored, are copied host-to-device into one staging set (the largest share
-   block's size), AdamW runs there through the torch references of the C kernels
-   (`CpuAdamW.update_reference`: the same StepScalars, stochastic-rounding keys, clipping
-   coefficient; bit for bit the host update), and master, states and the new weights (the bf16
-   shadow, or the master that is the streamed copy) are copied back device-to-host.
+   block's size), AdamW runs there (`CpuAdamW.update_device`: the fused Triton kernel of
+   optim/triton_adamw.py for an fp32 master with fp32, bf16 or int8 states, else the torch
+   references of the C kernels; either takes the same StepScalars, stochastic-rounding keys and
+   clipping coefficient and is bit for bit the host update), and master, states and the new
+   weights (the bf16 shadow, or the master that is the streamed copy) are copied back
+   device-to-host. The share's master and states are page-locked where they lie in the store
+   (store/memory.py `pin_in_place`, at start), so both copies run at the link's pinned rate.
 3. The next forward's copy of the block waits for it as for a host update (`wait(block)`).
 
 Device memory (engine/layout.py SHARE_GRADS, SHARE_STAGING): every share block's held gradient
 (2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and one staging set of master + states
-(+ the bf16 shadow written by the update). The update's temporaries, up to WORK_BYTES, are
-freed after each pass of DEVICE_CHUNK values and kept by the allocator: the estimate counts
-them beside the layout.
+(+ the bf16 shadow written by the update). The torch reference's temporaries, up to WORK_BYTES
+(`work_bytes`: none for the fused kernel), are freed after each pass of DEVICE_CHUNK values and
+kept by the allocator: the estimate counts them beside the layout.
 
 Invariants: one share block is updated at a time (one staging set); its update starts only
 after its held gradient is written (the landed event) and is complete (the copy stream
@@ -47,10 +50,12 @@ import torch
 from megatrain.engine.plan import TierSplit
 from megatrain.engine.transfers import Event, Transfers
 from megatrain.engine.updates import UpdateWorker
+from megatrain.optim import triton_adamw
 from megatrain.optim.adamw import CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.grads import gradient_key, num_grad_blocks, quantize_gradient_
 from megatrain.store.int4 import INT4_HALF, num_int4_blocks
+from megatrain.store.memory import pin_in_place
 from megatrain.store.states import QUANT_BLOCK, num_quant_blocks
 
 T = TypeVar("T")
@@ -71,6 +76,12 @@ WORK_BYTES = DEVICE_CHUNK * WORK_BYTES_PER_VALUE
 """GPU memory the share's update allocates beside its buffers (its stream's pool keeps it),
 680 MB: planning/estimate.py counts it where there is a share."""
 Parts = list[tuple[torch.dtype, int]]
+
+
+def work_bytes(formats: BlockFormats) -> int:
+    """GPU bytes the share's update allocates beside its buffers: the torch reference's
+    temporaries, none where the fused kernel takes the formats."""
+    return 0 if triton_adamw.takes(formats.master_dtype, formats.state_dtype) else WORK_BYTES
 
 
 def share_of(layers: Sequence[T], head: T, streamed: Callable[[T], bool], count: int) -> list[T]:
@@ -172,6 +183,10 @@ class GpuShare:
             self._held[block.name] = carve(grads[at : at + packed_bytes(parts)], parts)
             at += packed_bytes(parts)
         self._stream = torch.cuda.Stream(transfers.device) if transfers.is_cuda else None
+        if transfers.is_cuda:  # master and states cross the link pinned where they lie
+            for block in self.blocks:
+                for tensor in _host_tensors(block).values():
+                    pin_in_place(tensor)
         # called with the device block once its gradient is in place, before its update
         # (verify's snapshot: the engine passes the host worker's `on_landed`)
         self.on_gradient: Callable[[ParamBlock], None] | None = None
@@ -209,9 +224,7 @@ class GpuShare:
             device = self._device_block(block)
             if self.on_gradient is not None:
                 self.on_gradient(device)
-            self.optimizer.update_reference(
-                device, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK
-            )
+            self.optimizer.update_device(device, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK)
             for name, host in _host_tensors(block).items():
                 host.copy_(getattr(device, name), non_blocking=True)
             if stream is not None:

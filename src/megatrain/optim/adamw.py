@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.native import load_adamw_kernel
+from megatrain.optim import triton_adamw
 from megatrain.optim.bf16_master import update_bf16_master_c, update_bf16_master_reference
 from megatrain.optim.update_io import (
     StepScalars,
@@ -124,6 +125,19 @@ class CpuAdamW:
             update_bf16_master_reference(block, scalars, chunk=chunk)
         else:
             update_compressed_reference(block, scalars, chunk=chunk)
+
+    def update_device(
+        self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0, chunk: int
+    ) -> None:
+        """One AdamW step on `block`, whose master, states and gradient live on the compute
+        device (engine/gpu_share.py): the fused Triton kernel where it takes the block's
+        formats (optim/triton_adamw.py), else `update_reference`; either is bit for bit the
+        C kernel's result."""
+        if triton_adamw.supports(block):
+            block.step += 1
+            triton_adamw.fused_update(block, self._scalars(block, lr, grad_scale))
+            return
+        self.update_reference(block, lr=lr, grad_scale=grad_scale, chunk=chunk)
 
     def _scalars(self, block: ParamBlock, lr: float, grad_scale: float) -> StepScalars:
         """The float32 scalars of `block`'s coming update (`block.step` already counts it)."""

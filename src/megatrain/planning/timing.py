@@ -26,9 +26,8 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
 - GPU update share (the last `gpu_update_blocks` streamed blocks: head, then layers from the
   last; engine/gpu_share.py): no gradient copy down and no CPU AdamW; instead their master
   and states, as stored, go up (H2D stream) and master, states and weights come back (D2H),
-  one block at a time, with the torch reference AdamW on the GPU in between
-  (GPU_REFERENCE_BYTES_PER_PARAM at GPU_UNFUSED_BYTES_PER_S; its slowing of the compute beside
-  it is not counted; planning/share_time.py);
+  one block at a time, with the AdamW on the GPU in between (the fused kernel, else the torch
+  reference; its slowing of the compute beside it is not counted; planning/share_time.py);
 - layer GPU time (planning/layer_time.py): FLOPs at the achieved rate, memory traffic, MoE
   routing, linear attention, the gradient sum, compiled layers;
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
@@ -296,7 +295,9 @@ def _costs(
     shard = [ranks.shard(p) for p in host]  # what this rank copies and updates
     tier_params = [p - h for p, h in zip(params, host, strict=True)]
     formats = setup.block_formats(spec.compute_dtype == torch.bfloat16)
-    shared, up_s, down_s = share_seconds(params, host, plan.gpu_update_blocks, formats, elem, d2h)
+    shared, up_s, down_s = share_seconds(
+        params, host, plan.gpu_update_blocks, formats, elem, (h2d, d2h)
+    )
     kept = [0 if i in shared else p for i, p in enumerate(shard)]  # gradients down, CPU AdamW
     opt_rate /= ranks.nproc_per_node if ranks.world > 1 else 1  # the node's rate, shared
 

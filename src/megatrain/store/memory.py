@@ -31,7 +31,7 @@ def host_zeros(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
     """A zero-filled 1-D host tensor: large ones on huge pages, page-locked if `pin`."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
-    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not pinnable(nbytes):
         return torch.zeros(numel, dtype=dtype, pin_memory=pin)
     size = -(-nbytes // _HUGE) * _HUGE
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -41,6 +41,25 @@ def host_zeros(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Te
     if pin and not _register(tensor, size):
         return torch.zeros(numel, dtype=dtype, pin_memory=True)
     return tensor
+
+
+def pinnable(nbytes: int) -> bool:
+    """Whether `pin_in_place` page-locks a store tensor of `nbytes`: the huge-page mappings
+    (HUGE_PAGE_MIN_BYTES and up); smaller ones come from torch's allocator and may share a
+    page with other tensors."""
+    return nbytes >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def pin_in_place(tensor: torch.Tensor) -> bool:
+    """Page-lock an existing store tensor where it lies (engine/gpu_share.py: the share's
+    master and states then cross the link at the pinned rate, and copies are asynchronous);
+    True if it is pinned now. Only `pinnable` tensors, which start a mapping of their own."""
+    if tensor.is_pinned():
+        return True
+    nbytes = tensor.numel() * tensor.element_size()
+    if not pinnable(nbytes) or tensor.data_ptr() % mmap.PAGESIZE:
+        return False
+    return _register(tensor, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
 
 
 def _register(tensor: torch.Tensor, size: int) -> bool:
