@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from megatrain.config import TrainConfig, load_config
-from megatrain.engine.gpu_share import BlockFormats
+from megatrain.engine.gpu_share import STAGING_SETS, BlockFormats
 from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING, DeviceLayout, held_bytes
 from megatrain.native import load_adamw_kernel
 from megatrain.planning.spec import block_sizes
@@ -106,7 +106,8 @@ def test_share_equals_host_updates_bit_for_bit(
 
 
 def test_share_buffers_are_planned() -> None:
-    """The held gradients and one staging set are in the layout, sized by the formats."""
+    """The held gradients and two staging sets (one block's copies back beside the next one's
+    up) are in the layout, sized by the formats."""
     cfg = _cfg(2, *BF16_MASTER, "--optimizer.state_dtype", "int8", *INT8_GRADS, dtype="bf16")
     builder = RunBuilder(cfg)
     spec, plan = builder.spec, builder.engine_plan()
@@ -119,7 +120,9 @@ def test_share_buffers_are_planned() -> None:
     assert layout[SHARE_GRADS].bytes <= head + last + 4 * ((head + last) // 2048 + 2) + 4 * 256
     # bf16 master, int8 m and v, their scales: the larger block's, no shadow
     big = max(head, last)
-    assert 4 * big <= layout[SHARE_STAGING].bytes <= 4 * big + 8 * (big // 2048 + 1) + 5 * 256
+    staging = layout[SHARE_STAGING]
+    assert staging.count == STAGING_SETS == 2
+    assert 4 * big <= staging.numel <= 4 * big + 8 * (big // 2048 + 1) + 5 * 256
 
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"

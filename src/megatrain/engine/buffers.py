@@ -110,7 +110,7 @@ class DeviceBuffers:
             **self.vision.buffers(),
             TIER: _distinct(tier),
             SHARE_GRADS: [t for t in (self.share.grads,) if t is not None],
-            SHARE_STAGING: [t for t in (self.share.staging,) if t is not None],
+            SHARE_STAGING: list(self.share.staging),
         }
 
 

@@ -183,7 +183,7 @@ class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
             optimizer,
             self.transfers,
             grads=self.layout.zeros(SHARE_GRADS, self.device),
-            staging=next(iter(self.layout.empty(SHARE_STAGING, self.device)), None),
+            staging=self.layout.empty(SHARE_STAGING, self.device),
             threaded=threaded_optimizer,
         )
         boundaries = plan.boundary_plan(len(store.layers))
@@ -325,7 +325,7 @@ class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""
         self.worker.wait_all(self.store.blocks)
-        self.share.worker.wait_all(self.share.blocks)
+        self.share.wait_all()
 
     def _wait_update(self, block: ParamBlock) -> float:
         """Block the host until `block`'s pending update (host or GPU share) is applied; the

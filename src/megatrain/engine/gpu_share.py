@@ -14,33 +14,35 @@ Per share block and step:
    the same key; fp32 in fp32 compute) into the block's own device buffer; its squared norm is
    taken as `_ship` takes it, so the global norm is unchanged.
 2. Update (`update`, on a second host worker thread, engine/updates.py): the block's master and
-   AdamW states, as stored, are copied host-to-device into one staging set (the largest share
-   block's size), AdamW runs there (`CpuAdamW.update_device`: the fused Triton kernel of
-   optim/triton_adamw.py for an fp32 master with fp32, bf16 or int8 states, else the torch
-   references of the C kernels; either takes the same StepScalars, stochastic-rounding keys and
-   clipping coefficient and is bit for bit the host update), and master, states and the new
-   weights (the bf16 shadow, or the master that is the streamed copy) are copied back
-   device-to-host. The share's master and states are page-locked where they lie in the store
-   (store/memory.py `pin_in_place`, at start), so both copies run at the link's pinned rate.
+   AdamW states, as stored, are copied host-to-device into a staging set (the largest share
+   block's size; STAGING_SETS of them, taken in turn), AdamW runs there
+   (`CpuAdamW.update_device`: the fused Triton kernel of optim/triton_adamw.py for an fp32
+   master with fp32, bf16 or int8 states, else the torch references of the C kernels; either
+   takes the same StepScalars, stochastic-rounding keys and clipping coefficient and is bit for
+   bit the host update), and master, states and the new weights (the bf16 shadow, or the master
+   that is the streamed copy) are copied back device-to-host. Copies in and the AdamW run on
+   one stream, copies back on another, so one block's states come back while the next one's go
+   up. The share's master and states are page-locked where they lie in the store
+   (store/memory.py `pin_in_place`, at start): both copies run at the link's pinned rate.
 3. The next forward's copy of the block waits for it as for a host update (`wait(block)`).
 
 Device memory (engine/layout.py SHARE_GRADS, SHARE_STAGING): every share block's held gradient
-(2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and one staging set of master + states
-(+ the bf16 shadow written by the update). The torch reference's temporaries, up to WORK_BYTES
-(`work_bytes`: none for the fused kernel), are freed after each pass of DEVICE_CHUNK values and
-kept by the allocator: the estimate counts them beside the layout.
+(2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and the staging sets of master +
+states (+ the bf16 shadow written by the update). The torch reference's temporaries, up to
+WORK_BYTES (`work_bytes`: none for the fused kernel), are freed after each pass of
+DEVICE_CHUNK values and kept by the allocator: the estimate counts them beside the layout.
 
-Invariants: one share block is updated at a time (one staging set); its update starts only
-after its held gradient is written (the landed event) and is complete (the copy stream
-synchronized) before `wait(block)` returns, so the next forward's host-to-device copy and the
-next backward's write of the held gradient come after it; under ranks there is no share (the
-planner refuses N > 0 there).
+Invariants: a staging set takes a block only after its previous block's copies back are done
+(the up stream waits for them); an update starts only after its held gradient is written (the
+landed event), and its copies back are complete (synchronized) before `wait(block)` returns,
+so the next forward's host-to-device copy and the next backward's write of the held gradient
+come after it; under ranks there is no share (the planner refuses N > 0 there).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -60,6 +62,9 @@ from megatrain.store.states import QUANT_BLOCK, num_quant_blocks
 
 T = TypeVar("T")
 
+STAGING_SETS = 2
+"""Device staging sets of the share: block k's states go up into one while block k-1's come
+back from the other (the link's two directions at once)."""
 ALIGN = 256
 """Byte alignment of each tensor carved out of a share buffer."""
 DEVICE_CHUNK = 4096 * QUANT_BLOCK
@@ -167,22 +172,28 @@ class GpuShare:
         transfers: Transfers,
         *,
         grads: torch.Tensor | None,
-        staging: torch.Tensor | None,
+        staging: Sequence[torch.Tensor],
         threaded: bool = True,
     ) -> None:
         self.blocks = list(blocks)
         self.formats = formats
         self.optimizer = optimizer
         self.transfers = transfers
-        self.grads, self.staging = grads, staging
+        self.grads, self.staging = grads, list(staging)
         self._held: dict[str, list[torch.Tensor]] = {}
         at = 0
         for block in self.blocks:
-            assert grads is not None and staging is not None
+            assert grads is not None and self.staging
             parts = formats.gradient_parts(block.numel)
             self._held[block.name] = carve(grads[at : at + packed_bytes(parts)], parts)
             at += packed_bytes(parts)
-        self._stream = torch.cuda.Stream(transfers.device) if transfers.is_cuda else None
+        cuda = transfers.is_cuda
+        # up: copies in and the AdamW; down: copies back (the link's two directions)
+        self._up = torch.cuda.Stream(transfers.device) if cuda else None
+        self._down = torch.cuda.Stream(transfers.device) if cuda else None
+        self._turn = 0  # the staging set the next update takes
+        self._free: list[Any] = [None] * len(self.staging)  # each set's last copies back
+        self._back: dict[str, Any] = {}  # block name -> its copies back (CUDA events)
         if transfers.is_cuda:  # master and states cross the link pinned where they lie
             for block in self.blocks:
                 for tensor in _host_tensors(block).values():
@@ -217,25 +228,44 @@ class GpuShare:
 
     def update(self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0) -> None:
         """The block's AdamW on the device (the worker thread calls it once its held gradient
-        is written): states in, the reference update, master, states and weights out."""
-        assert self.staging is not None
-        stream = self._stream
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            device = self._device_block(block)
-            if self.on_gradient is not None:
-                self.on_gradient(device)
-            self.optimizer.update_device(device, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK)
+        is written): states in, the update, master, states and weights out. On CUDA it
+        returns once queued: the copies in and the AdamW on the up stream, after the copies
+        back of the staging set's previous block; the copies back on the down stream, so the
+        next block's states go up while this one's come back. `wait` waits for them."""
+        turn, up, down = self._turn, self._up, self._down
+        self._turn = (turn + 1) % len(self.staging)
+        if up is None or down is None:  # the CPU: in order, done on return
+            device = self._device_block(block, self.staging[turn])
+            self._apply(device, lr, grad_scale)
+            for name, host in _host_tensors(block).items():
+                host.copy_(getattr(device, name))
+            block.step = device.step
+            return
+        with torch.cuda.stream(up):
+            if self._free[turn] is not None:
+                up.wait_event(self._free[turn])  # the set's previous block is back on the host
+            device = self._device_block(block, self.staging[turn])
+            self._apply(device, lr, grad_scale)
+            computed = torch.cuda.Event()
+            computed.record(up)
+        with torch.cuda.stream(down):
+            down.wait_event(computed)
             for name, host in _host_tensors(block).items():
                 host.copy_(getattr(device, name), non_blocking=True)
-            if stream is not None:
-                stream.synchronize()  # sync point (host): the block is back on the host
+            back = torch.cuda.Event()
+            back.record(down)
+        self._free[turn] = self._back[block.name] = back
         block.step = device.step
 
-    def _device_block(self, block: ParamBlock) -> ParamBlock:
-        """A ParamBlock over the staging views, master and states copied in from the host."""
-        assert self.staging is not None
+    def _apply(self, device: ParamBlock, lr: float, grad_scale: float) -> None:
+        if self.on_gradient is not None:
+            self.on_gradient(device)
+        self.optimizer.update_device(device, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK)
+
+    def _device_block(self, block: ParamBlock, staging: torch.Tensor) -> ParamBlock:
+        """A ParamBlock over `staging`'s views, master and states copied in from the host."""
         parts = self.formats.staging_parts(block.numel)
-        views = carve(self.staging, parts)
+        views = carve(staging, parts)
         shadow = views.pop() if self.formats.shadow else None
         names = [n for n in _host_tensors(block) if n != "shadow"]
         fields: dict[str, Any] = {}
@@ -254,11 +284,21 @@ class GpuShare:
         )
 
     def wait(self, block: ParamBlock) -> float:
-        """Block the host until `block`'s device update is done (sync point); seconds waited."""
-        return self.worker.wait(block)
+        """Block the host until `block`'s device update is done and its master, states and
+        weights are back on the host (sync point); seconds waited."""
+        waited = self.worker.wait(block)
+        back = self._back.pop(block.name, None)
+        if back is not None:
+            t0 = time.perf_counter()
+            back.synchronize()  # sync point (host): the block's copies back are done
+            waited += time.perf_counter() - t0
+        return waited
+
+    def wait_all(self) -> float:
+        return sum(self.wait(b) for b in self.blocks)
 
     def close(self) -> None:
-        self.worker.wait_all(self.blocks)
+        self.wait_all()
         self.worker.close()
 
 

@@ -8,11 +8,17 @@ the same copy streams) and its GPU AdamW; the step is bound by the later of the 
 compute), which first falls, then rises, so the first count that does not shorten the step
 ends the search. Where the CPU updates do not bound the step (the GPU compute or the link
 does), that is 0, and no GPU memory is spent on it.
+
+The GPU tier (planning/gpu_tier.py) takes the GPU memory first. A tier block keeps its master
+and states on the GPU (12-16 B/param); a share block holds only its gradient (1-4 B/param)
+beside the staging sets, so where both are "auto", `trade_tier` gives up tier blocks, one at a
+time, while the room they free lets a larger share predict a shorter step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from megatrain.planning.estimate import Estimate
 
@@ -45,3 +51,28 @@ def pick_share(
         f"(without {base.time.step_s:.2f} s; CPU AdamW {best.time.optimizer_s:.2f} s, the "
         f"share's copies and GPU AdamW {best.time.share_s:.2f} s)"
     )
+
+
+class TierAndShare(NamedTuple):
+    tier: int
+    share: int
+    share_reason: str | None
+    traded: int  # tier blocks given up for the share
+
+
+def trade_tier(
+    tier: int, pick: Callable[[int], tuple[int, str | None]], step_s: Callable[[int, int], float]
+) -> TierAndShare:
+    """The tier and share counts with the shortest predicted step, from `tier` (the most tier
+    blocks that fit) down, one tier block at a time until a step is no shorter. `pick(t)`:
+    the share's count beside t tier blocks, and why; `step_s(t, n)`: the predicted step."""
+    share, reason = pick(tier)
+    best = TierAndShare(tier, share, reason, 0)
+    best_s = step_s(tier, share)
+    for fewer in range(tier - 1, -1, -1):
+        share, reason = pick(fewer)
+        seconds = step_s(fewer, share)
+        if seconds >= best_s:
+            break
+        best, best_s = TierAndShare(fewer, share, reason, tier - fewer), seconds
+    return best

@@ -39,7 +39,7 @@ from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.planning.batch_size import pick_micro_batch
 from megatrain.planning.estimate import Estimate, estimate
 from megatrain.planning.fit import gpu_problem, host_problem
-from megatrain.planning.gpu_share import pick_share
+from megatrain.planning.gpu_share import pick_share, trade_tier
 from megatrain.planning.gpu_tier import pick_tier
 from megatrain.planning.hardware import GIB, Hardware
 from megatrain.planning.host_memory import pinned_reserved
@@ -131,6 +131,18 @@ def plan_resources(
     tier, tier_reason = pick_tier(shape, spec, predict, hardware, gpu_margin_gib, gpu_reserve_bytes)
     share_budget = hardware.gpu_bytes - gpu_margin_gib * GIB - gpu_reserve_bytes
     share, share_reason = _share(shape, spec, functools.partial(predict, tier), tier, share_budget)
+    if shape.gpu_state_blocks == "auto" and shape.gpu_update_blocks == "auto" and tier:
+        traded = trade_tier(
+            tier,
+            lambda t: _share(shape, spec, functools.partial(predict, t), t, share_budget),
+            lambda t, n: predict(t, share=n).time.step_s,
+        )
+        tier, share, share_reason = traded.tier, traded.share, traded.share_reason
+        if traded.traded:
+            tier_reason = (
+                f"GPU tier: {tier} of {tier_size(spec.num_layers)} blocks ({traded.traded} "
+                "fewer than fit: their room holds the GPU update share)"
+            )
     engine = shape.engine_plan(spec, tier, boundaries, tiles, share)
     setup = shape.setup(engine, micro_batch_size, grad_accum)
     est = estimate(spec, setup, hardware)

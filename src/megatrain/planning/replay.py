@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatrain.engine.gpu_share import STAGING_SETS
 from megatrain.engine.schedule import LOAD, LOAD_HEAD, RECOMPUTE, StepSchedule
 
 
@@ -194,11 +195,15 @@ class Replay:
         self.worker, self.tasks = now, []
 
     def _share_updates(self, tasks: list[tuple[int, float, float]]) -> None:
-        """The GPU update share's worker, one block at a time in forward order: states up
-        once its gradient is held, AdamW on the GPU, everything back down."""
-        c, now = self.c, self.share_worker
+        """The GPU update share's worker in forward order: a block's states go up once its
+        gradient is held and a staging set is free (the copies back of the block STAGING_SETS
+        before it are done), AdamW on the GPU, everything back down after it on the D2H
+        stream, beside the next block's copies up."""
+        c, backs = self.c, [self.share_worker]
         for order, submitted, held in tasks:
-            self.h = max(self.h, now, submitted, held) + c.share_up_s[order]
+            free = backs[-STAGING_SETS] if len(backs) >= STAGING_SETS else 0.0
+            self.h = max(self.h, free, submitted, held) + c.share_up_s[order]
             self.d = max(self.d, self.h) + c.share_down_s[order]
-            now = self.updated[order] = self.d
-        self.share_worker = now
+            backs.append(self.d)
+            self.updated[order] = self.d
+        self.share_worker = backs[-1]
