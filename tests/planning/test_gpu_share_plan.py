@@ -15,17 +15,16 @@ import pytest
 
 from megatrain.engine.gpu_share import WORK_BYTES
 from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING
+from megatrain.optim import triton_adamw
 from megatrain.planning.estimate import SHARE_WORK
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.optimizer_rate import optimizer_gparams_s
 from megatrain.planning.ranks import Ranks
 from megatrain.planning.run_shape import RunShape
-from megatrain.optim import triton_adamw
 from megatrain.planning.share_time import (
     GPU_FUSED_BYTES_PER_S,
     GPU_REFERENCE_BYTES_PER_PARAM,
     GPU_UNFUSED_BYTES_PER_S,
-    PAGEABLE_COPY_BYTES_PER_S,
 )
 from predict import cli_row_plan
 from shapes import LLAMA31_8B, QWEN3_30B_A3B_12
@@ -41,8 +40,8 @@ def _plan(share: int | str, shape: dict[str, Any] = QWEN3_30B_A3B_12, **settings
 def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
     """Two blocks (the head, then layer 11): the CPU AdamW loses exactly their time, the
     gradient copies down their bf16 bytes; the share's time is their master (4 B/param), int8
-    m and v (1 B/param each) up at the pinned rate and their scales (4 B per 2048 each, too
-    small to pin) at the pageable rate, the same and the bf16 weights back, and their AdamW:
+    m and v (1 B/param each) and their scales (4 B per 2048 each) up at the pinned rate, the
+    same and the bf16 weights back, and their AdamW:
     the fused kernel's reads and writes of all of it and of the bf16 held gradient where
     Triton is installed, else the GPU reference's bytes per parameter."""
     base, two = _plan(0), _plan(2)
@@ -63,9 +62,8 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
     else:
         work = params * GPU_REFERENCE_BYTES_PER_PARAM["fp32", "int8"] / GPU_UNFUSED_BYTES_PER_S
     expected = (
-        6 * params / h2d
-        + 6 * params / d2h  # master and codes, up and back, pinned
-        + 2 * scales / PAGEABLE_COPY_BYTES_PER_S  # the scales, up and back
+        (6 * params + scales) / h2d  # master, codes and scales up, pinned
+        + (6 * params + scales) / d2h  # and back
         + 2 * params / d2h  # the bf16 weights back (pinned)
         + work
     )

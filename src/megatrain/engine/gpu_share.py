@@ -23,7 +23,8 @@ Per share block and step:
    that is the streamed copy) are copied back device-to-host. Copies in and the AdamW run on
    one stream, copies back on another, so one block's states come back while the next one's go
    up. The share's master and states are page-locked where they lie in the store
-   (store/memory.py `pin_in_place`, at start): both copies run at the link's pinned rate.
+   (store/memory.py `pin_in_place`, at start; the small scales moved to pinned memory): every
+   copy runs at the link's pinned rate and is queued without waiting.
 3. The next forward's copy of the block waits for it as for a host update (`wait(block)`).
 
 Device memory (engine/layout.py SHARE_GRADS, SHARE_STAGING): every share block's held gradient
@@ -57,7 +58,7 @@ from megatrain.optim.adamw import CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.grads import gradient_key, num_grad_blocks, quantize_gradient_
 from megatrain.store.int4 import INT4_HALF, num_int4_blocks
-from megatrain.store.memory import pin_in_place
+from megatrain.store.memory import pin_in_place, pinnable
 from megatrain.store.states import QUANT_BLOCK, num_quant_blocks
 
 T = TypeVar("T")
@@ -194,10 +195,9 @@ class GpuShare:
         self._turn = 0  # the staging set the next update takes
         self._free: list[Any] = [None] * len(self.staging)  # each set's last copies back
         self._back: dict[str, Any] = {}  # block name -> its copies back (CUDA events)
-        if transfers.is_cuda:  # master and states cross the link pinned where they lie
+        if transfers.is_cuda:
             for block in self.blocks:
-                for tensor in _host_tensors(block).values():
-                    pin_in_place(tensor)
+                _pin(block)
         # called with the device block once its gradient is in place, before its update
         # (verify's snapshot: the engine passes the host worker's `on_landed`)
         self.on_gradient: Callable[[ParamBlock], None] | None = None
@@ -300,6 +300,16 @@ class GpuShare:
     def close(self) -> None:
         self.wait_all()
         self.worker.close()
+
+
+def _pin(block: ParamBlock) -> None:
+    """Page-lock what the share copies of `block`: the large tensors where they lie
+    (`pin_in_place`), the small ones (int8/int4 scales) moved into pinned memory of their own.
+    A copy from pageable memory would wait for the stream's earlier work, so the worker could
+    not queue the next block's copies behind this one's."""
+    for name, tensor in _host_tensors(block).items():
+        if not pin_in_place(tensor) and not pinnable(tensor.numel() * tensor.element_size()):
+            setattr(block, name, torch.empty_like(tensor, pin_memory=True).copy_(tensor))
 
 
 def _host_tensors(block: ParamBlock) -> dict[str, torch.Tensor]:

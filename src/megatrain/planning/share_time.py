@@ -2,21 +2,19 @@
 
 The share (engine/gpu_share.py: the last `gpu_update_blocks` streamed blocks, head, then
 layers from the last) skips a block's gradient copy down and its CPU AdamW; instead its master
-and states, as stored, go up (H2D stream) and master, states and weights come back (D2H), one
-block at a time, with the AdamW on the GPU in between. The share page-locks the store tensors
-it copies where they lie (store/memory.py `pin_in_place`: the `pinnable` ones, all but the
-int8/int4 scales), so they cross the link at the pinned rates, the rest at
-PAGEABLE_COPY_BYTES_PER_S. The AdamW is the fused Triton kernel where it takes the formats
-(optim/triton_adamw.py `takes`: it moves `fused_bytes` at GPU_FUSED_BYTES_PER_S), else the
-torch reference (GPU_REFERENCE_BYTES_PER_PARAM at GPU_UNFUSED_BYTES_PER_S); its slowing of the
-compute beside it is not counted. planning/gpu_share.py picks the count for "auto".
+and states, as stored, go up (H2D stream) and master, states and weights come back (D2H), with
+the AdamW on the GPU in between. The share page-locks what it copies (engine/gpu_share.py
+`_pin`), so it crosses the link at the pinned rates. The AdamW is the fused Triton kernel
+where it takes the formats (optim/triton_adamw.py `takes`: it moves `fused_bytes` at
+GPU_FUSED_BYTES_PER_S), else the torch reference (GPU_REFERENCE_BYTES_PER_PARAM at
+GPU_UNFUSED_BYTES_PER_S); its slowing of the compute beside it is not counted.
+planning/gpu_share.py picks the count for "auto".
 """
 
 from __future__ import annotations
 
 from megatrain.engine.gpu_share import BlockFormats, Parts, share_of
 from megatrain.optim import triton_adamw
-from megatrain.store.memory import pinnable
 
 GPU_REFERENCE_BYTES_PER_PARAM = {
     ("fp32", "fp32"): 272,
@@ -34,12 +32,6 @@ the CPU (2026-11-28: a TorchDispatchMode summing every op's tensor arguments and
 `CpuAdamW.update_reference` on a 2M-value block in one chunk; a bf16 master with int8 held
 gradients, an fp32 master with its bf16 gradient). Each bf16 stochastic rounding (bf16 states'
 m and v, a bf16 master's weights) costs ~1.2 kB/param: its hash runs on int64 indices."""
-PAGEABLE_COPY_BYTES_PER_S = 10e9
-"""Host link rate of a copy from or to pageable host memory (CUDA bounces it through its own
-pinned buffer): the share's parts too small to pin. Fitted to docs/performance.md run 58 (one
-H100, 128 GiB host), where the share copied everything pageable: 2 blocks (0.91B parameters,
-fp32 master and int8 states, 12.8 GB up and down) took 1.68 s where the pinned rate predicted
-0.70 s; with 0.43 s of GPU AdamW that leaves 1.25 s for the copies."""
 GPU_FUSED_BYTES_PER_S = 2.0e12
 """What the fused kernel achieves of an H100's memory bandwidth (3.35 TB/s peak; assumed,
 measure: docs/performance.md)."""
@@ -90,8 +82,5 @@ def share_seconds(
 
 
 def _copy_seconds(parts: Parts, pinned_bytes_per_s: float) -> float:
-    """Seconds to copy `parts` one way: pinned where `pin_in_place` pins them, else pageable."""
-    sizes = [k * d.itemsize for d, k in parts]
-    return sum(
-        b / (pinned_bytes_per_s if pinnable(b) else PAGEABLE_COPY_BYTES_PER_S) for b in sizes
-    )
+    """Seconds to copy `parts` one way, pinned."""
+    return sum(k * d.itemsize for d, k in parts) / pinned_bytes_per_s
