@@ -25,6 +25,7 @@ from megatrain.planning.share_time import (
     GPU_FUSED_BYTES_PER_S,
     GPU_REFERENCE_BYTES_PER_PARAM,
     GPU_UNFUSED_BYTES_PER_S,
+    SHARE_CPU_SLOWDOWN,
 )
 from predict import cli_row_plan
 from shapes import LLAMA31_8B, QWEN3_30B_A3B_12
@@ -38,7 +39,8 @@ def _plan(share: int | str, shape: dict[str, Any] = QWEN3_30B_A3B_12, **settings
 
 
 def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
-    """Two blocks (the head, then layer 11): the CPU AdamW loses exactly their time, the
+    """Two blocks (the head, then layer 11): the CPU AdamW loses exactly their time (and the
+    rest runs up to SHARE_CPU_SLOWDOWN slower while the share copies), the
     gradient copies down their bf16 bytes; the share's time is their master (4 B/param), int8
     m and v (1 B/param each) and their scales (4 B per 2048 each) up at the pinned rate, the
     same and the bf16 weights back, and their AdamW:
@@ -54,7 +56,10 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
     rate = optimizer_gparams_s(H100, "int8") * 1e9
     t0, t2 = base.estimate.time, two.estimate.time
     h2d, d2h = H100.h2d_gbps * 1e9, H100.d2h_gbps * 1e9
-    assert t0.optimizer_s - t2.optimizer_s == pytest.approx(params / rate, rel=1e-9)
+    # the host updates the rest, slower over the part of its time the share's copies overlap
+    rest = t0.optimizer_s - params / rate
+    slower = 1 + (SHARE_CPU_SLOWDOWN - 1) * min(1.0, t2.share_s / rest)
+    assert t2.optimizer_s == pytest.approx(rest * slower, rel=1e-9)
     assert t0.d2h_s - t2.d2h_s == pytest.approx(params * 2 / d2h, rel=1e-9)
     scales = sum(2 * 4 * -(-n // 2048) for n in (head, layer))
     if triton_adamw.takes("fp32", "int8"):  # p, m, v, scales, shadow in and out; gradient in
@@ -68,7 +73,6 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
         + work
     )
     assert t2.share_s == pytest.approx(expected, rel=1e-9)
-    assert t2.step_s < t0.step_s  # the CPU bound the step: it is shorter
     # the GPU: held gradients, one staging set, the update's temporaries
     items = two.estimate.gpu.items
     work_bytes = 0 if triton_adamw.takes("fp32", "int8") else WORK_BYTES  # the reference's

@@ -4,10 +4,11 @@
 engine's schedule with the share: planning/timing.py) for 0, 1, 2, ... share blocks. Each
 block taken off the CPU worker's tail shortens the host's updates by its CPU AdamW time and
 lengthens the share's worker by its states' round trip over the link (beside the weights, on
-the same copy streams) and its GPU AdamW; the step is bound by the later of the two (and by
-compute), which first falls, then rises, so the first count that does not shorten the step
-ends the search. Where the CPU updates do not bound the step (the GPU compute or the link
-does), that is 0, and no GPU memory is spent on it.
+the same copy streams) and its GPU AdamW, and slows the host's AdamW while its copies take
+host memory (planning/share_time.py `share_contention`); the step is bound by the later of the
+two (and by compute). The count with the shortest step wins; the search ends at the GPU
+budget or after PATIENCE counts in a row that are no shorter. Where the CPU updates do not
+bound the step (the GPU compute or the link does), that is 0, and no GPU memory is spent on it.
 
 The GPU tier (planning/gpu_tier.py) takes the GPU memory first. A tier block keeps its master
 and states on the GPU (12-16 B/param); a share block holds only its gradient (1-4 B/param)
@@ -21,6 +22,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from megatrain.planning.estimate import Estimate
+
+PATIENCE = 3
+"""Share counts in a row no shorter than the best that end the search (the contention can make
+a few blocks slower than none where more are faster)."""
 
 
 def pick_share(
@@ -40,12 +45,16 @@ def pick_share(
     if why_none is not None:
         return 0, f"GPU update share: none ({why_none})"
     base = best = predict(share=0)
-    count = 0
-    while count < streamed:
-        est = predict(share=count + 1)
-        if est.gpu.peak_bytes > budget or est.time.step_s >= best.time.step_s:
+    count, worse = 0, 0
+    for n in range(1, streamed + 1):
+        est = predict(share=n)
+        if est.gpu.peak_bytes > budget:
+            break  # the peak grows with the count
+        worse = worse + 1 if est.time.step_s >= best.time.step_s else 0
+        if worse > PATIENCE:
             break
-        best, count = est, count + 1
+        if not worse:
+            best, count = est, n
     return count, (
         f"GPU update share: {count} blocks, predicted step {best.time.step_s:.2f} s "
         f"(without {base.time.step_s:.2f} s; CPU AdamW {best.time.optimizer_s:.2f} s, the "

@@ -32,6 +32,11 @@ the CPU (2026-11-28: a TorchDispatchMode summing every op's tensor arguments and
 `CpuAdamW.update_reference` on a 2M-value block in one chunk; a bf16 master with int8 held
 gradients, an fp32 master with its bf16 gradient). Each bf16 stochastic rounding (bf16 states'
 m and v, a bf16 master's weights) costs ~1.2 kB/param: its hash runs on int64 indices."""
+SHARE_CPU_SLOWDOWN = 1.2
+"""The host AdamW's time while the share's copies run, relative to without: the copies read and
+write host memory (up to the link's 50 GB/s each way) that the bandwidth-bound CPU kernel needs.
+Measured in docs/performance.md run 59 (one H100, 16-vCPU host): the CPU kernel's seconds per
+parameter rose 1.18x with int8 states (9 share blocks) and 1.27x with fp32 states (3 blocks)."""
 GPU_FUSED_BYTES_PER_S = 2.0e12
 """What the fused kernel achieves of an H100's memory bandwidth (3.35 TB/s peak; assumed,
 measure: docs/performance.md)."""
@@ -84,3 +89,12 @@ def share_seconds(
 def _copy_seconds(parts: Parts, pinned_bytes_per_s: float) -> float:
     """Seconds to copy `parts` one way, pinned."""
     return sum(k * d.itemsize for d, k in parts) / pinned_bytes_per_s
+
+
+def share_contention(share_s: float, cpu_s: float) -> float:
+    """The factor on the host AdamW's time beside a share whose copies and GPU AdamW take
+    `share_s` seconds, where the host's own updates take `cpu_s` without it:
+    SHARE_CPU_SLOWDOWN over the part of the CPU's time the share's copies overlap."""
+    if share_s <= 0 or cpu_s <= 0:
+        return 1.0
+    return 1.0 + (SHARE_CPU_SLOWDOWN - 1.0) * min(1.0, share_s / cpu_s)

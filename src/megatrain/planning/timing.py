@@ -27,7 +27,8 @@ Costs (T tokens per step, all supervised; F = achieved FLOP/s of the compute dty
   last; engine/gpu_share.py): no gradient copy down and no CPU AdamW; instead their master
   and states, as stored, go up (H2D stream) and master, states and weights come back (D2H),
   one block at a time, with the AdamW on the GPU in between (the fused kernel, else the torch
-  reference; its slowing of the compute beside it is not counted; planning/share_time.py);
+  reference; its slowing of the compute beside it is not counted; planning/share_time.py); the
+  host's AdamW runs slower while the share's copies use host memory (`share_contention`);
 - layer GPU time (planning/layer_time.py): FLOPs at the achieved rate, memory traffic, MoE
   routing, linear attention, the gradient sum, compiled layers;
 - host: issuing kernels costs `op_launch_s` per aten op; a layer's forward and its recompute
@@ -81,7 +82,7 @@ from megatrain.planning.optimizer_rate import optimizer_gparams_s
 from megatrain.planning.ranks import Ranks
 from megatrain.planning.replay import Costs, Replay
 from megatrain.planning.setup import Setup
-from megatrain.planning.share_time import share_seconds
+from megatrain.planning.share_time import share_contention, share_seconds
 from megatrain.planning.spec import ModelSpec
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
@@ -299,6 +300,7 @@ def _costs(
         params, host, plan.gpu_update_blocks, formats, elem, (h2d, d2h)
     )
     kept = [0 if i in shared else p for i, p in enumerate(shard)]  # gradients down, CPU AdamW
+    contention = share_contention(sum(up_s) + sum(down_s), sum(kept) / opt_rate)
     opt_rate /= ranks.nproc_per_node if ranks.world > 1 else 1  # the node's rate, shared
 
     def up(i: int) -> float:  # block i's weights: its shard over PCIe, then the all-gather
@@ -317,7 +319,7 @@ def _costs(
         d2h_s=[p * elem / d2h for p in kept[1:-1]],
         d2h_head_s=kept[-1] * elem / d2h,
         d2h_embed_s=shard[0] * elem / d2h,
-        opt_s=[p / opt_rate for p in kept],
+        opt_s=[p / opt_rate * contention for p in kept],
         tier_opt_s=[  # the shard's AdamW, then the all-gather of the block's new weights
             ranks.shard(p) / gpu_opt_rate + ranks.collective_s(p * elem) if p else 0.0
             for p in tier_params
