@@ -148,6 +148,9 @@ def cli_row_plan(
         "training.micro_batch_size": 4,
         "training.gradient_accumulation_steps": 8,
         "optimizer.max_grad_norm": 1.0,
+        # the rows of docs/performance.md before run 59 ran without a GPU update share (0 was
+        # the default then); a row with one sets it
+        "optimizer.gpu_update_blocks": 0,
         **{f"model.config_overrides.{k}": v for k, v in shape.items() if k != "model_type"},
         **settings,
     }

@@ -81,6 +81,8 @@ def test_json_carries_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
             "1",
             "--memory.gpu_state_blocks",
             "0",
+            "--optimizer.gpu_update_blocks",  # `predict` has no share
+            "0",
             "--json",
         ],
         capsys,

@@ -21,22 +21,27 @@ from megatrain.planning.hardware import GIB
 from megatrain.recipes.grpo.plan import grpo_plan, training_config
 
 AUTO = ("--training.micro_batch_size", "auto")
+NO_SHARE = ("--optimizer.gpu_update_blocks", "0")
 HW = Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB)
 
 
 def test_auto_picks_the_largest_divisor_of_the_generation_batch_that_fits() -> None:
+    """The GPU update share is off here: its "auto" takes what memory is left, so a GPU 1 byte
+    short would keep the 12 rows by taking a smaller share."""
     cfg = training_config(load_config(None, [*MODEL, *GRPO, *AUTO]))
     assert cfg.training.global_batch_size == N and cfg.training.gradient_accumulation_steps == 1
     assert training_config(cfg) == cfg
-    plan = _builder(HW, *AUTO).plan()
+    plan = _builder(HW, *AUTO, *NO_SHARE).plan()
     assert (plan.micro_batch_size, plan.grad_accum) == (12, 1)  # the whole batch fits
-    peaks = {b: _builder(HW, "--training.micro_batch_size", str(b)).plan() for b in (6, 12)}
+    peaks = {
+        b: _builder(HW, "--training.micro_batch_size", str(b), *NO_SHARE).plan() for b in (6, 12)
+    }
     assert peaks[12].engine == plan.engine  # the hand-set plan of the size auto picked
     # a GPU 1 byte short of 12 rows' peak (margin 2 GiB): the next divisor down, 6 x 2
     short = Hardware(
         gpu_bytes=peaks[12].estimate.gpu.peak_bytes + 2 * GIB - 1, host_bytes=HW.host_bytes
     )
-    tight = _builder(short, *AUTO).plan()
+    tight = _builder(short, *AUTO, *NO_SHARE).plan()
     assert (tight.micro_batch_size, tight.grad_accum) == (6, 2)
     assert tight.estimate.gpu.peak_bytes == peaks[6].estimate.gpu.peak_bytes
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=3 with micro_batch_size"):
