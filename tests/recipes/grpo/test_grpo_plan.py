@@ -94,7 +94,8 @@ def test_rollout_bytes_and_seconds_follow_their_formulas() -> None:
 
 
 def test_plan_picks_resident_then_streamed_then_refuses() -> None:
-    big = _builder(Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB))
+    bf16 = ("--grpo.rollout_weights", "bf16")  # no compact fallback (see the test below)
+    big = _builder(Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB), *bf16)
     plan = grpo_plan(big)
     assert not plan.rollout.streamed and plan.fits
     assert plan.training.tokens_per_step == N * 64  # 12 rows of 64 tokens, 3 micro-batches
@@ -112,7 +113,7 @@ def test_plan_picks_resident_then_streamed_then_refuses() -> None:
     assert "grpo.max_completion_length" in refused.problems[-1]
     with pytest.raises(ValueError, match="this GRPO run does not fit"):
         refused.require_fit()
-    forced = _builder(big.hardware, "--grpo.generation", "streamed")
+    forced = _builder(big.hardware, *bf16, "--grpo.generation", "streamed")
     assert grpo_plan(forced).rollout.streamed
     # Without a device reading, the free memory is the GPU less the engine's persistent buffers.
     budget = big.hardware.gpu_bytes - persistent - margin
