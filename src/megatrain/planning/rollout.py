@@ -102,6 +102,23 @@ def kv_bytes_per_token(spec: ModelSpec, cached_tokens: int) -> int:
     return total
 
 
+def _resident_weights(
+    spec: ModelSpec, weights_format: str, fp8_matmul: bool
+) -> tuple[int, int, int]:
+    """A resident rollout's weight bytes on the GPU, the bytes a decoding step writes and reads
+    back dequantizing them (int8, or fp8 without fp8 tensor cores), and the kernels the compact
+    linear layers add to a step (module docstring)."""
+    c = spec.compute_dtype.itemsize
+    if weights_format == "bf16":
+        return spec.total_params * c, 0, 0
+    layers = spec.structure.layers
+    weights = (spec.embed_params + spec.head_params) * c + compact_weight_bytes(layers, c)
+    dequantized = weights_format == "int8" or not fp8_matmul
+    dequant_bytes = 2 * quantized_params(layers) * c if dequantized else 0
+    kind = "dequantized" if dequantized else "scaled_mm"
+    return weights, dequant_bytes, len(compact_linears(layers)) * EXTRA_OPS[kind]
+
+
 def rollout_estimate(
     spec: ModelSpec,
     hw: Hardware,
@@ -124,24 +141,14 @@ def rollout_estimate(
     c = spec.compute_dtype.itemsize
     n, lp, lc = sequences, prompt_tokens, completion_tokens
     layer_bytes = sum(la.params for la in spec.layers) * c
-    compact = weights_format != "bf16"
-    assert not (streamed and compact), "compact weights are for the resident rollout"
-    dequant_bytes = 0  # per decoding step: the dequantized copies written and read back
-    extra_ops = 0  # per decoding step: the compact linears' own kernels
     if streamed:
         assert num_slots is not None, "a streamed rollout needs memory.num_slots"
+        assert weights_format == "bf16", "compact weights are for the resident rollout"
         slots = min(num_slots, spec.num_layers)
         weights = (spec.embed_params + spec.head_params + slots * spec.layer_params_max) * c
-    elif compact:
-        layers = spec.structure.layers
-        weights = (spec.embed_params + spec.head_params) * c + compact_weight_bytes(layers, c)
-        dequantized = weights_format == "int8" or not fp8_matmul
-        if dequantized:
-            dequant_bytes = 2 * quantized_params(layers) * c
-        kind = "dequantized" if dequantized else "scaled_mm"
-        extra_ops = len(compact_linears(layers)) * EXTRA_OPS[kind]
+        dequant_bytes, extra_ops = 0, 0
     else:
-        weights = spec.total_params * c
+        weights, dequant_bytes, extra_ops = _resident_weights(spec, weights_format, fp8_matmul)
     text = spec.config.get_text_config()
     width = max(getattr(text, k, 0) or 0 for k in ("intermediate_size", "moe_intermediate_size"))
     items = {
