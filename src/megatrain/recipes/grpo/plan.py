@@ -9,9 +9,12 @@ GPU memory left beside the engine's persistent buffers (weight slots, gradient a
 head, GPU tier), else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to
 leave the resident rollout its room (`rollout_reserve`, the builder's gpu_reserve), so the tier
 never pushes generation onto the streamed path. `grpo.generation: resident | streamed` forces a
-path; on the CPU it is resident. A resident rollout decodes on the static path
-(recipes/grpo/decode.py: static KV cache, CUDA graphs, the forward compiled or not) when
-`grpo.compile_decode` asks for it and the model allows it (`decode_mode`).
+path; on the CPU it is resident. The resident rollout's weights (grpo.rollout_weights,
+recipes/grpo/rollout_weights.py) are the compute dtype's when that fits, else a compact format's
+when that does (tried in `rollout_weights.candidates` order), and a compact rollout turns on the
+loss's truncated importance weights (`importance_cap`). A resident rollout decodes on the
+static path (recipes/grpo/decode.py: static KV cache, CUDA graphs, the forward compiled or not)
+when `grpo.compile_decode` asks for it and the model allows it (`decode_mode`).
 
 Log-prob passes (`logprob_passes`): with grpo.beta > 0 the reference's, with grpo.num_iterations
 > 1 the old policy's, once per generation batch, each a forward-only pass over the training

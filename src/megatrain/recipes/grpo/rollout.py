@@ -7,7 +7,13 @@ transformers' `generate` on it with a KV cache. The copy and its cache are freed
 training phase, so the GPU holds either the rollout model or the engine's working set. When
 the model does not fit, the streamed copy keeps only embedding and head resident and copies
 each decoder layer into a slot just before it runs (all sequences advance one token per pass
-over the layers; the KV cache stays on the GPU): slow, but any size generates.
+over the layers; the KV cache stays on the GPU): slow, but any size generates. Between the
+two, the resident copy may keep its decoder layers' linear weights compact (`compact`: int8 or
+fp8, model/quant_linear.py, grpo.rollout_weights), quantized on the device block by block.
+
+With `logprobs` the rollout also records each sampled token's log-prob under its own model
+(log_softmax(logits / temperature)): the loss's truncated importance weights compare it with
+the trainer's (recipes/grpo/loss.py).
 
 Sampling is seeded by (seed, generation index) alone, under a forked RNG: a run and its resume
 draw the same completions from the same weights, and the global RNG is untouched.
