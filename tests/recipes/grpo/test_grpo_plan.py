@@ -261,6 +261,8 @@ def test_plan_falls_back_to_compact_weights_and_says_why() -> None:
     assert grpo_plan(forced).rollout.weights == "int8"  # set: taken even where bf16 fits
     off = _builder(h100.hardware, "--grpo.importance_sampling_correction", "false")
     assert grpo_plan(off, free_gpu_bytes=margin + bf16 - 1).importance_cap is None
+    on = _builder(h100.hardware, "--grpo.importance_sampling_correction", "true")
+    assert grpo_plan(on).rollout.weights == "bf16" and grpo_plan(on).importance_cap == 2.0
 
 
 def test_auto_gpu_tier_reserves_the_compact_rollout_when_bf16_cannot_fit() -> None:
