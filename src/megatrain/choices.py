@@ -1,8 +1,8 @@
 """Choice lists of settings that several layers check (defined once; no torch import).
 
 The config validates a user's value against them (config/), the store and the planner rely on
-them (store/states.py, planning/long_context.py). The row layouts have their own module
-(layouts.py).
+them (store/states.py, planning/long_context.py, recipes/grpo/plan.py). The row layouts have
+their own module (layouts.py).
 """
 
 STATE_DTYPES = ("fp32", "bf16", "int8", "int4")
@@ -10,6 +10,11 @@ STATE_DTYPES = ("fp32", "bf16", "int8", "int4")
 
 MASTER_DTYPES = ("fp32", "bf16")
 """optimizer.master_dtype: how the master weights are kept (store/master.py)."""
+
+ROLLOUT_WEIGHTS = ("auto", "bf16", "int8", "fp8")
+"""grpo.rollout_weights: how the resident rollout keeps the decoder layers' linear weights on the
+GPU (model/quant_linear.py; "bf16": the compute dtype, whatever it is; recipes/grpo/plan.py
+resolves "auto")."""
 
 GRAD_DTYPES = ("bf16", "int8")
 """optimizer.grad_dtype: how a bf16 master's gradients wait for their update (store/grads.py)."""

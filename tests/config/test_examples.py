@@ -43,7 +43,7 @@ def test_readme_lists_every_example() -> None:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_loads_and_is_headed_by_its_command(path: Path) -> None:
     cfg = load_config(path)
-    command = "grpo" if path.name.startswith("grpo") else "train"
+    command = "grpo" if path.name.startswith("grpo") or path.stem.endswith("_grpo") else "train"
     if path.stem == "dpo_demo" or path.stem.endswith("_dpo"):
         command = "dpo"
     assert f"megatrain {command} --config examples/{path.name}" in _header(path)
@@ -57,6 +57,11 @@ def test_example_loads_and_is_headed_by_its_command(path: Path) -> None:
         warm_start = "outputs/grpo_warm_start"  # its own folder: the full demo writes outputs/demo
         assert cfg.model.name_or_path == f"{warm_start}/hf_model"
         assert f"--training.output_dir {warm_start}" in _header(path)
+        return
+    if path.name == "qwen3_5_27b_grpo.yaml":  # the release's language model, random weights
+        assert cfg.model.model_type == "qwen3_5_text" and not cfg.model.tiny
+        assert HUB_ID.fullmatch(cfg.model.tokenizer or "") and "251 GiB" in _header(path)
+        assert "80 GB GPU" in _header(path) and "bytes per parameter" in _header(path)
         return
     assert cfg.model.name_or_path is not None and HUB_ID.fullmatch(cfg.model.name_or_path)
     assert "80 GB GPU" in _header(path) and "bytes per parameter" in _header(path)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from megatrain.choices import ROLLOUT_WEIGHTS
 from megatrain.config.types import check_choice, check_int, check_number, check_types
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 GENERATION = ("auto", "resident", "streamed")
 COMPILE_DECODE = ("auto", True, False, "graphs")
+IMPORTANCE_SAMPLING = ("auto", True, False)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,20 @@ class GRPOConfig:
     generate; "auto": true on CUDA for the models it takes (dense, full attention, sdpa or
     eager), generate otherwise. On the CPU, true and "graphs" run the same steps without
     graphs."""
+    rollout_weights: str = "auto"
+    """How a resident rollout keeps the decoder layers' linear weights on the GPU: "bf16" (the
+    compute dtype), "fp8" (float8 e4m3 with a scale per output channel, multiplied on the fp8
+    tensor cores of CUDA devices of compute capability >= 8.9) or "int8" (weight-only, a scale
+    per output channel, dequantized per call); embedding, norms and head stay in the compute
+    dtype. "auto": bf16 when its resident rollout fits beside the engine, else fp8 (capability
+    >= 8.9) or int8 when that fits, else the streamed path (docs/grpo.md)."""
+    importance_sampling_correction: str | bool = "auto"
+    """Truncated importance sampling between the rollout's and the trainer's precisions: each
+    completion token's loss is weighted by min(exp(trainer old log-prob - rollout log-prob),
+    importance_sampling_cap), as TRL's vllm_importance_sampling_correction (token_truncate).
+    "auto": on when the rollout's weights are compact (int8, fp8); true: always; false: never."""
+    importance_sampling_cap: float = 2.0
+    """Upper bound of the truncated importance weight (TRL's first TIS default, C = 2)."""
     seed: int = 42
     """Seed of the prompt order and of sampling (a checkpoint resumes both exactly)."""
 
@@ -106,6 +122,14 @@ class GRPOConfig:
         check_choice("grpo.generation", self.generation, GENERATION)
         if isinstance(self.compile_decode, str):
             check_choice("grpo.compile_decode", self.compile_decode, COMPILE_DECODE)
+        check_choice("grpo.rollout_weights", self.rollout_weights, ROLLOUT_WEIGHTS)
+        if isinstance(self.importance_sampling_correction, str):
+            check_choice(
+                "grpo.importance_sampling_correction",
+                self.importance_sampling_correction,
+                IMPORTANCE_SAMPLING,
+            )
+        check_number("grpo.importance_sampling_cap", self.importance_sampling_cap, low=1.0)
         check_int("grpo.seed", self.seed, minimum=0)
         if not self.reward_funcs:
             raise ValueError(

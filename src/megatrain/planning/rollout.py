@@ -7,7 +7,9 @@ layer caches at most its window), Pl the largest layer, Pe + Ph embedding and he
 
 GPU, what the rollout holds at its peak (recipes/grpo/rollout.py frees all of it before training):
 - weights: resident, every parameter, P x c (one copy from the host's compute-dtype copy);
-  streamed, embedding + head + `num_slots` layer slots, (Pe + Ph + slots x Pl) x c;
+  resident compact (grpo.rollout_weights int8 / fp8, model/quant_linear.py), the decoder
+  layers' linear weights Pq at 1 B each + a float32 scale per output channel, every other
+  parameter at c; streamed, embedding + head + `num_slots` layer slots, (Pe + Ph + slots x Pl) x c;
 - KV cache: 2 x La x Hkv x dh x c x N x (Lp + Lc) (transformers' dynamic cache at full length);
 - sampling: the last position's logits and the sampler's fp32 scores, N x V x (c + 2 x 4);
 - prefill transient: one layer's MLP on the prompts, N x Lp x (2 I + D) x c;
@@ -15,12 +17,15 @@ GPU, what the rollout holds at its peak (recipes/grpo/rollout.py frees all of it
   tensor, one MLP intermediate N x Lp x I x c or the fp32 scores N x V x 4.
 
 Time (seconds, one generation batch):
-- weight copy: resident P x c / h2d once;
+- weight copy: resident P x c / h2d once (compact: the same bytes, quantized on arrival);
 - prefill: 2 x Pa x N x Lp / FLOP rate;
-- decoding, per token: the weights read once (resident: P x c / HBM bandwidth; streamed: the
-  layers over the host link, sum(Pl) x c / h2d), or 2 x Pa x N / FLOP rate if more, plus
+- decoding, per token: the weights read once (resident: their bytes above / HBM bandwidth, where
+  compact weights that are dequantized per call (int8, fp8 without fp8 tensor cores) also
+  write and read back their compute-dtype copy, 2 x Pq x c more; streamed: the layers over the
+  host link, sum(Pl) x c / h2d), or 2 x Pa x N / FLOP rate if more, plus
   reading the KV cache at its mean length (Lp + Lc / 2), plus issuing the forward's aten ops
-  and the sampler's (`op_launch_s` each: eager decoding at small N is host-bound);
+  and the sampler's (`op_launch_s` each: eager decoding at small N is host-bound; compact
+  linears add their own, quant_linear.EXTRA_OPS each);
 - static decoding (recipes/grpo/decode.py, resident on CUDA): each step is one CUDA graph replay, so
   no op is issued from the host; the kernels still run one after another on the GPU, each
   op `DECODE_OP_S[decode]` ("graphs": eager kernels, one or more per op; "compiled": inductor's
@@ -33,6 +38,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatrain.model.quant_linear import (
+    EXTRA_OPS,
+    compact_linears,
+    compact_weight_bytes,
+    quantized_params,
+)
 from megatrain.planning.activations import layer_profile
 from megatrain.planning.allocator_slack import SLACK_ITEM, allocator_slack
 from megatrain.planning.hardware import Hardware
@@ -61,6 +72,7 @@ class RolloutEstimate:
     decode: str = "generate"  # one of DECODE_MODES (recipes/grpo/decode.py)
     decode_ops: int = 0  # aten ops of one decoding step (the model's and the sampler's)
     capture_s: float = 0.0  # static decoding: the warm-up step and the capture, per batch
+    weights: str = "bf16"  # the resident weights' format (grpo.rollout_weights, resolved)
 
     @property
     def gpu_peak_bytes(self) -> int:
@@ -90,6 +102,23 @@ def kv_bytes_per_token(spec: ModelSpec, cached_tokens: int) -> int:
     return total
 
 
+def _resident_weights(
+    spec: ModelSpec, weights_format: str, fp8_matmul: bool
+) -> tuple[int, int, int]:
+    """A resident rollout's weight bytes on the GPU, the bytes a decoding step writes and reads
+    back dequantizing them (int8, or fp8 without fp8 tensor cores), and the kernels the compact
+    linear layers add to a step (module docstring)."""
+    c = spec.compute_dtype.itemsize
+    if weights_format == "bf16":
+        return spec.total_params * c, 0, 0
+    layers = spec.structure.layers
+    weights = (spec.embed_params + spec.head_params) * c + compact_weight_bytes(layers, c)
+    dequantized = weights_format == "int8" or not fp8_matmul
+    dequant_bytes = 2 * quantized_params(layers) * c if dequantized else 0
+    kind = "dequantized" if dequantized else "scaled_mm"
+    return weights, dequant_bytes, len(compact_linears(layers)) * EXTRA_OPS[kind]
+
+
 def rollout_estimate(
     spec: ModelSpec,
     hw: Hardware,
@@ -101,19 +130,25 @@ def rollout_estimate(
     num_slots: int | None = None,
     decode: str = "generate",
     cuda: bool = True,
+    weights_format: str = "bf16",
+    fp8_matmul: bool = True,
 ) -> RolloutEstimate:
     """Predict the rollout phase of one generation batch (see the module docstring);
     `decode`: one of DECODE_MODES, on CUDA (the CPU runs static decoding without graphs);
-    `cuda`: the allocator's slack counts (planning/allocator_slack.py)."""
+    `cuda`: the allocator's slack counts (planning/allocator_slack.py); `weights_format`: a
+    resident rollout's weights, "bf16" (the compute dtype), "int8" or "fp8"; `fp8_matmul`:
+    fp8 weights multiply on fp8 tensor cores (else they are dequantized per call, as int8)."""
     c = spec.compute_dtype.itemsize
     n, lp, lc = sequences, prompt_tokens, completion_tokens
     layer_bytes = sum(la.params for la in spec.layers) * c
     if streamed:
         assert num_slots is not None, "a streamed rollout needs memory.num_slots"
+        assert weights_format == "bf16", "compact weights are for the resident rollout"
         slots = min(num_slots, spec.num_layers)
         weights = (spec.embed_params + spec.head_params + slots * spec.layer_params_max) * c
+        dequant_bytes, extra_ops = 0, 0
     else:
-        weights = spec.total_params * c
+        weights, dequant_bytes, extra_ops = _resident_weights(spec, weights_format, fp8_matmul)
     text = spec.config.get_text_config()
     width = max(getattr(text, k, 0) or 0 for k in ("intermediate_size", "moe_intermediate_size"))
     items = {
@@ -126,10 +161,10 @@ def rollout_estimate(
     items[SLACK_ITEM] = allocator_slack(max(n * lp * width * c, n * spec.vocab_size * 4), cuda=cuda)
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     hbm = hw.gpu_hbm_gbps * 1e9
-    read_s = weights / hbm  # streamed: the resident embedding and head, the slots' reads
+    read_s = (weights + dequant_bytes) / hbm  # streamed: the resident embedding and head
     if streamed:
         read_s += layer_bytes / (hw.h2d_gbps * 1e9)  # every layer over the host link
-    ops = sum(f for f, _ in layer_profile(spec, 1, 16, "padded").ops) + SAMPLER_OPS
+    ops = sum(f for f, _ in layer_profile(spec, 1, 16, "padded").ops) + SAMPLER_OPS + extra_ops
     assert decode in DECODE_MODES and not (streamed and decode != "generate"), decode
     weights_s = max(read_s, 2.0 * spec.active_params * n / rate)
     kv_read_s = n * kv_bytes_per_token(spec, lp + lc // 2) / hbm
@@ -138,7 +173,7 @@ def rollout_estimate(
     if decode in DECODE_OP_S:
         step_s = weights_s + n * kv_bytes_per_token(spec, lp + lc) / hbm + ops * DECODE_OP_S[decode]
         capture_s = 2 * eager
-    copy_s = 0.0 if streamed else weights / (hw.h2d_gbps * 1e9)
+    copy_s = 0.0 if streamed else spec.total_params * c / (hw.h2d_gbps * 1e9)
     prefill_s = 2.0 * spec.active_params * n * lp / rate
     return RolloutEstimate(
         streamed=streamed,
@@ -153,4 +188,5 @@ def rollout_estimate(
         decode=decode,
         capture_s=capture_s,
         decode_ops=ops,
+        weights=weights_format,
     )

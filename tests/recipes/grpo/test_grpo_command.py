@@ -170,3 +170,21 @@ def test_min_completion_length_reaches_the_rollouts(
 def test_min_completion_length_above_the_maximum_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"grpo.min_completion_length=6 is above"):
         load_config(DEMO, [*TINY, "--grpo.min_completion_length", "6"])
+
+
+def test_int8_rollout_trains_with_truncated_importance_weights(tmp_path: Path) -> None:
+    """grpo.rollout_weights int8 on the CPU: the rollout's linear weights are int8, the loss
+    weights each token by the truncated ratio (on by default for a compact rollout). The tiny
+    model's int8 drift is of order 1e-3 nats a token (test_grpo_compact_rollout.py), so the
+    mean weight is 1 within 0.1 (exp(+-0.1)), and not exactly 1."""
+    reward = _reward_file(tmp_path)
+    rows = _run(
+        tmp_path / "int8", reward, "--grpo.rollout_weights", "int8", "--training.max_steps", "2"
+    )
+    assert [r["rollout_compact"] for r in rows] == [1, 1]
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["importance_capped_share"] == 0.0
+        assert math.exp(-0.1) < r["importance_ratio"] < math.exp(0.1)
+        assert r["importance_ratio"] != 1.0
+    plain = _run(tmp_path / "bf16", reward, "--training.max_steps", "1")
+    assert plain[0]["rollout_compact"] == 0 and "importance_ratio" not in plain[0]

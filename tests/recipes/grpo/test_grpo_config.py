@@ -42,6 +42,12 @@ def test_overrides_and_derived_values(tmp_path) -> None:
         (["--grpo.scale_rewards", "std"], "grpo.scale_rewards='std' must be one of"),
         (["--grpo.reward_funcs", "[]"], "grpo.reward_funcs is empty"),
         (["--grpo.format_pattern", "(unclosed"], "grpo.format_pattern='(unclosed' is not a valid"),
+        (["--grpo.rollout_weights", "fp4"], "grpo.rollout_weights='fp4' must be one of"),
+        (
+            ["--grpo.importance_sampling_correction", "always"],
+            "grpo.importance_sampling_correction='always' must be one of",
+        ),
+        (["--grpo.importance_sampling_cap", "0.5"], "grpo.importance_sampling_cap=0.5 must be"),
     ],
 )
 def test_errors_name_the_key(override: list[str], message: str) -> None:

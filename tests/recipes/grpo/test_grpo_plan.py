@@ -16,10 +16,16 @@ from megatrain.distributed import Placement
 from megatrain.planning import Hardware
 from megatrain.planning.activations import layer_profile
 from megatrain.planning.allocator_slack import SLACK_ITEM
-from megatrain.planning.hardware import GIB
+from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.rollout import SAMPLER_OPS, rollout_estimate
 from megatrain.recipes.builder import RunBuilder
-from megatrain.recipes.grpo.plan import grpo_plan, rollout_reserve, training_config
+from megatrain.recipes.grpo.plan import (
+    format_rollout,
+    grpo_plan,
+    rollout_of,
+    rollout_reserve,
+    training_config,
+)
 
 # Qwen2 shape: 3 layers, 4 query heads, 2 key/value heads of width 16 (hidden 64).
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, MLP, VOCAB = 3, 2, 16, 64, 96, 512
@@ -94,7 +100,8 @@ def test_rollout_bytes_and_seconds_follow_their_formulas() -> None:
 
 
 def test_plan_picks_resident_then_streamed_then_refuses() -> None:
-    big = _builder(Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB))
+    bf16 = ("--grpo.rollout_weights", "bf16")  # no compact fallback (see the test below)
+    big = _builder(Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB), *bf16)
     plan = grpo_plan(big)
     assert not plan.rollout.streamed and plan.fits
     assert plan.training.tokens_per_step == N * 64  # 12 rows of 64 tokens, 3 micro-batches
@@ -112,7 +119,7 @@ def test_plan_picks_resident_then_streamed_then_refuses() -> None:
     assert "grpo.max_completion_length" in refused.problems[-1]
     with pytest.raises(ValueError, match="this GRPO run does not fit"):
         refused.require_fit()
-    forced = _builder(big.hardware, "--grpo.generation", "streamed")
+    forced = _builder(big.hardware, *bf16, "--grpo.generation", "streamed")
     assert grpo_plan(forced).rollout.streamed
     # Without a device reading, the free memory is the GPU less the engine's persistent buffers.
     budget = big.hardware.gpu_bytes - persistent - margin
@@ -184,3 +191,100 @@ def test_the_training_config_is_one_generation_batch_of_rows_as_long_as_they_get
         training_config(
             load_config(None, [*MODEL, *GRPO, "--training.gradient_accumulation_steps", "2"])
         )
+
+
+# Qwen2's decoder layer: q, k, v, o, gate, up and down projections (weights [out, in]), the
+# q, k, v biases and two norms; a compact rollout keeps the 7 weights in 1 B each
+LINEAR_WEIGHTS = HIDDEN * HIDDEN * 2 + 2 * (KV_HEADS * HEAD_DIM) * HIDDEN + 3 * MLP * HIDDEN
+OUT_CHANNELS = HIDDEN * 2 + 2 * KV_HEADS * HEAD_DIM + 2 * MLP + HIDDEN
+OTHER = HIDDEN + 2 * KV_HEADS * HEAD_DIM + 2 * HIDDEN  # biases, norms: in the compute dtype
+
+
+def test_compact_rollout_bytes_and_decoding_time() -> None:
+    """fp8 / int8 weights: 1 B per linear weight + a float32 scale per output channel; a
+    decoding step reads them (fp8 on fp8 tensor cores), int8 also writes and reads back the
+    bf16 copy it dequantizes (2 x 2 B each), and each compact linear adds its own kernels."""
+    hw = Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB)
+    spec = _builder(hw).spec
+    shape = dict(sequences=N, prompt_tokens=LP, completion_tokens=LC)
+    est = {
+        w: rollout_estimate(spec, hw, **shape, weights_format=w) for w in ("bf16", "fp8", "int8")
+    }
+    layer_bytes = LINEAR_WEIGHTS + 4 * OUT_CHANNELS + 2 * OTHER
+    edges = (spec.embed_params + spec.head_params) * 2
+    assert est["bf16"].gpu_items["weights"] == spec.total_params * 2
+    assert est["bf16"].gpu_items["weights"] == edges + LAYERS * 2 * (LINEAR_WEIGHTS + OTHER)
+    for fmt in ("fp8", "int8"):
+        assert est[fmt].gpu_items["weights"] == edges + LAYERS * layer_bytes
+        assert est[fmt].weights == fmt
+    hbm, linears = hw.gpu_hbm_gbps * 1e9, 7 * LAYERS
+    saved = (est["bf16"].gpu_items["weights"] - est["fp8"].gpu_items["weights"]) / hbm
+    assert est["fp8"].decode_token_s == pytest.approx(
+        est["bf16"].decode_token_s - saved + linears * 9 * hw.op_launch_s, rel=1e-9
+    )
+    dequant = 2 * LAYERS * LINEAR_WEIGHTS * 2 / hbm
+    assert est["int8"].decode_token_s == pytest.approx(
+        est["bf16"].decode_token_s - saved + dequant + linears * 3 * hw.op_launch_s, rel=1e-9
+    )
+    assert est["fp8"].weight_copy_s == est["bf16"].weight_copy_s  # the bf16 copy crosses
+
+
+def test_plan_falls_back_to_compact_weights_and_says_why() -> None:
+    """auto: bf16 while it fits; fp8 on an H100 (int8 without fp8 tensor cores) when only that
+    fits; streamed when neither does. The plan prints the format and why, and turns on the
+    truncated importance weights for the compact one."""
+    h100 = _builder(Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB))
+    margin = 2 * GIB
+    roomy = grpo_plan(h100)
+    assert roomy.rollout.weights == "bf16" and roomy.importance_cap is None
+    assert "rollout weights: bf16 (every weight in bfloat16; grpo.rollout_weights: auto)" in (
+        format_rollout(roomy)
+    )
+    bf16 = roomy.rollout.gpu_peak_bytes
+    fp8 = rollout_of(h100, streamed=False, weights="fp8").gpu_peak_bytes
+    assert fp8 < bf16
+    tight = grpo_plan(h100, free_gpu_bytes=margin + bf16 - 1)
+    assert tight.rollout.weights == "fp8" and not tight.rollout.streamed and tight.fits
+    assert tight.rollout.gpu_peak_bytes == fp8 and tight.importance_cap == 2.0
+    text = format_rollout(tight)
+    budget = gib(bf16 - 1)
+    assert (
+        "rollout weights: fp8 (decoder linear weights fp8, 1 B/param + a float32 scale per "
+        "channel, fp8 tensor cores; grpo.rollout_weights: auto, and bf16 needs "
+        f"{gib(bf16)} of {budget})"
+    ) in text
+    assert "importance sampling: each token's loss x min(pi_old / pi_rollout, 2)" in text
+    assert grpo_plan(h100, free_gpu_bytes=margin + fp8 - 1).rollout.streamed
+    a100 = _builder(Hardware(gpu_name="NVIDIA A100-SXM4-80GB", gpu_bytes=80 * GIB))
+    assert grpo_plan(a100, free_gpu_bytes=margin + bf16 - 1).rollout.weights == "int8"
+    forced = _builder(h100.hardware, "--grpo.rollout_weights", "int8")
+    assert grpo_plan(forced).rollout.weights == "int8"  # set: taken even where bf16 fits
+    off = _builder(h100.hardware, "--grpo.importance_sampling_correction", "false")
+    assert grpo_plan(off, free_gpu_bytes=margin + bf16 - 1).importance_cap is None
+    on = _builder(h100.hardware, "--grpo.importance_sampling_correction", "true")
+    assert grpo_plan(on).rollout.weights == "bf16" and grpo_plan(on).importance_cap == 2.0
+
+
+def test_auto_gpu_tier_reserves_the_compact_rollout_when_bf16_cannot_fit() -> None:
+    """The reserve is the first format whose rollout fits beside the untiered engine: bf16 on a
+    roomy GPU, fp8 on one where only that fits, and the plan then generates with that format."""
+    auto = ("--memory.gpu_state_blocks", "auto")
+    roomy = _builder(Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB), *auto)
+    room = roomy.hardware.gpu_bytes - 2 * GIB - _untiered_persistent(roomy)
+    bf16 = rollout_of(roomy, streamed=False).gpu_peak_bytes
+    fp8 = rollout_of(roomy, streamed=False, weights="fp8").gpu_peak_bytes
+    assert rollout_reserve(roomy) == bf16 < room
+    gpu_bytes = roomy.hardware.gpu_bytes - room + (bf16 + fp8) // 2  # room for fp8 only
+    small = _builder(Hardware(gpu_bytes=gpu_bytes, host_bytes=512 * GIB), *auto)
+    assert rollout_reserve(small) == fp8
+    b = _builder(small.hardware, *auto, reserve=rollout_reserve)
+    plan = grpo_plan(b)
+    assert plan.rollout.weights == "fp8" and not plan.rollout.streamed
+    # the rollout fits (this GPU is too small for the tiny model's training transients)
+    assert not any("rollout phase" in problem for problem in plan.problems)
+
+
+def _untiered_persistent(builder: RunBuilder) -> int:
+    cfg = training_config(load_config(None, [*MODEL, *GRPO]))
+    untiered = RunBuilder(cfg, hardware=builder.hardware, placement=builder.placement)
+    return untiered.plan().estimate.gpu.persistent_bytes

@@ -59,7 +59,8 @@ def _builder(world: int, *extra: str) -> RunBuilder:
 
 
 def test_a_rank_plans_its_share_and_no_streamed_rollout() -> None:
-    one, two = _builder(1), _builder(2)
+    bf16 = ("--grpo.rollout_weights", "bf16")  # no compact fallback before the streamed path
+    one, two = _builder(1, *bf16), _builder(2, *bf16)
     assert one.cfg.training.gradient_accumulation_steps == 4  # 16 rows in micro-batches of 4
     assert two.cfg.training.gradient_accumulation_steps == 2  # each rank's 8
     alone, ranked = grpo_plan(one), grpo_plan(two)
@@ -69,6 +70,10 @@ def test_a_rank_plans_its_share_and_no_streamed_rollout() -> None:
     assert tight.rollout.streamed and not tight.fits  # one process would stream; ranks cannot
     assert "does not run under torchrun yet" in tight.problems[-1]
     assert grpo_plan(one, free_gpu_bytes=2 * GIB + alone.rollout.gpu_peak_bytes - 1).fits
+    # auto: the ranks fall back to a compact resident rollout (each quantizes the gathered
+    # blocks) before the streamed path
+    auto = grpo_plan(_builder(2), free_gpu_bytes=2 * GIB + ranked.rollout.gpu_peak_bytes - 1)
+    assert auto.rollout.weights == "fp8" and auto.fits
 
 
 def test_a_kl_run_on_ranks_plans_no_gpu_tier() -> None:

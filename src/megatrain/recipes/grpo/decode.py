@@ -19,7 +19,8 @@ token is one `replay()`:
 - one step: unmask the slot, forward the newest token of every sequence, pick the next one
   (EOS suppressed before `min_new_tokens`, temperature, top-p, sampling by the exponential
   race `argmax(p / E)` that `torch.multinomial` uses for one sample, or argmax), pad where a
-  sequence has finished, record it, advance positions. No `.item()`, no host branch on a
+  sequence has finished, record it (and, when asked, its log-prob at the sampling temperature:
+  Rollout.logps), advance positions. No `.item()`, no host branch on a
   device value: the same step runs eagerly on the CPU and before the capture.
 
 Sync points: one per STOP_CHECK_STEPS tokens (have all sequences finished?) and the
@@ -199,6 +200,7 @@ class _Decoder:
         eos_token_ids: list[int],
         sampling: dict[str, Any],
         compile_forward: bool = False,
+        logprobs: bool = False,
     ) -> None:
         self.model, self.sampling, self.pad = model, sampling, pad_token_id
         self.forward = compiled_forward() if compile_forward else _forward
@@ -228,6 +230,11 @@ class _Decoder:
         self.col = torch.zeros(1, dtype=torch.long, device=device)
         self.out = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         self.finished = torch.zeros(n, dtype=torch.bool, device=device)
+        self.logps = (  # the picked tokens' log-probs (Rollout.logps), when asked for
+            torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+            if logprobs
+            else None
+        )
 
     def suppress_eos(self, on: bool) -> None:
         self.eos_bias_V.zero_()
@@ -269,6 +276,10 @@ class _Decoder:
         picked = pick_tokens(logits_NV, eos_bias_V=self.eos_bias_V, **self.sampling)
         picked = torch.where(self.finished, self.pad, picked)
         self.out.index_copy_(1, self.col, picked[:, None])
+        if self.logps is not None:
+            scaled = logits_NV.float() / self.sampling["temperature"]
+            picked_logp = torch.log_softmax(scaled, dim=-1).gather(1, picked[:, None])
+            self.logps.index_copy_(1, self.col, picked_logp)
         self.finished |= (picked[:, None] == self.eos[None, :]).any(-1)
         self.tokens.copy_(picked[:, None])
         self.col += 1
@@ -292,12 +303,14 @@ def static_generate(
     cache_len: int | None = None,
     cuda_graph: bool | None = None,
     compile_forward: bool = False,
+    logprobs: bool = False,
 ) -> Rollout:
     """`rollout.generate`'s completions from the static-cache path (module docstring).
 
     `cache_len`: tokens per sequence in the KV cache (None: the longest prompt +
     max_new_tokens); `cuda_graph`: replay the step as a CUDA graph (None: on CUDA);
-    `compile_forward`: the step's forward through `compiled_forward` (torch.compile).
+    `compile_forward`: the step's forward through `compiled_forward` (torch.compile);
+    `logprobs`: the picked tokens' log-probs too (Rollout.logps), recorded inside the step.
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -310,6 +323,7 @@ def static_generate(
         eos_token_ids=eos_token_ids,
         sampling={"do_sample": do_sample, "temperature": temperature, "top_p": top_p},
         compile_forward=compile_forward,
+        logprobs=logprobs,
     )
     graphed = device.type == "cuda" if cuda_graph is None else cuda_graph
     graphed = graphed and max_new_tokens - 1 >= MIN_GRAPH_STEPS
@@ -339,8 +353,9 @@ def static_generate(
             if t % STOP_CHECK_STEPS == 0 and dec.all_finished():
                 break
         rows = dec.out.cpu().tolist()  # sync point: the completions to the host
+        logps = dec.logps.cpu().tolist() if dec.logps is not None else None
         del graph
-    rollout = to_rollout(rows, eos_token_ids, max_new_tokens)
+    rollout = to_rollout(rows, eos_token_ids, max_new_tokens, logps)
     rollout.prefill_s, rollout.decode_s = t1 - t0, time.perf_counter() - t1
     rollout.decode_steps = steps
     return rollout

@@ -17,8 +17,18 @@ in value, gradient A_i). The step's loss sums w_it * l_it with weights that carr
 This is what TRL computes per micro-batch and divides by the accumulation steps (grpo, dr_grpo)
 or by the global token count (dapo), summed over the accumulated micro-batches of equal size.
 
+Truncated importance sampling (TIS, `importance_cap` C): when the completions were sampled from
+weights kept in another precision than the trainer's (a compact rollout, model/quant_linear.py)
+the policy-gradient term of each token is multiplied by
+
+    rho_it = min(exp(old_logp - rollout_logp), C)        (detached: no gradient through it)
+
+with rollout_logp the sampled token's log-prob under the rollout's model at the same
+temperature (recipes/grpo/rollout.py Rollout.logps), as TRL's vllm_importance_sampling_correction
+does per token ("token_truncate"); the KL term is not weighted (TRL adds it after).
+
 Per-token inputs (names of `TokenObjective.inputs`): "advantages", "weights", and when used
-"old_logps", "ref_logps"; each [B, S], aligned with the labels.
+"old_logps", "ref_logps", "rollout_logps"; each [B, S], aligned with the labels.
 """
 
 from __future__ import annotations
@@ -71,16 +81,28 @@ def per_token_loss(
     beta: float,
     epsilon: float,
     epsilon_high: float,
+    importance: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """l_t of the module docstring, elementwise; old_logp None: logp detached."""
+    """l_t of the module docstring, elementwise; old_logp None: logp detached; `importance`:
+    the TIS weights of the policy-gradient term (`truncated_importance`), None: none."""
     old = logp.detach() if old_logp is None else old_logp
     ratio = torch.exp(logp - old)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     loss = -torch.min(ratio * advantages, clipped * advantages)
+    if importance is not None:
+        loss = loss * importance
     if beta != 0.0:
         assert ref_logp is not None
         loss = loss + beta * k3_kl(logp, ref_logp)
     return loss
+
+
+def truncated_importance(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """rho = min(exp(old_logp - rollout_logp), cap): the trainer's over the rollout's probability of
+    each sampled token, truncated (module docstring); 1 exactly where the two agree."""
+    return torch.exp(old_logp - rollout_logp).clamp(max=cap)
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -97,6 +119,8 @@ class GRPOStats:
     kl_sum: float = 0.0
     clipped_low: int = 0
     clipped_high: int = 0
+    importance_sum: float = 0.0  # TIS weights, summed (0 without TIS)
+    importance_capped: int = 0  # tokens whose TIS ratio reached the cap
     # per chunk, on the device (read once, by `entropy`): the policy's entropy sums, in nats
     entropy_parts: list[torch.Tensor] = field(default_factory=list)
 
@@ -115,22 +139,46 @@ class GRPOStats:
     def clip_ratio(self) -> float:
         return (self.clipped_low + self.clipped_high) / max(self.tokens, 1)
 
+    @property
+    def importance(self) -> float:
+        """Mean TIS weight over the completion tokens (TRL's importance_sampling_ratio/mean)."""
+        return self.importance_sum / max(self.tokens, 1)
+
+    @property
+    def importance_capped_share(self) -> float:
+        return self.importance_capped / max(self.tokens, 1)
+
 
 class GRPOLoss:
     """The chunk function of a `TokenObjective`: sum of weights * l_t over the chunk's tokens.
 
-    Records the step's KL and clip counts in `stats` as it goes (detached values only).
+    Records the step's KL, clip counts and TIS weights in `stats` as it goes (detached values
+    only). `importance_cap`: weight by TIS with that cap (needs "rollout_logps"); None: not.
     """
 
-    def __init__(self, *, beta: float, epsilon: float, epsilon_high: float, use_old: bool) -> None:
+    def __init__(
+        self,
+        *,
+        beta: float,
+        epsilon: float,
+        epsilon_high: float,
+        use_old: bool,
+        importance_cap: float | None = None,
+    ) -> None:
         self.beta, self.epsilon, self.epsilon_high = beta, epsilon, epsilon_high
-        self.use_old = use_old
+        self.use_old, self.importance_cap = use_old, importance_cap
         self.stats = GRPOStats()
 
     def __call__(self, logp_C: torch.Tensor, side: dict[str, torch.Tensor]) -> torch.Tensor:
         adv = side["advantages"]
         old = side["old_logps"] if self.use_old else None
         ref = side["ref_logps"] if self.beta != 0.0 else None
+        importance = None
+        if self.importance_cap is not None:
+            base = logp_C.detach() if old is None else old
+            importance = truncated_importance(base, side["rollout_logps"], self.importance_cap)
+            self.stats.importance_sum += float(importance.sum())  # sync point: metrics only
+            self.stats.importance_capped += int((importance >= self.importance_cap).sum())
         loss_C = per_token_loss(
             logp_C,
             adv,
@@ -139,6 +187,7 @@ class GRPOLoss:
             beta=self.beta,
             epsilon=self.epsilon,
             epsilon_high=self.epsilon_high,
+            importance=importance,
         )
         self._record(logp_C.detach(), adv, old, ref)
         return (loss_C * side["weights"]).sum()

@@ -9,9 +9,12 @@ GPU memory left beside the engine's persistent buffers (weight slots, gradient a
 head, GPU tier), else streamed. With `memory.gpu_state_blocks: auto` the GPU tier is chosen to
 leave the resident rollout its room (`rollout_reserve`, the builder's gpu_reserve), so the tier
 never pushes generation onto the streamed path. `grpo.generation: resident | streamed` forces a
-path; on the CPU it is resident. A resident rollout decodes on the static path
-(recipes/grpo/decode.py: static KV cache, CUDA graphs, the forward compiled or not) when
-`grpo.compile_decode` asks for it and the model allows it (`decode_mode`).
+path; on the CPU it is resident. The resident rollout's weights (grpo.rollout_weights,
+recipes/grpo/rollout_weights.py) are the compute dtype's when that fits, else a compact format's
+when that does (tried in `rollout_weights.candidates` order), and a compact rollout turns on the
+loss's truncated importance weights (`importance_cap`). A resident rollout decodes on the
+static path (recipes/grpo/decode.py: static KV cache, CUDA graphs, the forward compiled or not)
+when `grpo.compile_decode` asks for it and the model allows it (`decode_mode`).
 
 Log-prob passes (`logprob_passes`): with grpo.beta > 0 the reference's, with grpo.num_iterations
 > 1 the old policy's, once per generation batch, each a forward-only pass over the training
@@ -34,14 +37,20 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megatrain.config import TrainConfig
 from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.plan import ResourcePlan
 from megatrain.planning.rollout import DECODE_OP_S, RolloutEstimate, rollout_estimate
 from megatrain.planning.timing import reference_swap_s
 from megatrain.recipes.grpo.decode import static_decode_problem
-from megatrain.recipes.grpo.ranks import check_world
+from megatrain.recipes.grpo.rollout_weights import (
+    COMPUTE,
+    candidates,
+    describe,
+    fp8_matmul,
+    importance_sampling,
+)
+from megatrain.recipes.grpo.train_config import training_config
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,8 @@ class GRPOPlan:
     on_gpu: bool  # a CUDA run (else everything, rollout included, runs on the CPU)
     logprobs: tuple[LogprobPass, ...] = ()  # the passes each generation batch runs
     iterations: int = 1  # optimizer steps per generation batch (grpo.num_iterations)
+    weights_reason: str = ""  # why the resident rollout keeps its weights as it does
+    importance_cap: float | None = None  # the truncated IS weights' cap; None: not weighted
 
     @property
     def fits(self) -> bool:
@@ -92,101 +103,45 @@ class GRPOPlan:
             raise ValueError("this GRPO run does not fit: " + "; ".join(self.problems))
 
 
-def training_config(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
-    """The config a GRPO run trains with, shared by `megatrain grpo` and `megatrain estimate
-    --grpo` so that the engine runs the plan that was reported: the generation batch's
-    micro-batches (each rank's share of them under `world_size` ranks, recipes/grpo/ranks.py;
-    a rank count that does not divide prompts_per_step is refused; with grpo.beta > 0 no GPU
-    tier, `_untiered`) are its gradient accumulation, its rows max_prompt_length +
-    max_completion_length tokens at most (rounded up to data.pad_to_multiple_of; as
-    training.seq_len says when max_prompt_length is None) are training.seq_len, and
-    compile_layers "auto" is eager (rows of every length).
-
-    training.micro_batch_size "auto" (the default of `megatrain grpo`): the generation batch's
-    rows are training.global_batch_size, so the plan picks the micro-batch among the divisors
-    of the batch's sequences (planning/batch_size.py: the largest whose predicted GPU peak
-    fits) and the accumulation follows; the log-prob passes run the same micro-batches."""
-    t, g = cfg.training, cfg.grpo
-    check_world(g.prompts_per_step, world_size)
-    sequences = g.prompts_per_step * g.num_generations
-    if t.micro_batch_size == "auto":
-        _check_auto_batch(t.gradient_accumulation_steps, t.global_batch_size, sequences)
-        training = dataclasses.replace(
-            t, gradient_accumulation_steps=1, global_batch_size=sequences
-        )
-    else:
-        assert isinstance(t.micro_batch_size, int)
-        accumulation = -(-sequences // world_size // t.micro_batch_size)  # each rank's
-        if t.gradient_accumulation_steps not in (1, accumulation):
-            raise ValueError(
-                f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}: "
-                f"megatrain grpo trains each generation batch (grpo.prompts_per_step x "
-                f"grpo.num_generations = {sequences} sequences) as one optimizer step in "
-                f"micro-batches of training.micro_batch_size={t.micro_batch_size} rows, "
-                f"{accumulation} of them"
-                + (f" on each of the {world_size} ranks" if world_size > 1 else "")
-                + "; remove the key (or set it to that count)"
-            )
-        training = dataclasses.replace(t, gradient_accumulation_steps=accumulation)
-    seq_len = cfg.seq_len
-    if g.max_prompt_length is not None:
-        multiple = max(cfg.data.pad_to_multiple_of, 1)
-        seq_len = -(-(g.max_prompt_length + g.max_completion_length) // multiple) * multiple
-    compile_layers = False if t.compile_layers == "auto" else t.compile_layers
-    training = dataclasses.replace(training, seq_len=seq_len, compile_layers=compile_layers)
-    data = dataclasses.replace(cfg.data, cutoff_len=min(cfg.data.cutoff_len, seq_len))
-    memory = cfg.memory
-    if world_size > 1 and g.beta > 0:
-        memory = dataclasses.replace(memory, gpu_state_blocks=_untiered(cfg, world_size))
-    return dataclasses.replace(cfg, training=training, data=data, memory=memory)
-
-
-def _untiered(cfg: TrainConfig, world_size: int) -> int:
-    """memory.gpu_state_blocks of a KL-regularised run on several ranks: none. The reference
-    pass swaps the reference into a GPU tier's resident weights, which each rank holds whole
-    while its reference copy is its shard (engine.serving); "auto" plans no tier."""
-    blocks = cfg.memory.gpu_state_blocks
-    if blocks not in ("auto", 0):
-        raise ValueError(
-            f"memory.gpu_state_blocks={blocks} with grpo.beta={cfg.grpo.beta:g} on "
-            f"{world_size} ranks: the KL reference's pass does not run on a sharded GPU tier "
-            "yet; set memory.gpu_state_blocks: 0 (or auto, which plans none here), or "
-            "grpo.beta: 0"
-        )
-    return 0
-
-
-def _check_auto_batch(accumulation: int, global_batch: int | None, sequences: int) -> None:
-    """Refuse batch keys that contradict a generation batch of `sequences` rows per step."""
-    if accumulation != 1:
-        raise ValueError(
-            f"training.gradient_accumulation_steps={accumulation} with micro_batch_size: auto: "
-            f"megatrain grpo trains each generation batch (grpo.prompts_per_step x "
-            f"grpo.num_generations = {sequences} sequences) as one optimizer step and the plan "
-            "picks its micro-batches; remove the key (or set training.micro_batch_size)"
-        )
-    if global_batch not in (None, sequences):
-        raise ValueError(
-            f"training.global_batch_size={global_batch}: megatrain grpo trains grpo."
-            f"prompts_per_step x grpo.num_generations = {sequences} rows per optimizer step; "
-            "remove the key (or change those two)"
-        )
-
-
 def rollout_reserve(builder: PlanBuilder) -> int:
     """GPU bytes the automatic GPU tier leaves for the resident rollout (the builder's
-    `gpu_reserve` of a GRPO run): its predicted peak where it may run resident, else 0."""
+    `gpu_reserve` of a GRPO run): where it may run resident, the peak of the first format
+    (rollout_weights.candidates) that fits beside the engine without a tier, so the tier gives
+    way to the compute-dtype rollout when it can and keeps its room when only a compact one
+    fits; when none does, the last one's (the tier then leaves all it can); else 0."""
     cfg, g = builder.cfg, builder.cfg.grpo
     if not builder.placement.is_cuda or g.generation == "streamed":
         return 0
     if cfg.memory.gpu_state_blocks != "auto":
         return 0
-    return rollout_of(builder, streamed=False).gpu_peak_bytes
+    options = candidates(builder)
+    peaks = [rollout_of(builder, streamed=False, weights=w).gpu_peak_bytes for w in options]
+    if len(peaks) > 1:
+        room = _untiered_room(builder)
+        return next((peak for peak in peaks if peak <= room), peaks[-1])
+    return peaks[0]
 
 
-def rollout_of(builder: PlanBuilder, *, streamed: bool) -> RolloutEstimate:
-    """The rollout phase of one generation batch, resident or `streamed` (planning/rollout.py),
-    decoding as the recipe will (decode_mode; the streamed path and the CPU: generate)."""
+def _untiered_room(builder: PlanBuilder) -> int:
+    """GPU bytes free beside the engine's persistent buffers without a GPU tier, less the
+    margin (the model's spec and config reused: the same model)."""
+    cfg = builder.cfg
+    memory = dataclasses.replace(cfg.memory, gpu_state_blocks=0)
+    untiered = PlanBuilder(
+        dataclasses.replace(cfg, memory=memory),
+        placement=builder.placement,
+        hardware=builder.hardware,
+    )
+    untiered.__dict__.update(hf_config=builder.hf_config, spec=builder.spec)  # cached properties
+    untiered.image_share = builder.image_share
+    persistent = untiered.plan().estimate.gpu.persistent_bytes
+    return builder.hardware.gpu_bytes - int(cfg.memory.gpu_margin_gib * GIB) - persistent
+
+
+def rollout_of(builder: PlanBuilder, *, streamed: bool, weights: str = COMPUTE) -> RolloutEstimate:
+    """The rollout phase of one generation batch, resident (its weights in `weights`) or
+    `streamed` (planning/rollout.py), decoding as the recipe will (decode_mode; the streamed
+    path and the CPU: generate)."""
     cfg, g = builder.cfg, builder.cfg.grpo
     decode, _ = decode_mode(builder)
     return rollout_estimate(
@@ -199,6 +154,8 @@ def rollout_of(builder: PlanBuilder, *, streamed: bool) -> RolloutEstimate:
         num_slots=cfg.memory.num_slots,
         decode="generate" if streamed or not builder.placement.is_cuda else decode,
         cuda=builder.placement.is_cuda,
+        weights_format=COMPUTE if streamed else weights,
+        fp8_matmul=fp8_matmul(builder),
     )
 
 
@@ -211,24 +168,28 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
     sequences = g.prompts_per_step * g.num_generations // world  # each rank's
     hw, margin = builder.hardware, cfg.memory.gpu_margin_gib * GIB
     _, decode_reason = decode_mode(builder)
-    resident = rollout_of(builder, streamed=False)
     on_gpu = builder.placement.is_cuda
     training = builder.plan()  # the engine's
     if free_gpu_bytes is None:
         free_gpu_bytes = hw.gpu_bytes - training.estimate.gpu.persistent_bytes
-    budget = free_gpu_bytes - margin
+    budget = int(free_gpu_bytes - margin)
+    tried = _resident(builder, budget if on_gpu else None)
+    resident, needs = tried[-1], ", ".join(f"{r.weights} {gib(r.gpu_peak_bytes)}" for r in tried)
+    margin_gib = cfg.memory.gpu_margin_gib
+    room = f"{gib(max(budget, 0))} free beside the engine (margin {margin_gib:g} GiB)"
     if g.generation != "auto":
         streamed, reason = g.generation == "streamed", f"grpo.generation: {g.generation}"
     elif not on_gpu:
         streamed, reason = False, "a CPU run streams nothing"
     else:
         streamed = resident.gpu_peak_bytes > budget
-        reason = (
-            f"the resident rollout needs {gib(resident.gpu_peak_bytes)} of "
-            f"{gib(max(budget, 0))} free beside the engine (margin "
-            f"{cfg.memory.gpu_margin_gib:g} GiB)"
-        )
+        reason = f"the resident rollout needs {needs} of {room}"
     chosen = rollout_of(builder, streamed=True) if streamed else resident
+    why = f"grpo.rollout_weights: {g.rollout_weights}"
+    if len(tried) > 1:
+        first = tried[0]
+        why += f", and {first.weights} needs {gib(first.gpu_peak_bytes)} of {gib(max(budget, 0))}"
+    weights_reason = f"{resident.weights} ({describe(resident.weights, builder)}; {why})"
     problems = list(training.problems)
     if on_gpu and chosen.gpu_peak_bytes > budget:
         problems.append(
@@ -239,6 +200,7 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
             "the engine: lower grpo.prompts_per_step, grpo.num_generations or "
             "grpo.max_completion_length"
             + ("" if streamed else ", or set grpo.generation: streamed")
+            + ("" if streamed or chosen.weights != COMPUTE else " or grpo.rollout_weights: fp8")
         )
     if streamed and world > 1:
         problems.append(
@@ -249,8 +211,28 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
         )
     passes = logprob_passes(builder, training)
     return GRPOPlan(
-        training, chosen, reason, decode_reason, tuple(problems), on_gpu, passes, g.num_iterations
+        training,
+        chosen,
+        reason,
+        decode_reason,
+        tuple(problems),
+        on_gpu,
+        passes,
+        g.num_iterations,
+        weights_reason,
+        g.importance_sampling_cap if importance_sampling(g, chosen.weights) else None,
     )
+
+
+def _resident(builder: PlanBuilder, budget: int | None) -> list[RolloutEstimate]:
+    """The resident rollout on each format (rollout_weights.candidates) up to the first whose
+    peak fits in `budget` bytes (None: the first only): the last is the one the plan takes."""
+    tried = []
+    for weights in candidates(builder):
+        tried.append(rollout_of(builder, streamed=False, weights=weights))
+        if budget is None or tried[-1].gpu_peak_bytes <= budget:
+            break
+    return tried
 
 
 def logprob_passes(builder: PlanBuilder, training: ResourcePlan) -> tuple[LogprobPass, ...]:
@@ -309,6 +291,8 @@ def rollout_dict(plan: GRPOPlan) -> dict[str, Any]:
         "tokens_per_s": r.tokens_per_s,
         "reason": plan.reason,
         "decode": plan.decode_reason,
+        "weights_reason": plan.weights_reason,
+        "importance_cap": plan.importance_cap,
         "logprob_passes": [asdict(p) | {"seconds": p.seconds} for p in plan.logprobs],
         "logprob_s": plan.logprob_s,
         "train_s": plan.train_s,
@@ -322,6 +306,14 @@ def format_rollout(plan: GRPOPlan) -> str:
     where = "GPU" if plan.on_gpu else "CPU"
     path = "layers streamed per decoding step" if r.streamed else f"whole model on the {where}"
     decode = "" if r.streamed else f"\n  decoding: {plan.decode_reason}"
+    if not r.streamed:
+        decode += f"\n  rollout weights: {plan.weights_reason}"
+    if not r.streamed and plan.importance_cap is not None:
+        decode += (
+            f"\n  importance sampling: each token's loss x min(pi_old / pi_rollout, "
+            f"{plan.importance_cap:g}) (grpo.importance_sampling_correction; the rollout's "
+            "log-probs recorded while decoding)"
+        )
     per_step = ""
     if r.decode in DECODE_OP_S:  # a graph replay: the reads, then each op at DECODE_OP_S
         op_s = DECODE_OP_S[r.decode]

@@ -82,9 +82,9 @@ def job_stats(stats: GRPOStats, world_size: int) -> GRPOStats:
     if world_size == 1:
         return stats
     entropy = float(torch.stack(stats.entropy_parts).sum()) if stats.entropy_parts else 0.0
-    tokens, kl_sum, low, high, entropy = rank_sums(  # sync point: metrics only
+    tokens, kl_sum, low, high, entropy, importance, capped = rank_sums(  # sync point: metrics
         [float(stats.tokens), stats.kl_sum, float(stats.clipped_low), float(stats.clipped_high),
-         entropy]
+         entropy, stats.importance_sum, float(stats.importance_capped)]
     )  # fmt: skip
     return GRPOStats(
         tokens=int(tokens),
@@ -92,4 +92,6 @@ def job_stats(stats: GRPOStats, world_size: int) -> GRPOStats:
         clipped_low=int(low),
         clipped_high=int(high),
         entropy_parts=[torch.tensor(entropy, dtype=torch.float64)],
+        importance_sum=importance,
+        importance_capped=int(capped),
     )

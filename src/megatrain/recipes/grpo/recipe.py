@@ -69,12 +69,14 @@ from megatrain.recipes.grpo.ranks import (
     rank_rows,
     rollout_seed,
 )
-from megatrain.recipes.grpo.rewards import load_reward
+from megatrain.recipes.grpo.rewards import load_reward, score
 from megatrain.recipes.grpo.rollout import Rollout, device_model, generate
+from megatrain.recipes.grpo.rollout_weights import COMPUTE
 from megatrain.recipes.grpo.sequences import (
     completion_mask,
     length_order,
     per_row,
+    per_token,
     sequence_batches,
 )
 from megatrain.recipes.records import report_plan, step_record
@@ -95,6 +97,7 @@ class _Generation:
     batches: list[Any]
     inputs: list[dict[str, torch.Tensor]]
     record: dict[str, Any]  # its rollout metrics
+    importance_cap: float | None = None  # its rollout's weights differ: TIS (loss.py)
 
 
 class GRPOTrainer(ReferenceCheckpoint, Recipe):
@@ -195,8 +198,9 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
         job = [p for p in self.batch_prompts(index) for _ in range(g.num_generations)]
         mine = rank_rows(len(job), self.rank, self.world)
         prompts = job[mine]
-        rollout, timing = self._rollout(prompts, index)
-        scores = self._score(prompts, rollout.completions)
+        rollout, timing, cap = self._rollout(prompts, index)
+        texts = self.tokenizer.batch_decode(rollout.completions, skip_special_tokens=True)
+        scores = score(self.rewards, prompts, texts, rollout.completions)
         lengths = [len(c) for c in rollout.completions]
         rows = torch.cat([scores, torch.tensor([lengths, rollout.clipped]).T.double()], 1)
         every = job_rows(rows, self.rank, self.world)  # the job's, in one process's order
@@ -206,7 +210,7 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
             num_generations=g.num_generations,
             scaling=g.reward_scaling,
         )
-        batches, inputs = self._layout(prompts, rollout.completions, adv.advantages[mine])
+        batches, inputs = self._layout(prompts, rollout, adv.advantages[mine])
         t1 = time.perf_counter()
         peak = PhasePeak(self.builder.device)
         self._add_logprobs(batches, inputs)
@@ -228,14 +232,15 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
             **timing,
             **logprob_memory,
         }
-        return _Generation(batches, inputs, record)
+        return _Generation(batches, inputs, record, cap)
 
     def _layout(
-        self, prompts: list[Prompt], completions: list[list[int]], advantages: list[float]
+        self, prompts: list[Prompt], rollout: Rollout, advantages: list[float]
     ) -> tuple[list[Any], list[dict[str, torch.Tensor]]]:
         """This rank's sequences as micro-batches (grouped by length), and each one's advantages
-        and loss weights per token, normalised over the whole batch (every rank's)."""
-        g = self.cfg.grpo
+        and loss weights per token, normalised over the whole batch (every rank's); the
+        rollout's log-probs where it kept them (importance sampling)."""
+        g, completions = self.cfg.grpo, rollout.completions
         rows = self.builder.batch()[0]  # the plan's, when "auto"
         lengths = [len(p.prompt_ids) + len(c) for p, c in zip(prompts, completions, strict=True)]
         order = length_order(lengths, rows)
@@ -257,15 +262,21 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
             {"advantages": a, "weights": w}
             for a, w in zip(per_row([advantages[i] for i in order], batches), weights, strict=True)
         ]
+        if rollout.logps is not None:
+            for k, logps in enumerate(per_token([rollout.logps[i] for i in order], batches)):
+                inputs[k]["rollout_logps"] = logps
         return batches, inputs
 
-    def _rollout(self, prompts: list[Prompt], index: int) -> tuple[Rollout, dict[str, Any]]:
-        """Completions of `prompts` sampled with the current weights, and the rollout's
-        timing and memory record."""
+    def _rollout(
+        self, prompts: list[Prompt], index: int
+    ) -> tuple[Rollout, dict[str, Any], float | None]:
+        """Completions of `prompts` sampled with the current weights, the rollout's timing and
+        memory record, and the TIS cap its weights' format asks for (plan.py)."""
         g, b = self.cfg.grpo, self.builder
         t0 = time.perf_counter()
         self.engine.wait_updates()  # the store holds the current weights
-        streamed = self._streamed_generation()
+        plan = self._rollout_plan()
+        streamed, weights = plan.rollout.streamed, plan.rollout.weights
         peak = PhasePeak(b.device)
         with device_model(
             self.structure,
@@ -273,6 +284,7 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
             b.device,
             streamed=streamed,
             num_slots=self.cfg.memory.num_slots,
+            compact=None if weights == COMPUTE else weights,
         ) as model:
             static: dict[str, Any] = {}  # the static path's KV cache, sized as the plan sizes it
             if self.decode != "generate" and not streamed:
@@ -290,6 +302,7 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
                 top_p=g.top_p,
                 seed=rollout_seed(g.seed, index, self.rank, self.world),
                 min_new_tokens=self.min_completion_tokens,
+                logprobs=plan.importance_cap is not None,
                 **static,
             )
         gen_s = time.perf_counter() - t0
@@ -298,12 +311,13 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
             "time/generation_s": round(gen_s, 4),
             "generation_tokens_per_s": round(generated / max(gen_s, 1e-9), 1),
             "rollout_streamed": int(streamed),
+            "rollout_compact": int(weights != COMPUTE),
         }
         record.update(peak.record("rollout"))
         if rollout.decode_steps:  # the static path times its phases (recipes/grpo/decode.py)
             record["time/prefill_capture_s"] = round(rollout.prefill_s, 4)
             record["time/decode_step_ms"] = round(1e3 * rollout.decode_s / rollout.decode_steps, 3)
-        return rollout, record
+        return rollout, record, plan.importance_cap
 
     @property
     def _logprob_passes(self) -> bool:
@@ -322,8 +336,8 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
             for k, logp in enumerate(ref):
                 inputs[k]["ref_logps"] = logp
 
-    def _streamed_generation(self) -> bool:
-        """The path the plan picks for the memory free now (recipes/grpo/plan.py). The training
+    def _rollout_plan(self) -> GRPOPlan:
+        """The plan for the memory free now (recipes/grpo/plan.py): path and weights. The training
         phase's activations stay cached by PyTorch's allocator, which the device does not count
         as free: they are handed back first (run 20's second step saw only that as free and
         generated on the streamed path, some 0.5 s per token). Under several ranks the streamed
@@ -343,21 +357,7 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
                 "or raise memory.gpu_margin_gib (the engine's plan then leaves more room), and "
                 "resume from the last checkpoint"
             )
-        return plan.rollout.streamed
-
-    def _score(self, prompts: list[Prompt], completions: list[list[int]]) -> torch.Tensor:
-        """Every reward function's score of every completion, float64 [N, F] (NaN: None)."""
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        shown = [
-            [{"role": "assistant", "content": t}] if p.conversational else t
-            for p, t in zip(prompts, texts, strict=True)
-        ]
-        keys = sorted({k for p in prompts for k in p.extras})
-        extras = {k: [p.extras.get(k) for p in prompts] for k in keys}
-        columns = [
-            fn([p.prompt for p in prompts], shown, completions, extras) for fn in self.rewards
-        ]
-        return torch.tensor(columns, dtype=torch.float64).T
+        return plan
 
     def _train_step(self, gen: _Generation, metrics: MetricsLogger, iteration: int) -> dict:
         g = self.cfg.grpo
@@ -367,6 +367,7 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
             epsilon=g.epsilon,
             epsilon_high=g.upper_epsilon,
             use_old=g.num_iterations > 1,
+            importance_cap=gen.importance_cap,
         )
         t0 = time.perf_counter()
         peak = PhasePeak(self.builder.device)
@@ -382,6 +383,9 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
         record["kl"] = stats.kl
         record["clip_ratio"] = stats.clip_ratio
         record["entropy"] = stats.entropy
+        if gen.importance_cap is not None:
+            record["importance_ratio"] = stats.importance
+            record["importance_capped_share"] = stats.importance_capped_share
         record["iteration"] = iteration
         record.update(train_memory)
         metrics.log_step(self.step, record)

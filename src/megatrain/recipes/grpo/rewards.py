@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from megatrain.recipes.grpo.prompts import Prompt
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
@@ -225,3 +229,21 @@ def _import(name: str, module: str) -> Any:
             f"grpo.reward_funcs: {name!r}: cannot import module {module!r} ({e}); install it "
             "or give the function's file as path/to/file.py:function"
         ) from e
+
+
+def score(
+    rewards: list[RewardFunction],
+    prompts: list[Prompt],
+    texts: list[str],
+    completions: list[list[int]],
+) -> torch.Tensor:
+    """Every reward function's score of every completion (`texts`, their decoded tokens
+    `completions`), float64 [N, F] (NaN: None)."""
+    shown = [
+        [{"role": "assistant", "content": t}] if p.conversational else t
+        for p, t in zip(prompts, texts, strict=True)
+    ]
+    keys = sorted({k for p in prompts for k in p.extras})
+    extras = {k: [p.extras.get(k) for p in prompts] for k in keys}
+    columns = [fn([p.prompt for p in prompts], shown, completions, extras) for fn in rewards]
+    return torch.tensor(columns, dtype=torch.float64).T

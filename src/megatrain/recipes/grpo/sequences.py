@@ -72,3 +72,18 @@ def per_row(values: list[float], batches: list[Batch]) -> list[torch.Tensor]:
         start += b.input_ids.shape[0]
     assert start == len(values), "one value per sequence"
     return out
+
+
+def per_token(values: list[list[float]], batches: list[Batch]) -> list[torch.Tensor]:
+    """One value per completion token (sequence i's j-th at its j-th target): fp32 [B, S] per
+    micro-batch, 0 elsewhere (the rollout's log-probs, Rollout.logps)."""
+    out, start = [], 0
+    for b in batches:
+        mask = completion_mask(b).bool()
+        rows = torch.zeros(mask.shape, dtype=torch.float32)
+        for r in range(mask.shape[0]):
+            rows[r, mask[r]] = torch.tensor(values[start + r], dtype=torch.float32)
+        out.append(rows)
+        start += b.input_ids.shape[0]
+    assert start == len(values), "one row of values per sequence"
+    return out
