@@ -58,8 +58,7 @@ from transformers import PretrainedConfig
 
 from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
-from megatrain.engine.gpu_share import share_size
-from megatrain.engine.gpu_share import work_bytes as share_work_bytes
+from megatrain.engine.gpu_share import share_size, work_bytes
 from megatrain.engine.layout import SHARE_STAGING, SLOTS, VISION, VISION_TRAIN, DeviceLayout
 from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.engine.schedule import StepSchedule
@@ -279,15 +278,12 @@ def gpu_memory(
     the phase holds and the allocator's slack over it; the peak phase's items."""
     c = spec.compute_dtype.itemsize
     d, ranks, mbs = spec.hidden_size, setup.ranks, setup.grad_accum
+    formats = setup.block_formats(spec.compute_dtype == torch.bfloat16)
     base = {
         **layout.bytes_by_name(),
         "embedding rows": mbs * min(setup.tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": mbs * profile.captured_bytes,
-        SHARE_WORK: (
-            share_work_bytes(setup.block_formats(spec.compute_dtype == torch.bfloat16))
-            if SHARE_STAGING in layout
-            else 0
-        ),
+        SHARE_WORK: work_bytes(formats) if SHARE_STAGING in layout else 0,
         "reduce-scatter output (ranks, fp32)": (
             ranks.shard(max((la.params for la in spec.layers), default=0)) * 4
             if ranks.world > 1

@@ -130,19 +130,9 @@ def plan_resources(
 
     tier, tier_reason = pick_tier(shape, spec, predict, hardware, gpu_margin_gib, gpu_reserve_bytes)
     share_budget = hardware.gpu_bytes - gpu_margin_gib * GIB - gpu_reserve_bytes
-    share, share_reason = _share(shape, spec, functools.partial(predict, tier), tier, share_budget)
-    if shape.gpu_state_blocks == "auto" and shape.gpu_update_blocks == "auto" and tier:
-        traded = trade_tier(
-            tier,
-            lambda t: _share(shape, spec, functools.partial(predict, t), t, share_budget),
-            lambda t, n: predict(t, share=n).time.step_s,
-        )
-        tier, share, share_reason = traded.tier, traded.share, traded.share_reason
-        if traded.traded:
-            tier_reason = (
-                f"GPU tier: {tier} of {tier_size(spec.num_layers)} blocks ({traded.traded} "
-                "fewer than fit: their room holds the GPU update share)"
-            )
+    tier, tier_reason, share, share_reason = _tier_and_share(
+        shape, spec, predict, tier, tier_reason, share_budget
+    )
     engine = shape.engine_plan(spec, tier, boundaries, tiles, share)
     setup = shape.setup(engine, micro_batch_size, grad_accum)
     est = estimate(spec, setup, hardware)
@@ -176,7 +166,10 @@ def _batch(
     host_margin_gib: float,
 ) -> tuple[int, int, str | None]:
     """(micro-batch, accumulation, why "auto" chose them: None where given): "auto" picked
-    against the estimate with the most MLP tiles and no GPU tier (planning/batch_size.py); a
+    against the estimate with the most MLP tiles, no GPU tier and every layer input on the GPU
+    (planning/batch_size.py); where none fits so and the inputs may go to the host
+    (memory.activation_offload not "off"), against the estimate with every input on the host
+    (`_pick_boundaries` then keeps on the GPU what fits beside the chosen micro-batch). A
     given micro-batch takes the accumulation `tokens_per_step` asks for, if any."""
     if micro_batch_size == "auto":
         target: dict[str, Any] = (
@@ -184,21 +177,59 @@ def _batch(
             if tokens_per_step is not None
             else {"grad_accum": grad_accum}
         )
-        template = shape.setup(shape.engine_plan(spec, 0, None, shape.most_tiles(spec)), 1, 1)
-        return pick_micro_batch(
-            spec,
-            template,
-            hardware=hardware,
-            gpu_margin_gib=gpu_margin_gib,
-            on_host=not shape.check_gpu,  # a CPU run: its step's buffers are host memory
-            host_margin_gib=host_margin_gib,
-            rows_multiple=shape.rows_multiple,
-            **target,
-        )
+
+        def pick(boundaries: BoundaryPlan | None) -> tuple[int, int, str]:
+            engine = shape.engine_plan(spec, 0, boundaries, shape.most_tiles(spec))
+            return pick_micro_batch(
+                spec,
+                shape.setup(engine, 1, 1),
+                hardware=hardware,
+                gpu_margin_gib=gpu_margin_gib,
+                on_host=not shape.check_gpu,  # a CPU run: its step's buffers are host memory
+                host_margin_gib=host_margin_gib,
+                rows_multiple=shape.rows_multiple,
+                **target,
+            )
+
+        try:
+            return pick(None)
+        except ValueError:
+            if not shape.check_gpu or shape.activation_offload == "off":
+                raise
+            n = spec.num_layers
+            b, ga, reason = pick(BoundaryPlan.make(n, on_host=n))
+            return b, ga, f"{reason} (with the layer inputs on the host where the GPU lacks room)"
     if tokens_per_step is not None:
         grad_accum = _grad_accum_for(tokens_per_step, int(micro_batch_size), shape.seq_len)
     assert isinstance(micro_batch_size, int)
     return micro_batch_size, grad_accum, None
+
+
+def _tier_and_share(
+    shape: RunShape,
+    spec: ModelSpec,
+    predict: Callable[..., Estimate],
+    tier: int,
+    tier_reason: str | None,
+    budget: float,
+) -> tuple[int, str | None, int, str | None]:
+    """(tier, why, share, why): the share's count beside `tier` tier blocks (the most that
+    fit), and where both are "auto", fewer tier blocks where their room lets a larger share
+    predict a shorter step (planning/gpu_share.py `trade_tier`)."""
+    share, share_reason = _share(shape, spec, functools.partial(predict, tier), tier, budget)
+    if shape.gpu_state_blocks != "auto" or shape.gpu_update_blocks != "auto" or not tier:
+        return tier, tier_reason, share, share_reason
+    traded = trade_tier(
+        tier,
+        lambda t: _share(shape, spec, functools.partial(predict, t), t, budget),
+        lambda t, n: predict(t, share=n).time.step_s,
+    )
+    if traded.traded:
+        tier_reason = (
+            f"GPU tier: {traded.tier} of {tier_size(spec.num_layers)} blocks ({traded.traded} "
+            "fewer than fit: their room holds the GPU update share)"
+        )
+    return traded.tier, tier_reason, traded.share, traded.share_reason
 
 
 def _share(

@@ -285,6 +285,7 @@ def test_auto_gpu_tier_reserves_the_compact_rollout_when_bf16_cannot_fit() -> No
 
 
 def _untiered_persistent(builder: RunBuilder) -> int:
-    cfg = training_config(load_config(None, [*MODEL, *GRPO]))
+    no_share = ("--optimizer.gpu_update_blocks", "0")  # as rollout_reserve's room
+    cfg = training_config(load_config(None, [*MODEL, *GRPO, *no_share]))
     untiered = RunBuilder(cfg, hardware=builder.hardware, placement=builder.placement)
     return untiered.plan().estimate.gpu.persistent_bytes

@@ -123,12 +123,14 @@ def rollout_reserve(builder: PlanBuilder) -> int:
 
 
 def _untiered_room(builder: PlanBuilder) -> int:
-    """GPU bytes free beside the engine's persistent buffers without a GPU tier, less the
-    margin (the model's spec and config reused: the same model)."""
+    """GPU bytes free beside the engine's persistent buffers without a GPU tier (nor a GPU
+    update share: it takes only what the reserve leaves), less the margin (the model's spec
+    and config reused: the same model)."""
     cfg = builder.cfg
     memory = dataclasses.replace(cfg.memory, gpu_state_blocks=0)
+    optimizer = dataclasses.replace(cfg.optimizer, gpu_update_blocks=0)
     untiered = PlanBuilder(
-        dataclasses.replace(cfg, memory=memory),
+        dataclasses.replace(cfg, memory=memory, optimizer=optimizer),
         placement=builder.placement,
         hardware=builder.hardware,
     )
