@@ -61,7 +61,7 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import StaticCache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from megatrain.recipes.grpo.rollout import Rollout, left_pad, to_rollout
+from megatrain.recipes.grpo.rollout import Rollout, left_pad, sampling_logps, to_rollout
 
 STOP_CHECK_STEPS = 16  # tokens between the syncs that ask whether every sequence has finished
 MIN_GRAPH_STEPS = 4  # fewer decoding steps than this run eagerly (a capture would not pay)
@@ -277,8 +277,8 @@ class _Decoder:
         picked = torch.where(self.finished, self.pad, picked)
         self.out.index_copy_(1, self.col, picked[:, None])
         if self.logps is not None:
-            scaled = logits_NV.float() / self.sampling["temperature"]
-            picked_logp = torch.log_softmax(scaled, dim=-1).gather(1, picked[:, None])
+            logps_NV = sampling_logps(logits_NV, self.sampling["temperature"])
+            picked_logp = logps_NV.gather(1, picked[:, None])
             self.logps.index_copy_(1, self.col, picked_logp)
         self.finished |= (picked[:, None] == self.eos[None, :]).any(-1)
         self.tokens.copy_(picked[:, None])

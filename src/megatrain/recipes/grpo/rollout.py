@@ -240,6 +240,12 @@ def generate(
     return to_rollout(rows, eos_token_ids, max_new_tokens, logps)
 
 
+def sampling_logps(logits_NV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[N, V] float32 log-probs the rollout records for its sampled tokens (Rollout.logps):
+    log_softmax(logits / temperature), before top-p and end-of-sequence suppression."""
+    return torch.log_softmax(logits_NV.float() / temperature, dim=-1)
+
+
 class _SampledLogps:
     """Forward hooks that record, during `generate`, the log-prob of each sampled token.
 
@@ -264,8 +270,7 @@ class _SampledLogps:
             self.pending = None
 
     def _after(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        logits = output.logits[:, -1].float() / self.temperature
-        self.pending = torch.log_softmax(logits, dim=-1)
+        self.pending = sampling_logps(output.logits[:, -1], self.temperature)
 
     def finish(self, new_NT: torch.Tensor) -> torch.Tensor:
         """[N, T] log-probs of the generated tokens `new_NT`."""
