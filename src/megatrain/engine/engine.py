@@ -247,7 +247,7 @@ class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
         timeline.step_s = time.perf_counter() - t0
         timer.read(timeline)
         timeline.optimizer_s, self.worker.busy_s = self.worker.busy_s, 0.0
-        timeline.gpu_update_s, self.share.worker.busy_s = self.share.worker.busy_s, 0.0
+        timeline.gpu_update_s = self.share.collect_seconds()
         return StepResult(
             loss=main + (aux_loss or 0.0),
             ce_loss=loss_ce,
@@ -306,8 +306,8 @@ class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
             None if self._rebuilt_from_master(b) else self.tier.weights(b).to("cpu", copy=True)
             for b in self.tier.blocks
         ]
-        for block in self.tier.blocks:
-            self.tier.weights(block).copy_(reference.copy_of(block))
+        for block in self.tier.blocks:  # the copies never change: queued, not waited for
+            self.tier.weights(block).copy_(reference.copy_of(block), non_blocking=True)
         self.slots.invalidate()  # the layers the device slots hold are the policy's
         try:
             with reference.swapped_in():
@@ -327,7 +327,7 @@ class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
         self.worker.wait_all(self.store.blocks)
         self.share.wait_all()
 
-    def _wait_update(self, block: ParamBlock) -> float:
+    def wait_update(self, block: ParamBlock) -> float:
         """Block the host until `block`'s pending update (host or GPU share) is applied; the
         seconds waited. Sync point (host)."""
         return self.worker.wait(block) + self.share.wait(block)

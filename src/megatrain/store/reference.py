@@ -32,7 +32,10 @@ class ReferenceWeights:
         self.copies: list[torch.Tensor] = []
         for block in store.blocks:
             src = block.source
-            copy = host_zeros(src.numel(), src.dtype, pin=src.is_pinned())
+            # page-locked where the store's copy source is, and for a GPU-tier block's (its
+            # weights live on the device): `serving` copies it up every pass, at the link's
+            # pinned rate, queued without waiting (never written again: no hazard)
+            copy = host_zeros(src.numel(), src.dtype, pin=src.is_pinned() or src.is_cuda)
             copy.copy_(src)
             self.copies.append(copy)
 
