@@ -6,7 +6,7 @@ into the device slots, the next ones copied while this one computes; the head's 
 loaded as the last layer's are. A layer holding a router records its logits for the aux loss.
 
 Invariants: a block is copied to the device only after its pending update (host worker or GPU
-update share) is applied (`_wait_update`); a slot is reused only after the compute stream is
+update share) is applied (`wait_update`); a slot is reused only after the compute stream is
 done with it (`release`).
 """
 
@@ -50,13 +50,13 @@ class ForwardPass:
     _preserve_rng: bool
     schedule: StepSchedule
 
-    def _wait_update(self, block: Any) -> float:
+    def wait_update(self, block: Any) -> float:
         raise NotImplementedError  # StreamingEngine's
 
     def _forward(
         self, batches: list[Batch], training: bool, timeline: Timeline, timer: ComputeTimer
     ) -> list[MicroBatch]:
-        timeline.wait_optimizer_s += self._wait_update(self.store.embed)
+        timeline.wait_optimizer_s += self.wait_update(self.store.embed)
         if self.embed_buf is not None:  # sharded: gather the table (sync point: compute waits)
             self.transfers.wait(self.comm.load(self.store.embed, self.embed_buf, self._embed_free))
             self.embedder.device_table = self.store.embed.view(
@@ -93,15 +93,15 @@ class ForwardPass:
         self.slots.release(i)
 
     def _load_layer(self, i: int, timeline: Timeline) -> None:
-        timeline.wait_optimizer_s += self._wait_update(self.store.layers[i])
+        timeline.wait_optimizer_s += self.wait_update(self.store.layers[i])
         self.slots.load(i)
 
     def _load_head(self, timeline: Timeline) -> None:
         if self.store.head not in self.tier:
-            timeline.wait_optimizer_s += self._wait_update(self.store.head)
+            timeline.wait_optimizer_s += self.wait_update(self.store.head)
             self._head_ready = self.comm.load(self.store.head, self.head_buf, self._head_free)
         if self.structure.tied and self.store.embed not in self.tier:
-            timeline.wait_optimizer_s += self._wait_update(self.store.embed)
+            timeline.wait_optimizer_s += self.wait_update(self.store.embed)
             self.transfers.wait(self._head_ready)
             self._head_ready = self.comm.load(self.store.embed, self.table_buf, self._head_free)
 

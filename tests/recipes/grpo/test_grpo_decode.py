@@ -194,3 +194,22 @@ def test_decode_attention_packs_groups_exactly() -> None:
     # fp32: each output sums <= 16 products of |v| <= max|v|, rounding ~ keys x eps each
     bound = 4 * keys * torch.finfo(torch.float32).eps * float(value.abs().max())
     assert out.shape == expected.shape and float((out.double() - expected).abs().max()) < bound
+
+
+def test_rollout_model_waits_for_each_block_before_reading_it() -> None:
+    """`ready(block)` (the engine's wait for a block's update) runs once per block, in the
+    store's forward order, each before that block's weights are copied; the streamed path
+    waits for every block before it returns the model."""
+    builder, _, structure, store = _setup("llama", "sdpa", False)
+    seen: list[str] = []
+
+    def ready(block: object) -> None:
+        seen.append(block.name)  # type: ignore[attr-defined]
+        block.source.fill_(0.0)  # type: ignore[attr-defined]  # read after this call
+
+    with device_model(structure, store, builder.device, ready=ready) as model:
+        assert all(torch.count_nonzero(p) == 0 for p in model.parameters())
+    assert seen == [b.name for b in store.blocks]
+    seen.clear()
+    with device_model(structure, store, builder.device, streamed=True, num_slots=2, ready=ready):
+        assert seen == [b.name for b in store.blocks]

@@ -30,7 +30,7 @@ A completion is the generated tokens up to and including the first end-of-sequen
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +71,7 @@ def device_model(
     streamed: bool = False,
     num_slots: int | None = None,
     compact: str | None = None,
+    ready: Callable[[ParamBlock], Any] | None = None,
 ) -> Iterator[Any]:
     """The HF model on `device` in the store's compute dtype, with its current weights.
 
@@ -81,8 +82,12 @@ def device_model(
     `compact` ("int8" or "fp8", resident only): the decoder layers' linear weights are kept in
     that format (model/quant_linear.py), quantized on the device block by block from the
     compute-dtype copy source, so the device holds the compact model and one layer in the
-    compute dtype at most. Call between optimizer steps (every update applied). The copy is
-    freed on exit.
+    compute dtype at most. The copy is freed on exit.
+
+    `ready(block)` is called before a block's weights are read (the engine's `wait_update`:
+    its pending optimizer update applied), in the store's forward order, the order the host
+    worker updates them in: block k is copied while block k+1 is updated. Without it, call
+    between optimizer steps (every update applied).
     """
     assert not (streamed and compact), "compact weights are for the resident rollout"
     model = copy.deepcopy(structure.causal_lm)  # meta parameters: copies the module tree only
@@ -103,8 +108,13 @@ def device_model(
         for name, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[name] = buf.to(device)  # rotary frequencies etc., dtype kept
+    wait = ready or (lambda _block: None)
     resident = [store.embed, store.head] if streamed else store.blocks
-    filled = _fill(model, resident, device, {f"{n}.weight" for n in linears}, compact)
+    if streamed:  # the layers are read while decoding: every update applied first
+        for block in store.blocks:
+            wait(block)
+        wait = lambda _block: None  # noqa: E731
+    filled = _fill(model, resident, device, {f"{n}.weight" for n in linears}, compact, wait)
     assert filled == {id(p) for p in made.values()}, "every parameter lives in a store block"
     hooks = []
     if streamed:
@@ -128,14 +138,17 @@ def _fill(
     device: torch.device,
     quantized: set[str],
     compact: str | None,
+    ready: Callable[[ParamBlock], Any],
 ) -> set[int]:
-    """Copy each block's weights into the model's device parameters (the ids of those filled);
-    a weight named in `quantized` is quantized to `compact` from a device copy of its block
-    (one block at a time) and its `nn.Linear` replaced by a QuantLinear."""
+    """Copy each block's weights into the model's device parameters (the ids of those filled),
+    each after `ready(block)`; a weight named in `quantized` is quantized to `compact` from a
+    device copy of its block (one block at a time) and its `nn.Linear` replaced by a
+    QuantLinear."""
     params = dict(model.named_parameters(remove_duplicate=False))
     filled, done = set(), set()
     with torch.no_grad():
         for block in blocks:
+            ready(block)
             source = _whole_source(block, device)
             if compact and any(e.full_name in quantized for e in block.entries):
                 source = source.to(device)  # the one block in the compute dtype
