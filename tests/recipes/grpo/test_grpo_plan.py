@@ -22,6 +22,7 @@ from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.plan import (
     format_rollout,
     grpo_plan,
+    rollout_margin,
     rollout_of,
     rollout_reserve,
     training_config,
@@ -109,7 +110,10 @@ def test_plan_picks_resident_then_streamed_then_refuses() -> None:
     resident = plan.rollout.gpu_peak_bytes
     streamed_peak = grpo_plan(big, free_gpu_bytes=0).rollout.gpu_peak_bytes
     assert streamed_peak < resident
-    margin = 2 * GIB  # memory.gpu_margin_gib's default
+    # Against a reading of the free memory, half of memory.gpu_margin_gib's 2 GiB is kept
+    # (MEASURED_MARGIN_SHARE): the plan's error on the engine's buffers is in the reading.
+    margin = rollout_margin(big.cfg, measured=True)
+    assert margin == GIB
     # Free memory just below the resident rollout: streamed; below the streamed one: refused.
     assert grpo_plan(big, free_gpu_bytes=margin + resident).rollout.streamed is False
     tight = grpo_plan(big, free_gpu_bytes=margin + resident - 1)
@@ -122,7 +126,7 @@ def test_plan_picks_resident_then_streamed_then_refuses() -> None:
     forced = _builder(big.hardware, *bf16, "--grpo.generation", "streamed")
     assert grpo_plan(forced).rollout.streamed
     # Without a device reading, the free memory is the GPU less the engine's persistent buffers.
-    budget = big.hardware.gpu_bytes - persistent - margin
+    budget = big.hardware.gpu_bytes - persistent - rollout_margin(big.cfg, measured=False)
     assert grpo_plan(big).rollout.gpu_peak_bytes <= budget
 
 
@@ -234,7 +238,7 @@ def test_plan_falls_back_to_compact_weights_and_says_why() -> None:
     fits; streamed when neither does. The plan prints the format and why, and turns on the
     truncated importance weights for the compact one."""
     h100 = _builder(Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB))
-    margin = 2 * GIB
+    margin = rollout_margin(h100.cfg, measured=True)
     roomy = grpo_plan(h100)
     assert roomy.rollout.weights == "bf16" and roomy.importance_cap is None
     assert "rollout weights: bf16 (every weight in bfloat16; grpo.rollout_weights: auto)" in (

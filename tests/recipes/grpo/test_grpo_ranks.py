@@ -66,13 +66,15 @@ def test_a_rank_plans_its_share_and_no_streamed_rollout() -> None:
     alone, ranked = grpo_plan(one), grpo_plan(two)
     assert (alone.rollout.sequences, ranked.rollout.sequences) == (16, 8)
     assert ranked.training.tokens_per_step == 8 * 64 and ranked.fits
-    tight = grpo_plan(two, free_gpu_bytes=2 * GIB + ranked.rollout.gpu_peak_bytes - 1)
+    tight = grpo_plan(
+        two, free_gpu_bytes=GIB + ranked.rollout.gpu_peak_bytes - 1
+    )  # measured: half the margin
     assert tight.rollout.streamed and not tight.fits  # one process would stream; ranks cannot
     assert "does not run under torchrun yet" in tight.problems[-1]
-    assert grpo_plan(one, free_gpu_bytes=2 * GIB + alone.rollout.gpu_peak_bytes - 1).fits
+    assert grpo_plan(one, free_gpu_bytes=GIB + alone.rollout.gpu_peak_bytes - 1).fits
     # auto: the ranks fall back to a compact resident rollout (each quantizes the gathered
     # blocks) before the streamed path
-    auto = grpo_plan(_builder(2), free_gpu_bytes=2 * GIB + ranked.rollout.gpu_peak_bytes - 1)
+    auto = grpo_plan(_builder(2), free_gpu_bytes=GIB + ranked.rollout.gpu_peak_bytes - 1)
     assert auto.rollout.weights == "fp8" and auto.fits
 
 

@@ -46,6 +46,7 @@ from megatrain.engine.head import TokenObjective
 from megatrain.metrics import MetricsLogger
 from megatrain.model.loading import is_vision_language
 from megatrain.package_assets import demo_assets_dir
+from megatrain.planning.hardware import gib
 from megatrain.recipes.base import Recipe
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.advantages import group_advantages
@@ -98,6 +99,7 @@ class _Generation:
     inputs: list[dict[str, torch.Tensor]]
     record: dict[str, Any]  # its rollout metrics
     importance_cap: float | None = None  # its rollout's weights differ: TIS (loss.py)
+    began: float = 0.0  # time.perf_counter() when its rollout began
 
 
 class GRPOTrainer(ReferenceCheckpoint, Recipe):
@@ -151,6 +153,7 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
         self.min_completion_tokens = self.cfg.grpo.min_completion_length
         self.decode = decode_mode(b)[0]  # how resident rollouts decode (recipes/grpo/decode.py)
         self.rank, self.world = b.placement.rank, b.placement.world_size
+        self.told = False  # a rollout path other than the plan's was printed
 
     def count_steps(self) -> int:
         t, g = self.cfg.training, self.cfg.grpo
@@ -185,7 +188,9 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
     def advance(self, metrics: MetricsLogger) -> None:
         """One generation batch and its num_iterations optimizer steps."""
         g = self.cfg.grpo
+        began = time.perf_counter()
         gen = self._generation(self.step // g.num_iterations)
+        gen.began = began
         for it in range(g.num_iterations):
             record = self._train_step(gen, metrics, it)
             self.step_rewards.append(record["reward"])
@@ -274,10 +279,15 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
         memory record, and the TIS cap its weights' format asks for (plan.py)."""
         g, b = self.cfg.grpo, self.builder
         t0 = time.perf_counter()
-        self.engine.wait_updates()  # the store holds the current weights
         plan = self._rollout_plan()
         streamed, weights = plan.rollout.streamed, plan.rollout.weights
         peak = PhasePeak(b.device)
+        waited = 0.0
+
+        def ready(block: Any) -> None:  # the last step's update of the block applied
+            nonlocal waited
+            waited += self.engine.wait_update(block)
+
         with device_model(
             self.structure,
             self.store,
@@ -285,7 +295,9 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
             streamed=streamed,
             num_slots=self.cfg.memory.num_slots,
             compact=None if weights == COMPUTE else weights,
+            ready=ready,
         ) as model:
+            built_s = time.perf_counter() - t0
             static: dict[str, Any] = {}  # the static path's KV cache, sized as the plan sizes it
             if self.decode != "generate" and not streamed:
                 prompt = g.max_prompt_length or max(len(p.prompt_ids) for p in prompts)
@@ -309,6 +321,10 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
         (generated,) = rank_sums([float(rollout.generated_tokens)])  # every rank's, together
         record: dict[str, Any] = {
             "time/generation_s": round(gen_s, 4),
+            # of which: waiting for the last step's updates, and the rollout model's build
+            # (its weight copies, overlapping those waits block by block)
+            "time/rollout_update_wait_s": round(waited, 4),
+            "time/rollout_weights_s": round(built_s, 4),
             "generation_tokens_per_s": round(generated / max(gen_s, 1e-9), 1),
             "rollout_streamed": int(streamed),
             "rollout_compact": int(weights != COMPUTE),
@@ -357,6 +373,15 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
                 "or raise memory.gpu_margin_gib (the engine's plan then leaves more room), and "
                 "resume from the last checkpoint"
             )
+        chosen = (plan.rollout.streamed, plan.rollout.weights)
+        if chosen != (self.plan.rollout.streamed, self.plan.rollout.weights) and not self.told:
+            self.told = True  # once a run: the reason names the memory free now
+            path = "streamed" if plan.rollout.streamed else f"resident, {plan.rollout.weights}"
+            print(
+                f"rollout: {path}, not as planned at the start ({plan.reason}); "
+                f"{gib(free or 0)} free on the GPU now",
+                flush=True,
+            )
         return plan
 
     def _train_step(self, gen: _Generation, metrics: MetricsLogger, iteration: int) -> dict:
@@ -379,6 +404,11 @@ class GRPOTrainer(ReferenceCheckpoint, Recipe):
         train_memory = peak.record("train")  # before step_record resets the peak
         record = step_record(result, lr, step_s, self.builder.device) | gen.record
         record["time/train_s"] = round(step_s, 4)
+        # the optimizer step's whole wall time: with the rollout, its scoring and the log-prob
+        # passes for a generation batch's first step (the plan's "GRPO step" for one iteration)
+        record["time/grpo_step_s"] = round(
+            time.perf_counter() - (gen.began if iteration == 0 else t0), 4
+        )
         stats = job_stats(fn.stats, self.world)  # over every rank's tokens
         record["kl"] = stats.kl
         record["clip_ratio"] = stats.clip_ratio
