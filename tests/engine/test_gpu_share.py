@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from megatrain.config import TrainConfig, load_config
-from megatrain.engine.gpu_share import STAGING_SETS, BlockFormats
+from megatrain.engine.gpu_share import STAGING_SETS, BlockFormats, covered
 from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING, DeviceLayout, held_bytes
 from megatrain.native import load_adamw_kernel
 from megatrain.planning.spec import block_sizes
@@ -173,3 +173,10 @@ def test_share_matches_pytorch(clip: float) -> None:
     and the weights within the bf16 recipe's drift of plain PyTorch."""
     reports = run_verify(_cfg(3, dtype="bf16", max_grad_norm=clip, grad_accum=2))
     assert within(reports), [(r.excess, r.worst) for r in reports]
+
+
+def test_covered_counts_overlapping_spans_once() -> None:
+    """The share's GPU seconds: the union of the blocks' (start, end) spans, any order."""
+    assert covered([]) == 0.0
+    assert covered([(2.0, 5.0), (0.0, 1.0), (4.0, 6.0), (4.5, 5.5)]) == 5.0
+    assert covered([(0.0, 10.0), (1.0, 2.0)]) == 10.0

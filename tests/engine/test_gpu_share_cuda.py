@@ -30,11 +30,11 @@ BF16_MASTER = ("--optimizer.master_dtype", "bf16")
 INT4_INT8 = (*BF16_MASTER, "--optimizer.state_dtype", "int4", "--optimizer.grad_dtype", "int8")
 
 
-def _cfg(share: int, *args: str, **shorthands: Any) -> TrainConfig:
+def _cfg(share: int, *args: str, model_type: str = "llama", **shorthands: Any) -> TrainConfig:
     return verify_config(
         None,
         ["--optimizer.gpu_update_blocks", str(share), "--memory.gpu_state_blocks", "0", *args],
-        model_type="llama",
+        model_type=model_type,
         tiny=True,
         device="cuda",
         dtype="bf16",
@@ -73,5 +73,29 @@ def test_share_on_cuda_equals_host_updates(share: int, args: tuple[str, ...], cl
     ours, our_state, count = _train(_cfg(share, *args, max_grad_norm=clip))
     assert (none, count) == (0, share)
     assert ours == host
+    for key, value in host_state.items():
+        assert torch.equal(our_state[key], value), key
+
+
+def test_share_seconds_are_its_gpu_span() -> None:
+    """`time/gpu_update_s` on CUDA: the waited blocks' GPU span from CUDA events (the update
+    only queues its work, so the worker's own time would miss it), positive and read once."""
+    spans: list[float] = []
+
+    def read(engine: Any, builder: Any, store: Any) -> None:
+        spans.extend([engine.share.collect_seconds(), engine.share.collect_seconds()])
+
+    engine_steps(_cfg(2, "--optimizer.state_dtype", "int8"), 2, check=read)
+    assert 0 < spans[0] < 60 and spans[1] == 0.0
+
+
+@pytest.mark.parametrize("states", ["int8", "fp32"])
+def test_share_on_gpt_oss_equals_host_updates(states: str) -> None:
+    """GPT-OSS blocks (expert biases, attention sinks: more no-decay entries) through the
+    compiled kernel, as in run 62's diagnostic: bit for bit the host updates."""
+    args = ("--optimizer.state_dtype", states)
+    host, host_state, _ = _train(_cfg(0, *args, model_type="gpt_oss", max_grad_norm=1.0))
+    ours, our_state, count = _train(_cfg(3, *args, model_type="gpt_oss", max_grad_norm=1.0))
+    assert count == 3 and ours == host
     for key, value in host_state.items():
         assert torch.equal(our_state[key], value), key

@@ -195,6 +195,10 @@ class GpuShare:
         self._turn = 0  # the staging set the next update takes
         self._free: list[Any] = [None] * len(self.staging)  # each set's last copies back
         self._back: dict[str, Any] = {}  # block name -> its copies back (CUDA events)
+        self._began: dict[str, Any] = {}  # block name -> its start on the up stream
+        # waited blocks' (start, back) events, in the up stream's order: the first is earliest
+        self._spans: list[tuple[int, Any, Any]] = []
+        self._issued = 0
         if transfers.is_cuda:
             for block in self.blocks:
                 _pin(block)
@@ -244,6 +248,8 @@ class GpuShare:
         with torch.cuda.stream(up):
             if self._free[turn] is not None:
                 up.wait_event(self._free[turn])  # the set's previous block is back on the host
+            began = torch.cuda.Event(enable_timing=True)
+            began.record(up)
             device = self._device_block(block, self.staging[turn])
             self._apply(device, lr, grad_scale)
             computed = torch.cuda.Event()
@@ -252,9 +258,11 @@ class GpuShare:
             down.wait_event(computed)
             for name, host in _host_tensors(block).items():
                 host.copy_(getattr(device, name), non_blocking=True)
-            back = torch.cuda.Event()
+            back = torch.cuda.Event(enable_timing=True)
             back.record(down)
         self._free[turn] = self._back[block.name] = back
+        self._began[block.name] = (self._issued, began)
+        self._issued += 1
         block.step = device.step
 
     def _apply(self, device: ParamBlock, lr: float, grad_scale: float) -> None:
@@ -292,7 +300,22 @@ class GpuShare:
             t0 = time.perf_counter()
             back.synchronize()  # sync point (host): the block's copies back are done
             waited += time.perf_counter() - t0
+            self._spans.append((*self._began.pop(block.name), back))
         return waited
+
+    def collect_seconds(self) -> float:
+        """The share's seconds since the last call, over the updates waited for since: on
+        CUDA the GPU's span of each block's copies in, AdamW and copies back (CUDA events;
+        blocks overlapping on the two streams counted once), on the CPU the worker's time.
+        No sync point: the waited blocks' events are complete."""
+        busy, self.worker.busy_s = self.worker.busy_s, 0.0
+        if not self.transfers.is_cuda:
+            return busy
+        spans, self._spans = sorted(self._spans, key=lambda s: s[0]), []
+        if not spans:
+            return 0.0
+        first = spans[0][1]  # the up stream runs in issue order: the earliest start
+        return covered([(first.elapsed_time(a), first.elapsed_time(b)) for _, a, b in spans]) / 1e3
 
     def wait_all(self) -> float:
         return sum(self.wait(b) for b in self.blocks)
@@ -300,6 +323,16 @@ class GpuShare:
     def close(self) -> None:
         self.wait_all()
         self.worker.close()
+
+
+def covered(intervals: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of `intervals` ((start, end) pairs, any order)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _pin(block: ParamBlock) -> None:

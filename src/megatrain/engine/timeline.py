@@ -24,7 +24,9 @@ class Timeline:
     wait_weights_s: float = 0.0  # compute stream idle, waiting for a layer's weights (CUDA)
     wait_optimizer_s: float = 0.0  # host blocked on a block's CPU update before its copy
     optimizer_s: float = 0.0  # CPU time spent in AdamW updates that finished in this step
-    gpu_update_s: float = 0.0  # host time of the GPU update share's updates (copies included)
+    # the GPU update share's updates waited for in this step: their GPU span, copies in and
+    # back included (CUDA events; host time on the CPU)
+    gpu_update_s: float = 0.0
     # GPU time of each phase (compute-stream events; host time on the CPU): the host phases
     # above end when their work is issued, so queued GPU work shows up in the next one
     forward_gpu_s: float = 0.0
