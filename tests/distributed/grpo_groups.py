@@ -24,13 +24,13 @@ from typing import Any
 
 from megatrain.batch import IGNORE_INDEX
 from megatrain.cli import main
-from megatrain.recipes.grpo import recipe
+from megatrain.recipes.grpo import recipe, rollout_phase
 from megatrain.recipes.grpo.rollout import Rollout
 
 GROUP = int(os.environ["GROUP"])
 ROWS_DIR = Path(os.environ["ROWS_DIR"])
 RANK = int(os.environ.get("RANK", "0"))
-real_generate = recipe.generate
+real_generate = rollout_phase.generate
 
 
 def by_group(model: Any, prompts: list[list[int]], *, seed: int, **kwargs: Any) -> Rollout:
@@ -65,6 +65,6 @@ def recorded(self: recipe.GRPOTrainer, index: int) -> Any:
     return gen
 
 
-recipe.generate = by_group  # type: ignore[assignment]
+rollout_phase.generate = by_group  # type: ignore[assignment]
 recipe.GRPOTrainer._generation = recorded  # type: ignore[method-assign]
 sys.exit(main(sys.argv[1:]))

@@ -149,7 +149,7 @@ def test_min_completion_length_reaches_the_rollouts(
 ) -> None:
     """grpo.min_completion_length is what each rollout holds the end token back for (the
     samplers' own tests check the holding: tests/recipes/grpo/test_grpo_decode.py)."""
-    import megatrain.recipes.grpo.recipe as recipe
+    import megatrain.recipes.grpo.rollout_phase as recipe  # where the rollout samples
 
     asked: list[int] = []
     real = recipe.generate

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from test_grpo_lifecycle import _trainer
 
-import megatrain.recipes.grpo.recipe as grpo_recipe
+import megatrain.recipes.grpo.rollout_phase as grpo_recipe  # where the rollout builds it
 
 
 @pytest.mark.parametrize("decode", ["graphs", "false"])

@@ -382,7 +382,7 @@ def _warm_up_and_capture(dec: _Decoder) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        # thread_local: the optimizer's worker thread (idle after wait_updates) cannot spoil it
+        # thread_local: the optimizer's worker thread (idle: every block waited for) cannot spoil it
         with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
             dec.step()
     except RuntimeError as e:
