@@ -37,6 +37,7 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megatrain.config import TrainConfig
 from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.plan import ResourcePlan
@@ -151,7 +152,7 @@ shape's fp8 rollout, run 61) for any error at all. The other half covers the rol
 estimate."""
 
 
-def rollout_margin(cfg: Any, *, measured: bool) -> int:
+def rollout_margin(cfg: TrainConfig, *, measured: bool) -> int:
     """GPU bytes kept free beside the rollout: the margin, or MEASURED_MARGIN_SHARE of it
     against a reading of the free memory."""
     return int(cfg.memory.gpu_margin_gib * GIB * (MEASURED_MARGIN_SHARE if measured else 1.0))

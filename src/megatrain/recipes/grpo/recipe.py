@@ -95,8 +95,8 @@ class _Generation:
     batches: list[Any]
     inputs: list[dict[str, torch.Tensor]]
     record: dict[str, Any]  # its rollout metrics
+    began: float  # time.perf_counter() when its rollout began
     importance_cap: float | None = None  # its rollout's weights differ: TIS (loss.py)
-    began: float = 0.0  # time.perf_counter() when its rollout began
 
 
 class GRPOTrainer(RolloutPhase, ReferenceCheckpoint, Recipe):
@@ -185,9 +185,7 @@ class GRPOTrainer(RolloutPhase, ReferenceCheckpoint, Recipe):
     def advance(self, metrics: MetricsLogger) -> None:
         """One generation batch and its num_iterations optimizer steps."""
         g = self.cfg.grpo
-        began = time.perf_counter()
         gen = self._generation(self.step // g.num_iterations)
-        gen.began = began
         for it in range(g.num_iterations):
             record = self._train_step(gen, metrics, it)
             self.step_rewards.append(record["reward"])
@@ -196,7 +194,7 @@ class GRPOTrainer(RolloutPhase, ReferenceCheckpoint, Recipe):
         """Generation batch `index`: this rank's share sampled (recipes/grpo/ranks.py), every
         share scored, the whole batch's advantages; this rank's rows laid out as micro-batches,
         with the per-token inputs of the GRPO objective."""
-        g = self.cfg.grpo
+        g, began = self.cfg.grpo, time.perf_counter()
         job = [p for p in self.batch_prompts(index) for _ in range(g.num_generations)]
         mine = rank_rows(len(job), self.rank, self.world)
         prompts = job[mine]
@@ -234,7 +232,7 @@ class GRPOTrainer(RolloutPhase, ReferenceCheckpoint, Recipe):
             **timing,
             **logprob_memory,
         }
-        return _Generation(batches, inputs, record, cap)
+        return _Generation(batches, inputs, record, began, cap)
 
     def _layout(
         self, prompts: list[Prompt], rollout: Rollout, advantages: list[float]
