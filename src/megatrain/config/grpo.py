@@ -76,9 +76,9 @@ class GRPOConfig:
     max_completion_length tokens, the model's forward compiled with torch.compile (once per
     run) and each decoding step replayed as one CUDA graph (captured per generation batch);
     "graphs": the same with the eager kernels (nothing compiled); false: transformers'
-    generate; "auto": true on CUDA for the models it takes (dense, full attention, sdpa or
-    eager), generate otherwise. On the CPU, true and "graphs" run the same steps without
-    graphs."""
+    generate; "auto": true on CUDA for the models it takes (no experts; full or linear
+    attention, as Qwen3.5's hybrid layers; sdpa or eager), generate otherwise. On the CPU,
+    true and "graphs" run the same steps without graphs."""
     rollout_weights: str = "auto"
     """How a resident rollout keeps the decoder layers' linear weights on the GPU: "bf16" (the
     compute dtype), "fp8" (float8 e4m3 with a scale per output channel, multiplied on the fp8

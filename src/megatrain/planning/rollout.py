@@ -11,6 +11,8 @@ GPU, what the rollout holds at its peak (recipes/grpo/rollout.py frees all of it
   layers' linear weights Pq at 1 B each + a float32 scale per output channel, every other
   parameter at c; streamed, embedding + head + `num_slots` layer slots, (Pe + Ph + slots x Pl) x c;
 - KV cache: 2 x La x Hkv x dh x c x N x (Lp + Lc) (transformers' dynamic cache at full length);
+- linear-attention states: N x S, S one sequence's recurrent and convolution states over the
+  layers that keep them (`state_bytes_per_sequence`), whatever the number of tokens;
 - sampling: the last position's logits and the sampler's fp32 scores, N x V x (c + 2 x 4);
 - prefill transient: one layer's MLP on the prompts, N x Lp x (2 I + D) x c;
 - the allocator's slack on CUDA (planning/allocator_slack.py): the phase's largest transient
@@ -23,7 +25,8 @@ Time (seconds, one generation batch):
   compact weights that are dequantized per call (int8, fp8 without fp8 tensor cores) also
   write and read back their compute-dtype copy, 2 x Pq x c more; streamed: the layers over the
   host link, sum(Pl) x c / h2d), or 2 x Pa x N / FLOP rate if more, plus
-  reading the KV cache at its mean length (Lp + Lc / 2), plus issuing the forward's aten ops
+  reading the KV cache at its mean length (Lp + Lc / 2) and reading and writing the
+  linear-attention states (2 x N x S), plus issuing the forward's aten ops
   and the sampler's (`op_launch_s` each: eager decoding at small N is host-bound; compact
   linears add their own, quant_linear.EXTRA_OPS each);
 - static decoding (recipes/grpo/decode.py, resident on CUDA): each step is one CUDA graph replay, so
@@ -56,6 +59,9 @@ SAMPLER_OPS = 40  # aten ops of one generate() step outside the model: logits wa
 # 1.1 us); bench/cli_train.py's GRPO RESULT prints op_us_fit, the value that fits its run.
 DECODE_OP_S = {"graphs": 2.0e-6, "compiled": 1.0e-6}
 DECODE_MODES = ("generate", *DECODE_OP_S)  # generate: transformers' eager generate
+# a linear-attention layer's state sizes, as transformers' and flash-linear-attention's
+# gated-delta-rule modules name them (`state_bytes_per_sequence`)
+STATE_SIZES = ("num_v_heads", "head_k_dim", "head_v_dim", "conv_dim", "conv_kernel_size")
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,24 @@ def kv_bytes_per_token(spec: ModelSpec, cached_tokens: int) -> int:
         if layer.attn_heads:
             kept = cached_tokens if layer.window is None else min(cached_tokens, layer.window)
             total += 2 * heads * head_dim * c * kept
+    return total
+
+
+def state_bytes_per_sequence(spec: ModelSpec) -> int:
+    """One sequence's linear-attention states over every layer, as transformers' cache keeps
+    them for a gated delta rule (Qwen3.5, Qwen3-Next; the layer module's `num_v_heads`,
+    `head_k_dim`, `head_v_dim`, `conv_dim`, `conv_kernel_size`, flash-linear-attention's
+    names): a float32 recurrent state of num_v_heads x head_k_dim x head_v_dim (the kernels'
+    and the torch reference's final state) and the last conv_kernel_size inputs of the
+    convolution, conv_dim wide, at the compute dtype. 0 for models without such layers."""
+    c = spec.compute_dtype.itemsize
+    total = 0
+    for layer in spec.structure.layers:
+        for m in layer.modules():
+            size = {k: int(getattr(m, k, 0) or 0) for k in STATE_SIZES}
+            recurrent = size["num_v_heads"] * size["head_k_dim"] * size["head_v_dim"]
+            if recurrent:
+                total += recurrent * 4 + size["conv_dim"] * size["conv_kernel_size"] * c
     return total
 
 
@@ -157,6 +181,9 @@ def rollout_estimate(
         "logits + sampler scores": n * spec.vocab_size * (c + 8),
         "prefill transient (one MLP)": n * lp * (2 * width + spec.hidden_size) * c,
     }
+    states = n * state_bytes_per_sequence(spec)
+    if states:
+        items["linear-attention states"] = states
     # the phase's largest transient tensor: one prefill MLP intermediate, or the fp32 scores
     items[SLACK_ITEM] = allocator_slack(max(n * lp * width * c, n * spec.vocab_size * 4), cuda=cuda)
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
@@ -167,11 +194,13 @@ def rollout_estimate(
     ops = sum(f for f, _ in layer_profile(spec, 1, 16, "padded").ops) + SAMPLER_OPS + extra_ops
     assert decode in DECODE_MODES and not (streamed and decode != "generate"), decode
     weights_s = max(read_s, 2.0 * spec.active_params * n / rate)
+    state_s = 2 * states / hbm  # read and written back each step
     kv_read_s = n * kv_bytes_per_token(spec, lp + lc // 2) / hbm
-    eager = weights_s + kv_read_s + ops * hw.op_launch_s
+    eager = weights_s + kv_read_s + state_s + ops * hw.op_launch_s
     step_s, capture_s = eager, 0.0
     if decode in DECODE_OP_S:
-        step_s = weights_s + n * kv_bytes_per_token(spec, lp + lc) / hbm + ops * DECODE_OP_S[decode]
+        kv_read_s = n * kv_bytes_per_token(spec, lp + lc) / hbm  # the whole static cache
+        step_s = weights_s + kv_read_s + state_s + ops * DECODE_OP_S[decode]
         capture_s = 2 * eager
     copy_s = 0.0 if streamed else spec.total_params * c / (hw.h2d_gbps * 1e9)
     prefill_s = 2.0 * spec.active_params * n * lp / rate

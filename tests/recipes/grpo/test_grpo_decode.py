@@ -1,10 +1,11 @@
 """The static-cache decoding path (recipes/grpo/decode.py) on the CPU, where each step runs
-eagerly: greedy
-tokens equal transformers' `generate` (batched, as rollout.generate runs it, and each prompt
-alone) for llama (sdpa) and qwen3 (eager attention, tied head); completions stop at the first
-EOS; EOS is suppressed before min_new_tokens; sampling is reproducible from its seed and draws
-from exactly the distribution transformers' temperature and top-p warpers leave; the step a
-CUDA graph captures issues no op that needs the host."""
+eagerly: greedy tokens equal transformers' `generate` (batched, as rollout.generate runs it,
+and each prompt alone) for llama (sdpa), qwen3 (eager attention, tied head) and qwen3_5_text
+(linear-attention layers beside full attention: left padding must not reach their recurrent
+state); completions stop at the first EOS; EOS is suppressed before min_new_tokens; sampling
+is reproducible from its seed and draws from exactly the distribution transformers'
+temperature and top-p warpers leave; the step a CUDA graph captures issues no op that needs
+the host."""
 
 from __future__ import annotations
 
@@ -16,14 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+from megatrain.planning.rollout import state_bytes_per_sequence
 from megatrain.recipes.builder import RunBuilder
-from megatrain.recipes.grpo.decode import (
-    STOP_CHECK_STEPS,
-    _attention,
-    _Decoder,
-    pick_tokens,
-    static_generate,
-)
+from megatrain.recipes.grpo.decode import STOP_CHECK_STEPS, _Decoder, pick_tokens, static_generate
+from megatrain.recipes.grpo.decode_support import packed_attention
 from megatrain.recipes.grpo.rollout import device_model, generate
 from megatrain.verify import verify_config
 
@@ -50,7 +47,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "attn", "tied"), [("llama", "sdpa", False), ("qwen3", "eager", True)]
+    ("model_type", "attn", "tied"),
+    [("llama", "sdpa", False), ("qwen3", "eager", True), ("qwen3_5_text", "sdpa", False)],
 )
 def test_static_greedy_equals_transformers_generate(model_type: str, attn: str, tied: bool) -> None:
     builder, reference, structure, store = _setup(model_type, attn, tied)
@@ -153,7 +151,7 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_5_text"])
 def test_decoding_step_reads_nothing_on_the_host(model_type: str) -> None:
     """What the CUDA graph captures (one _Decoder.step, sampling with top-p, EOS held back)
     issues no op that syncs with the host or needs host data: checked op by op on the CPU."""
@@ -186,7 +184,7 @@ def test_decode_attention_packs_groups_exactly() -> None:
     mask[..., 0] = True
     module = torch.nn.Module()
     module.num_key_value_groups = groups
-    out, _ = _attention(module, query, key, value, mask, scaling=width**-0.5)
+    out, _ = packed_attention(module, query, key, value, mask, scaling=width**-0.5)
     k64, v64 = (t.double().repeat_interleave(groups, dim=1) for t in (key, value))
     scores = (query.double() @ k64.transpose(-1, -2)) * width**-0.5
     probs = scores.masked_fill(~mask, -math.inf).softmax(-1)
@@ -213,3 +211,32 @@ def test_rollout_model_waits_for_each_block_before_reading_it() -> None:
     seen.clear()
     with device_model(structure, store, builder.device, streamed=True, num_slots=2, ready=ready):
         assert seen == [b.name for b in store.blocks]
+
+
+def test_planned_linear_attention_states_are_what_the_cache_holds() -> None:
+    """The rollout plan's linear-attention states (planning/rollout.py) are the bytes the
+    static cache holds per sequence after the prefill: each gated-delta-rule layer's float32
+    recurrent state and its convolution's last inputs; the full-attention layers add none."""
+    builder, reference, structure, store = _setup("qwen3_5_text", "sdpa", False)
+    prompts = _prompts(reference.config.vocab_size)
+    with device_model(structure, store, builder.device) as model, torch.no_grad():
+        dec = _Decoder(
+            model,
+            prompts,
+            cache_len=16,
+            max_new_tokens=4,
+            pad_token_id=0,
+            eos_token_ids=[1],
+            sampling={"do_sample": False, "temperature": 1.0, "top_p": 1.0},
+        )
+        dec.prefill()
+    held = [
+        t
+        for layer in dec.cache.layers
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {}))
+        for t in states.values()
+    ]
+    assert len(held) == 2 * reference.config.layer_types.count("linear_attention") > 0
+    assert all(t.shape[0] == len(prompts) for t in held)
+    per_sequence = sum(t.numel() * t.element_size() for t in held) // len(prompts)
+    assert state_bytes_per_sequence(builder.spec) == per_sequence

@@ -11,5 +11,6 @@ loss.py        the clipped surrogate + k3 KL per token, TRL's loss_type normalis
 ranks.py       under torchrun: each rank's prompt groups, what is gathered and summed over ranks
 plan.py        the rollout phase and the log-prob passes beside the training plan
 decode.py      static decoding (static KV cache, compiled forward, CUDA graphs)
+decode_support.py  the models static decoding serves, and the attention it runs them with
 phase_memory.py  each phase's GPU memory, for the metrics
 """

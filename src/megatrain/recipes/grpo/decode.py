@@ -11,9 +11,9 @@ token is one `replay()`:
   position counter;
 - the attention mask is ours, 4D boolean (transformers passes a 4D mask through unchanged):
   prompt keys that are padding stay masked, and each step unmasks its own slot, in place;
-- attention is SDPA through `_attention`, registered with transformers and set on the model's
-  config for the call: it runs one query token on the key/value heads, never repeating the
-  cache for grouped heads, compiled or not;
+- attention is SDPA through `packed_attention` (decode_support.py), registered with
+  transformers and set on the model's config for the call: it runs one query token on the
+  key/value heads, never repeating the cache for grouped heads, compiled or not;
 - the prompts are prefilled eagerly in one forward (left padded, positions as `generate`
   computes them), and the first token is picked from its last position;
 - one step: unmask the slot, forward the newest token of every sequence, pick the next one
@@ -41,8 +41,17 @@ kernels; no CUDA graphs of its own). What is paid when:
   addresses in, so each batch runs its second token eagerly on a side stream, then captures
   the step (about two steps' time; no compile).
 
-Supported: dense models whose every layer has full softmax attention, `sdpa` or `eager`
-(`static_decode_problem` says why not; the recipe then uses `generate`).
+Hybrid models (Qwen3.5: gated-delta-rule linear attention beside full attention) decode the
+same way: their linear-attention layers keep a fixed-size convolution and recurrent state per
+sequence in transformers' cache, updated in place (a CUDA graph replays it), and the forward
+takes one mask per layer type, transformers' mapping for hybrid models: the 4D mask above for
+the full-attention layers; for the linear-attention layers the prompts' 2D padding mask at the
+prefill (the layer zeroes padded positions' inputs, so a left-padded prompt's state starts at
+its first real token, as `generate` computes it) and None for a decoded token.
+
+Supported: models whose every layer is full softmax attention or linear attention (dense, no
+experts), `sdpa` or `eager` attention (`static_decode_problem` says why not; the recipe then
+uses `generate`).
 """
 
 from __future__ import annotations
@@ -50,74 +59,17 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from transformers import AttentionInterface, PretrainedConfig
-from transformers.cache_utils import StaticCache, StaticLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.cache_utils import StaticCache
 
+from megatrain.recipes.grpo.decode_support import decode_attention
 from megatrain.recipes.grpo.rollout import Rollout, left_pad, sampling_logps, to_rollout
 
 STOP_CHECK_STEPS = 16  # tokens between the syncs that ask whether every sequence has finished
 MIN_GRAPH_STEPS = 4  # fewer decoding steps than this run eagerly (a capture would not pay)
-ATTENTION = ("sdpa", "eager")  # models loaded with these decode with DECODE_ATTENTION
-DECODE_ATTENTION = "megatrain_static_decode"  # `_attention`, registered with transformers
-
-
-def static_decode_problem(
-    config: PretrainedConfig, attn_implementation: str | None = None
-) -> str | None:
-    """Why a model of this config cannot decode on the static path; None when it can.
-    `attn_implementation`: the one the model is loaded with (None: the config's, else sdpa)."""
-    text = config.get_text_config(decoder=True)
-    impl = attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
-    if impl not in ATTENTION:
-        return f"attention implementation {impl!r} (static decoding needs {' or '.join(ATTENTION)})"
-    experts = ("num_experts", "num_local_experts", "n_routed_experts")
-    if any(getattr(text, k, None) for k in experts):
-        return "mixture-of-experts layers (their routing reads device values on the host)"
-    rope = getattr(text, "rope_parameters", None) or {}
-    kinds = [rope] if "rope_type" in rope else [r for r in rope.values() if isinstance(r, dict)]
-    if any("dynamic" in k.get("rope_type", "") or k.get("rope_type") == "longrope" for k in kinds):
-        return "a RoPE that rescales with the sequence length (it reads positions on the host)"
-    cache = StaticCache(config=config, max_cache_len=1)
-    if any(type(layer) is not StaticLayer for layer in cache.layers):
-        return "sliding-window or linear-attention layers (static decoding masks full attention)"
-    return None
-
-
-def _attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The static path's attention (DECODE_ATTENTION): transformers' sdpa, except that one query
-    token with grouped key/value heads always runs on the key/value heads, the queries of a
-    group packed together. transformers packs them only outside torch.compile; compiled, it
-    repeats the whole cache for every group, every step (7x the KV reads for Qwen2.5-7B)."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or groups == 1:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, **kwargs
-        )
-    n, heads, _, width = query.shape
-    packed = query.reshape(n, heads // groups, groups, width)
-    out = F.scaled_dot_product_attention(
-        packed, key, value, attn_mask=attention_mask, scale=scaling
-    )
-    return out.reshape(n, heads, 1, width).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(DECODE_ATTENTION, _attention)
 
 
 @functools.cache
@@ -132,7 +84,7 @@ def _cache_keyword(forward: Any) -> str:
 def _forward(
     model: Any,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | dict[str, torch.Tensor | None],
     position_ids: torch.Tensor,
     cache: StaticCache,
     cache_keyword: str,
@@ -221,6 +173,8 @@ class _Decoder:
         key_valid = torch.zeros(n, cache_len, dtype=torch.bool, device=device)
         key_valid[:, :width] = self.valid
         self.mask_N11L = key_valid[:, None, None, :].clone()  # True attends (SDPA's boolean mask)
+        text = model.config.get_text_config(decoder=True)
+        self.hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())
         vocab = model.config.get_text_config(decoder=True).vocab_size
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
         self.eos_bias_V = torch.zeros(vocab, dtype=torch.float32, device=device)
@@ -254,7 +208,7 @@ class _Decoder:
         positions = (self.valid.long().cumsum(-1) - 1).masked_fill(~self.valid, 1)
         logits = self.model(
             input_ids=self.ids,
-            attention_mask=full,
+            attention_mask=self._masks(full, self.valid),
             position_ids=positions,
             **{self.cache_keyword: self.cache},
             use_cache=True,
@@ -266,11 +220,28 @@ class _Decoder:
         """One decoding step; touches only this object's buffers and the cache (capturable)."""
         self.mask_N11L.index_fill_(3, self.slot, True)
         logits = self.forward(
-            self.model, self.tokens, self.mask_N11L, self.positions, self.cache, self.cache_keyword
+            self.model,
+            self.tokens,
+            self._masks(self.mask_N11L, None),
+            self.positions,
+            self.cache,
+            self.cache_keyword,
         )
         self._advance(logits[:, -1])
         self.slot += 1
         self.positions += 1
+
+    def _masks(
+        self, full: torch.Tensor, padding: torch.Tensor | None
+    ) -> torch.Tensor | dict[str, torch.Tensor | None]:
+        """The forward's attention_mask: the 4D mask of the full-attention layers; a hybrid
+        model takes one mask per layer type (transformers' per-type mapping), its linear-
+        attention layers the prompts' 2D padding mask (they zero padded positions' inputs, so
+        the recurrent state starts from the first real token) or None (a decoded token is
+        never padding)."""
+        if not self.hybrid:
+            return full
+        return {"full_attention": full, "linear_attention": padding}
 
     def _advance(self, logits_NV: torch.Tensor) -> None:
         picked = pick_tokens(logits_NV, eos_bias_V=self.eos_bias_V, **self.sampling)
@@ -328,7 +299,7 @@ def static_generate(
     graphed = device.type == "cuda" if cuda_graph is None else cuda_graph
     graphed = graphed and max_new_tokens - 1 >= MIN_GRAPH_STEPS
     devices = [device] if device.type == "cuda" else []
-    with _decode_attention(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+    with decode_attention(model), torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
         t0 = time.perf_counter()
         dec.suppress_eos(min_new_tokens > 0)
@@ -355,21 +326,12 @@ def static_generate(
         rows = dec.out.cpu().tolist()  # sync point: the completions to the host
         logps = dec.logps.cpu().tolist() if dec.logps is not None else None
         del graph
+    if graphed:  # each batch's side stream got a cuBLAS workspace (32 MiB on Hopper), kept
+        torch._C._cuda_clearCublasWorkspaces()  # by torch until cleared: one more per batch
     rollout = to_rollout(rows, eos_token_ids, max_new_tokens, logps)
     rollout.prefill_s, rollout.decode_s = t1 - t0, time.perf_counter() - t1
     rollout.decode_steps = steps
     return rollout
-
-
-@contextmanager
-def _decode_attention(model: Any) -> Iterator[None]:
-    """The model attends with DECODE_ATTENTION inside (its config is the whole model's)."""
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = DECODE_ATTENTION
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = previous
 
 
 def _warm_up_and_capture(dec: _Decoder) -> torch.cuda.CUDAGraph:

@@ -43,7 +43,7 @@ from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.plan import ResourcePlan
 from megatrain.planning.rollout import DECODE_OP_S, RolloutEstimate, rollout_estimate
 from megatrain.planning.timing import reference_swap_s
-from megatrain.recipes.grpo.decode import static_decode_problem
+from megatrain.recipes.grpo.decode_support import static_decode_problem
 from megatrain.recipes.grpo.rollout_weights import (
     COMPUTE,
     candidates,
