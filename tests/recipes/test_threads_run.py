@@ -13,6 +13,7 @@ too; on a CPU whose kernels split differently the losses would differ as well.""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,8 @@ def test_the_same_run_under_another_load_gives_the_same_losses(
         printed = capsys.readouterr().out
         line = "threads: torch computes on 2 CPU thread(s) (the cores this process may run on;"
         assert line in printed, printed
+        loaded = r"^loaded: model [\d.]+ s, host store [\d.]+ s, engine [\d.]+ s$"
+        assert re.search(loaded, printed, re.MULTILINE), printed  # where start-up time went
         assert torch.get_num_threads() == 1  # the run put the process's count back
         runs[busy] = (_train_losses(out), _saved_threads(out))
     assert len(runs[0.0][0]) == 3

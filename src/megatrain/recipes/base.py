@@ -64,6 +64,7 @@ its public methods.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,7 +222,10 @@ class Recipe:
         print(f"model: {self.structure.describe()}", flush=True)
         for line in kernel_report(self.structure):
             print(f"kernels: {line}", flush=True)
+        began = time.perf_counter()
         self.engine = b.engine(self.structure, self.store)
+        parts = b.load_seconds | {"engine": time.perf_counter() - began}
+        print("loaded: " + ", ".join(f"{k} {s:.1f} s" for k, s in parts.items()), flush=True)
         self.build_parts()
         self.total_steps = self.count_steps()
         self.schedule = b.schedule(self.total_steps)

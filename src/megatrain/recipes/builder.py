@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ class RunBuilder(PlanBuilder):
             hardware=hardware,
             gpu_reserve=gpu_reserve,
         )
+        self.load_seconds: dict[str, float] = {}  # model_and_store: seconds of each part
 
     # ---------------------------------------------------------------- data
 
@@ -224,8 +226,12 @@ class RunBuilder(PlanBuilder):
         p = self.placement
 
         def build() -> tuple[ModelStructure, HostStore]:
+            began = time.perf_counter()
             structure = self.model()
-            return structure, self.store(structure)
+            built = time.perf_counter()
+            store = self.store(structure)
+            self.load_seconds = {"model": built - began, "host store": time.perf_counter() - built}
+            return structure, store
 
         if p.world_size == 1:
             return build()
