@@ -12,14 +12,17 @@ states equal the host path's bit for bit here too.
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import pytest
 import torch
 
 from megatrain.config import TrainConfig
+from megatrain.engine import gpu_share
 from megatrain.engine.layout import DeviceLayout, held_bytes
 from megatrain.planning.spec import block_sizes
+from megatrain.store import memory
 from megatrain.verify import verify_config
 from run_helpers import block_states, engine_steps
 
@@ -89,13 +92,30 @@ def test_share_seconds_are_its_gpu_span() -> None:
     assert 0 < spans[0] < 60 and spans[1] == 0.0
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("states", ["int8", "fp32"])
-def test_share_on_gpt_oss_equals_host_updates(states: str) -> None:
+def test_share_on_gpt_oss_equals_host_updates(
+    states: str, in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """GPT-OSS blocks (expert biases, attention sinks: more no-decay entries) through the
-    compiled kernel, as in run 62's diagnostic: bit for bit the host updates."""
+    compiled kernel, as in run 62's diagnostic: bit for bit the host updates. `in_place`: the
+    store's tensors on mappings of their own from 4 KiB up (not 32 MiB), so the share
+    page-locks them where they lie (store/memory.py `pin_in_place`, cudaHostRegister), as it
+    does a large model's; a tiny model's are otherwise copied into CUDA's pinned memory."""
+    pinned: list[bool] = []
+    if in_place:
+        monkeypatch.setattr(memory, "HUGE_PAGE_MIN_BYTES", mmap.PAGESIZE)
+        real = gpu_share.pin_in_place
+
+        def pin(tensor: torch.Tensor) -> bool:
+            pinned.append(real(tensor))
+            return pinned[-1]
+
+        monkeypatch.setattr(gpu_share, "pin_in_place", pin)
     args = ("--optimizer.state_dtype", states)
     host, host_state, _ = _train(_cfg(0, *args, model_type="gpt_oss", max_grad_norm=1.0))
     ours, our_state, count = _train(_cfg(3, *args, model_type="gpt_oss", max_grad_norm=1.0))
+    assert any(pinned) == in_place
     assert count == 3 and ours == host
     for key, value in host_state.items():
         assert torch.equal(our_state[key], value), key
