@@ -175,7 +175,7 @@ class _Decoder:
         self.mask_N11L = key_valid[:, None, None, :].clone()  # True attends (SDPA's boolean mask)
         text = model.config.get_text_config(decoder=True)
         self.hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())
-        vocab = model.config.get_text_config(decoder=True).vocab_size
+        vocab = text.vocab_size
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
         self.eos_bias_V = torch.zeros(vocab, dtype=torch.float32, device=device)
         self.tokens = torch.full((n, 1), pad_token_id, dtype=torch.long, device=device)
