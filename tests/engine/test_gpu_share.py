@@ -16,6 +16,7 @@ operations), so those cases take impl c.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from megatrain.config import TrainConfig, load_config
+from megatrain.engine import gpu_share
 from megatrain.engine.gpu_share import STAGING_SETS, BlockFormats, covered
 from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING, DeviceLayout, held_bytes
 from megatrain.native import load_adamw_kernel
@@ -180,3 +182,19 @@ def test_covered_counts_overlapping_spans_once() -> None:
     assert covered([]) == 0.0
     assert covered([(2.0, 5.0), (0.0, 1.0), (4.0, 6.0), (4.5, 5.5)]) == 5.0
     assert covered([(0.0, 10.0), (1.0, 2.0)]) == 10.0
+
+
+def test_tensors_cuda_refuses_to_register_are_counted_as_pageable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`_pin` page-locks large tensors where they lie; one CUDA refuses stays where it is (a
+    copy into pinned memory would take its size again) and its bytes are reported, so the run
+    can say why the share's copies are slow. Large enough: `pinnable` (store/memory.py)."""
+    master, m, v = (torch.zeros(64) for _ in range(3))
+    block = SimpleNamespace(
+        master=master, shadow=None, state_tensors=lambda: {"exp_avg": m, "exp_avg_sq": v}
+    )
+    monkeypatch.setattr(gpu_share, "pinnable", lambda nbytes: True)
+    monkeypatch.setattr(gpu_share, "pin_in_place", lambda t: t is master)  # m, v refused
+    assert gpu_share._pin(block) == 2 * 64 * 4  # type: ignore[arg-type]
+    assert block.master is master  # nothing moved

@@ -199,9 +199,15 @@ class GpuShare:
         # waited blocks' (start, back) events, in the up stream's order: the first is earliest
         self._spans: list[tuple[int, Any, Any]] = []
         self._issued = 0
-        if transfers.is_cuda:
-            for block in self.blocks:
-                _pin(block)
+        pageable = sum(_pin(block) for block in self.blocks) if transfers.is_cuda else 0
+        if pageable:
+            print(
+                f"GPU update share: {pageable / 2**30:.1f} GiB of its host tensors could not be "
+                "page-locked where they lie (cudaHostRegister refused them): their copies run at "
+                "the pageable rate and wait for the stream's earlier work; set "
+                "optimizer.gpu_update_blocks: 0 if the step is slower than without the share",
+                flush=True,
+            )
         # called with the device block once its gradient is in place, before its update
         # (verify's snapshot: the engine passes the host worker's `on_landed`)
         self.on_gradient: Callable[[ParamBlock], None] | None = None
@@ -335,14 +341,22 @@ def covered(intervals: Sequence[tuple[float, float]]) -> float:
     return total
 
 
-def _pin(block: ParamBlock) -> None:
+def _pin(block: ParamBlock) -> int:
     """Page-lock what the share copies of `block`: the large tensors where they lie
     (`pin_in_place`), the small ones (int8/int4 scales) moved into pinned memory of their own.
     A copy from pageable memory would wait for the stream's earlier work, so the worker could
-    not queue the next block's copies behind this one's."""
+    not queue the next block's copies behind this one's. Returns the bytes left pageable: large
+    tensors CUDA refused to register (moving them would need their size again in host RAM)."""
+    pageable = 0
     for name, tensor in _host_tensors(block).items():
-        if not pin_in_place(tensor) and not pinnable(tensor.numel() * tensor.element_size()):
+        nbytes = tensor.numel() * tensor.element_size()
+        if pin_in_place(tensor):
+            continue
+        if pinnable(nbytes):
+            pageable += nbytes
+        else:
             setattr(block, name, torch.empty_like(tensor, pin_memory=True).copy_(tensor))
+    return pageable
 
 
 def _host_tensors(block: ParamBlock) -> dict[str, torch.Tensor]:
