@@ -187,7 +187,7 @@ def test_covered_counts_overlapping_spans_once() -> None:
 def test_tensors_cuda_refuses_to_register_are_counted_as_pageable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`_pin` page-locks large tensors where they lie; one CUDA refuses stays where it is (a
+    """`_pin` page-locks large tensors where they lie; one it cannot stays where it is (a
     copy into pinned memory would take its size again) and its bytes are reported, so the run
     can say why the share's copies are slow. Large enough: `pinnable` (store/memory.py)."""
     master, m, v = (torch.zeros(64) for _ in range(3))

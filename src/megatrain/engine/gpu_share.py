@@ -203,9 +203,9 @@ class GpuShare:
         if pageable:
             print(
                 f"GPU update share: {pageable / 2**30:.1f} GiB of its host tensors could not be "
-                "page-locked where they lie (cudaHostRegister refused them): their copies run at "
-                "the pageable rate and wait for the stream's earlier work; set "
-                "optimizer.gpu_update_blocks: 0 if the step is slower than without the share",
+                "page-locked where they lie (not page-aligned, or refused by cudaHostRegister): "
+                "their copies run at the pageable rate and wait for the stream's earlier work; "
+                "set optimizer.gpu_update_blocks: 0 if the step is slower than without the share",
                 flush=True,
             )
         # called with the device block once its gradient is in place, before its update
@@ -346,7 +346,8 @@ def _pin(block: ParamBlock) -> int:
     (`pin_in_place`), the small ones (int8/int4 scales) moved into pinned memory of their own.
     A copy from pageable memory would wait for the stream's earlier work, so the worker could
     not queue the next block's copies behind this one's. Returns the bytes left pageable: large
-    tensors CUDA refused to register (moving them would need their size again in host RAM)."""
+    tensors not page-aligned or refused by cudaHostRegister (moving them would take their size
+    again in host RAM)."""
     pageable = 0
     for name, tensor in _host_tensors(block).items():
         nbytes = tensor.numel() * tensor.element_size()
