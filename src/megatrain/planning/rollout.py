@@ -115,15 +115,18 @@ def state_bytes_per_sequence(spec: ModelSpec) -> int:
     names): a float32 recurrent state of num_v_heads x head_k_dim x head_v_dim (the kernels'
     and the torch reference's final state) and the last conv_kernel_size inputs of the
     convolution, conv_dim wide, at the compute dtype. 0 for models without such layers."""
-    c = spec.compute_dtype.itemsize
-    total = 0
-    for layer in spec.structure.layers:
-        for m in layer.modules():
-            size = {k: int(getattr(m, k, 0) or 0) for k in STATE_SIZES}
-            recurrent = size["num_v_heads"] * size["head_k_dim"] * size["head_v_dim"]
-            if recurrent:
-                total += recurrent * 4 + size["conv_dim"] * size["conv_kernel_size"] * c
-    return total
+    key = ("linear-attention states",)  # the rollout is planned again every generation batch
+    if key not in spec.cache:
+        c = spec.compute_dtype.itemsize
+        total = 0
+        for layer in spec.structure.layers:
+            for m in layer.modules():
+                size = {k: int(getattr(m, k, 0) or 0) for k in STATE_SIZES}
+                recurrent = size["num_v_heads"] * size["head_k_dim"] * size["head_v_dim"]
+                if recurrent:
+                    total += recurrent * 4 + size["conv_dim"] * size["conv_kernel_size"] * c
+        spec.cache[key] = total
+    return int(spec.cache[key])
 
 
 def _resident_weights(

@@ -69,7 +69,8 @@ class ModelSpec:
     embed_params: int  # V x D
     head_params: int  # final norm + untied lm_head (Ph)
     layers: list[LayerSpec]
-    # Per-(rows, seq, layout) measurements of planning/activations.py, filled on demand.
+    # Measurements filled on demand: per-(rows, seq, layout) of planning/activations.py, and
+    # derived sizes (planning/rollout.py `state_bytes_per_sequence`).
     cache: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     @property

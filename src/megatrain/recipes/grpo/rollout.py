@@ -108,12 +108,11 @@ def device_model(
         for name, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[name] = buf.to(device)  # rotary frequencies etc., dtype kept
-    wait = ready or (lambda _block: None)
     resident = [store.embed, store.head] if streamed else store.blocks
-    if streamed:  # the layers are read while decoding: every update applied first
+    if streamed and ready is not None:  # the layers are read while decoding: all updates first
         for block in store.blocks:
-            wait(block)
-        wait = lambda _block: None  # noqa: E731
+            ready(block)
+    wait = ready if ready is not None and not streamed else (lambda _block: None)
     filled = _fill(model, resident, device, {f"{n}.weight" for n in linears}, compact, wait)
     assert filled == {id(p) for p in made.values()}, "every parameter lives in a store block"
     hooks = []
