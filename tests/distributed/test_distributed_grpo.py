@@ -28,6 +28,16 @@ The loss (one iteration, beta 0) is -sum_t w_t A_t in value, whatever the logits
 n u sum_t |w_t A_t| for n summed tokens. A rank that skipped a reduction or normalised over its
 own tokens would be off by ~lr x |g| ~ 1e-2 in the weights, far outside.
 
+The 2-rank runs keep the first TIER_BLOCKS blocks in the GPU tier (engine/tier.py, its device
+code path on the CPU): those layers' weights are whole on every rank, their fp32 masters and
+states sharded; the others stream from the sharded store. So the reference pass swaps the
+reference's shards into the tier's resident weights and all-gathers them (engine.serving), and
+the rollout reads the tier's layers where they are and all-gathers the streamed ones. The tier's
+update is torch's AdamW where the store's is the C kernel: the same operations on the same
+values, the last rounding of a weight apart (the 4 u term of the weight bound). A swap that
+left a rank's part of the policy in place would show in the second batch's reference
+log-probs (off by ~lr), one that did not restore it in the weights (off by ~lr x |g|).
+
 Resume: the 2-rank run resumed from its step-1 checkpoint repeats step 2 bit for bit (each
 rank's sampling seed is a function of the batch and the rank alone; each rank reloads its own
 part of the KL reference).
@@ -51,7 +61,7 @@ from run_helpers import assert_exports_close
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "grpo_demo.yaml"
 ENTRY = Path(__file__).resolve().parent / "grpo_groups.py"
-GROUP, LR, CLIP, K, STEPS, BETA = 3, 1e-2, 1.0, 128, 2, 0.5
+GROUP, LR, CLIP, K, STEPS, BETA, TIER_BLOCKS = 3, 1e-2, 1.0, 128, 2, 0.5, 2
 U = 2.0**-24
 RTOL = 5 * K * U
 WEIGHT_ATOL = STEPS * LR * 2 * CLIP * (5 * K * U + 4 * U)
@@ -88,6 +98,7 @@ def _run(out: Path, ranks: int, reward: Path, *extra: str) -> None:
     launch = [sys.executable]
     if ranks > 1:
         launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"]
+        extra = ("--memory.gpu_state_blocks", str(TIER_BLOCKS), *extra)
     cmd = [*launch, str(ENTRY), "grpo", "--config", str(DEMO), *COMMON]
     cmd += ["--grpo.reward_funcs", f"[{reward}:short]", "--training.output_dir", str(out), *extra]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

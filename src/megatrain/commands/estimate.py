@@ -228,7 +228,6 @@ def _reference(
                 "is for a config with data.stage: dpo or kto (megatrain dpo)"
             )
         return None
-    from megatrain.planning.timing import reference_swap_s
     from megatrain.recipes.dpo.plan import reference_plan
 
     if pairs is None:
@@ -242,9 +241,7 @@ def _reference(
         reference=cfg.dpo.reference,
         pairs=(pairs,),
         world_size=builder.placement.world_size,
-        swap_s=reference_swap_s(
-            builder.spec, builder.hardware, plan.gpu_state_blocks, builder.placement.is_cuda
-        ),
+        swap_s=builder.reference_swap_s(plan.gpu_state_blocks),
     )
 
 

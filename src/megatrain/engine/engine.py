@@ -300,14 +300,16 @@ class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
         weights`. The caller waits for the updates first. A tier block's bf16 weights are
         rebuilt from its fp32 master on the device (a cast, rounded to nearest even as its
         update writes them: the same bits); fp32 compute (the weights are the master) keeps
-        a host copy meanwhile (planned: planning/timing.py `reference_swap_s`)."""
-        assert not (self.comm.sharded and self.tier.blocks), "a sharded tier's reference"
+        a host copy meanwhile (planned: planning/timing.py `reference_swap_s`). Under ranks a
+        tier block's reference copy is this rank's shard: it goes into the rank's part of the
+        whole device weights, and an all-gather completes them (engine/tier.py `rewrite`), on
+        the way in and back."""
         kept = [
-            None if self._rebuilt_from_master(b) else self.tier.weights(b).to("cpu", copy=True)
+            None if self._rebuilt_from_master(b) else self.tier.own_weights(b).to("cpu", copy=True)
             for b in self.tier.blocks
         ]
         for block in self.tier.blocks:  # the copies never change: queued, not waited for
-            self.tier.weights(block).copy_(reference.copy_of(block), non_blocking=True)
+            self.tier.rewrite(block, reference.copy_of(block))
         self.slots.invalidate()  # the layers the device slots hold are the policy's
         try:
             with reference.swapped_in():
@@ -315,12 +317,18 @@ class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
         finally:
             self.slots.invalidate()
             for block, own in zip(self.tier.blocks, kept, strict=True):
-                self.tier.weights(block).copy_(block.master if own is None else own)
+                self.tier.rewrite(block, block.master if own is None else own)
 
     def _rebuilt_from_master(self, block: ParamBlock) -> bool:
-        """Whether a tier block's device weights are its bf16 shadow of an fp32 master."""
-        weights = self.tier.weights(block)
-        return weights is block.shadow and block.master.dtype == torch.float32
+        """Whether a tier block's device weights (its own part) are the bf16 shadow of its
+        fp32 master."""
+        own = self.tier.own_weights(block)
+        return own is block.shadow and block.master.dtype == torch.float32
+
+    def tier_weights(self, block: ParamBlock) -> torch.Tensor | None:
+        """The block's whole compute-dtype weights on the device if it is in the GPU tier
+        (under ranks every rank's part, all-gathered), else None (it streams from the store)."""
+        return self.tier.weights(block) if block in self.tier else None
 
     def wait_updates(self) -> None:
         """Block until every submitted optimizer update is applied (before save or export)."""

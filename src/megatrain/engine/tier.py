@@ -98,6 +98,21 @@ class GpuTier:
         """The block's whole flat weights in the compute dtype, on the device for the run."""
         return self._weights[block.name]
 
+    def own_weights(self, block: ParamBlock) -> torch.Tensor:
+        """The part of the block's device weights this process writes: all of them, or (a
+        shard) this rank's part, a view of them that the all-gather spreads (`rewrite`)."""
+        if not isinstance(block, ShardedBlock):
+            return self.weights(block)
+        return block.shadow if block.shadow is not None else block.master
+
+    def rewrite(self, block: ParamBlock, source: torch.Tensor) -> None:
+        """Overwrite the block's device weights with `source` (what `own_weights` holds: its
+        whole weights, or this rank's part of them), then, sharded, all-gather every rank's
+        part; queued on the current stream (a reference pass swaps its weights in and out)."""
+        self.own_weights(block).copy_(source, non_blocking=True)
+        if isinstance(block, ShardedBlock):
+            self.comm.gather(block, self._weights[block.name])
+
     def owns_gradient(self, block: ParamBlock) -> bool:
         """Whether the block's gradient accumulates in its own device buffer (one process);
         a shard's accumulates in the engine's shared accumulator, then is reduce-scattered."""

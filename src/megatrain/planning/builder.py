@@ -21,7 +21,7 @@ from megatrain.config import TrainConfig
 from megatrain.distributed import Placement
 from megatrain.engine.plan import EnginePlan
 from megatrain.model.loading import load_config as load_hf_config
-from megatrain.planning import Hardware, ModelSpec, detect, model_spec
+from megatrain.planning import Hardware, ModelSpec, detect, model_spec, timing
 from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.plan import ResourcePlan, resolve
 from megatrain.planning.run_shape import RunShape
@@ -243,6 +243,16 @@ class PlanBuilder:
     def gpu_reserve_bytes(self) -> int:
         """What `gpu_reserve` leaves free beside the engine (0 without one)."""
         return self._gpu_reserve(self) if self._gpu_reserve is not None else 0
+
+    def reference_swap_s(self, gpu_state_blocks: int) -> float:
+        """planning/timing.py `reference_swap_s` of this run's model, machine and ranks."""
+        return timing.reference_swap_s(
+            self.spec,
+            self.hardware,
+            gpu_state_blocks,
+            self.placement.is_cuda,
+            self.shape().ranks,
+        )
 
     def engine_plan(self) -> EnginePlan:
         """The plan the engine runs: the resource plan's (this rank's GPU-tier count)."""

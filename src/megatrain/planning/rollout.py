@@ -19,7 +19,10 @@ GPU, what the rollout holds at its peak (recipes/grpo/rollout.py frees all of it
   tensor, one MLP intermediate N x Lp x I x c or the fp32 scores N x V x 4.
 
 Time (seconds, one generation batch):
-- weight copy: resident P x c / h2d once (compact: the same bytes, quantized on arrival);
+- weight copy: resident, once: the streamed blocks' P x c over the host link (under W ranks each
+  rank copies its shards, P x c / W, and an all-gather completes them), the GPU tier's Pt x c
+  read and written on the device (2 Pt x c / HBM bandwidth); compact: the same bytes,
+  quantized on arrival;
 - prefill: 2 x Pa x N x Lp / FLOP rate;
 - decoding, per token: the weights read once (resident: their bytes above / HBM bandwidth, where
   compact weights that are dequantized per call (int8, fp8 without fp8 tensor cores) also
@@ -50,6 +53,7 @@ from megatrain.model.quant_linear import (
 from megatrain.planning.activations import layer_profile
 from megatrain.planning.allocator_slack import SLACK_ITEM, allocator_slack
 from megatrain.planning.hardware import Hardware
+from megatrain.planning.ranks import ONE_PROCESS, Ranks
 from megatrain.planning.spec import ModelSpec
 
 SAMPLER_OPS = 40  # aten ops of one generate() step outside the model: logits warpers, sampling
@@ -92,6 +96,14 @@ class RolloutEstimate:
     def tokens_per_s(self) -> float:
         """Generated tokens per second over the whole rollout (every sequence at full length)."""
         return self.sequences * self.completion_tokens / self.rollout_s
+
+
+def _copy_s(spec: ModelSpec, hw: Hardware, tier_params: int, ranks: Ranks) -> float:
+    """Seconds of a resident rollout's weight copy (the module docstring)."""
+    c = spec.compute_dtype.itemsize
+    host = (spec.total_params - tier_params) * c
+    link = host / ranks.world / (hw.h2d_gbps * 1e9) + ranks.collective_s(host)
+    return link + 2 * tier_params * c / (hw.gpu_hbm_gbps * 1e9)
 
 
 def kv_bytes_per_token(spec: ModelSpec, cached_tokens: int) -> int:
@@ -159,12 +171,16 @@ def rollout_estimate(
     cuda: bool = True,
     weights_format: str = "bf16",
     fp8_matmul: bool = True,
+    tier_params: int = 0,
+    ranks: Ranks = ONE_PROCESS,
 ) -> RolloutEstimate:
     """Predict the rollout phase of one generation batch (see the module docstring);
     `decode`: one of DECODE_MODES, on CUDA (the CPU runs static decoding without graphs);
     `cuda`: the allocator's slack counts (planning/allocator_slack.py); `weights_format`: a
     resident rollout's weights, "bf16" (the compute dtype), "int8" or "fp8"; `fp8_matmul`:
-    fp8 weights multiply on fp8 tensor cores (else they are dequantized per call, as int8)."""
+    fp8 weights multiply on fp8 tensor cores (else they are dequantized per call, as int8);
+    `tier_params`: parameters the engine's GPU tier holds on the device (copied from there);
+    `ranks`: the run's (a streamed block's weights are all-gathered from its shards)."""
     c = spec.compute_dtype.itemsize
     n, lp, lc = sequences, prompt_tokens, completion_tokens
     layer_bytes = sum(la.params for la in spec.layers) * c
@@ -205,7 +221,7 @@ def rollout_estimate(
         kv_read_s = n * kv_bytes_per_token(spec, lp + lc) / hbm  # the whole static cache
         step_s = weights_s + kv_read_s + state_s + ops * DECODE_OP_S[decode]
         capture_s = 2 * eager
-    copy_s = 0.0 if streamed else spec.total_params * c / (hw.h2d_gbps * 1e9)
+    copy_s = 0.0 if streamed else _copy_s(spec, hw, tier_params, ranks)
     prefill_s = 2.0 * spec.active_params * n * lp / rate
     return RolloutEstimate(
         streamed=streamed,

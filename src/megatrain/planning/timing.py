@@ -208,16 +208,28 @@ def step_time(
     )
 
 
-def reference_swap_s(spec: ModelSpec, hw: Hardware, gpu_state_blocks: int, cuda: bool) -> float:
+def tier_params(spec: ModelSpec, gpu_state_blocks: int) -> int:
+    """Parameters of the first `gpu_state_blocks` blocks in the GPU tier's order (layers from
+    the first, then the embedding, then the head: engine/plan.py TierSplit)."""
+    tier = TierSplit.of(spec.num_layers, gpu_state_blocks)
+    params = sum(layer.params for layer in spec.layers[: tier.layers])
+    return params + spec.embed_params * tier.embed + spec.head_params * tier.head
+
+
+def reference_swap_s(
+    spec: ModelSpec, hw: Hardware, gpu_state_blocks: int, cuda: bool, ranks: Ranks
+) -> float:
     """Seconds `StreamingEngine.serving` copies a GPU tier's weights around a reference pass
     (GRPO's KL reference, dpo.reference: weights): the reference's over the host link; in fp32
     compute also the tier's own to the host and back (bf16 rebuilds them from the device's
-    fp32 master: a cast, not counted). 0 without a tier or off CUDA (the device is the host)."""
-    tier, c = TierSplit.of(spec.num_layers, gpu_state_blocks), spec.compute_dtype.itemsize
-    params = sum(layer.params for layer in spec.layers[: tier.layers])
-    nbytes = (params + spec.embed_params * tier.embed + spec.head_params * tier.head) * c * cuda
-    up, down = nbytes / (hw.h2d_gbps * 1e9), nbytes / (hw.d2h_gbps * 1e9)
-    return up if spec.compute_dtype == torch.bfloat16 else 2 * up + down
+    fp32 master: a cast, not counted). Under ranks each rank copies its shard (1/world of the
+    bytes) and the weights are all-gathered twice (the reference in, the policy back).
+    0 without a tier or off CUDA (the device is the host)."""
+    nbytes = tier_params(spec, gpu_state_blocks) * spec.compute_dtype.itemsize * cuda
+    gathers = 2 * ranks.collective_s(nbytes)
+    own = nbytes / ranks.world
+    up, down = own / (hw.h2d_gbps * 1e9), own / (hw.d2h_gbps * 1e9)
+    return gathers + (up if spec.compute_dtype == torch.bfloat16 else 2 * up + down)
 
 
 def _vision_s(spec: ModelSpec, hw: Hardware, setup: Setup) -> tuple[float, float]:

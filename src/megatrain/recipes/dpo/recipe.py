@@ -37,7 +37,6 @@ from megatrain.data.preference_data import PairLoader, kto_pairs, prepare_prefer
 from megatrain.distributed import rank_sums
 from megatrain.metrics import MetricsLogger
 from megatrain.planning.plan import ResourcePlan
-from megatrain.planning.timing import reference_swap_s
 from megatrain.recipes.base import Recipe
 from megatrain.recipes.dpo.eval import evaluate_pairs
 from megatrain.recipes.dpo.loss import REFERENCE_FREE, LossSettings
@@ -104,7 +103,7 @@ class DPOTrainer(Recipe):
             reference=self.cfg.dpo.reference,
             pairs=(len(self.data.train), len(self.data.eval or [])),
             world_size=b.placement.world_size,
-            swap_s=reference_swap_s(b.spec, b.hardware, plan.gpu_state_blocks, b.placement.is_cuda),
+            swap_s=b.reference_swap_s(plan.gpu_state_blocks),
         )
         return with_reference(
             plan, self.reference_plan, b.hardware, self.cfg.memory.host_margin_gib

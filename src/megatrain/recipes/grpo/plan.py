@@ -42,7 +42,7 @@ from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import GIB, gib
 from megatrain.planning.plan import ResourcePlan
 from megatrain.planning.rollout import DECODE_OP_S, RolloutEstimate, rollout_estimate
-from megatrain.planning.timing import reference_swap_s
+from megatrain.planning.timing import tier_params
 from megatrain.recipes.grpo.decode_support import static_decode_problem
 from megatrain.recipes.grpo.rollout_weights import (
     COMPUTE,
@@ -158,10 +158,13 @@ def rollout_margin(cfg: TrainConfig, *, measured: bool) -> int:
     return int(cfg.memory.gpu_margin_gib * GIB * (MEASURED_MARGIN_SHARE if measured else 1.0))
 
 
-def rollout_of(builder: PlanBuilder, *, streamed: bool, weights: str = COMPUTE) -> RolloutEstimate:
+def rollout_of(
+    builder: PlanBuilder, *, streamed: bool, weights: str = COMPUTE, tier: int = 0
+) -> RolloutEstimate:
     """The rollout phase of one generation batch, resident (its weights in `weights`) or
     `streamed` (planning/rollout.py), decoding as the recipe will (decode_mode; the streamed
-    path and the CPU: generate)."""
+    path and the CPU: generate); `tier`: the engine's GPU-tier blocks (the weight copy reads
+    theirs on the device; the GPU peak does not depend on it)."""
     cfg, g = builder.cfg, builder.cfg.grpo
     decode, _ = decode_mode(builder)
     return rollout_estimate(
@@ -176,6 +179,8 @@ def rollout_of(builder: PlanBuilder, *, streamed: bool, weights: str = COMPUTE) 
         cuda=builder.placement.is_cuda,
         weights_format=COMPUTE if streamed else weights,
         fp8_matmul=fp8_matmul(builder),
+        tier_params=tier_params(builder.spec, tier) if builder.placement.is_cuda else 0,
+        ranks=builder.shape().ranks,
     )
 
 
@@ -193,7 +198,8 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
     if free_gpu_bytes is None:
         free_gpu_bytes = hw.gpu_bytes - training.estimate.gpu.persistent_bytes
     budget = int(free_gpu_bytes - margin)
-    tried = _resident(builder, budget if on_gpu else None)
+    tier = training.gpu_state_blocks
+    tried = _resident(builder, budget if on_gpu else None, tier)
     resident, needs = tried[-1], ", ".join(f"{r.weights} {gib(r.gpu_peak_bytes)}" for r in tried)
     margin_gib = margin / GIB
     room = f"{gib(max(budget, 0))} free beside the engine (margin {margin_gib:g} GiB)"
@@ -204,7 +210,7 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
     else:
         streamed = resident.gpu_peak_bytes > budget
         reason = f"the resident rollout needs {needs} of {room}"
-    chosen = rollout_of(builder, streamed=True) if streamed else resident
+    chosen = rollout_of(builder, streamed=True, tier=tier) if streamed else resident
     why = f"grpo.rollout_weights: {g.rollout_weights}"
     if len(tried) > 1:
         first = tried[0]
@@ -244,12 +250,12 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
     )
 
 
-def _resident(builder: PlanBuilder, budget: int | None) -> list[RolloutEstimate]:
+def _resident(builder: PlanBuilder, budget: int | None, tier: int) -> list[RolloutEstimate]:
     """The resident rollout on each format (rollout_weights.candidates) up to the first whose
     peak fits in `budget` bytes (None: the first only): the last is the one the plan takes."""
     tried = []
     for weights in candidates(builder):
-        tried.append(rollout_of(builder, streamed=False, weights=weights))
+        tried.append(rollout_of(builder, streamed=False, weights=weights, tier=tier))
         if budget is None or tried[-1].gpu_peak_bytes <= budget:
             break
     return tried
@@ -265,9 +271,7 @@ def logprob_passes(builder: PlanBuilder, training: ResourcePlan) -> tuple[Logpro
             LogprobPass("old policy", f"grpo.num_iterations {g.num_iterations}", forward_s, 0.0)
         )
     if g.beta > 0:
-        swap_s = reference_swap_s(
-            builder.spec, builder.hardware, training.gpu_state_blocks, builder.placement.is_cuda
-        )
+        swap_s = builder.reference_swap_s(training.gpu_state_blocks)
         passes.append(LogprobPass("reference", f"grpo.beta {g.beta:g}", forward_s, swap_s))
     return tuple(passes)
 

@@ -72,6 +72,7 @@ def device_model(
     num_slots: int | None = None,
     compact: str | None = None,
     ready: Callable[[ParamBlock], Any] | None = None,
+    resident: Callable[[ParamBlock], torch.Tensor | None] = lambda _block: None,
 ) -> Iterator[Any]:
     """The HF model on `device` in the store's compute dtype, with its current weights.
 
@@ -87,7 +88,9 @@ def device_model(
     `ready(block)` is called before a block's weights are read (the engine's `wait_update`:
     its pending optimizer update applied), in the store's forward order, the order the host
     worker updates them in: block k is copied while block k+1 is updated. Without it, call
-    between optimizer steps (every update applied).
+    between optimizer steps (every update applied). `resident(block)`: the block's whole
+    weights where the device already holds them (the engine's GPU tier, `tier_weights`), read
+    there instead of from the store (under ranks: instead of all-gathering its shards again).
     """
     assert not (streamed and compact), "compact weights are for the resident rollout"
     model = copy.deepcopy(structure.causal_lm)  # meta parameters: copies the module tree only
@@ -108,12 +111,12 @@ def device_model(
         for name, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[name] = buf.to(device)  # rotary frequencies etc., dtype kept
-    resident = [store.embed, store.head] if streamed else store.blocks
+    blocks = [store.embed, store.head] if streamed else store.blocks
     if streamed and ready is not None:  # the layers are read while decoding: all updates first
         for block in store.blocks:
             ready(block)
     wait = ready if ready is not None and not streamed else (lambda _block: None)
-    filled = _fill(model, resident, device, {f"{n}.weight" for n in linears}, compact, wait)
+    filled = _fill(model, blocks, device, {f"{n}.weight" for n in linears}, compact, wait, resident)
     assert filled == {id(p) for p in made.values()}, "every parameter lives in a store block"
     hooks = []
     if streamed:
@@ -138,6 +141,7 @@ def _fill(
     quantized: set[str],
     compact: str | None,
     ready: Callable[[ParamBlock], Any],
+    resident: Callable[[ParamBlock], torch.Tensor | None],
 ) -> set[int]:
     """Copy each block's weights into the model's device parameters (the ids of those filled),
     each after `ready(block)`; a weight named in `quantized` is quantized to `compact` from a
@@ -148,7 +152,8 @@ def _fill(
     with torch.no_grad():
         for block in blocks:
             ready(block)
-            source = _whole_source(block, device)
+            source = resident(block)
+            source = _whole_source(block, device) if source is None else source
             if compact and any(e.full_name in quantized for e in block.entries):
                 source = source.to(device)  # the one block in the compute dtype
             for entry in block.entries:

@@ -71,6 +71,7 @@ class RolloutPhase:
             num_slots=self.cfg.memory.num_slots,
             compact=None if weights == COMPUTE else weights,
             ready=ready,
+            resident=self.engine.tier_weights,
         ) as model:
             built_s = time.perf_counter() - t0
             static: dict[str, Any] = {}  # the static path's KV cache, sized as the plan sizes it

@@ -16,8 +16,8 @@ def training_config(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
     """The config a GRPO run trains with, shared by `megatrain grpo` and `megatrain estimate
     --grpo` so that the engine runs the plan that was reported: the generation batch's
     micro-batches (each rank's share of them under `world_size` ranks, recipes/grpo/ranks.py;
-    a rank count that does not divide prompts_per_step is refused; with grpo.beta > 0 no GPU
-    tier, `_untiered`) are its gradient accumulation, its rows max_prompt_length +
+    a rank count that does not divide prompts_per_step is refused) are its gradient
+    accumulation, its rows max_prompt_length +
     max_completion_length tokens at most (rounded up to data.pad_to_multiple_of; as
     training.seq_len says when max_prompt_length is None) are training.seq_len, and
     compile_layers "auto" is eager (rows of every length).
@@ -55,25 +55,7 @@ def training_config(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
     compile_layers = False if t.compile_layers == "auto" else t.compile_layers
     training = dataclasses.replace(training, seq_len=seq_len, compile_layers=compile_layers)
     data = dataclasses.replace(cfg.data, cutoff_len=min(cfg.data.cutoff_len, seq_len))
-    memory = cfg.memory
-    if world_size > 1 and g.beta > 0:
-        memory = dataclasses.replace(memory, gpu_state_blocks=_untiered(cfg, world_size))
-    return dataclasses.replace(cfg, training=training, data=data, memory=memory)
-
-
-def _untiered(cfg: TrainConfig, world_size: int) -> int:
-    """memory.gpu_state_blocks of a KL-regularised run on several ranks: none. The reference
-    pass swaps the reference into a GPU tier's resident weights, which each rank holds whole
-    while its reference copy is its shard (engine.serving); "auto" plans no tier."""
-    blocks = cfg.memory.gpu_state_blocks
-    if blocks not in ("auto", 0):
-        raise ValueError(
-            f"memory.gpu_state_blocks={blocks} with grpo.beta={cfg.grpo.beta:g} on "
-            f"{world_size} ranks: the KL reference's pass does not run on a sharded GPU tier "
-            "yet; set memory.gpu_state_blocks: 0 (or auto, which plans none here), or "
-            "grpo.beta: 0"
-        )
-    return 0
+    return dataclasses.replace(cfg, training=training, data=data)
 
 
 def _check_auto_batch(accumulation: int, global_batch: int | None, sequences: int) -> None:
