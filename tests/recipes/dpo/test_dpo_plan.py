@@ -18,6 +18,8 @@ from megatrain.model.tiny import tiny_config
 from megatrain.planning import Hardware, model_spec
 from megatrain.planning.hardware import GIB
 from megatrain.planning.layer_time import attention_flops_per_token
+from megatrain.planning.ranks import NVLINK_GBPS, ONE_PROCESS, Ranks
+from megatrain.planning.timing import reference_swap_s
 from predict import predict
 
 SEQ, ROWS, ACCUM = 64, 8, 3
@@ -124,3 +126,17 @@ def test_weights_reference_adds_the_gpu_tier_swap(
     assert hw["h2d_gbps"] == hw["d2h_gbps"]  # the defaults: one rate for both ways
     assert ref["swap_s"] == pytest.approx(copies * tier_bytes / (hw["h2d_gbps"] * 1e9), rel=1e-12)
     assert ref["step_extra_s"] == pytest.approx(report["time"]["forward_s"] + ref["swap_s"])
+
+
+@pytest.mark.parametrize(("dtype", "copies"), [("bf16", 1), ("fp32", 3)])
+def test_a_sharded_tier_swaps_its_shard_and_gathers(dtype: str, copies: int) -> None:
+    """Under W ranks each rank copies its shard of the tier's weights (1/W of the bytes) and
+    the whole weights are all-gathered twice: the reference in, the policy back."""
+    spec = model_spec(tiny_config("llama"), dtype)
+    hw, ranks = Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB), Ranks(nproc_per_node=2)
+    tier_bytes = sum(la.params for la in spec.layers[:2]) * (2 if dtype == "bf16" else 4)
+    alone = reference_swap_s(spec, hw, 2, True, ONE_PROCESS)
+    assert alone == pytest.approx(copies * tier_bytes / (hw.h2d_gbps * 1e9), rel=1e-12)
+    gathers = 2 * tier_bytes / 2 / (NVLINK_GBPS * 1e9)
+    assert reference_swap_s(spec, hw, 2, True, ranks) == pytest.approx(alone / 2 + gathers)
+    assert reference_swap_s(spec, hw, 2, False, ranks) == 0.0  # the CPU: the device is the host

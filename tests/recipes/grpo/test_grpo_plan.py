@@ -17,6 +17,7 @@ from megatrain.planning import Hardware
 from megatrain.planning.activations import layer_profile
 from megatrain.planning.allocator_slack import SLACK_ITEM
 from megatrain.planning.hardware import GIB, gib
+from megatrain.planning.ranks import NVLINK_GBPS, ONE_PROCESS, Ranks
 from megatrain.planning.rollout import SAMPLER_OPS, rollout_estimate
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.grpo.plan import (
@@ -98,6 +99,18 @@ def test_rollout_bytes_and_seconds_follow_their_formulas() -> None:
         rel=1e-12,
     )
     assert streamed.weight_copy_s == 0.0
+    # the GPU tier's blocks are copied on the device (read + write at HBM bandwidth), the rest
+    # over the host link; under W ranks each rank copies its shards and all-gathers them
+    tier = 2 * spec.layers[0].params
+    ranks = Ranks(nproc_per_node=2)
+    for held, r in ((tier, ONE_PROCESS), (params, ONE_PROCESS), (tier, ranks)):
+        mine = rollout_estimate(
+            spec, hw, sequences=N, prompt_tokens=LP, completion_tokens=LC, tier_params=held, ranks=r
+        )
+        host = (params - held) * c
+        link = host / r.world / (hw.h2d_gbps * 1e9) + host / 2 * (r.world - 1) / (NVLINK_GBPS * 1e9)
+        assert mine.weight_copy_s == pytest.approx(link + 2 * held * c / hbm, rel=1e-12)
+        assert mine.weight_copy_s < est.weight_copy_s
 
 
 def test_plan_picks_resident_then_streamed_then_refuses() -> None:
