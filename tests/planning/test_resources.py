@@ -22,7 +22,7 @@ from megatrain.planning import (
     probe,
 )
 from megatrain.planning.activations import layer_profile, loss_chunk
-from megatrain.planning.hardware import GIB, gib
+from megatrain.planning.hardware import GIB, gib, hbm_gbps
 from megatrain.planning.layer_time import attention_flops_per_token
 from predict import pick_batch, predict
 from shapes import QWEN25_3B as QWEN3B
@@ -333,6 +333,24 @@ def test_hardware_detect_and_probe_on_this_machine() -> None:
     measured = probe(optimizer_params=25_000_000)
     assert measured.optimizer_gparams_s > 0.01
     assert "optimizer_gparams_s" in measured.measured
+
+
+@pytest.mark.parametrize(
+    ("name", "gbps"),
+    [
+        ("NVIDIA H100 80GB HBM3", 3350.0),
+        ("NVIDIA H100 PCIe", 2000.0),
+        ("NVIDIA H100 NVL", 3900.0),
+        ("NVIDIA H200", 4800.0),
+        ("NVIDIA GH200 480GB", 4000.0),
+        ("NVIDIA A100-SXM4-80GB", 2039.0),
+        ("NVIDIA A100-SXM4-40GB", 1555.0),
+        ("NVIDIA GeForce RTX 4090", None),  # unknown: detect keeps the default (H100 SXM)
+    ],
+)
+def test_detect_takes_the_gpus_datasheet_bandwidth(name: str, gbps: float | None) -> None:
+    assert hbm_gbps(name) == gbps
+    assert Hardware().gpu_hbm_gbps == hbm_gbps(Hardware().gpu_name)  # the default is the H100's
 
 
 # Runs the engine in a fresh process (clean RSS) and prints what it measured, one JSON line.

@@ -55,7 +55,7 @@ class Hardware:
     h2d_gbps: float = 50.0  # pinned host -> device, GB/s (1e9 bytes)
     d2h_gbps: float = 50.0  # pinned device -> host
     gpu_tflops_bf16: float = 789.0  # dense bf16 matmul peak, as measured (8192^3)
-    gpu_hbm_gbps: float = 3350.0  # GPU memory bandwidth, GB/s (H100 SXM datasheet)
+    gpu_hbm_gbps: float = 3350.0  # GB/s, H100 SXM datasheet (detect: HBM_GBPS)
     gpu_tflops_fp32: float = 51.0  # dense fp32 matmul (no TF32), 4096^3 on the H200 host
     achieved_fraction: float = 0.5  # bf16: engine FLOPs / matmul peak (H200 run: 400 of 790)
     achieved_fraction_fp32: float = 0.75  # fitted to one H200 fp32 run (160M llama)
@@ -107,6 +107,28 @@ class Hardware:
         return dataclasses.replace(hw, measured=tuple(sorted(measured)))
 
 
+HBM_GBPS = (
+    ("GH200", 4000.0),  # before H200: its name contains it
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),
+    ("B200", 8000.0),
+    ("B100", 8000.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),
+    ("L40S", 864.0),
+)
+"""GPU memory bandwidth (GB/s, datasheets) by a part of the name CUDA reports, first match; a
+GPU not listed keeps Hardware.gpu_hbm_gbps (the H100 SXM's)."""
+
+
+def hbm_gbps(gpu_name: str) -> float | None:
+    """The datasheet memory bandwidth of the GPU named `gpu_name` (HBM_GBPS), None if unknown."""
+    return next((gbps for part, gbps in HBM_GBPS if part in gpu_name), None)
+
+
 def detect(*, gpu_gib: float | None = None, host_gib: float | None = None) -> Hardware:
     """Defaults, with this machine's GPU memory (if CUDA is present), RAM and CPU AdamW threads
     (what `megatrain train` gives the kernel alone on the node), then overrides."""
@@ -121,6 +143,7 @@ def detect(*, gpu_gib: float | None = None, host_gib: float | None = None) -> Ha
             hw,
             gpu_name=props.name,
             gpu_bytes=props.total_memory,
+            gpu_hbm_gbps=hbm_gbps(props.name) or hw.gpu_hbm_gbps,
             measured=(*hw.measured, "gpu_bytes", "gpu_name"),
         )
     return hw.with_overrides(gpu_gib=gpu_gib, host_gib=host_gib)
