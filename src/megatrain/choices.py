@@ -8,6 +8,11 @@ their own module (layouts.py).
 STATE_DTYPES = ("fp32", "bf16", "int8", "int4")
 """optimizer.state_dtype: how AdamW's m and v are kept (store/states.py)."""
 
+TIER_STATE_DTYPES = ("fp32", "bf16", "int8")
+"""The state dtypes the GPU tier keeps (engine/tier.py): updated on the device by torch's AdamW
+(fp32) or, in their stored format, by the fused kernel of optim/triton_adamw.py (bf16, int8:
+bit for bit the C kernel). int4 stays off the tier."""
+
 MASTER_DTYPES = ("fp32", "bf16")
 """optimizer.master_dtype: how the master weights are kept (store/master.py)."""
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatrain.engine.engine import StreamingEngine
+from megatrain.engine.gpu_share import BlockFormats
 from megatrain.engine.head import default_chunk_tokens
 from megatrain.engine.layout import (
     TIER,
@@ -78,6 +79,25 @@ def test_layout_is_what_the_engine_holds(model_type: str, dtype: str) -> None:
         if tier:
             assert held[TIER] > 0
         assert sum(held.values()) == planned.total_bytes
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8"])
+def test_a_compressed_tier_is_what_the_engine_holds(states: str) -> None:
+    """bf16 and int8 states in the tier, as stored (int8: codes and their scales)."""
+    spec = model_spec(load_config(None, model_type="llama", tiny=True), "bf16")
+    structure = discover(load_causal_lm(None, model_type="llama", tiny=True))
+    store = HostStore(structure, compute_dtype=torch.bfloat16, pin_memory=False, state_dtype=states)
+    plan = _plan(spec.num_layers, 99, None, frozenset())
+    formats = BlockFormats(store.master_dtype, store.state_dtype, store.grad_hold)
+    planned = DeviceLayout.of(plan, block_sizes(spec), torch.bfloat16, formats)
+    engine = StreamingEngine(structure, store, CpuAdamW(AdamWHyper()), plan)
+    try:
+        held = held_bytes(engine.device_buffers())
+    finally:
+        engine.close()
+    assert held == planned.bytes_by_name()
+    fp32 = DeviceLayout.of(plan, block_sizes(spec), torch.bfloat16).bytes_by_name()[TIER]
+    assert held[TIER] < fp32  # 18 B/param with fp32 states; 14 bf16, about 12 int8
 
 
 _RANK_SCRIPT = """

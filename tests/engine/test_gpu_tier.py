@@ -61,7 +61,8 @@ def _train(cfg: TrainConfig, steps: int) -> tuple[list[tuple[float, float]], dic
     state = {
         (b.name, kind): getattr(b, kind).clone()
         for b in store.blocks
-        for kind in ("master", "exp_avg", "exp_avg_sq")
+        for kind in ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+        if getattr(b, kind) is not None
     }
     state |= {(b.name, "step"): torch.tensor(b.step) for b in store.blocks}
     return results, state, optimizer.calls
@@ -92,6 +93,27 @@ def test_tier_equals_host_path_bit_for_bit(tier: int, clip: float, tied: bool) -
     assert {name for name, on_device in calls if on_device} == tier_names
     assert not tier_names & {name for name, on_device in calls if not on_device}
     assert sorted(calls) == sorted((name, name in tier_names) for name, _ in host_calls)
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8"])
+@pytest.mark.parametrize(("tier", "clip"), [(2, 1.0), (LAYERS + 2, 0.0)])
+def test_a_compressed_tier_equals_the_host_update_bit_for_bit(
+    states: str, tier: int, clip: float
+) -> None:
+    """bf16 (stochastic rounding) and int8 states stay in their stored format on the device and
+    are updated there by `CpuAdamW.update_device` (on CUDA the fused kernel, here the torch
+    reference of the C kernel): the same codes, scales, masters and losses as the host's update
+    of the same gradients (fp32 compute: the gradient lands in fp32 either way)."""
+    args = ("--optimizer.state_dtype", states)
+    host, host_state, _ = _train(_cfg(0, *args, max_grad_norm=clip), steps=3)
+    ours, our_state, calls = _train(_cfg(tier, *args, max_grad_norm=clip), steps=3)
+    assert ours == host
+    assert our_state.keys() == host_state.keys()
+    for key, value in host_state.items():
+        assert torch.equal(our_state[key].cpu(), value), key
+    assert {name for name, on_device in calls if on_device} == set(ORDER[:tier])
+    if states == "int8":
+        assert ("layer.0", "exp_avg_scale") in host_state  # the scales were compared too
 
 
 @pytest.mark.parametrize(

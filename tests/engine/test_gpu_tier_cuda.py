@@ -13,6 +13,7 @@ from megatrain.checkpoint.saving import load_checkpoint, save_checkpoint
 from megatrain.config import TrainConfig
 from megatrain.recipes.builder import RunBuilder
 from megatrain.verify import make_batches, run_verify, verify_config, within
+from run_helpers import engine_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -52,6 +53,32 @@ def test_compiled_tier_layers_match_pytorch() -> None:
     cfg = _cfg(2, "--training.compile_layers", "true", dtype="bf16")
     reports = run_verify(cfg)
     assert within(reports), [(r.excess, r.worst) for r in reports]
+
+
+def _states_after(cfg: TrainConfig, steps: int) -> tuple[list, dict[str, torch.Tensor]]:
+    results, _, store, _ = engine_steps(cfg, steps)
+    kinds = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+    state = {
+        f"{b.name}.{k}": getattr(b, k).cpu()
+        for b in store.blocks
+        for k in kinds
+        if getattr(b, k) is not None
+    }
+    return results, state
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8"])
+def test_a_compressed_tier_updates_as_the_host_does(states: str) -> None:
+    """Every block in the tier, its bf16 or int8 states updated on the GPU by the fused kernel
+    (optim/triton_adamw.py), against every block updated on the host by the C kernel: fp32
+    compute, so the same fp32 gradients reach both; losses, masters, codes and scales bit for
+    bit."""
+    args = ("--optimizer.state_dtype", states, "--training.compile_layers", "false")
+    host, host_state = _states_after(_cfg(0, *args, max_grad_norm=1.0), 3)
+    ours, our_state = _states_after(_cfg(LAYERS + 2, *args, max_grad_norm=1.0), 3)
+    assert ours == host
+    for key, value in host_state.items():
+        assert torch.equal(our_state[key], value), key
 
 
 def test_tier_states_live_on_the_gpu_and_leave_the_host() -> None:

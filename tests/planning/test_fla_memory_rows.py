@@ -2,8 +2,9 @@
 fla's own buffers, planning/kernel_memory.py) against docs/performance.md run 43: one H100 of
 the 2-GPU machine (79.2 GiB), 251 GiB of host RAM, fla 0.6.0 with Triton 3.7.1, bench/
 cli_train.py's rows (32 rows of 2048 tokens a step, micro-batches of 4, int8 states: no GPU
-tier), each as its plan sees it through a stand-in fla (tests/fake_fla.py; no GPU needed). A
-check of the model against recorded measurements, not a measurement of this machine.
+tier then, as they are planned here; the tier takes int8 states since), each as its plan sees
+it through a stand-in fla (tests/fake_fla.py; no GPU needed). A check of the model against
+recorded measurements, not a measurement of this machine.
 
 | row | planned allocated / reserved (torch reference's) | measured allocated / reserved |
 |---|---|---|
@@ -47,7 +48,8 @@ _PLAN = textwrap.dedent(
 
     host = Hardware().with_overrides(gpu_gib=79.2, host_gib=251)
     for row in {rows}:
-        plan = cli_row_plan(getattr(shapes, row), host, **{{"optimizer.state_dtype": "int8"}})
+        settings = {{"optimizer.state_dtype": "int8", "memory.gpu_state_blocks": 0}}
+        plan = cli_row_plan(getattr(shapes, row), host, **settings)
         gpu = plan.estimate.gpu
         print("PEAK", row, plan.gpu_state_blocks, gpu.allocated_bytes, gpu.peak_bytes)
     """

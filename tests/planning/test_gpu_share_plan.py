@@ -31,7 +31,13 @@ from predict import cli_row_plan
 from shapes import LLAMA31_8B, QWEN3_30B_A3B_12
 
 H100 = Hardware().with_overrides(gpu_gib=79.2, host_gib=125)
-INT8 = {"training.compile_layers": True, "optimizer.state_dtype": "int8"}
+# no GPU tier: run 59's int8 rows had none (the tier took fp32 states only then), and a tier
+# of int8 blocks would leave the CPU too little to bound the step
+INT8 = {
+    "training.compile_layers": True,
+    "optimizer.state_dtype": "int8",
+    "memory.gpu_state_blocks": 0,
+}
 
 
 def _plan(share: int | str, shape: dict[str, Any] = QWEN3_30B_A3B_12, **settings: Any) -> Any:

@@ -17,6 +17,7 @@ from transformers import Qwen2Config
 from megatrain.cli import split_overrides
 from megatrain.commands.estimate import add_arguments, run
 from megatrain.config.memory import MemoryConfig
+from megatrain.engine.layout import TIER
 from megatrain.planning import Estimate, Hardware, model_spec
 from megatrain.planning.hardware import GIB
 from megatrain.planning.plan import plan_resources
@@ -27,7 +28,7 @@ from predict import predict
 from shapes import QWEN25_3B as QWEN3B
 
 H100 = Hardware()
-TIER_ITEM = "GPU tier (fp32 master, m, v, gradient, weights)"
+TIER_ITEM = TIER
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 from transformers import Qwen2Config
 
+from megatrain.engine.layout import TIER
 from megatrain.planning import Estimate, Hardware, model_spec
 from megatrain.planning.hardware import GIB
 from megatrain.planning.plan import plan_resources
@@ -26,7 +27,7 @@ from predict import ranks_estimate
 from shapes import QWEN25_7B as QWEN7B
 
 HW = Hardware(host_bytes=512 * GIB)
-TIER_ITEM = "GPU tier (fp32 master, m, v, gradient, weights)"
+TIER_ITEM = TIER
 
 
 @pytest.fixture(scope="module")

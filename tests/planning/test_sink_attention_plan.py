@@ -103,7 +103,11 @@ def test_the_gpt_oss_20b_row_plans_sinks_below_the_eager_peak() -> None:
     compiled layer holds."""
     hw = Hardware(optimizer_threads=30).with_overrides(gpu_gib=79.2, host_gib=251)
     plans = {
-        attn: cli_row_plan(GPT_OSS_20B, hw, **{"optimizer.state_dtype": "bf16", **pin})
+        attn: cli_row_plan(
+            GPT_OSS_20B,
+            hw,
+            **{"optimizer.state_dtype": "bf16", "memory.gpu_state_blocks": 0, **pin},
+        )
         for attn, pin in (("sinks", {}), ("eager", {"model.attn_implementation": "eager"}))
     }
     assert all(plan.engine.compile_layers for plan in plans.values())
@@ -128,7 +132,9 @@ def test_the_12_layer_rows_of_run_44(attn: str) -> None:
     eager row checks COMPILED_EAGER_SCORES, fitted to run 43's 24 layers, on another row."""
     hw = Hardware().with_overrides(gpu_gib=79.2, host_gib=251)
     pin = {} if attn == "sinks" else {"model.attn_implementation": "eager"}
-    plan = cli_row_plan(GPT_OSS_12, hw, **{"optimizer.state_dtype": "bf16", **pin})
+    plan = cli_row_plan(
+        GPT_OSS_12, hw, **{"optimizer.state_dtype": "bf16", "memory.gpu_state_blocks": 0, **pin}
+    )
     gib = 2**30
     allocated, reserved = RUN_44[attn]
     assert plan.engine.compile_layers and plan.gpu_state_blocks == 0
@@ -141,7 +147,9 @@ def test_the_whole_gpt_oss_20b_row_of_run_46() -> None:
     H100 of the 4-GPU machine (503 GiB host): 29.03 GiB allocated and 31.49 reserved at the peak.
     The plan within 5% allocated and 10% reserved (issue 24's bound)."""
     hw = Hardware().with_overrides(gpu_gib=79.2, host_gib=503)
-    plan = cli_row_plan(GPT_OSS_20B, hw, **{"optimizer.state_dtype": "bf16"})
+    plan = cli_row_plan(
+        GPT_OSS_20B, hw, **{"optimizer.state_dtype": "bf16", "memory.gpu_state_blocks": 0}
+    )
     assert plan.engine.compile_layers and plan.gpu_state_blocks == 0
     assert abs(plan.estimate.gpu.allocated_bytes / 2**30 / 29.03 - 1) <= 0.05
     assert abs(plan.estimate.gpu.peak_bytes / 2**30 / 31.49 - 1) <= 0.10

@@ -123,15 +123,23 @@ def test_largest_model_fits_and_five_percent_more_does_not(
     assert not fits(int(at_least))
 
 
-def test_the_gpu_tier_stays_with_fp32_stores_only() -> None:
-    """A run with GPU-tier blocks: its own row keeps them (less host RAM than without), the
-    compressed layouts' rows are predicted without a tier, which takes fp32 stores only."""
+def test_the_gpu_tier_stays_with_the_formats_it_holds() -> None:
+    """A run with GPU-tier blocks: its own row keeps them (less host RAM than without), as do
+    the bf16 and int8 states' rows (the tier keeps them in their format); int4's rows are
+    predicted without a tier, which does not hold them."""
     spec, hw = _spec(4), Hardware(host_bytes=64 * GIB)
     rows = store_table(spec, setup_of(spec, seq_len=32, gpu_state_blocks=2), hw, MARGIN_GIB).rows
     tiered = estimate(spec, setup_of(spec, seq_len=32, gpu_state_blocks=2), hw)
     untiered = estimate(spec, setup_of(spec, seq_len=32), hw)
     own = _row(rows, "fp32", "fp32", "bf16")
     assert own.own and own.host_bytes == tiered.host.total_bytes < untiered.host.total_bytes
-    int8 = estimate(spec, setup_of(spec, seq_len=32, state_dtype="int8"), hw)
+    int4 = estimate(spec, setup_of(spec, seq_len=32, state_dtype="int4"), hw)
+    assert _row(rows, "fp32", "int4", "bf16").host_bytes == int4.host.total_bytes
+    assert _row(rows, "fp32", "int4", "bf16").step_s == int4.time.step_s
+    int8 = estimate(spec, setup_of(spec, seq_len=32, state_dtype="int8", gpu_state_blocks=2), hw)
     assert _row(rows, "fp32", "int8", "bf16").host_bytes == int8.host.total_bytes
     assert _row(rows, "fp32", "int8", "bf16").step_s == int8.time.step_s
+    assert (
+        int8.host.total_bytes
+        < estimate(spec, setup_of(spec, seq_len=32, state_dtype="int8"), hw).host.total_bytes
+    )

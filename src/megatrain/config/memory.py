@@ -31,9 +31,10 @@ class MemoryConfig:
     host_margin_gib: float = 4.0
     """Host memory the resource check keeps free for the OS and data loading."""
     gpu_state_blocks: int | str = "auto"
-    """Blocks whose fp32 master, AdamW states and gradient stay on the GPU and are updated there,
-    never streamed, counted in this order: the decoder layers from the first, then the
-    embedding, then the head. An integer >= 0 (0: none; more than the model has: all), or
+    """Blocks whose fp32 master, AdamW states (in optimizer.state_dtype's format: fp32, bf16 or
+    int8; int4 takes no tier) and gradient stay on the GPU and are updated there, never
+    streamed, counted in this order: the decoder layers from the first, then the embedding,
+    then the head. An integer >= 0 (0: none; more than the model has: all), or
     "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free); none on the CPU.
     Under torchrun each rank keeps its 1/N shard of those states on its GPU and the blocks'
     weights whole; "auto" plans one rank's GPU (every rank takes the least count planned)."""

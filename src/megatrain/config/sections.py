@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatrain.choices import SINK_ATTENTION
+from megatrain.choices import SINK_ATTENTION, TIER_STATE_DTYPES
 from megatrain.config.checkpoint import CheckpointConfig
 from megatrain.config.dpo import DPOConfig
 from megatrain.config.grpo import GRPOConfig
@@ -269,11 +269,11 @@ class TrainConfig:
                 "data.val_size or data.eval_dataset, or training.eval_every: 0"
             )
         blocks, states = self.memory.gpu_state_blocks, self.optimizer.state_dtype
-        if isinstance(blocks, int) and blocks > 0 and states != "fp32":
+        if isinstance(blocks, int) and blocks > 0 and states not in TIER_STATE_DTYPES:
             raise ValueError(
                 f"memory.gpu_state_blocks={blocks} with optimizer.state_dtype={states!r}: the GPU "
-                "tier keeps fp32 states (a block's checkpoint must not depend on its tier); set "
-                "memory.gpu_state_blocks: 0 (or auto), or optimizer.state_dtype: fp32"
+                f"tier keeps {', '.join(TIER_STATE_DTYPES)} states; set memory.gpu_state_blocks: "
+                "0 (or auto), or another optimizer.state_dtype"
             )
         self._check_master_dtype()
         warmup = self.optimizer.warmup_steps

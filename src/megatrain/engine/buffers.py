@@ -96,7 +96,7 @@ class DeviceBuffers:
         a GPU-tier block's by its states (tests compare them with the layout)."""
         tier: list[torch.Tensor] = []
         for block in self.tier.blocks:  # whole weights first: the shard's may be views of them
-            parts = (block.master, block.shadow, block.exp_avg, block.exp_avg_sq, block.grad)
+            parts = (block.master, block.shadow, *block.state_tensors().values(), block.grad)
             tier += [self.tier.weights(block), *(t for t in parts if t is not None)]
         return {
             SLOTS: list(self.slots.buffers),

@@ -54,12 +54,12 @@ from megatrain.engine.plan import TierSplit
 from megatrain.engine.transfers import Event, Transfers
 from megatrain.engine.updates import UpdateWorker
 from megatrain.optim import triton_adamw
-from megatrain.optim.adamw import CpuAdamW
+from megatrain.optim.adamw import DEVICE_CHUNK, CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.grads import gradient_key, num_grad_blocks, quantize_gradient_
 from megatrain.store.int4 import INT4_HALF, num_int4_blocks
 from megatrain.store.memory import pin_in_place, pinnable
-from megatrain.store.states import QUANT_BLOCK, num_quant_blocks
+from megatrain.store.states import num_quant_blocks
 
 T = TypeVar("T")
 
@@ -68,11 +68,6 @@ STAGING_SETS = 2
 back from the other (the link's two directions at once)."""
 ALIGN = 256
 """Byte alignment of each tensor carved out of a share buffer."""
-DEVICE_CHUNK = 4096 * QUANT_BLOCK
-"""Values per pass of the torch reference on the device (8M): each pass is 40-250 kernel
-launches (fp32 states to bf16 rounding) issued from the share's worker thread under the GIL,
-beside the main thread's launches, so passes are large: a 0.6B-parameter block is 72 passes,
-about 6k launches with int8 states; the temporaries (WORK_BYTES) grow with it."""
 WORK_BYTES_PER_VALUE = 81
 """Peak bytes of the reference update's temporaries per value of a pass, the most of any format
 (a bf16 master or bf16 states: the stochastic rounding's int64 indices and hashes; fp32 states

@@ -16,8 +16,9 @@ Buffers (c = bytes of the compute dtype; "streamed" = layers outside the GPU tie
 - the gathered embedding table (ranks, embedding not in the tier), c;
 - a vision-language model's vision modules (tower, projector), resident: the frozen ones, c;
   the trained ones (model.freeze_vision / freeze_projector false), c, and their gradient, fp32;
-- the GPU tier: per block its fp32 master (unless it is the weights), m, v and gradient over
-  the rank's shard, and its whole weights in the compute dtype (engine/tier.py);
+- the GPU tier: per block its fp32 master (unless it is the weights), m and v as the store
+  keeps them (fp32, bf16, or int8 codes with their scales) and the fp32 gradient over the
+  rank's shard, and its whole weights in the compute dtype (engine/tier.py);
 - the GPU update share (engine/gpu_share.py, `gpu_update_blocks`: streamed blocks from the
   head back): each share block's held gradient in its landing format, and STAGING_SETS staging
   sets (one with a single share block) of the largest share block's master and states (+ bf16
@@ -40,6 +41,7 @@ from megatrain.model.multimodal import vision_split
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.shard import shard_range
+from megatrain.store.states import state_nbytes
 
 FP32 = torch.float32
 
@@ -94,7 +96,7 @@ GATHERED = "all-gathered embedding table (ranks)"
 VISION = "vision modules (frozen)"
 VISION_TRAIN = "vision weights (trained)"
 VISION_GRAD = "vision gradient (fp32)"
-TIER = "GPU tier (fp32 master, m, v, gradient, weights)"
+TIER = "GPU tier (fp32 master, m, v as stored, gradient, weights)"
 SHARE_GRADS = "GPU update share: held gradients"
 SHARE_STAGING = "GPU update share: master and states staging"
 
@@ -142,8 +144,8 @@ class DeviceLayout:
             Buffer(VISION_GRAD, 1, trained, FP32),
         ]
         tier_sizes = [n for n, t in zip(padded, in_tier, strict=True) if t]
-        states = 4 if c == torch.bfloat16 else 3  # fp32 master (unless the weights), m, v, grad
-        tier_bytes = sum(n * c.itemsize + states * 4 * (n // world) for n in tier_sizes)
+        fmt = formats or BlockFormats(hold="shadow" if c == torch.bfloat16 else "fp32")
+        tier_bytes = sum(_tier_block_bytes(n, n // world, c, fmt.state_dtype) for n in tier_sizes)
         out.append(Buffer(TIER, 1, tier_bytes, torch.uint8))
         pairs = share_of(
             list(zip(layers, layer_tier, strict=True)),
@@ -152,7 +154,6 @@ class DeviceLayout:
             plan.gpu_update_blocks,
         )
         share = [n for n, _ in pairs]
-        fmt = formats or BlockFormats(hold="shadow" if c == torch.bfloat16 else "fp32")
         grads = sum(packed_bytes(fmt.gradient_parts(n)) for n in share)
         staging = max((packed_bytes(fmt.staging_parts(n)) for n in share), default=0)
         out.append(Buffer(SHARE_GRADS, 1, grads, torch.uint8))
@@ -190,6 +191,15 @@ class DeviceLayout:
     @property
     def total_bytes(self) -> int:
         return sum(b.bytes for b in self.buffers)
+
+
+def _tier_block_bytes(whole: int, own: int, c: torch.dtype, state_dtype: str) -> int:
+    """Device bytes of a GPU-tier block of `whole` parameters, `own` of them this rank's: the
+    whole weights in the compute dtype; of its own part the fp32 master (unless it is the
+    weights: fp32 compute), m and v as stored (store/states.py state_nbytes) and the fp32
+    gradient."""
+    master = 4 * own if c == torch.bfloat16 else 0
+    return whole * c.itemsize + master + state_nbytes(own, state_dtype) + 4 * own
 
 
 def _order(blocks: BlockSizes) -> Sequence[int]:

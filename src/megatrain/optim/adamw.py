@@ -51,6 +51,12 @@ from megatrain.store.states import (
     rounding_keys,
 )
 
+DEVICE_CHUNK = 4096 * QUANT_BLOCK
+"""Values per pass of the torch reference (`update_reference`) on a device (8M): each pass is
+40-250 kernel launches (fp32 states to bf16 rounding), so passes are large: a 0.6B-parameter
+block is 72 passes, about 6k launches with int8 states; the temporaries (engine/gpu_share.py
+WORK_BYTES) grow with it. The fused kernel (optim/triton_adamw.py) takes a block in one launch."""
+
 
 @dataclass(frozen=True)
 class AdamWHyper:
@@ -78,9 +84,13 @@ class CpuAdamW:
     ) -> None:
         """One AdamW step on `block` with its landed gradient times `grad_scale`.
 
-        `on_device`: the block lives on the compute device (GPU tier, engine/tier.py): the
-        "torch" implementation runs there, queued on the current stream (no host sync).
+        `on_device`: the block lives on the compute device (GPU tier, engine/tier.py), queued
+        on the current stream (no host sync): fp32 states by the "torch" implementation, other
+        formats by `update_device` (the fused kernel, bit for bit the C kernel's result).
         """
+        if on_device and (block.state_dtype != "fp32" or block.master_dtype != "fp32"):
+            self.update_device(block, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK)
+            return
         block.step += 1
         beta1, beta2 = self.hyper.betas
         bc1 = 1.0 - beta1**block.step

@@ -59,7 +59,14 @@ from transformers import PretrainedConfig
 from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.gpu_share import share_size, work_bytes
-from megatrain.engine.layout import SHARE_STAGING, SLOTS, VISION, VISION_TRAIN, DeviceLayout
+from megatrain.engine.layout import (
+    SHARE_STAGING,
+    SLOTS,
+    TIER,
+    VISION,
+    VISION_TRAIN,
+    DeviceLayout,
+)
 from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.engine.schedule import StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_saved_bytes_per_patch
@@ -228,7 +235,7 @@ def _settings(
     )
 
 
-SHARE_WORK = "GPU update share: AdamW temporaries"
+SHARE_WORK = "GPU update share / compressed tier: AdamW temporaries"
 
 
 # A compiled Gated DeltaNet layer (torch's fallback kernels) keeps more for its backward than
@@ -279,11 +286,13 @@ def gpu_memory(
     c = spec.compute_dtype.itemsize
     d, ranks, mbs = spec.hidden_size, setup.ranks, setup.grad_accum
     formats = setup.block_formats(spec.compute_dtype == torch.bfloat16)
+    # a GPU tier of compressed states updates on the device like the share (`work_bytes`)
+    tiered = TIER in layout and formats.state_dtype != "fp32"
     base = {
         **layout.bytes_by_name(),
         "embedding rows": mbs * min(setup.tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": mbs * profile.captured_bytes,
-        SHARE_WORK: work_bytes(formats) if SHARE_STAGING in layout else 0,
+        SHARE_WORK: work_bytes(formats) if SHARE_STAGING in layout or tiered else 0,
         "reduce-scatter output (ranks, fp32)": (
             ranks.shard(max((la.params for la in spec.layers), default=0)) * 4
             if ranks.world > 1

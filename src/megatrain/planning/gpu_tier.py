@@ -4,13 +4,15 @@
 (the allocator's reserved peak, planning/allocator_slack.py) still fits with `gpu_margin_gib`
 free, and whose persistent buffers leave `reserve` bytes (GRPO's resident rollout) free beside
 them; on the CPU "auto" is 0; a given count is clamped to the model's blocks. The tier keeps
-an fp32 master and fp32 states only (`tier_refusal`, which planning/store_table.py asks too).
+an fp32 master and fp32, bf16 or int8 states (`tier_refusal`, which planning/store_table.py
+asks too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from megatrain.choices import TIER_STATE_DTYPES
 from megatrain.engine.plan import tier_size
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import GIB, Hardware, gib
@@ -19,10 +21,11 @@ from megatrain.planning.spec import ModelSpec
 
 
 def tier_refusal(state_dtype: str, master_dtype: str) -> str | None:
-    """Why the GPU tier takes no block of this store (None: it may): it keeps fp32 states and
-    an fp32 master (config/sections.py refuses a tier given with others)."""
-    if state_dtype != "fp32":
-        return f"state_dtype {state_dtype}: fp32 only"
+    """Why the GPU tier takes no block of this store (None: it may): it keeps the states of
+    choices.py TIER_STATE_DTYPES and an fp32 master (config/sections.py refuses a tier given
+    with others)."""
+    if state_dtype not in TIER_STATE_DTYPES:
+        return f"state_dtype {state_dtype}: {', '.join(TIER_STATE_DTYPES)} only"
     if master_dtype != "fp32":
         return f"master_dtype {master_dtype}: fp32 only"
     return None

@@ -103,7 +103,7 @@ def store_table(
     rows = []
     for c in choices:
         engine = setup.engine
-        if tier_refusal(c.state, c.master):  # the tier holds fp32 stores only
+        if tier_refusal(c.state, c.master):  # formats the tier does not hold
             engine = dataclasses.replace(engine, gpu_state_blocks=0)
         layout = dataclasses.replace(
             setup, engine=engine, master_dtype=c.master, state_dtype=c.state, grad_dtype=c.grad

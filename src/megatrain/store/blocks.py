@@ -156,7 +156,8 @@ class ParamBlock:
         return total
 
     def to_device(self, device: torch.device) -> None:
-        """Move master, m, v and shadow to `device` for good, with an fp32 gradient there.
+        """Move master, m, v (with their scales) and shadow to `device` for good, with an fp32
+        gradient there.
 
         The host copies are freed. On the CPU the tensors stay where they are (the GPU tier's
         code path, run on the CPU) and only the fp32 gradient is added.
@@ -164,6 +165,9 @@ class ParamBlock:
         self.master = self.master.to(device)
         self.exp_avg = self.exp_avg.to(device)
         self.exp_avg_sq = self.exp_avg_sq.to(device)
+        if self.exp_avg_scale is not None and self.exp_avg_sq_scale is not None:
+            self.exp_avg_scale = self.exp_avg_scale.to(device)
+            self.exp_avg_sq_scale = self.exp_avg_sq_scale.to(device)
         if self.shadow is not None:
             self.shadow = self.shadow.to(device)
         if self.grad is not None and self.grad.device == device:
