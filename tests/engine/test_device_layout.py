@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +58,15 @@ def _plan(num_layers: int, tier: int, tiles: int | None, untiled: frozenset[int]
     )
 
 
+def _held(structure: Any, store: HostStore, plan: EnginePlan) -> dict[str, int]:
+    """The bytes by layout name of the device tensors an engine running `plan` holds."""
+    engine = StreamingEngine(structure, store, CpuAdamW(AdamWHyper()), plan)
+    try:
+        return held_bytes(engine.device_buffers())
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("model_type", MODELS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_layout_is_what_the_engine_holds(model_type: str, dtype: str) -> None:
@@ -70,11 +80,7 @@ def test_layout_is_what_the_engine_holds(model_type: str, dtype: str) -> None:
         assert untiled_layers(spec.structure) == untiled_layers(structure)
         planned = DeviceLayout.of(plan, block_sizes(spec), torch_dtype)
         assert block_sizes(spec) == BlockSizes.of_store(store, structure.tied)
-        engine = StreamingEngine(structure, store, CpuAdamW(AdamWHyper()), plan)
-        try:
-            held = held_bytes(engine.device_buffers())
-        finally:
-            engine.close()
+        held = _held(structure, store, plan)
         assert held == planned.bytes_by_name(), (model_type, dtype, tier, tiles)
         if tier:
             assert held[TIER] > 0
@@ -90,11 +96,7 @@ def test_a_compressed_tier_is_what_the_engine_holds(states: str) -> None:
     plan = _plan(spec.num_layers, 99, None, frozenset())
     formats = BlockFormats(store.master_dtype, store.state_dtype, store.grad_hold)
     planned = DeviceLayout.of(plan, block_sizes(spec), torch.bfloat16, formats)
-    engine = StreamingEngine(structure, store, CpuAdamW(AdamWHyper()), plan)
-    try:
-        held = held_bytes(engine.device_buffers())
-    finally:
-        engine.close()
+    held = _held(structure, store, plan)
     assert held == planned.bytes_by_name()
     fp32 = DeviceLayout.of(plan, block_sizes(spec), torch.bfloat16).bytes_by_name()[TIER]
     assert held[TIER] < fp32  # 18 B/param with fp32 states; 14 bf16, about 12 int8
@@ -150,11 +152,7 @@ def test_layout_of_trained_vision_modules(tower: bool, projector: bool) -> None:
         train_projector=projector,
     )
     planned = DeviceLayout.of(plan, block_sizes(spec), torch.bfloat16)
-    engine = StreamingEngine(structure, store, CpuAdamW(AdamWHyper()), plan)
-    try:
-        held = held_bytes(engine.device_buffers())
-    finally:
-        engine.close()
+    held = _held(structure, store, plan)
     assert held == planned.bytes_by_name()
     assert held[VISION_TRAIN] > 0 and held[VISION_GRAD] == 2 * held[VISION_TRAIN]
     assert (VISION in held) == (not tower)
