@@ -59,14 +59,7 @@ from transformers import PretrainedConfig
 from megatrain.dtypes import torch_dtype
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.gpu_share import share_size, work_bytes
-from megatrain.engine.layout import (
-    SHARE_STAGING,
-    SLOTS,
-    TIER,
-    VISION,
-    VISION_TRAIN,
-    DeviceLayout,
-)
+from megatrain.engine.layout import SHARE_STAGING, SLOTS, TIER, VISION, VISION_TRAIN, DeviceLayout
 from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.engine.schedule import StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_saved_bytes_per_patch
