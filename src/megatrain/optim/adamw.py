@@ -53,7 +53,8 @@ from megatrain.store.states import (
 
 DEVICE_CHUNK = 4096 * QUANT_BLOCK
 """Values per pass of the torch reference (`update_reference`) on a device (8M): each pass is
-40-250 kernel launches (fp32 states to bf16 rounding), so passes are large: a 0.6B-parameter
+40-250 kernel launches (fp32 states to bf16 rounding), issued beside the main thread's (the
+share's worker thread, under the GIL), so passes are large: a 0.6B-parameter
 block is 72 passes, about 6k launches with int8 states; the temporaries (engine/gpu_share.py
 WORK_BYTES) grow with it. The fused kernel (optim/triton_adamw.py) takes a block in one launch."""
 

@@ -210,7 +210,7 @@ def grpo_plan(builder: PlanBuilder, *, free_gpu_bytes: int | None = None) -> GRP
     else:
         streamed = resident.gpu_peak_bytes > budget
         reason = f"the resident rollout needs {needs} of {room}"
-    chosen = rollout_of(builder, streamed=True, tier=tier) if streamed else resident
+    chosen = rollout_of(builder, streamed=True) if streamed else resident
     why = f"grpo.rollout_weights: {g.rollout_weights}"
     if len(tried) > 1:
         first = tried[0]
