@@ -14,6 +14,8 @@ recorded measurements, not a timing of this machine."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import shapes
@@ -21,11 +23,16 @@ from megatrain.planning.hardware import GIB, Hardware
 from predict import cli_row_plan
 
 H200_HOST = Hardware().with_overrides(gpu_gib=139.8, host_gib=125)
-INT8 = {"optimizer.state_dtype": "int8"}
-OFF = {"memory.gpu_state_blocks": 0}
-MICRO_16 = {"training.micro_batch_size": 16, "training.gradient_accumulation_steps": 2}
+INT8: dict[str, Any] = {"optimizer.state_dtype": "int8"}
+OFF: dict[str, Any] = {"memory.gpu_state_blocks": 0}
+MICRO_16: dict[str, Any] = {
+    "training.micro_batch_size": 16,
+    "training.gradient_accumulation_steps": 2,
+}
 
-ROWS = {  # name: (shape, settings, tier blocks, step s, GPU peak reserved GiB, host RSS GiB)
+ROWS: dict[
+    str, tuple[str, dict[str, Any], int, float, float, float]
+] = {  # name: (shape, settings, tier blocks, step s, GPU peak reserved GiB, host RSS GiB)
     "gpt-oss int8, no tier": ("GPT_OSS_20B_17", INT8 | OFF, 0, 8.319, 29.03, 115.62),
     "gpt-oss int8, tier": ("GPT_OSS_20B_17", INT8, 11, 5.603, 130.26, 47.43),
     "qwen3 int8, no tier": ("QWEN3_30B_A3B_12", INT8 | OFF | MICRO_16, 0, 3.561, 23.04, 63.58),
