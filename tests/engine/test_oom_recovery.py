@@ -82,11 +82,16 @@ def _oom_once(
     return raised
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("dtype", "states"), [("fp32", "fp32"), ("bf16", "fp32"), ("fp32", "int8")]
+)
 def test_out_of_memory_steps_down_and_matches_a_run_planned_small(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, states: str
 ) -> None:
-    dt = ("--model.compute_dtype", dtype)
+    """int8 states: a compressed tier's blocks (docs/optimizer_states.md) step down to the host
+    worker's update with their codes and scales, the same arithmetic (on the CPU the tensors
+    stay where they are: the copies of ParamBlock.to_host are CUDA's)."""
+    dt = ("--model.compute_dtype", dtype, "--optimizer.state_dtype", states)
     expected = _losses(_trainer(tmp_path / "small", 0, *dt))
     raised = _oom_once(monkeypatch, step=2, layer=1)  # layers 3, 2 shipped, layer 1 fails
     trainer = _trainer(tmp_path / "recovered", 3, *dt)
