@@ -4,7 +4,8 @@ files as host blocks.
 
 The demo run (4 layers, fp32, clipping on) with optimizer.impl torch, the kernel the tier runs
 on the device: then every split gives bit-identical steps (tests/engine/test_gpu_tier.py), so
-losses after a resume must equal the straight run's exactly.
+losses after a resume must equal the straight run's exactly. With int8 states too (a compressed
+tier keeps the store's codes and scales, so its files are a host block's).
 """
 
 from __future__ import annotations
@@ -63,25 +64,37 @@ def _losses(out: Path, tier: int, *overrides: str) -> list[float]:
         trainer.close()
 
 
+STATES = {
+    "fp32": ["exp_avg", "exp_avg_sq"],
+    "int8": ["exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"],
+}
+
+
+@pytest.fixture(scope="module", params=list(STATES))
+def states(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    return _losses(tmp_path_factory.mktemp("straight"), 0)
+def straight(tmp_path_factory: pytest.TempPathFactory, states: str) -> list[float]:
+    return _losses(tmp_path_factory.mktemp("straight"), 0, "--optimizer.state_dtype", states)
 
 
 # 6: every block of the 4-layer demo (layers, embedding = tied lm_head, head = final norm)
 @pytest.mark.parametrize(("crash_tier", "resume_tier"), [(2, 0), (0, 6)])
 def test_resume_across_tier_splits_is_exact(
-    tmp_path: Path, straight: list[float], crash_tier: int, resume_tier: int
+    tmp_path: Path, straight: list[float], states: str, crash_tier: int, resume_tier: int
 ) -> None:
-    crashed = _trainer(tmp_path, crash_tier)
+    dtype = ("--optimizer.state_dtype", states)
+    crashed = _trainer(tmp_path, crash_tier, *dtype)
     seen = crash_during_step(crashed, 4)
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt is not None and ckpt.name == "step-00000003"
-    for i in range(4):  # every layer's file holds fp32 master, m, v, wherever it lived
+    for i in range(4):  # every layer's file holds fp32 master, m, v as stored, wherever it lived
         with safe_open(str(ckpt / "blocks" / f"layer.{i}.safetensors"), framework="pt") as f:
-            assert sorted(f.keys()) == ["exp_avg", "exp_avg_sq", "master"]
+            assert sorted(f.keys()) == sorted(["master", *STATES[states]])
             assert f.get_tensor("master").dtype == torch.float32
             assert f.metadata()["step"] == "3"
-    resumed = _losses(tmp_path, resume_tier, "--checkpoint.resume_from", "auto")
+    resumed = _losses(tmp_path, resume_tier, *dtype, "--checkpoint.resume_from", "auto")
     assert len(seen) == 3 and len(resumed) == 3
     assert seen + resumed == straight
