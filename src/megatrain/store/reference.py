@@ -23,7 +23,16 @@ from safetensors.torch import save_file
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.memory import host_zeros
-from megatrain.store.shard import ShardedBlock
+from megatrain.store.shard import ShardedBlock, shard_range
+
+
+def copy_bytes(block_params: list[int], itemsize: int, world: int = 1) -> int:
+    """Host bytes of a `ReferenceWeights` of blocks of `block_params` parameters at `itemsize`
+    bytes each (the compute dtype), over every rank of `world` (each rank's padded shards,
+    store/shard.py): also what its checkpoint files hold."""
+    if world > 1:
+        block_params = [shard_range(n, 0, world)[0] for n in block_params]
+    return sum(block_params) * itemsize
 
 
 class ReferenceWeights:
@@ -60,8 +69,9 @@ class ReferenceWeights:
         file = folder / self.file_name
         if not file.is_file():
             raise FileNotFoundError(
-                f"checkpoint {folder} has no {self.FILE}: it was written without a KL "
-                "reference (grpo.beta 0); resume it with grpo.beta: 0, or start a new run"
+                f"checkpoint {folder} has no {self.file_name}: it was written without reference "
+                "weights (grpo.beta 0, or another dpo.reference), or by another number of "
+                "ranks; resume it as it was run, or start a new run"
             )
         with safe_open(str(file), framework="pt") as f:
             for block, copy in zip(self.store.blocks, self.copies, strict=True):

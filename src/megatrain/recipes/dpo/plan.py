@@ -10,7 +10,8 @@ half as many pairs, per micro-batch). The reference adds, per `dpo.reference`:
   micro-batch to its longest row: an upper bound). The table: 8 bytes (2 fp32) per pair, on the
   host and in each checkpoint.
 - "weights": a copy of what the engine streams (compute dtype: 2 bytes per parameter in bf16,
-  4 in fp32) in host RAM and in each checkpoint, and one forward-only pass per optimizer step
+  4 in fp32; under ranks each rank's shards, store/reference.py `copy_bytes`) in host RAM and in
+  each checkpoint (one file per rank), and one forward-only pass per optimizer step
   (forward_s), on that step's micro-batches, plus the GPU tier's swap around it
   (planning/timing.py reference_swap_s, `swap_s`). Not counted: the overlap the step loses as the
   pass first waits for the previous step's updates (recipes/dpo/reference.py).
@@ -33,6 +34,7 @@ from megatrain.planning.hardware import GIB, Hardware, gib
 from megatrain.planning.plan import ResourcePlan
 from megatrain.planning.spec import ModelSpec
 from megatrain.recipes.dpo.loss import REFERENCE_FREE
+from megatrain.store.reference import copy_bytes
 
 PAIR_TABLE_BYTES = 8  # (chosen, rejected) fp32 per pair
 
@@ -65,8 +67,9 @@ def reference_plan(
     pass_s = plan.estimate.time.forward_s
     if loss_type in REFERENCE_FREE:
         return ReferencePlan("none", 0, 0, pass_s, 0.0, 0.0, 0, 0)
-    if reference == "weights":
-        copy = spec.total_params * spec.compute_dtype.itemsize
+    if reference == "weights":  # under ranks every rank's padded shards (the node's RAM)
+        blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
+        copy = copy_bytes(blocks, spec.compute_dtype.itemsize, world_size)
         step_s = pass_s + swap_s
         return ReferencePlan("weights", 0, 0, pass_s, 0.0, step_s, copy, copy, swap_s)
     per_micro = max(1, plan.micro_batch_size // 2)

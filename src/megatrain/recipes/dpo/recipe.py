@@ -90,12 +90,6 @@ class DPOTrainer(Recipe):
     def plan_run(self) -> ResourcePlan:
         """The builder's plan, refused where the reference's host bytes do not fit beside it."""
         b, plan = self.builder, self.builder.plan()
-        if self.uses_weights and b.placement.world_size > 1:
-            raise ValueError(
-                "dpo.reference: weights under torchrun: not available yet (each rank's copy is "
-                "its shard, and a checkpoint holds rank 0's files only); set dpo.reference: "
-                "precomputed"
-            )
         self.reference_plan = reference_plan(
             plan,
             b.spec,
@@ -228,9 +222,9 @@ class DPOTrainer(Recipe):
     def _load_weights(self, path: Path) -> None:
         """The reference weights of the checkpoint's run (its initial weights, not the loaded)."""
         assert self.weights is not None
-        if not (path / ReferenceWeights.FILE).is_file():
+        if not (path / self.weights.file_name).is_file():
             raise FileNotFoundError(
-                f"{path / ReferenceWeights.FILE}: missing; a dpo.reference: weights run resumes "
+                f"{path / self.weights.file_name}: missing; a dpo.reference: weights run resumes "
                 "with the initial weights saved with each checkpoint; resume this checkpoint "
                 "with the dpo.reference of its run (precomputed, or a reference-free loss), or "
                 "start a new run (another training.output_dir)"
@@ -242,9 +236,11 @@ class DPOTrainer(Recipe):
         return {"loader": self.loader.state_dict()}
 
     def write_checkpoint_files(self, folder: Path) -> None:
-        if self.reference is not None:
+        if self.reference is not None:  # every rank holds the whole table: rank 0 writes it
             torch.save(self.reference, folder / REFERENCE_FILE)
-        if self.weights is not None:
+
+    def write_rank_files(self, folder: Path) -> None:
+        if self.weights is not None:  # under several ranks, each rank's shards
             self.weights.save(folder)
 
     def extra_checkpoint_bytes(self) -> int:

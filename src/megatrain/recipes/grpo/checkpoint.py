@@ -14,8 +14,7 @@ from typing import Any
 
 from megatrain.config import TrainConfig
 from megatrain.recipes.builder import RunBuilder
-from megatrain.store.reference import ReferenceWeights
-from megatrain.store.shard import shard_range
+from megatrain.store.reference import ReferenceWeights, copy_bytes
 
 
 class ReferenceCheckpoint:
@@ -37,8 +36,6 @@ class ReferenceCheckpoint:
         several ranks, every rank's shards, padded as store/shard.py pads them)."""
         if self.cfg.grpo.beta <= 0:
             return 0
-        spec, world = self.builder.spec, self.builder.placement.world_size
+        spec = self.builder.spec
         blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
-        if world > 1:
-            blocks = [shard_range(n, 0, world)[0] for n in blocks]
-        return sum(blocks) * spec.compute_dtype.itemsize
+        return copy_bytes(blocks, spec.compute_dtype.itemsize, self.builder.placement.world_size)
