@@ -86,6 +86,13 @@ def test_weights_reference_counts_the_copy_and_a_pass_per_step(
     ref = report["reference"]
     assert ref["host_bytes"] == 2 * report["total_params"]  # bf16 copies of every block
     assert ref["step_extra_s"] == report["time"]["forward_s"] and ref["reference_s"] == 0
+    # two ranks: the node holds both ranks' copies of their shards, each block padded to a
+    # multiple of 2 x 2048 values (store/shard.py), and the checkpoint both ranks' files
+    _, two = _estimate(_dpo("--dpo.reference", "weights", "--nproc-per-node", "2"), capsys)
+    spec = model_spec(tiny_config("llama"), "bf16")
+    blocks = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
+    padded = sum(-(-n // 4096) * 4096 for n in blocks)
+    assert two["reference"]["host_bytes"] == two["reference"]["checkpoint_bytes"] == 2 * padded
     status, report = _estimate(_dpo("--dpo.loss_type", "orpo"), capsys)
     assert report["reference"]["mode"] == "none" and report["reference"]["host_bytes"] == 0
     # a host with room for training but not for the copy: refused, naming the setting
