@@ -29,8 +29,9 @@ class DPOConfig:
     a table of 8 bytes per pair kept on the host and in each checkpoint. "weights": a copy of the
     initial weights in host RAM (2 bytes per parameter in bf16 compute, 4 in fp32; saved with
     each checkpoint, as GRPO's KL reference; under torchrun each rank keeps and saves its own
-    shards) and one forward-only pass of them per step, on the step's own micro-batches. Both give the same losses; "weights" avoids the up-front pass on a
-    large data set at the price of a forward per step. Unused by orpo and simpo."""
+    shards) and one forward-only pass of them per step, on the step's own micro-batches. Both
+    give the same losses; "weights" avoids the up-front pass on a large data set at the price
+    of a forward per step. Unused by orpo and simpo."""
 
     beta: float = 0.1
     """Strength of the preference term (TRL's beta; LLaMA-Factory's pref_beta); ORPO's lambda."""
