@@ -87,6 +87,11 @@ class ModelSpec:
         return self.embed_params + self.head_params + sum(la.params for la in self.layers)
 
     @property
+    def block_params(self) -> list[int]:
+        """Parameters of each host store block in forward order: embedding, layers, head."""
+        return [self.embed_params, *(la.params for la in self.layers), self.head_params]
+
+    @property
     def active_params(self) -> int:
         return self.embed_params + self.head_params + sum(la.active_params for la in self.layers)
 

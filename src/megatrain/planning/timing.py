@@ -302,7 +302,7 @@ def _costs(
     gpu_opt_rate = GPU_ADAMW_GPARAMS_S * 1e9
     n, resident = spec.num_layers, tier.layers
     # per block in forward order (embedding, layers, head): parameters the host updates
-    params = [spec.embed_params, *(la.params for la in spec.layers), spec.head_params]
+    params = spec.block_params
     on_gpu = [tier.embed, *(i < resident for i in range(n)), tier.head]
     host = [0 if gpu else p for p, gpu in zip(params, on_gpu, strict=True)]
     shard = [ranks.shard(p) for p in host]  # what this rank copies and updates

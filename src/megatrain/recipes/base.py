@@ -234,7 +234,7 @@ class Recipe:
     def checkpoint_bytes(self) -> int:
         """One checkpoint of this run, predicted from the parameter counts (before loading)."""
         spec, b = self.builder.spec, self.builder
-        blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
+        blocks = spec.block_params
         world = b.placement.world_size
         opt = self.cfg.optimizer
         states = checkpoint_nbytes(

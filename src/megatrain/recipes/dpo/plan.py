@@ -68,8 +68,7 @@ def reference_plan(
     if loss_type in REFERENCE_FREE:
         return ReferencePlan("none", 0, 0, pass_s, 0.0, 0.0, 0, 0)
     if reference == "weights":  # under ranks every rank's padded shards (the node's RAM)
-        blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
-        copy = copy_bytes(blocks, spec.compute_dtype.itemsize, world_size)
+        copy = copy_bytes(spec.block_params, spec.compute_dtype.itemsize, world_size)
         step_s = pass_s + swap_s
         return ReferencePlan("weights", 0, 0, pass_s, 0.0, step_s, copy, copy, swap_s)
     per_micro = max(1, plan.micro_batch_size // 2)

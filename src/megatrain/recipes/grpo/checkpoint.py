@@ -37,5 +37,6 @@ class ReferenceCheckpoint:
         if self.cfg.grpo.beta <= 0:
             return 0
         spec = self.builder.spec
-        blocks = [spec.embed_params, *(layer.params for layer in spec.layers), spec.head_params]
-        return copy_bytes(blocks, spec.compute_dtype.itemsize, self.builder.placement.world_size)
+        return copy_bytes(
+            spec.block_params, spec.compute_dtype.itemsize, self.builder.placement.world_size
+        )
