@@ -97,8 +97,8 @@ def test_share_seconds_are_its_gpu_span() -> None:
 def test_share_on_gpt_oss_equals_host_updates(
     states: str, in_place: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """GPT-OSS blocks (expert biases, attention sinks: more no-decay entries) through the
-    compiled kernel, as in run 62's diagnostic: bit for bit the host updates. `in_place`: the
+    """GPT-OSS blocks (expert biases, attention sinks: more no-decay entries), as in run 62's
+    diagnostic: bit for bit the host updates. `in_place`: the
     store's tensors on mappings of their own from 4 KiB up (not 32 MiB), so the share
     page-locks them where they lie (store/memory.py `pin_in_place`, cudaHostRegister), as it
     does a large model's; a tiny model's are otherwise copied into CUDA's pinned memory."""

@@ -102,3 +102,55 @@ def test_fused_kernel_equals_the_c_kernel_in_the_interpreter() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_kernel_equals_the_c_kernel_on_cuda() -> None:
     assert check_parity("cuda") == []
+
+
+@needs_kernel
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("threaded", [False, True])
+def test_fused_kernel_orders_with_its_streams_copies(threaded: bool) -> None:
+    """As the GPU update share would run it (engine/gpu_share.py, REFERENCE_ONLY): on a side
+    stream, from a worker thread or not, master and int8 states copied up from pinned memory,
+    the kernel, and the copies back, with no host wait between them. The kernel must be
+    launched on that stream (Triton's notion of the current stream), after the copies in
+    and before the copies back: a large block (64M values, 0.4 GB up) and three steps equal
+    the C kernel's bit for bit. Run 66 (docs/performance.md) saw the share with this kernel
+    give NaN losses at full width; this checks the ordering it depends on."""
+    import threading
+
+    from triton.runtime import driver
+
+    n = 64 << 20
+    hyper = AdamWHyper(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    c_opt = CpuAdamW(hyper, impl="c")
+    host = _block(n, n // 2, "int8", bf16_grads=True)
+    pinned = {k: t.pin_memory() for k, t in {"master": host.master, **host.state_tensors()}.items()}
+    staged = _on(host, "cuda", bf16_grads=True)
+    side, gen = torch.cuda.Stream(), torch.Generator().manual_seed(2)
+    launched: list[int] = []
+
+    def run() -> None:
+        with torch.cuda.stream(side):
+            for k, t in pinned.items():
+                getattr(staged, k).copy_(t, non_blocking=True)
+            launched.append(driver.active.get_current_stream(torch.cuda.current_device()))
+            c_opt.update_device(staged, lr=3e-3, grad_scale=0.5, chunk=n)
+            for k, t in pinned.items():
+                t.copy_(getattr(staged, k), non_blocking=True)
+
+    for step in range(3):
+        grad = _grad(n, step, gen).bfloat16()
+        host.shadow.copy_(grad)  # type: ignore[union-attr]
+        staged.grad.copy_(grad)  # type: ignore[union-attr]
+        torch.cuda.synchronize()
+        c_opt.update(host, lr=3e-3, grad_scale=0.5)
+        if threaded:
+            worker = threading.Thread(target=run)
+            worker.start()
+            worker.join()
+        else:
+            run()
+        side.synchronize()
+        assert launched[-1] == side.cuda_stream
+        expected = {"master": host.master, **host.state_tensors()}
+        assert all(torch.equal(expected[k], t) for k, t in pinned.items()), step

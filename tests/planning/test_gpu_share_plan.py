@@ -15,16 +15,14 @@ import pytest
 
 from megatrain.engine.gpu_share import WORK_BYTES
 from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING
-from megatrain.optim import triton_adamw
 from megatrain.planning.estimate import SHARE_WORK
 from megatrain.planning.hardware import Hardware
+from megatrain.planning.layer_time import HBM_FRACTION
 from megatrain.planning.optimizer_rate import optimizer_gparams_s
 from megatrain.planning.ranks import Ranks
 from megatrain.planning.run_shape import RunShape
 from megatrain.planning.share_time import (
-    GPU_FUSED_BYTES_PER_S,
     GPU_REFERENCE_BYTES_PER_PARAM,
-    GPU_UNFUSED_BYTES_PER_S,
     SHARE_CPU_SLOWDOWN,
 )
 from predict import cli_row_plan
@@ -61,17 +59,15 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
     params = head + layer
     rate = optimizer_gparams_s(H100, "int8") * 1e9
     t0, t2 = base.estimate.time, two.estimate.time
-    h2d, d2h = H100.h2d_gbps * 1e9, H100.d2h_gbps * 1e9
+    h2d, d2h, hbm = H100.h2d_gbps * 1e9, H100.d2h_gbps * 1e9, H100.gpu_hbm_gbps * 1e9
     # the host updates the rest, slower over the part of its time the share's copies overlap
     rest = t0.optimizer_s - params / rate
     slower = 1 + (SHARE_CPU_SLOWDOWN - 1) * min(1.0, t2.share_s / rest)
     assert t2.optimizer_s == pytest.approx(rest * slower, rel=1e-9)
     assert t0.d2h_s - t2.d2h_s == pytest.approx(params * 2 / d2h, rel=1e-9)
     scales = sum(2 * 4 * -(-n // 2048) for n in (head, layer))
-    if triton_adamw.takes("fp32", "int8"):  # p, m, v, scales, shadow in and out; gradient in
-        work = (2 * (4 + 1 + 1 + 2) * params + 2 * scales + 2 * params) / GPU_FUSED_BYTES_PER_S
-    else:
-        work = params * GPU_REFERENCE_BYTES_PER_PARAM["fp32", "int8"] / GPU_UNFUSED_BYTES_PER_S
+    # the torch reference's bytes (engine/gpu_share.py REFERENCE_ONLY: never the fused kernel)
+    work = params * GPU_REFERENCE_BYTES_PER_PARAM["fp32", "int8"] / (HBM_FRACTION * hbm)
     expected = (
         (6 * params + scales) / h2d  # master, codes and scales up, pinned
         + (6 * params + scales) / d2h  # and back
@@ -81,8 +77,7 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
     assert t2.share_s == pytest.approx(expected, rel=1e-9)
     # the GPU: held gradients, one staging set, the update's temporaries
     items = two.estimate.gpu.items
-    work_bytes = 0 if triton_adamw.takes("fp32", "int8") else WORK_BYTES  # the reference's
-    assert items.get(SHARE_WORK, 0) == work_bytes and SHARE_WORK not in base.estimate.gpu.items
+    assert items[SHARE_WORK] == WORK_BYTES and SHARE_WORK not in base.estimate.gpu.items
     assert items[SHARE_GRADS] >= 2 * params and items[SHARE_STAGING] >= 6 * head
     assert t2.compute_s == t0.compute_s
 

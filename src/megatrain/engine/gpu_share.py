@@ -16,13 +16,13 @@ Per share block and step:
 2. Update (`update`, on a second host worker thread, engine/updates.py): the block's master and
    AdamW states, as stored, are copied host-to-device into a staging set (the largest share
    block's size; STAGING_SETS of them, taken in turn), AdamW runs there
-   (`CpuAdamW.update_device`: the fused Triton kernel of optim/triton_adamw.py for an fp32
-   master with fp32, bf16 or int8 states, else the torch references of the C kernels; either
-   takes the same StepScalars, stochastic-rounding keys and clipping coefficient and is bit for
-   bit the host update), and master, states and the new weights (the bf16 shadow, or the master
-   that is the streamed copy) are copied back device-to-host. Copies in and the AdamW run on
-   one stream, copies back on another, so one block's states come back while the next one's go
-   up. The share's master and states are page-locked where they lie in the store
+   (`CpuAdamW.update_reference`: the torch reference of the C kernels, with the same
+   StepScalars, stochastic-rounding keys and clipping coefficient, bit for bit the host
+   update), and master, states and the new weights (the bf16 shadow, or the master that is the
+   streamed copy) are copied back device-to-host. Not the fused Triton kernel of
+   optim/triton_adamw.py that the GPU tier uses (REFERENCE_ONLY says why). Copies in and the
+   AdamW run on one stream, copies back on another, so one block's states come back while the
+   next one's go up. The share's master and states are page-locked where they lie in the store
    (store/memory.py `pin_in_place`, at start; the small scales moved to pinned memory): every
    copy runs at the link's pinned rate and is queued without waiting.
 3. The next forward's copy of the block waits for it as for a host update (`wait(block)`).
@@ -30,8 +30,8 @@ Per share block and step:
 Device memory (engine/layout.py SHARE_GRADS, SHARE_STAGING): every share block's held gradient
 (2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and the staging sets of master +
 states (+ the bf16 shadow written by the update). The torch reference's temporaries, up to
-WORK_BYTES (`work_bytes`: none for the fused kernel), are freed after each pass of
-DEVICE_CHUNK values and kept by the allocator: the estimate counts them beside the layout.
+WORK_BYTES, are freed after each pass of DEVICE_CHUNK values and kept by the allocator: the
+estimate counts them beside the layout.
 
 Invariants: a staging set takes a block only after its previous block's copies back are done
 (the up stream waits for them); an update starts only after its held gradient is written (the
@@ -75,14 +75,26 @@ WORK_BYTES_PER_VALUE = 81
 storages until freed, over `CpuAdamW.update_reference` on a 1M-value block in one pass)."""
 WORK_BYTES = DEVICE_CHUNK * WORK_BYTES_PER_VALUE
 """GPU memory the share's update allocates beside its buffers (its stream's pool keeps it),
-680 MB: planning/estimate.py counts it where there is a share."""
+680 MB: planning/estimate.py counts it where there is a share (and for a GPU tier of formats
+the fused kernel does not take, `work_bytes`)."""
+REFERENCE_ONLY = True
+"""The share updates through the torch reference, never the fused Triton kernel: on the H200
+(2026-11-28, docs/performance.md run 66) GPT-OSS-20B cut to 4 full-width layers with int8
+states and a share of 3 blocks gave a NaN loss at step 2, 3, 5 and 6 with the fused kernel
+(threaded, synchronized after each update, or on the main thread), and ran 8 steps beside the
+run without a share with the reference. The fused kernel's results, checked against the C
+kernel on the same inputs at that width, were bit for bit the same (9 updates), so the fault is
+in how its launch orders against the share's copies, not found yet; tiny models never show
+it (tests/engine/test_gpu_share_cuda.py). planning/share_time.py times the reference."""
 Parts = list[tuple[torch.dtype, int]]
 
 
-def work_bytes(formats: BlockFormats) -> int:
-    """GPU bytes the share's update allocates beside its buffers: the torch reference's
-    temporaries, none where the fused kernel takes the formats."""
-    return 0 if triton_adamw.takes(formats.master_dtype, formats.state_dtype) else WORK_BYTES
+def work_bytes(formats: BlockFormats, *, share: bool) -> int:
+    """GPU bytes a device update allocates beside its buffers: the torch reference's
+    temporaries; none for a GPU tier block of formats the fused kernel takes (the share always
+    runs the reference: REFERENCE_ONLY)."""
+    fused = triton_adamw.takes(formats.master_dtype, formats.state_dtype)
+    return 0 if fused and not (share and REFERENCE_ONLY) else WORK_BYTES
 
 
 def share_of(layers: Sequence[T], head: T, streamed: Callable[[T], bool], count: int) -> list[T]:
@@ -269,7 +281,12 @@ class GpuShare:
     def _apply(self, device: ParamBlock, lr: float, grad_scale: float) -> None:
         if self.on_gradient is not None:
             self.on_gradient(device)
-        self.optimizer.update_device(device, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK)
+        if REFERENCE_ONLY:
+            self.optimizer.update_reference(
+                device, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK
+            )
+        else:
+            self.optimizer.update_device(device, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK)
 
     def _device_block(self, block: ParamBlock, staging: torch.Tensor) -> ParamBlock:
         """A ParamBlock over `staging`'s views, master and states copied in from the host."""

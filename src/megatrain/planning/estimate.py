@@ -281,11 +281,14 @@ def gpu_memory(
     formats = setup.block_formats(spec.compute_dtype == torch.bfloat16)
     # a GPU tier of compressed states updates on the device like the share (`work_bytes`)
     tiered = TIER in layout and formats.state_dtype != "fp32"
+    shared = SHARE_STAGING in layout
     base = {
         **layout.bytes_by_name(),
         "embedding rows": mbs * min(setup.tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": mbs * profile.captured_bytes,
-        SHARE_WORK: work_bytes(formats) if SHARE_STAGING in layout or tiered else 0,
+        # the share's on its own stream's pool, the tier's on the compute stream's
+        SHARE_WORK: (work_bytes(formats, share=True) if shared else 0)
+        + (work_bytes(formats, share=False) if tiered else 0),
         "reduce-scatter output (ranks, fp32)": (
             ranks.shard(max((la.params for la in spec.layers), default=0)) * 4
             if ranks.world > 1

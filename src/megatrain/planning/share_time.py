@@ -4,17 +4,21 @@ The share (engine/gpu_share.py: the last `gpu_update_blocks` streamed blocks, he
 layers from the last) skips a block's gradient copy down and its CPU AdamW; instead its master
 and states, as stored, go up (H2D stream) and master, states and weights come back (D2H), with
 the AdamW on the GPU in between. The share page-locks what it copies (engine/gpu_share.py
-`_pin`), so it crosses the link at the pinned rates. The AdamW is the fused Triton kernel
-where it takes the formats (optim/triton_adamw.py `takes`: it moves `fused_bytes` at
-GPU_FUSED_BYTES_PER_S), else the torch reference (GPU_REFERENCE_BYTES_PER_PARAM at
-GPU_UNFUSED_BYTES_PER_S); its slowing of the compute beside it is not counted.
+`_pin`), so it crosses the link at the pinned rates. The AdamW is the torch reference
+(GPU_REFERENCE_BYTES_PER_PARAM at planning/layer_time.py HBM_FRACTION of the GPU's memory
+bandwidth, as other unfused kernels; engine/gpu_share.py REFERENCE_ONLY),
+or where the share may take the fused Triton kernel and it takes the formats
+(optim/triton_adamw.py `takes`) that kernel (`fused_bytes` at GPU_FUSED_BYTES_PER_S); its
+slowing of the compute beside it is not counted.
 planning/gpu_share.py picks the count for "auto".
 """
 
 from __future__ import annotations
 
+from megatrain.engine import gpu_share
 from megatrain.engine.gpu_share import BlockFormats, Parts, share_of
 from megatrain.optim import triton_adamw
+from megatrain.planning.layer_time import HBM_FRACTION
 
 GPU_REFERENCE_BYTES_PER_PARAM = {
     ("fp32", "fp32"): 272,
@@ -40,11 +44,6 @@ parameter rose 1.18x with int8 states (9 share blocks) and 1.27x with fp32 state
 GPU_FUSED_BYTES_PER_S = 2.0e12
 """What the fused kernel achieves of an H100's memory bandwidth (3.35 TB/s peak; assumed,
 measure: docs/performance.md)."""
-GPU_UNFUSED_BYTES_PER_S = 1.06e12
-"""What unfused elementwise kernels achieve of an H100's memory bandwidth (assumed, as
-docs/optimizer_states.md "Which tier" did: 0.29 s for the 374 B/param of a 0.82B int8 block),
-so the share's AdamW runs at GPU_UNFUSED_BYTES_PER_S / GPU_REFERENCE_BYTES_PER_PARAM: 3.9
-Gparams/s for fp32 states, 0.6 for a bf16 master (measure: docs/performance.md)."""
 
 
 def fused_bytes(parts: Parts, gradient: Parts) -> int:
@@ -60,16 +59,20 @@ def share_seconds(
     formats: BlockFormats,
     weight_bytes: int,
     link_bytes_per_s: tuple[float, float],
+    hbm_bytes_per_s: float,
 ) -> tuple[set[int], list[float], list[float]]:
     """The share's blocks by forward position (embedding 0, layers, head last) and each block's
     seconds up (master and states, then its GPU AdamW) and down (master, states and a bf16
     shadow's weights); 0 for a block outside the share. `params`: every block's parameters;
     `host`: of them, those the host updates (0: a GPU-tier block, never shared); `share`: the
     share's block count; `weight_bytes`: bytes of one weight in the compute dtype;
-    `link_bytes_per_s`: the pinned host-to-device and device-to-host rates."""
+    `link_bytes_per_s`: the pinned host-to-device and device-to-host rates;
+    `hbm_bytes_per_s`: the GPU's memory bandwidth (datasheet)."""
     n = len(params) - 2
     h2d, d2h = link_bytes_per_s
-    fused = triton_adamw.takes(formats.master_dtype, formats.state_dtype)
+    fused = not gpu_share.REFERENCE_ONLY and triton_adamw.takes(
+        formats.master_dtype, formats.state_dtype
+    )
     shared = set(share_of(list(range(1, n + 1)), n + 1, lambda i: host[i] > 0, share))
     up_s, down_s = [0.0] * (n + 2), [0.0] * (n + 2)
     for i in shared:
@@ -80,7 +83,7 @@ def share_seconds(
             work = fused_bytes(parts, formats.gradient_parts(params[i])) / GPU_FUSED_BYTES_PER_S
         else:
             per_param = GPU_REFERENCE_BYTES_PER_PARAM[formats.master_dtype, formats.state_dtype]
-            work = params[i] * per_param / GPU_UNFUSED_BYTES_PER_S
+            work = params[i] * per_param / (HBM_FRACTION * hbm_bytes_per_s)
         up_s[i] = _copy_seconds(stored, h2d) + work
         down_s[i] = _copy_seconds(stored, d2h) + weights / d2h
     return shared, up_s, down_s

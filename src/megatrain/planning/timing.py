@@ -309,7 +309,7 @@ def _costs(
     tier_params = [p - h for p, h in zip(params, host, strict=True)]
     formats = setup.block_formats(spec.compute_dtype == torch.bfloat16)
     shared, up_s, down_s = share_seconds(
-        params, host, plan.gpu_update_blocks, formats, elem, (h2d, d2h)
+        params, host, plan.gpu_update_blocks, formats, elem, (h2d, d2h), hw.gpu_hbm_gbps * 1e9
     )
     kept = [0 if i in shared else p for i, p in enumerate(shard)]  # gradients down, CPU AdamW
     contention = share_contention(sum(up_s) + sum(down_s), sum(kept) / opt_rate)
