@@ -120,6 +120,17 @@ def test_longest_fitting() -> None:
     assert longest_fitting(lambda n: n <= 5000, 1024, 1 << 20, 1024) == 4096
     assert longest_fitting(lambda n: False, 1024, 1 << 20, 1024) is None
     assert longest_fitting(lambda n: True, 1024, 8192, 1024) == 8192
+    # every threshold in range: the brute-force answer, and no probe past twice it
+    for limit in [*range(1024, 40 * 1024, 333), 8 << 20, (8 << 20) - 1]:
+        probes: list[int] = []
+
+        def fits(n: int, limit: int = limit, probes: list[int] = probes) -> bool:
+            probes.append(n)
+            return n <= limit
+
+        answer = longest_fitting(fits, 1024, 8 << 20, 1024)
+        assert answer == min(limit, 8 << 20) // 1024 * 1024
+        assert max(probes) <= 2 * answer + 1024 and len(probes) <= 2 * 14
 
 
 def test_unknown_offload_value() -> None:

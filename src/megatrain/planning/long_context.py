@@ -109,10 +109,18 @@ def _reason(plan: BoundaryPlan, per_layer: int, gpu_free: float, host_free: floa
 
 def longest_fitting(fits: Callable[[int], bool], low: int, high: int, step: int) -> int | None:
     """The largest multiple of `step` in [low, high] for which `fits` holds (None: not even
-    `low`), assuming that what fits at a length fits at every shorter one."""
+    `low`), assuming that what fits at a length fits at every shorter one. Doubling from `low`
+    until a length does not fit, then halving the interval: a plan costs more the longer its
+    row (more tiles to profile), so the search never plans a row over twice the answer."""
     lo, hi = -(-low // step), high // step
     if lo > hi or not fits(lo * step):
         return None
+    while lo < hi:
+        probe = min(2 * lo, hi)
+        if not fits(probe * step):
+            hi = probe - 1
+            break
+        lo = probe
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid * step):
