@@ -77,9 +77,9 @@ class OptimizerConfig:
     left (0 where the CPU update does not bound the step, on the CPU, and under torchrun);
     with memory.gpu_state_blocks also "auto", GPU-tier blocks are given up for it where that
     predicts a shorter step. Costs GPU memory: each block's held gradient (2 B/param, int8 1)
-    and two blocks' master and states. Off by default: with the fused Triton kernel a GPT-OSS-20B run
-    with it diverged, so it now runs the torch reference, measured on a 4-layer cut only
-    (docs/optimizer_states.md, "The GPU update share", known problem)."""
+    and two blocks' master and states. Off by default: with the fused Triton kernel a
+    GPT-OSS-20B run with it diverged, so it now runs the torch reference, measured on a
+    4-layer cut only (docs/optimizer_states.md, "The GPU update share", known problem)."""
 
     def validate(self) -> None:
         check_types("optimizer", self)
