@@ -279,16 +279,14 @@ def gpu_memory(
     c = spec.compute_dtype.itemsize
     d, ranks, mbs = spec.hidden_size, setup.ranks, setup.grad_accum
     formats = setup.block_formats(spec.compute_dtype == torch.bfloat16)
-    # a GPU tier of compressed states updates on the device like the share (`work_bytes`)
+    # device updates' temporaries (`work_bytes`): the share's and a compressed tier's, 2 pools
     tiered = TIER in layout and formats.state_dtype != "fp32"
-    shared = SHARE_STAGING in layout
+    shared = work_bytes(formats, share=True) if SHARE_STAGING in layout else 0
     base = {
         **layout.bytes_by_name(),
         "embedding rows": mbs * min(setup.tokens_mb, spec.vocab_size) * d * c,
         "captured masks + rotary": mbs * profile.captured_bytes,
-        # the share's on its own stream's pool, the tier's on the compute stream's
-        SHARE_WORK: (work_bytes(formats, share=True) if shared else 0)
-        + (work_bytes(formats, share=False) if tiered else 0),
+        SHARE_WORK: shared + (work_bytes(formats, share=False) if tiered else 0),
         "reduce-scatter output (ranks, fp32)": (
             ranks.shard(max((la.params for la in spec.layers), default=0)) * 4
             if ranks.world > 1
