@@ -81,11 +81,13 @@ REFERENCE_ONLY = True
 """The share updates through the torch reference, never the fused Triton kernel: on the H200
 (2026-11-28, docs/performance.md run 66) GPT-OSS-20B cut to 4 full-width layers with int8
 states and a share of 3 blocks gave a NaN loss at step 2, 3, 5 and 6 with the fused kernel
-(threaded, synchronized after each update, or on the main thread), and ran 8 steps beside the
-run without a share with the reference. The fused kernel's results, checked against the C
-kernel on the same inputs at that width, were bit for bit the same (9 updates), so the fault is
-in how its launch orders against the share's copies, not found yet; tiny models never show
-it (tests/engine/test_gpu_share_cuda.py). planning/share_time.py times the reference."""
+(threaded, synchronized after each update, or on the main thread), and ran 8 steps without
+one with the reference. The fused kernel's results, checked against the C kernel on the same
+inputs at that width, were bit for bit the same (9 updates), so the fault lies in when it runs
+relative to the share's copies or in what else it touches: not found yet (the CUDA test
+tests/optim/test_triton_adamw.py `test_fused_kernel_orders_with_its_streams_copies` checks the
+first). Tiny models never show it (tests/engine/test_gpu_share_cuda.py), nor did the
+Qwen3-30B-A3B rows of run 59. planning/share_time.py times the reference."""
 Parts = list[tuple[torch.dtype, int]]
 
 

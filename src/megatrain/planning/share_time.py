@@ -5,11 +5,11 @@ layers from the last) skips a block's gradient copy down and its CPU AdamW; inst
 and states, as stored, go up (H2D stream) and master, states and weights come back (D2H), with
 the AdamW on the GPU in between. The share page-locks what it copies (engine/gpu_share.py
 `_pin`), so it crosses the link at the pinned rates. The AdamW is the torch reference
-(GPU_REFERENCE_BYTES_PER_PARAM at planning/layer_time.py HBM_FRACTION of the GPU's memory
-bandwidth, as other unfused kernels; engine/gpu_share.py REFERENCE_ONLY),
-or where the share may take the fused Triton kernel and it takes the formats
-(optim/triton_adamw.py `takes`) that kernel (`fused_bytes` at GPU_FUSED_BYTES_PER_S); its
-slowing of the compute beside it is not counted.
+(engine/gpu_share.py REFERENCE_ONLY): GPU_REFERENCE_BYTES_PER_PARAM at planning/layer_time.py
+HBM_FRACTION of the GPU's memory bandwidth, as other unfused kernels. Were the share to take
+the fused Triton kernel again, for the formats it takes (optim/triton_adamw.py `takes`) it
+would move `fused_bytes` at GPU_FUSED_BYTES_PER_S. The share's slowing of the compute beside
+it is not counted.
 planning/gpu_share.py picks the count for "auto".
 """
 
