@@ -25,7 +25,7 @@ Buffers (c = bytes of the compute dtype; "streamed" = layers outside the GPU tie
   shadow), packed in uint8 buffers.
 
 Invariant: under ranks a block's device layout is its padded length (store/shard.py
-`shard_range`), its tier states the shard's.
+`padded_numel`), its tier states the shard's.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from megatrain.engine.plan import EnginePlan, tier_order
 from megatrain.model.multimodal import vision_split
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
-from megatrain.store.shard import shard_range
+from megatrain.store.shard import padded_numel
 from megatrain.store.states import state_nbytes
 
 FP32 = torch.float32
@@ -116,7 +116,7 @@ class DeviceLayout:
         """`formats`: how the store keeps its blocks (the GPU update share's buffers; None:
         fp32 master and states, the gradient held as the compute dtype's landing)."""
         world, c = plan.world_size, compute_dtype
-        padded = [shard_range(n, 0, world)[0] if world > 1 else n for n in _order(blocks)]
+        padded = [padded_numel(n, world) for n in _order(blocks)]
         *layers, embed, head = padded
         tier = min(plan.gpu_state_blocks, len(padded))
         in_tier = [i < tier for i in range(len(padded))]

@@ -23,16 +23,14 @@ from safetensors.torch import save_file
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.memory import host_zeros
-from megatrain.store.shard import ShardedBlock, shard_range
+from megatrain.store.shard import ShardedBlock, padded_numel
 
 
 def copy_bytes(block_params: list[int], itemsize: int, world: int = 1) -> int:
     """Host bytes of a `ReferenceWeights` of blocks of `block_params` parameters at `itemsize`
     bytes each (the compute dtype), over every rank of `world` (each rank's padded shards,
     store/shard.py): also what its checkpoint files hold."""
-    if world > 1:
-        block_params = [shard_range(n, 0, world)[0] for n in block_params]
-    return sum(block_params) * itemsize
+    return sum(padded_numel(n, world) for n in block_params) * itemsize
 
 
 class ReferenceWeights:

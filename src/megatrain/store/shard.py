@@ -65,6 +65,12 @@ def shard_range(numel: int, rank: int, world: int) -> tuple[int, int, int]:
     return n * world, rank * n, n
 
 
+def padded_numel(numel: int, world: int) -> int:
+    """A block of `numel` as the ranks of `world` hold it, padded (`shard_range`); itself for
+    one process."""
+    return shard_range(numel, 0, world)[0] if world > 1 else numel
+
+
 def shard_master(
     master: torch.Tensor,
     *,
