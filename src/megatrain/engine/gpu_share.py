@@ -83,11 +83,13 @@ REFERENCE_ONLY = True
 states and a share of 3 blocks gave a NaN loss at step 2, 3, 5 and 6 with the fused kernel
 (threaded, synchronized after each update, or on the main thread), and ran 8 steps without
 one with the reference. The fused kernel's results, checked against the C kernel on the same
-inputs at that width, were bit for bit the same (9 updates), so the fault lies in when it runs
-relative to the share's copies or in what else it touches: not found yet (the CUDA test
-tests/optim/test_triton_adamw.py `test_fused_kernel_orders_with_its_streams_copies` checks the
-first). Tiny models never show it (tests/engine/test_gpu_share_cuda.py), nor did the
-Qwen3-30B-A3B rows of run 59. planning/share_time.py times the reference."""
+inputs at that width, were bit for bit the same (9 updates); with the device synchronized
+before and after each update it wrote no storage but its outputs and gave no NaN (run 67), so
+the fault needs the kernel to run beside other GPU work: not found yet. Its launch on the
+share's stream, ordered with the copies, is checked on CUDA (tests/optim/test_triton_adamw.py
+`test_fused_kernel_orders_with_its_streams_copies`, passed in run 67). Tiny models never
+show it (tests/engine/test_gpu_share_cuda.py), nor did the Qwen3-30B-A3B rows of run 59.
+planning/share_time.py times the reference."""
 Parts = list[tuple[torch.dtype, int]]
 
 
