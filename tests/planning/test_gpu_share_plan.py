@@ -9,6 +9,7 @@ gives the count with the shortest predicted step, and none where the CPU does no
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from megatrain.planning.share_time import (
     GPU_REFERENCE_BYTES_PER_PARAM,
     SHARE_CPU_SLOWDOWN,
 )
+from megatrain.recipes.records import report_plan
 from predict import cli_row_plan
 from shapes import LLAMA31_8B, QWEN3_30B_A3B_12
 
@@ -117,3 +119,17 @@ def test_a_share_under_ranks_is_refused() -> None:
             ranks=Ranks(2),
             gpu_update_blocks=2,
         )
+
+
+def test_the_printed_plan_names_the_bound_and_the_share(capsys: pytest.CaptureFixture[str]) -> None:
+    """The `resources:` line a run prints names what bounds the predicted step: the CPU's
+    AdamW without a share; the share's copies and GPU AdamW once it takes most blocks."""
+    none, most = _plan(0), _plan(13)
+    assert none.estimate.time.bound == "CPU optimizer"
+    assert most.estimate.time.bound == "GPU update share"
+    report_plan(_plan("auto"), gpu=True)
+    out = capsys.readouterr().out
+    assert "optimizer.gpu_update_blocks auto: GPU update share:" in out
+    assert re.search(r"step [\d.]+ s \(predicted\), bound by (CPU optimizer|GPU update share)", out)
+    report_plan(none, gpu=False)
+    assert "bound by" not in capsys.readouterr().out

@@ -186,6 +186,7 @@ def step_time(
         "CPU optimizer": optimizer_s,
         "PCIe (H2D)": h2d_s,
         "host (kernel launches)": sum(costs.fwd_call_s) + sum(costs.bwd_call_s),
+        "GPU update share": sum(costs.share_up_s) + sum(costs.share_down_s),
     }
     tokens = rows * seq * micro_batches * ranks.world
     return StepTime(

@@ -37,7 +37,8 @@ def report_plan(plan: ResourcePlan, gpu: bool) -> None:
             if gpu
             else ""
         )
-        + " (predicted)",
+        + " (predicted)"
+        + (f", bound by {est.time.bound}" if gpu else ""),
         flush=True,
     )
 
