@@ -109,13 +109,15 @@ def test_fused_kernel_equals_the_c_kernel_on_cuda() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("threaded", [False, True])
 def test_fused_kernel_orders_with_its_streams_copies(threaded: bool) -> None:
-    """As the GPU update share would run it (engine/gpu_share.py, REFERENCE_ONLY): on a side
-    stream, from a worker thread or not, master and int8 states copied up from pinned memory,
-    the kernel, and the copies back, with no host wait between them. The kernel must be
-    launched on that stream (Triton's notion of the current stream), after the copies in
-    and before the copies back: a large block (64M values, 0.4 GB up) and three steps equal
-    the C kernel's bit for bit. Run 66 (docs/performance.md) saw the share with this kernel
-    give NaN losses at full width; this checks the ordering it depends on."""
+    """As the GPU update share would run it (engine/gpu_share.py `update`, REFERENCE_ONLY):
+    from a worker thread or not, master and int8 states copied up from pinned memory and the
+    kernel on one stream, an event recorded after it, and the copies back on a second stream
+    that waits for that event, with no host wait between them. The kernel must be launched on
+    the first stream (Triton's notion of the current stream), after the copies in and before
+    the event: a large block (64M values, 0.4 GB up) and three steps equal the C kernel's bit
+    for bit. Run 66 (docs/performance.md) saw the share with this kernel give NaN losses at
+    full width; this checks the ordering it depends on (passed in run 67, with the copies back
+    on the same stream then)."""
     import threading
 
     from triton.runtime import driver
@@ -126,7 +128,8 @@ def test_fused_kernel_orders_with_its_streams_copies(threaded: bool) -> None:
     host = _block(n, n // 2, "int8", bf16_grads=True)
     pinned = {k: t.pin_memory() for k, t in {"master": host.master, **host.state_tensors()}.items()}
     staged = _on(host, "cuda", bf16_grads=True)
-    side, gen = torch.cuda.Stream(), torch.Generator().manual_seed(2)
+    side, back = torch.cuda.Stream(), torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(2)
     launched: list[int] = []
 
     def run() -> None:
@@ -135,6 +138,10 @@ def test_fused_kernel_orders_with_its_streams_copies(threaded: bool) -> None:
                 getattr(staged, k).copy_(t, non_blocking=True)
             launched.append(driver.active.get_current_stream(torch.cuda.current_device()))
             c_opt.update_device(staged, lr=3e-3, grad_scale=0.5, chunk=n)
+            computed = torch.cuda.Event()
+            computed.record(side)
+        with torch.cuda.stream(back):
+            back.wait_event(computed)
             for k, t in pinned.items():
                 t.copy_(getattr(staged, k), non_blocking=True)
 
@@ -150,7 +157,7 @@ def test_fused_kernel_orders_with_its_streams_copies(threaded: bool) -> None:
             worker.join()
         else:
             run()
-        side.synchronize()
+        back.synchronize()
         assert launched[-1] == side.cuda_stream
         expected = {"master": host.master, **host.state_tensors()}
         assert all(torch.equal(expected[k], t) for k, t in pinned.items()), step
