@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, tokenization_utils_base
 
 from megatrain.package_assets import demo_assets_dir, demo_tokenizer_dir
 from megatrain.recipes.grpo.advantages import group_advantages
@@ -45,6 +45,25 @@ def test_trl_prompt_files_keep_extra_columns_and_truncate_left(tokenizer, tmp_pa
     (short,) = _load([str(path)], tokenizer, max_prompt_length=4)
     assert full.prompt == "What is 2 + 3?" and full.extras == {"answer": "5", "level": 1}
     assert short.prompt_ids == full.prompt_ids[-4:]
+
+
+def test_a_prompt_over_the_tokenizers_limit_is_cut_without_its_warning(
+    tmp_path, monkeypatch
+) -> None:
+    """grpo.max_prompt_length cuts a prompt longer than the tokenizer's model_max_length: no
+    "Token indices sequence length is longer than ..." warning from transformers (a fresh
+    tokenizer: it gives that warning once per instance)."""
+    fresh = AutoTokenizer.from_pretrained(str(demo_tokenizer_dir()))
+    warned: list[str] = []
+    monkeypatch.setattr(
+        tokenization_utils_base.logger, "warning", lambda msg, *a, **k: warned.append(msg)
+    )
+    path = tmp_path / "long.jsonl"
+    text = " ".join(["word"] * (fresh.model_max_length + 50))
+    path.write_text(json.dumps({"prompt": text}) + "\n")
+    (long,) = _load([str(path)], fresh, max_prompt_length=16)
+    assert len(long.prompt_ids) == 16
+    assert not [m for m in warned if "sequence length is longer" in m]
 
 
 def test_math_answer_extracts_boxed_and_last_numbers() -> None:
