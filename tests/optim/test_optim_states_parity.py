@@ -20,32 +20,10 @@ from megatrain.store.states import (
     quantize_blockwise,
     quantize_table,
 )
+from state_blocks import host_block as _block
+from state_blocks import spread_grad as _grad
 
 needs_kernel = pytest.mark.skipif(load_adamw_kernel() is None, reason="no C compiler")
-
-
-def _block(n: int, decay_numel: int, state_dtype: str, bf16_grads: bool) -> ParamBlock:
-    gen = torch.Generator().manual_seed(0)
-    block = ParamBlock(
-        name="layer.7",
-        entries=[],
-        numel=n,
-        decay_numel=decay_numel,
-        master=torch.randn(n, generator=gen) * 0.02,
-        state_dtype=state_dtype,
-        **allocate_states(n, state_dtype),  # type: ignore[arg-type]
-    )
-    if bf16_grads:
-        block.shadow = torch.empty(n, dtype=torch.bfloat16)
-    else:
-        block.grad = torch.empty(n)
-    return block
-
-
-def _grad(n: int, step: int, gen: torch.Generator) -> torch.Tensor:
-    # magnitudes spread over decades within a block, and whole steps 100x smaller
-    spread = 10.0 ** torch.randint(-4, 1, (n,), generator=gen).float()
-    return torch.randn(n, generator=gen) * spread * 10.0 ** -(2 * (step % 2))
 
 
 SIZES = [

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_optim_states_parity import _block, _grad
 
 from megatrain.native import load_adamw_kernel
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock
+from state_blocks import host_block as _block
+from state_blocks import spread_grad as _grad
 
 pytest.importorskip("triton")
 needs_kernel = pytest.mark.skipif(load_adamw_kernel() is None, reason="no C compiler")
@@ -78,7 +79,8 @@ def check_parity(device: str) -> list[str]:
 @needs_kernel
 def test_fused_kernel_equals_the_c_kernel_in_the_interpreter() -> None:
     code = (
-        f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}]\n"
+        f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, "
+        f"{str(Path(__file__).parents[1])!r}]\n"
         "import test_triton_adamw as t\n"
         "from megatrain.optim import triton_adamw\n"
         "assert triton_adamw.interpreting()\n"
