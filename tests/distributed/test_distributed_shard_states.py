@@ -19,23 +19,16 @@ import torch
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.shard import ShardedBlock, shard_block
-from megatrain.store.states import QUANT_BLOCK, allocate_states
+from megatrain.store.states import QUANT_BLOCK
+from state_blocks import host_block
 
 N, DECAY, WORLD, STEPS = 5 * QUANT_BLOCK + 123, 3 * QUANT_BLOCK + 7, 3, 3
 
 
 def _whole(state_dtype: str) -> ParamBlock:
-    gen = torch.Generator().manual_seed(0)
-    block = ParamBlock(
-        name="layer.2",
-        entries=[],
-        numel=N,
-        decay_numel=DECAY,
-        master=torch.randn(N, generator=gen) * 0.02,
-        state_dtype=state_dtype,
-        **allocate_states(N, state_dtype),  # type: ignore[arg-type]
-    )
-    block.grad = torch.zeros(N)
+    block = host_block(N, DECAY, state_dtype, bf16_grads=False, name="layer.2")
+    assert block.grad is not None
+    block.grad.zero_()
     return block
 
 

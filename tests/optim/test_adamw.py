@@ -11,26 +11,13 @@ import torch
 from megatrain.native import load_adamw_kernel, reference_step, self_test
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.store.blocks import ParamBlock, to_bf16_
+from state_blocks import host_block
 
 IMPLS = ["torch"] + (["c"] if load_adamw_kernel() is not None else [])
 
 
 def _block(n: int, decay_numel: int, bf16: bool, seed: int = 0) -> ParamBlock:
-    gen = torch.Generator().manual_seed(seed)
-    block = ParamBlock(
-        name="b",
-        entries=[],
-        numel=n,
-        decay_numel=decay_numel,
-        master=torch.randn(n, generator=gen) * 0.02,
-        exp_avg=torch.zeros(n),
-        exp_avg_sq=torch.zeros(n),
-    )
-    if bf16:
-        block.shadow = torch.empty(n, dtype=torch.bfloat16)
-    else:
-        block.grad = torch.empty(n)
-    return block
+    return host_block(n, decay_numel, "fp32", bf16, seed=seed, name="b")
 
 
 # fp32 unit roundoff: a correctly rounded +, -, *, / or sqrt errs by at most U relative.
