@@ -89,11 +89,12 @@ the fault needs the kernel to run beside other GPU work: not found yet. A lead: 
 host-synchronizes the up stream several times a pass (its blocking copies of the int8 maps
 and the scalars to the device), so its `update` returns with the AdamW done, where the fused
 kernel's returns at once; a host wait for the up stream after the fused kernel is the next
-thing to try (docs/optimizer_states.md, known problem). Its launch on the
-share's stream, ordered with the copies, is checked on CUDA (tests/optim/test_triton_adamw.py
-`test_fused_kernel_orders_with_its_streams_copies`, passed in run 67). Tiny models never
-show it (tests/engine/test_gpu_share_cuda.py), nor did the Qwen3-30B-A3B rows of run 59.
-planning/share_time.py times the reference."""
+thing to try (docs/optimizer_states.md, known problem). Its launch on the share's stream,
+ordered with the copies, is checked on CUDA (tests/optim/test_triton_adamw.py
+`test_fused_kernel_orders_with_its_streams_copies`, passed in run 67), and the share's own
+machinery under load with it forced in by tests/engine/test_gpu_share_load.py (not run on a
+GPU yet). Tiny models never show it (tests/engine/test_gpu_share_cuda.py), nor did the
+Qwen3-30B-A3B rows of run 59. planning/share_time.py times the reference."""
 Parts = list[tuple[torch.dtype, int]]
 
 

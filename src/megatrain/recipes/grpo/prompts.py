@@ -77,9 +77,10 @@ def load_prompts(
                 add_generation_prompt=True,
                 tokenize=False,
             )
-            # verbose=False: grpo.max_prompt_length cuts the prompt below, so transformers'
-            # "Token indices sequence length is longer than ..." warning does not apply
-            ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+            # grpo.max_prompt_length cuts the prompt below: transformers' "Token indices
+            # sequence length is longer than ..." warning applies only without it
+            ids = tokenizer(text, add_special_tokens=False, verbose=max_prompt_length is None)
+            ids = ids["input_ids"]
             if max_prompt_length is not None:
                 ids = ids[-max_prompt_length:]
             prompts.append(Prompt(shown, list(ids), extras))
