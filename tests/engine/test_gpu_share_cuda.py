@@ -98,10 +98,10 @@ def test_share_on_gpt_oss_equals_host_updates(
     states: str, in_place: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """GPT-OSS blocks (expert biases, attention sinks: more no-decay entries), as in run 62's
-    diagnostic: bit for bit the host updates. `in_place`: the
-    store's tensors on mappings of their own from 4 KiB up (not 32 MiB), so the share
-    page-locks them where they lie (store/memory.py `pin_in_place`, cudaHostRegister), as it
-    does a large model's; a tiny model's are otherwise copied into CUDA's pinned memory."""
+    diagnostic: bit for bit the host updates. `in_place`: the store's tensors on mappings of
+    their own from 4 KiB up (not 32 MiB), so the share page-locks them where they lie
+    (store/memory.py `pin_in_place`, cudaHostRegister), as it does a large model's; a tiny
+    model's are otherwise copied into CUDA's pinned memory."""
     pinned: list[bool] = []
     if in_place:
         monkeypatch.setattr(memory, "HUGE_PAGE_MIN_BYTES", mmap.PAGESIZE)

@@ -98,12 +98,17 @@ Qwen3-30B-A3B rows of run 59. planning/share_time.py times the reference."""
 Parts = list[tuple[torch.dtype, int]]
 
 
+def runs_fused(formats: BlockFormats, *, share: bool) -> bool:
+    """Whether a device update of blocks of `formats` runs the fused Triton kernel: where it
+    takes the formats, for a GPU tier block always, for a share block unless REFERENCE_ONLY."""
+    takes = triton_adamw.takes(formats.master_dtype, formats.state_dtype)
+    return takes and not (share and REFERENCE_ONLY)
+
+
 def work_bytes(formats: BlockFormats, *, share: bool) -> int:
     """GPU bytes a device update allocates beside its buffers: the torch reference's
-    temporaries; none for a GPU tier block of formats the fused kernel takes (the share always
-    runs the reference: REFERENCE_ONLY)."""
-    fused = triton_adamw.takes(formats.master_dtype, formats.state_dtype)
-    return 0 if fused and not (share and REFERENCE_ONLY) else WORK_BYTES
+    temporaries; none where it `runs_fused`."""
+    return 0 if runs_fused(formats, share=share) else WORK_BYTES
 
 
 def share_of(layers: Sequence[T], head: T, streamed: Callable[[T], bool], count: int) -> list[T]:

@@ -15,9 +15,7 @@ planning/gpu_share.py picks the count for "auto".
 
 from __future__ import annotations
 
-from megatrain.engine import gpu_share
-from megatrain.engine.gpu_share import BlockFormats, Parts, share_of
-from megatrain.optim import triton_adamw
+from megatrain.engine.gpu_share import BlockFormats, Parts, runs_fused, share_of
 from megatrain.planning.layer_time import HBM_FRACTION
 
 GPU_REFERENCE_BYTES_PER_PARAM = {
@@ -70,9 +68,7 @@ def share_seconds(
     `hbm_bytes_per_s`: the GPU's memory bandwidth (datasheet)."""
     n = len(params) - 2
     h2d, d2h = link_bytes_per_s
-    fused = not gpu_share.REFERENCE_ONLY and triton_adamw.takes(
-        formats.master_dtype, formats.state_dtype
-    )
+    fused = runs_fused(formats, share=True)
     shared = set(share_of(list(range(1, n + 1)), n + 1, lambda i: host[i] > 0, share))
     up_s, down_s = [0.0] * (n + 2), [0.0] * (n + 2)
     for i in shared:

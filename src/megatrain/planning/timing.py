@@ -181,12 +181,13 @@ def step_time(
     d2h_s = sum(costs.d2h_s) + costs.d2h_head_s + costs.d2h_embed_s
     optimizer_s = sum(costs.opt_s)
     gpu_optimizer_s = sum(costs.tier_opt_s)
+    share_s = sum(costs.share_up_s) + sum(costs.share_down_s)
     busy = {
         "GPU compute": compute_s,
         "CPU optimizer": optimizer_s,
         "PCIe (H2D)": h2d_s,
         "host (kernel launches)": sum(costs.fwd_call_s) + sum(costs.bwd_call_s),
-        "GPU update share": sum(costs.share_up_s) + sum(costs.share_down_s),
+        "GPU update share": share_s,
     }
     tokens = rows * seq * micro_batches * ranks.world
     return StepTime(
@@ -205,7 +206,7 @@ def step_time(
         tokens_per_s=tokens / step_s,
         model_tflops=6 * spec.active_params * tokens / step_s / 1e12,
         vision_s=vision_fwd + vision_bwd,
-        share_s=sum(costs.share_up_s) + sum(costs.share_down_s),
+        share_s=share_s,
     )
 
 

@@ -79,8 +79,8 @@ def load_prompts(
             )
             # grpo.max_prompt_length cuts the prompt below: transformers' "Token indices
             # sequence length is longer than ..." warning applies only without it
-            ids = tokenizer(text, add_special_tokens=False, verbose=max_prompt_length is None)
-            ids = ids["input_ids"]
+            verbose = max_prompt_length is None
+            ids = tokenizer(text, add_special_tokens=False, verbose=verbose)["input_ids"]
             if max_prompt_length is not None:
                 ids = ids[-max_prompt_length:]
             prompts.append(Prompt(shown, list(ids), extras))
