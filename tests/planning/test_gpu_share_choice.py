@@ -55,8 +55,23 @@ def test_tier_blocks_are_given_up_while_the_share_shortens_the_step() -> None:
     step = {4: 2.6, 3: 2.4, 2: 2.3, 1: 2.35, 0: 2.2}  # 0 would be shorter, but 1 ends the walk
     traded = trade_tier(4, lambda t: (share_of[t], f"share {share_of[t]}"), lambda t, n: step[t])
     assert (traded.tier, traded.share, traded.share_reason, traded.traded) == (2, 5, "share 5", 2)
+    assert traded.tier_reason(6) == (
+        "GPU tier: 2 of 6 blocks (2 fewer than fit: their room holds the GPU update share; "
+        "predicted step 2.30 s against 2.60 s)"
+    )
     kept = trade_tier(4, lambda t: (share_of[t], None), lambda t, n: 2.0 + 0.1 * (4 - t))
     assert (kept.tier, kept.share, kept.traded) == (4, 1, 0)
+
+
+def test_a_tier_traded_for_no_share_says_the_host_updates_those_blocks() -> None:
+    """Fewer tier blocks with no share at all (the host updating them beside the next forward
+    predicts the shorter step): the reason names that, not a share."""
+    traded = trade_tier(3, lambda t: (0, None), lambda t, n: {3: 1.85, 2: 1.79, 1: 1.8}[t])
+    assert (traded.tier, traded.share, traded.traded) == (2, 0, 1)
+    assert traded.tier_reason(14) == (
+        "GPU tier: 2 of 14 blocks (1 fewer than fit: the host updates them beside the next "
+        "forward; predicted step 1.79 s against 1.85 s)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,10 @@ bound the step (the GPU compute or the link does), that is 0, and no GPU memory 
 The GPU tier (planning/gpu_tier.py) takes the GPU memory first. A tier block keeps its master
 and states on the GPU (12-16 B/param); a share block holds only its gradient (1-4 B/param)
 beside the staging sets, so where both are "auto", `trade_tier` gives up tier blocks, one at a
-time, while the room they free lets a larger share predict a shorter step.
+time, while the step predicted with the share their room allows is shorter. That share may be
+none: with clipping the tier's AdamW runs on the compute stream before the next forward, where
+the host's update of a streamed block runs beside it (docs/performance.md run 68: the
+Qwen3-30B-A3B row with fp32 states, 9 of the 10 tier blocks that fit, 1.769 s against 1.807 s).
 """
 
 from __future__ import annotations
@@ -66,7 +69,23 @@ class TierAndShare(NamedTuple):
     tier: int
     share: int
     share_reason: str | None
-    traded: int  # tier blocks given up for the share
+    traded: int  # tier blocks given up (for the share, or for the host's update)
+    step_s: float = 0.0  # the predicted step with these counts
+    full_s: float = 0.0  # ... with every tier block that fits and its share
+
+    def tier_reason(self, blocks: int) -> str:
+        """Why `auto` keeps fewer tier blocks than fit (of `blocks`): the room a larger share
+        takes, or, with no share, the host updating them beside the next forward (predicted
+        shorter than their AdamW on the compute stream with the larger tier's memory)."""
+        why = (
+            "their room holds the GPU update share"
+            if self.share
+            else "the host updates them beside the next forward"
+        )
+        return (
+            f"GPU tier: {self.tier} of {blocks} blocks ({self.traded} fewer than fit: {why}; "
+            f"predicted step {self.step_s:.2f} s against {self.full_s:.2f} s)"
+        )
 
 
 def trade_tier(
@@ -76,12 +95,13 @@ def trade_tier(
     blocks that fit) down, one tier block at a time until a step is no shorter. `pick(t)`:
     the share's count beside t tier blocks, and why; `step_s(t, n)`: the predicted step."""
     share, reason = pick(tier)
-    best = TierAndShare(tier, share, reason, 0)
-    best_s = step_s(tier, share)
+    full_s = best_s = step_s(tier, share)
+    best = TierAndShare(tier, share, reason, 0, best_s, full_s)
     for fewer in range(tier - 1, -1, -1):
         share, reason = pick(fewer)
         seconds = step_s(fewer, share)
         if seconds >= best_s:
             break
-        best, best_s = TierAndShare(fewer, share, reason, tier - fewer), seconds
+        best = TierAndShare(fewer, share, reason, tier - fewer, seconds, full_s)
+        best_s = seconds
     return best

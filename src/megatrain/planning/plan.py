@@ -214,8 +214,8 @@ def _tier_and_share(
     budget: float,
 ) -> tuple[int, str | None, int, str | None]:
     """(tier, why, share, why): the share's count beside `tier` tier blocks (the most that
-    fit), and where both are "auto", fewer tier blocks where their room lets a larger share
-    predict a shorter step (planning/gpu_share.py `trade_tier`)."""
+    fit), and where both are "auto", fewer tier blocks where that predicts a shorter step: their
+    room holds a larger share, or the host updates them (planning/gpu_share.py `trade_tier`)."""
     share, share_reason = _share(shape, spec, functools.partial(predict, tier), tier, budget)
     if shape.gpu_state_blocks != "auto" or shape.gpu_update_blocks != "auto" or not tier:
         return tier, tier_reason, share, share_reason
@@ -225,10 +225,7 @@ def _tier_and_share(
         lambda t, n: predict(t, share=n).time.step_s,
     )
     if traded.traded:
-        tier_reason = (
-            f"GPU tier: {traded.tier} of {tier_size(spec.num_layers)} blocks ({traded.traded} "
-            "fewer than fit: their room holds the GPU update share)"
-        )
+        tier_reason = traded.tier_reason(tier_size(spec.num_layers))
     return traded.tier, tier_reason, traded.share, traded.share_reason
 
 
