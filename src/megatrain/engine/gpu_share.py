@@ -85,15 +85,13 @@ states and a share of 3 blocks gave a NaN loss at step 2, 3, 5 and 6 with the fu
 one with the reference. The fused kernel's results, checked against the C kernel on the same
 inputs at that width, were bit for bit the same (9 updates); with the device synchronized
 before and after each update it wrote no storage but its outputs and gave no NaN (run 67), so
-the fault needs the kernel to run beside other GPU work: not found yet. A lead: the reference
-host-synchronizes the up stream several times a pass (its blocking copies of the int8 maps
-and the scalars to the device), so its `update` returns with the AdamW done, where the fused
-kernel's returns at once; a host wait for the up stream after the fused kernel is the next
-thing to try (docs/optimizer_states.md, known problem). Its launch on the share's stream,
-ordered with the copies, is checked on CUDA (tests/optim/test_triton_adamw.py
+the fault needs the kernel to run beside other GPU work: not found yet. Ruled out in run 68:
+a host wait for the up stream after the kernel, and the up stream ordered after the gradient
+copies (NaN at steps 3 and 2); docs/optimizer_states.md, known problem. Its launch on the
+share's stream, ordered with the copies, is checked on CUDA (tests/optim/test_triton_adamw.py
 `test_fused_kernel_orders_with_its_streams_copies`, passed in run 67), and the share's own
-machinery under load with it forced in by tests/engine/test_gpu_share_load.py (not run on a
-GPU yet). Tiny models never show it (tests/engine/test_gpu_share_cuda.py), nor did the
+machinery under load with it forced in by tests/engine/test_gpu_share_load.py (passed in run
+68). Tiny models never show it (tests/engine/test_gpu_share_cuda.py), nor did the
 Qwen3-30B-A3B rows of run 59. planning/share_time.py times the reference."""
 Parts = list[tuple[torch.dtype, int]]
 

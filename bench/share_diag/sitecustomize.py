@@ -1,0 +1,127 @@
+"""Diagnostic hook for the GPU update share's fused-kernel NaN (docs/optimizer_states.md, known
+problem; docs/performance.md runs 66-68). Not a product switch: nothing in src/ reads it.
+
+With this folder first on PYTHONPATH and MT_SHARE_DIAG=<mode>, every Python process of the run
+(bench/cli_train.py starts `python -m megatrain train` with the environment as it is) patches
+engine/gpu_share.py as it is imported: REFERENCE_ONLY off (the fused Triton kernel updates the
+share's blocks) and, by mode, one change around each share update (`GpuShare.update`, on the
+share's worker thread):
+
+  fused        nothing more (runs 66, 68: NaN)
+  hostwait     the worker waits on the host for the up stream after the kernel (run 68: NaN)
+  d2hwait      the up stream waits for the gradient copy stream first (run 68: NaN)
+  h2dwait      the up stream waits for the weight copy stream first
+  computewait  the up stream waits for the compute (default) stream first
+  presync      the device synchronized first (run 67, on the main thread: no NaN)
+  verify       each update checked against the C kernel: the block's host master and states
+               and its held gradient copied to the host first (on a stream of its own), the
+               update's results, once back on the host, compared with the C kernel's update of
+               that copy; one line per update that differs or is not finite
+
+    PYTHONPATH=bench/share_diag:src:bench MT_SHARE_DIAG=verify python bench/cli_train.py \\
+        --name diag_verify --preset gpt-oss-20b --layers 4 --rows 32 --micro 4 --steps 8 -- \\
+        --optimizer.state_dtype int8 --memory.gpu_state_blocks 0 \\
+        --optimizer.gpu_update_blocks 3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+MODE = os.environ.get("MT_SHARE_DIAG")
+MODES = ("fused", "hostwait", "d2hwait", "h2dwait", "computewait", "presync", "verify")
+
+
+def _before(share: Any, torch: Any) -> None:
+    up, transfers = share._up, share.transfers
+    if MODE == "presync":
+        torch.cuda.synchronize()
+    elif MODE == "d2hwait":
+        up.wait_stream(transfers.d2h_stream)
+    elif MODE == "h2dwait":
+        up.wait_stream(transfers.h2d_stream)
+    elif MODE == "computewait":
+        up.wait_stream(torch.cuda.default_stream(transfers.device))
+
+
+def _snapshot(share: Any, block: Any, torch: Any) -> Any:
+    """A host copy of the block as the C kernel would update it: master, states, and the held
+    gradient in the shadow (the landing of an fp32 master's bf16 gradient)."""
+    states = {k: t.clone() for k, t in block.state_tensors().items()}
+    held = share._held[block.name][0]
+    if not share.transfers.is_cuda:
+        grad = held.clone()
+    else:
+        if not hasattr(share, "_diag_stream"):
+            share._diag_stream = torch.cuda.Stream(share.transfers.device)
+        with torch.cuda.stream(share._diag_stream):
+            grad = held.to("cpu")  # waits for this stream only; the gradient is written
+    assert block.shadow is not None and grad.dtype == block.shadow.dtype, "shadow hold only"
+    return dataclasses.replace(block, master=block.master.clone(), shadow=grad, **states)
+
+
+def _compare(share: Any, block: Any, ref: Any, lr: float, grad_scale: float, torch: Any) -> None:
+    if block.name in share._back:
+        share._back[block.name].synchronize()  # the share's results are on the host
+    share.optimizer.update(ref, lr=lr, grad_scale=grad_scale)
+    got = {"master": block.master, "shadow": block.shadow, **block.state_tensors()}
+    want = {"master": ref.master, "shadow": ref.shadow, **ref.state_tensors()}
+    differ = {k: int((got[k] != want[k]).sum()) for k in want if not torch.equal(got[k], want[k])}
+    bad = {
+        k: int((~torch.isfinite(t)).sum())
+        for k, t in got.items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    }
+    if differ or bad:
+        print(f"[diag] step {block.step} {block.name}: differ {differ} non-finite {bad}")
+
+
+def _patch(module: Any) -> None:
+    import torch
+
+    module.REFERENCE_ONLY = False
+    update = module.GpuShare.update
+
+    def diag_update(self: Any, block: Any, *, lr: float, grad_scale: float = 1.0) -> None:
+        ref = _snapshot(self, block, torch) if MODE == "verify" else None
+        if self._up is not None:  # CUDA (on the CPU the update is done on return)
+            _before(self, torch)
+        update(self, block, lr=lr, grad_scale=grad_scale)
+        if MODE == "hostwait" and self._up is not None:
+            self._up.synchronize()
+        if ref is not None:
+            _compare(self, block, ref, lr, grad_scale, torch)
+        return None
+
+    module.GpuShare.update = diag_update
+    print(f"[diag] GPU update share: fused kernel forced, mode {MODE}", flush=True)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Runs `_patch` right after engine/gpu_share.py is imported."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "megatrain.engine.gpu_share":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if MODE:
+    if MODE not in MODES:
+        raise SystemExit(f"MT_SHARE_DIAG must be one of {', '.join(MODES)}, got {MODE!r}")
+    sys.meta_path.insert(0, _Finder())
