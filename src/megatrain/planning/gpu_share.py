@@ -14,9 +14,9 @@ The GPU tier (planning/gpu_tier.py) takes the GPU memory first. A tier block kee
 and states on the GPU (12-16 B/param); a share block holds only its gradient (1-4 B/param)
 beside the staging sets, so where both are "auto", `trade_tier` gives up tier blocks, one at a
 time, while the step predicted with the share their room allows is shorter. That share may be
-none: with clipping the tier's AdamW runs on the compute stream before the next forward, where
-the host's update of a streamed block runs beside it (docs/performance.md run 68: the
-Qwen3-30B-A3B row with fp32 states, 9 of the 10 tier blocks that fit, 1.769 s against 1.807 s).
+none: the replay can predict a shorter step with a tier block fewer and the host updating it
+(docs/performance.md run 68: the Qwen3-30B-A3B row with fp32 states, 9 of the 10 tier blocks
+that fit, predicted 1.79 against 1.85 s, measured 1.769 against 1.807 s).
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ class TierAndShare(NamedTuple):
 
     def tier_reason(self, blocks: int) -> str:
         """Why `auto` keeps fewer tier blocks than fit (of `blocks`): the room a larger share
-        takes, or, with no share, the host updating them beside the next forward (predicted
-        shorter than their AdamW on the compute stream with the larger tier's memory)."""
+        takes, or, with no share, the host updating them (the replay's shorter step)."""
         why = (
             "their room holds the GPU update share"
             if self.share
