@@ -70,8 +70,8 @@ class TierAndShare(NamedTuple):
     share: int
     share_reason: str | None
     traded: int  # tier blocks given up (for the share, or for the host's update)
-    step_s: float = 0.0  # the predicted step with these counts
-    full_s: float = 0.0  # ... with every tier block that fits and its share
+    step_s: float  # the predicted step with these counts
+    full_s: float  # ... with every tier block that fits and its share
 
     def tier_reason(self, blocks: int) -> str:
         """Why `auto` keeps fewer tier blocks than fit (of `blocks`): the room a larger share
@@ -94,13 +94,12 @@ def trade_tier(
     blocks that fit) down, one tier block at a time until a step is no shorter. `pick(t)`:
     the share's count beside t tier blocks, and why; `step_s(t, n)`: the predicted step."""
     share, reason = pick(tier)
-    full_s = best_s = step_s(tier, share)
-    best = TierAndShare(tier, share, reason, 0, best_s, full_s)
+    full_s = step_s(tier, share)
+    best = TierAndShare(tier, share, reason, 0, full_s, full_s)
     for fewer in range(tier - 1, -1, -1):
         share, reason = pick(fewer)
         seconds = step_s(fewer, share)
-        if seconds >= best_s:
+        if seconds >= best.step_s:
             break
         best = TierAndShare(fewer, share, reason, tier - fewer, seconds, full_s)
-        best_s = seconds
     return best
