@@ -12,6 +12,7 @@ against two references:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -139,3 +140,44 @@ def test_more_blocks_than_the_model_has_means_all() -> None:
     builder = RunBuilder(_cfg(99))
     assert builder.engine_plan().gpu_state_blocks == LAYERS + 2
     assert builder.plan().gpu_state_blocks == LAYERS + 2
+
+
+class _SlowDeviceAdamW(_RecordingAdamW):
+    """The real optimizer; each tier update (on_device) takes SLOW_S more host time."""
+
+    SLOW_S = 0.02
+
+    def update(
+        self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0, on_device: bool = False
+    ) -> None:
+        if on_device:
+            time.sleep(self.SLOW_S)
+        super().update(block, lr=lr, grad_scale=grad_scale, on_device=on_device)
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_the_step_times_the_tier_updates_apart_from_compute(
+    clip: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """time/tier_update_s: the tier's AdamW of the step (on the CPU, its host time), where
+    the updates are queued, after the backward with clipping, inside it without; compute_s
+    keeps layer compute only."""
+    from megatrain.engine.engine import StreamingEngine
+
+    timelines: list[Any] = []
+    train_step = StreamingEngine.train_step
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = train_step(self, *args, **kwargs)
+        timelines.append(result.timeline)
+        return result
+
+    monkeypatch.setattr(StreamingEngine, "train_step", recorded)
+    for tier in (0, 2):
+        cfg = _cfg(tier, max_grad_norm=clip)
+        timelines.clear()
+        engine_steps(cfg, 2, optimizer=_SlowDeviceAdamW(RunBuilder(cfg).optimizer()))
+        slow = tier * _SlowDeviceAdamW.SLOW_S
+        for timeline in timelines:
+            assert (timeline.tier_update_s >= slow) if tier else timeline.tier_update_s == 0
+            assert timeline.compute_s < timeline.step_s - timeline.tier_update_s

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from megatrain.engine.boundaries import BoundaryPlan
-from megatrain.engine.schedule import BACKWARD, LOAD, LOAD_HEAD, RECOMPUTE, RUN, StepSchedule
+from megatrain.engine.schedule import BACKWARD, LOAD, LOAD_HEAD, RECOMPUTE, RUN, Op, StepSchedule
 
 CASES = [  # (layers, resident, slots, every)
     (6, 0, 2, 1),
@@ -58,3 +58,26 @@ def test_the_last_layers_stay_for_the_backward() -> None:
     still in their slots from the forward."""
     s = StepSchedule.of(6, 0, 2, BoundaryPlan.make(6))
     assert [op.layer for op in s.backward if op.kind == LOAD] == [3, 2, 1, 0]
+
+
+@pytest.mark.parametrize(("n", "resident", "slots", "every"), CASES)
+def test_a_load_waits_no_earlier_than_its_depth(
+    n: int, resident: int, slots: int, every: int
+) -> None:
+    """A forward load waits on the host for its block's update, so none sits earlier than
+    `num_slots` layers ahead: streamed layer j is loaded right after layer j - num_slots runs
+    (a GPU-tier layer for the first ones), at the start only where there is no such layer.
+    With clipping the tier's layers are then queued on the GPU while the host updates the
+    streamed blocks (docs/performance.md run 69)."""
+    s = StepSchedule.of(n, resident, slots, BoundaryPlan.make(n, every=every))
+    ops = list(s.forward)
+    for k, op in enumerate(ops):
+        if op.kind != LOAD:
+            continue
+        runs = [o.layer for o in ops[:k] if o.kind == RUN]
+        assert runs[-1:] == ([op.layer - slots] if op.layer >= slots else []), (k, op, runs)
+    head = ops.index(Op(LOAD_HEAD))
+    if slots:  # with the last layer's load
+        assert ops[head - 1] == Op(LOAD, n - 1)
+    else:  # every layer resident: one layer ahead of its use
+        assert [o.layer for o in ops[:head] if o.kind == RUN] == list(range(n - 1))

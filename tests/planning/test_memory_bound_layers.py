@@ -55,7 +55,10 @@ _NO_CLIPPING = {"optimizer.max_grad_norm": 0.0}  # run 49's second row
         (QWEN3_30B_A3B_12, True, _MICRO16_256K, 6.63, 0.10),  # run 42
         (QWEN3_30B_A3B_12, True, _NO_CLIPPING, 2.008, 0.10),  # run 49 (2.713 clipped)
         (QWEN3_30B_A3B_12, True, {**_MICRO16, **_NO_CLIPPING}, 1.820, 0.10),  # run 50
-        (LLAMA31_8B_RUN, True, {}, 7.268, 0.05),  # run 41 (7.16 in runs 32 and 35)
+        # the median of the row's seven H100 runs (7.102-7.27 s: runs 41 A-C, 42-44, 46), not
+        # the slowest (run 41 A, 7.268): since run 69's schedule the replay no longer puts a
+        # stall before the forward that the engine did not show (H200: 7.199 s before, 7.222 after)
+        (LLAMA31_8B_RUN, True, {}, 7.178, 0.05),
     ],
 )
 def test_step_time_matches_the_h100_runs(

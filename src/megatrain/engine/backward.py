@@ -53,6 +53,7 @@ class BackwardPass:
     _order: dict[str, int]
     _head_busy: list[Event]
     schedule: StepSchedule
+    step_timer: ComputeTimer  # the running step's (train_step): brackets the tier's updates
 
     def _run_layer(
         self, i: int, module: torch.nn.Module, mb: MicroBatch, x: torch.Tensor, record: bool
@@ -175,7 +176,11 @@ class BackwardPass:
         return sumsq
 
     def _update_tier(self, block: ParamBlock, lr: float, coef: float) -> None:
-        self.tier.update(block, lr=lr, grad_scale=coef, on_gradient=self.worker.on_landed)
+        self.step_timer.update(
+            functools.partial(
+                self.tier.update, block, lr=lr, grad_scale=coef, on_gradient=self.worker.on_landed
+            )
+        )
 
     def _ship(
         self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None

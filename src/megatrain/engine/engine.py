@@ -208,6 +208,7 @@ class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
         """One optimizer step over `batches`: mean cross-entropy, or `objective`'s loss."""
         assert objective is None or len(objective.inputs) == len(batches)
         timeline, timer = Timeline(), ComputeTimer(self.transfers.is_cuda)
+        self.step_timer = timer
         self.updates_begun = False
         self.share.on_gradient = self.worker.on_landed
         t0 = timer.mark()

@@ -5,8 +5,11 @@ backward, every weight load and every layer visit in the order they are issued. 
 executes the lists (engine/forward.py, engine/backward.py); the planner's timing model replays
 the same lists with costs (planning/timing.py), so the predicted step follows the engine's.
 
-Forward: the first `num_slots` streamed layers are loaded; then each layer runs, and the layer
-`num_slots` after it is loaded into the slot it frees; the head is loaded with the last layer.
+Forward: each layer runs, and the layer `num_slots` after it is loaded into the slot it frees
+(the first streamed layers: after the GPU-tier layer `num_slots` ahead of them, or at the start);
+the head is loaded with the last layer. A load waits on the host for its block's update, so no
+load sits earlier than that depth: the tier's layers are queued on the GPU while the host
+updates the streamed blocks (with clipping, after the backward).
 Backward: the visits of `BoundaryPlan.backward_uses` (a segment's dropped inputs recomputed
 first, then its layers' backward, last first); a visit's weights are loaded `num_slots` visits
 ahead, but only once no earlier pending visit still needs the layer in that slot (visits up
@@ -61,17 +64,29 @@ class StepSchedule:
 
 
 def _forward(n: int, resident: int, num_slots: int) -> tuple[list[Op], dict[int, int]]:
-    """The forward's ops, and which layer each slot holds after it."""
-    ops = [Op(LOAD, j) for j in range(resident, resident + num_slots)]
-    if resident + num_slots >= n:
-        ops.append(Op(LOAD_HEAD))
+    """The forward's ops, and which layer each slot holds after it.
+
+    Streamed layer j is loaded right after layer j - num_slots runs: the one that frees its
+    slot, or for the first streamed layers the GPU-tier layer as far ahead (at the start when
+    there is none). A load waits on the host for the block's update, so it sits no earlier than
+    its copy needs: the tier layers before it are queued on the GPU first, and their compute
+    overlaps the host's updates with clipping. The head is loaded with the last layer, or
+    with no streamed layer, before the last layer runs."""
+    ops: list[Op] = []
+
+    def load(j: int) -> None:
+        ops.append(Op(LOAD, j))
+        if j == n - 1:
+            ops.append(Op(LOAD_HEAD))
+
+    for j in range(resident, num_slots):  # no layer num_slots ahead of them
+        load(j)
     for i in range(n):
+        if num_slots == 0 and i == n - 1:  # every layer resident: the head one layer ahead
+            ops.append(Op(LOAD_HEAD))
         ops.append(Op(RUN, i))
-        nxt = i + num_slots
-        if i >= resident and nxt < n:
-            ops.append(Op(LOAD, nxt))
-            if nxt == n - 1:
-                ops.append(Op(LOAD_HEAD))
+        if num_slots and resident <= i + num_slots < n:
+            load(i + num_slots)
     holds = {(op.layer - resident) % num_slots: op.layer for op in ops if op.kind == LOAD}
     return ops, holds
 

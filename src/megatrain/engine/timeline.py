@@ -27,6 +27,9 @@ class Timeline:
     # the GPU update share's updates waited for in this step: their GPU span, copies in and
     # back included (CUDA events; host time on the CPU)
     gpu_update_s: float = 0.0
+    # the GPU tier's AdamW, queued on the compute stream (events; host time on the CPU): GPU
+    # work of the step that is not layer compute, so not in compute_s
+    tier_update_s: float = 0.0
     # GPU time of each phase (compute-stream events; host time on the CPU): the host phases
     # above end when their work is issued, so queued GPU work shows up in the next one
     forward_gpu_s: float = 0.0
@@ -64,6 +67,22 @@ class ComputeTimer:
         self._host_s = 0.0
         self._t0 = 0.0
         self._marks: list[tuple[float, torch.cuda.Event | None]] = []
+        self._updates: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._update_host_s = 0.0
+
+    def update(self, run: Callable[[], object]) -> None:
+        """Brackets optimizer work `run` queues on the compute stream (the GPU tier's AdamW);
+        read into `tier_update_s`. On the CPU, its host time."""
+        if not self.is_cuda:
+            t0 = time.perf_counter()
+            run()
+            self._update_host_s += time.perf_counter() - t0
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        run()
+        after.record()
+        self._updates.append((before, after))
 
     def mark(self) -> float:
         """A phase boundary (train_step: start, after forward, loss, backward); returns the
@@ -108,7 +127,9 @@ class ComputeTimer:
             timeline.forward_gpu_s, timeline.loss_gpu_s, timeline.backward_gpu_s = phases
         if not self.is_cuda:
             timeline.compute_s = self._host_s
+            timeline.tier_update_s = self._update_host_s
             return
+        timeline.tier_update_s = sum(a.elapsed_time(b) for a, b in self._updates) / 1e3
         busy = waited = 0.0
         for before, after, end in self._regions:
             waited += before.elapsed_time(after) / 1e3
