@@ -13,12 +13,20 @@ what the engine's step-time model uses.
 (`set_experts_implementation`: grouped_mm, batched_mm, eager), one RESULT line each.
 `--profile FILE`: also the top CUDA kernels of one forward + backward (torch.profiler), per
 implementation, appended to FILE.
+`--layers N` (N > 1): the first N layers of the preset as its decoder stack runs them
+(`model.model` on input embeddings: transformers builds each layer type's mask, a sliding
+window's too), each layer compiled alone as the engine compiles it; the RESULT is per layer
+(the stack's time / N). A model with attention sinks and no sdpa path in transformers (GPT-OSS)
+runs the engine's sink attention (model/sink_attention.py `use_sinks`), as `megatrain train`
+does.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import time
+from typing import Any
 
 import torch
 from common import preset_config, result
@@ -49,62 +57,62 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--experts", default="", help="comma-separated experts implementations")
     ap.add_argument("--profile", default="", help="append the top kernels to this file")
+    ap.add_argument("--layers", type=int, default=1, help="> 1: the decoder stack's first N")
+    ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
-    from transformers import AutoModelForCausalLM
-
-    cfg = preset_config(a.preset)
-    cfg.num_hidden_layers = 1
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda()
-    layer = model.model.layers[0]
-    params = active_params(layer, cfg)
+    model, cfg = _model(a.preset, a.layers, a.device)
+    layers = model.model.layers
+    params = sum(active_params(layer, cfg) for layer in layers)
     rows = a.tokens // a.seq
-    x = torch.randn(rows, a.seq, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    pos = torch.arange(a.seq, device="cuda")[None].expand(rows, -1)
+    x = torch.randn(rows, a.seq, cfg.hidden_size, device=a.device, dtype=torch.bfloat16)
+    pos = torch.arange(a.seq, device=a.device)[None].expand(rows, -1)
     rope = model.model.rotary_emb(x, pos)
+    weights = list(model.model.parameters())
+
+    def call(xi: torch.Tensor, run: Any) -> torch.Tensor:
+        if a.layers > 1:
+            return model.model(inputs_embeds=xi, position_ids=pos).last_hidden_state
+        out = run(xi, position_embeddings=rope, attention_mask=None, position_ids=pos)
+        return out[0] if isinstance(out, tuple) else out
 
     def time_layer(experts: str) -> None:
         if experts:
             model.set_experts_implementation(experts)
-        run = torch.compile(layer) if a.compile else layer
+        run = torch.compile(layers[0]) if a.compile else layers[0]
+        if a.compile and a.layers > 1:
+            for i, layer in enumerate(list(layers)):
+                layers[i] = torch.compile(layer)
 
         def fwd() -> None:
             with torch.no_grad():
-                run(x, position_embeddings=rope, attention_mask=None, position_ids=pos)
+                call(x, run)
 
         def fwd_bwd() -> None:
             xi = x.detach().requires_grad_(True)
-            out = run(xi, position_embeddings=rope, attention_mask=None, position_ids=pos)
-            out = out[0] if isinstance(out, tuple) else out
-            torch.autograd.grad(out, [xi, *layer.parameters()], torch.ones_like(out))
+            out = call(xi, run)
+            used = [w for w in weights if w.requires_grad]
+            torch.autograd.grad(out, [xi, *used], torch.ones_like(out), allow_unused=True)
 
         for name, fn, flops in (("forward", fwd, 2), ("forward+backward", fwd_bwd, 6)):
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / 10
+            ms = _timed_ms(fn, a.device) / a.layers
             result(
                 bench="layer",
                 preset=a.preset,
                 tokens=a.tokens,
                 compiled=a.compile,
                 experts=experts or "default",
+                layers=a.layers,
                 phase=name,
-                ms=round(ms, 2),
-                active_params=params,
-                tflops=round(flops * params * a.tokens / ms / 1e9, 1),
+                ms=round(ms, 2),  # per layer
+                active_params=params // a.layers,
+                tflops=round(flops * params * a.tokens / (ms * a.layers) / 1e9, 1),
             )
         if a.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 fwd_bwd()
-                torch.cuda.synchronize()
+                _sync(a.device)
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
             with open(a.profile, "a") as f:
                 f.write(f"## {a.preset} experts={experts or 'default'} compiled={a.compile}\n")
@@ -112,6 +120,51 @@ def main() -> None:
 
     for experts in a.experts.split(",") if a.experts else [""]:
         time_layer(experts)
+
+
+def _model(preset: str, num_layers: int, device: str) -> tuple[Any, Any]:
+    """The preset's first `num_layers` layers as a bf16 causal LM on `device`, with the
+    attention `megatrain train` runs (sdpa; the sink attention where transformers has no sdpa
+    path for the model)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatrain.model.sink_attention import use_sinks
+
+    cfg = preset_config(preset)
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    except ValueError:  # no sdpa path in transformers: eager, then the engine's rule
+        cfg._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        use_sinks(model)
+    return model.to(device), cfg
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed_ms(fn: Any, device: str, repeats: int = 10) -> float:
+    """Milliseconds per call of `fn`, after three warm-up calls (CUDA events on a GPU)."""
+    for _ in range(3):
+        fn()
+    _sync(device)
+    if not device.startswith("cuda"):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / repeats
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 if __name__ == "__main__":
