@@ -73,6 +73,9 @@ PREDICTED_GRPO = re.compile(
     r"GRPO step: rollout ([\d.]+) s \+ log-prob passes ([\d.]+) s \+ training "
     r"(?:\d+ x )?([\d.]+) s = ([\d.]+) s"
 )
+# the auto choices the run printed (recipes/records.py): its GPU tier and GPU update share
+AUTO_TIER = re.compile(r"memory\.gpu_state_blocks auto: GPU tier: (\d+) of (\d+) blocks")
+AUTO_SHARE = re.compile(r"optimizer\.gpu_update_blocks auto: GPU update share: (\d+) blocks")
 PREDICTED_DECODE = re.compile(
     r"decoding steps x ([\d.]+) ms(?: \(reads ([\d.]+) ms \+ (\d+) ops x ([\d.]+) us\))?"
 )
@@ -257,6 +260,11 @@ def summarize(
             "pred_gpu_peak_gib": float(found.group(2)),
             "pred_step_s": float(found.group(3)),
         }
+    tier, share = AUTO_TIER.search(log_text), AUTO_SHARE.search(log_text)
+    if tier:
+        summary["auto_tier"] = f"{tier.group(1)} of {tier.group(2)}"
+    if share:
+        summary["auto_share"] = int(share.group(1))
     if rc:
         summary["error"] = log_text.strip().splitlines()[-1][-300:] if log_text.strip() else ""
     return summary
