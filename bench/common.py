@@ -60,3 +60,23 @@ def log(msg: str) -> None:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed_s(fn: Any, device: str = "cuda", iters: int = 10, warmup: int = 2) -> float:
+    """Seconds per call of `fn` after `warmup` calls: CUDA events on a GPU, the host clock
+    elsewhere."""
+    for _ in range(warmup):
+        fn()
+    if not device.startswith("cuda"):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / iters

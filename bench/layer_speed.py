@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import time
 from typing import Any
 
 import torch
-from common import preset_config, result
+from common import preset_config, result, timed_s
 
 _ROUTED = re.compile(r"(^|\.)experts\.")
 
@@ -94,7 +93,7 @@ def main() -> None:
             torch.autograd.grad(out, [xi, *used], torch.ones_like(out), allow_unused=True)
 
         for name, fn, flops in (("forward", fwd, 2), ("forward+backward", fwd_bwd, 6)):
-            ms = _timed_ms(fn, a.device) / a.layers
+            ms = timed_s(fn, a.device, warmup=3) * 1e3 / a.layers
             result(
                 bench="layer",
                 preset=a.preset,
@@ -146,25 +145,6 @@ def _model(preset: str, num_layers: int, device: str) -> tuple[Any, Any]:
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def _timed_ms(fn: Any, device: str, repeats: int = 10) -> float:
-    """Milliseconds per call of `fn`, after three warm-up calls (CUDA events on a GPU)."""
-    for _ in range(3):
-        fn()
-    _sync(device)
-    if not device.startswith("cuda"):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / repeats
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 if __name__ == "__main__":

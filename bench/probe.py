@@ -10,6 +10,7 @@ import os
 import time
 
 import torch
+from common import timed_s
 
 
 def out(name, **kv):
@@ -41,16 +42,7 @@ def versions():
 
 
 def timed_cuda(fn, iters=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / 1000 / iters
+    return timed_s(fn, "cuda", iters, warmup)
 
 
 def pcie():
