@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 import torch
-from common import preset_config, result, timed_s
+from common import preset_config, result, sync, timed_s
 
 _ROUTED = re.compile(r"(^|\.)experts\.")
 
@@ -61,36 +61,34 @@ def main() -> None:
     a = ap.parse_args()
     model, cfg = _model(a.preset, a.layers, a.device)
     layers = model.model.layers
-    params = sum(active_params(layer, cfg) for layer in layers)
+    plain = list(layers)  # the layers as built; compiled anew for each experts implementation
+    params = sum(active_params(layer, cfg) for layer in plain)
+    weights = [w for layer in plain for w in layer.parameters()]
     rows = a.tokens // a.seq
     x = torch.randn(rows, a.seq, cfg.hidden_size, device=a.device, dtype=torch.bfloat16)
     pos = torch.arange(a.seq, device=a.device)[None].expand(rows, -1)
     rope = model.model.rotary_emb(x, pos)
-    weights = list(model.model.parameters())
 
-    def call(xi: torch.Tensor, run: Any) -> torch.Tensor:
+    def call(xi: torch.Tensor) -> torch.Tensor:
         if a.layers > 1:
             return model.model(inputs_embeds=xi, position_ids=pos).last_hidden_state
-        out = run(xi, position_embeddings=rope, attention_mask=None, position_ids=pos)
+        out = layers[0](xi, position_embeddings=rope, attention_mask=None, position_ids=pos)
         return out[0] if isinstance(out, tuple) else out
 
     def time_layer(experts: str) -> None:
         if experts:
             model.set_experts_implementation(experts)
-        run = torch.compile(layers[0]) if a.compile else layers[0]
-        if a.compile and a.layers > 1:
-            for i, layer in enumerate(list(layers)):
-                layers[i] = torch.compile(layer)
+        for i, layer in enumerate(plain):
+            layers[i] = torch.compile(layer) if a.compile else layer
 
         def fwd() -> None:
             with torch.no_grad():
-                call(x, run)
+                call(x)
 
         def fwd_bwd() -> None:
             xi = x.detach().requires_grad_(True)
-            out = call(xi, run)
-            used = [w for w in weights if w.requires_grad]
-            torch.autograd.grad(out, [xi, *used], torch.ones_like(out), allow_unused=True)
+            out = call(xi)
+            torch.autograd.grad(out, [xi, *weights], torch.ones_like(out))
 
         for name, fn, flops in (("forward", fwd, 2), ("forward+backward", fwd_bwd, 6)):
             ms = timed_s(fn, a.device, warmup=3) * 1e3 / a.layers
@@ -111,7 +109,7 @@ def main() -> None:
 
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 fwd_bwd()
-                _sync(a.device)
+                sync()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
             with open(a.profile, "a") as f:
                 f.write(f"## {a.preset} experts={experts or 'default'} compiled={a.compile}\n")
@@ -140,11 +138,6 @@ def _model(preset: str, num_layers: int, device: str) -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         use_sinks(model)
     return model.to(device), cfg
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
