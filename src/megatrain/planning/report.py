@@ -168,7 +168,11 @@ def _time_lines(est: Estimate) -> list[str]:
             if t.vision_s
             else []
         ),
-        _row("step (overlapped)", f"{t.step_s:.3f}", f"bound by {t.bound}"),
+        _row(
+            "step (overlapped)",
+            f"{t.step_s:.3f}",
+            f"bound by {t.bound}; GPU busy {t.gpu_busy:.0%} of the step",
+        ),
         _row(
             "collectives (all-gather, reduce-scatter)",
             f"{t.collective_s:.3f}",

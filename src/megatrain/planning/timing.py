@@ -111,6 +111,11 @@ v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
 VISION_RATE_FRACTION = 0.24
 
 
+# The GPU's share of the step (busy: layers, loss, tier AdamW) from which the step counts as
+# bound by GPU compute; below it the GPU waits on another resource for a tenth of the step.
+GPU_BUSY_BOUND = 0.9
+
+
 @dataclass(frozen=True)
 class StepTime:
     step_s: float  # predicted wall clock of one optimizer step, steady state
@@ -132,6 +137,11 @@ class StepTime:
     model_tflops: float  # 6 x active params x tokens/s
     vision_s: float = 0.0  # a VLM's vision modules, forward + backward (in compute_s)
     share_s: float = 0.0  # the GPU update share's copies up and down and its GPU AdamW
+
+    @property
+    def gpu_busy(self) -> float:
+        """The GPU's busy share of the step: layers, loss and the tier's AdamW."""
+        return (self.compute_s + self.gpu_optimizer_s) / max(self.step_s, 1e-12)
 
 
 def step_time(
@@ -182,8 +192,7 @@ def step_time(
     optimizer_s = sum(costs.opt_s)
     gpu_optimizer_s = sum(costs.tier_opt_s)
     share_s = sum(costs.share_up_s) + sum(costs.share_down_s)
-    busy = {
-        "GPU compute": compute_s,
+    others = {
         "CPU optimizer": optimizer_s,
         "PCIe (H2D)": h2d_s,
         "host (kernel launches)": sum(costs.fwd_call_s) + sum(costs.bwd_call_s),
@@ -200,7 +209,7 @@ def step_time(
         wait_optimizer_s=replay.waited,
         gpu_optimizer_s=gpu_optimizer_s,
         collective_s=_collectives_s(spec, ranks, costs),
-        bound=max(busy, key=lambda k: busy[k]),
+        bound=_bound(step_s, compute_s + gpu_optimizer_s, others),
         flops=flops,
         forward_s=forward_s,
         tokens_per_s=tokens / step_s,
@@ -208,6 +217,16 @@ def step_time(
         vision_s=vision_fwd + vision_bwd,
         share_s=share_s,
     )
+
+
+def _bound(step_s: float, gpu_busy_s: float, others: dict[str, float]) -> str:
+    """What the step waits on most: the GPU's compute where the GPU is busy (its layers, loss
+    and tier AdamW) at least GPU_BUSY_BOUND of the step; else the busiest of the other
+    resources, which leaves the GPU idle (with clipping the CPU's update waits for the whole
+    backward, so it stalls the next forward while busy for less than the GPU)."""
+    if gpu_busy_s >= GPU_BUSY_BOUND * step_s:
+        return "GPU compute"
+    return max(others, key=lambda k: others[k])
 
 
 def tier_params(spec: ModelSpec, gpu_state_blocks: int) -> int:

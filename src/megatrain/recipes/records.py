@@ -38,7 +38,7 @@ def report_plan(plan: ResourcePlan, gpu: bool) -> None:
             else ""
         )
         + " (predicted)"
-        + (f", bound by {est.time.bound}" if gpu else ""),
+        + (f", bound by {est.time.bound} (GPU busy {est.time.gpu_busy:.0%})" if gpu else ""),
         flush=True,
     )
 
