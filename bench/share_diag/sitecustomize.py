@@ -13,6 +13,9 @@ share's worker thread):
   d2hwait      the up stream waits for the gradient copy stream first (run 68: NaN)
   h2dwait      the up stream waits for the weight copy stream first
   computewait  the up stream waits for the compute (default) stream first
+  serial       the up stream waits for the previous update's copies back first (one block's
+               copies back never beside the next one's copies in: what `presync` and `verify`,
+               the two modes without a NaN, also ensure, and `hostwait`/`d2hwait` do not)
   presync      the device synchronized first (run 67, on the main thread: no NaN)
   verify       each update checked against the C kernel: the block's host master and states
                and its held gradient copied to the host first (on a stream of its own), the
@@ -36,7 +39,7 @@ import sys
 from typing import Any
 
 MODE = os.environ.get("MT_SHARE_DIAG")
-MODES = ("fused", "hostwait", "d2hwait", "h2dwait", "computewait", "presync", "verify")
+MODES = ("fused", "hostwait", "d2hwait", "h2dwait", "computewait", "serial", "presync", "verify")
 
 
 def _before(share: Any, torch: Any) -> None:
@@ -49,6 +52,10 @@ def _before(share: Any, torch: Any) -> None:
         up.wait_stream(transfers.h2d_stream)
     elif MODE == "computewait":
         up.wait_stream(torch.cuda.default_stream(transfers.device))
+    elif MODE == "serial":  # the previous update's copies back, whichever staging set it took
+        last = share._free[(share._turn - 1) % len(share._free)]
+        if last is not None:
+            up.wait_event(last)
 
 
 def _snapshot(share: Any, block: Any, torch: Any) -> Any:
