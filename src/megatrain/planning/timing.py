@@ -112,7 +112,7 @@ VISION_RATE_FRACTION = 0.24
 
 
 # The GPU's share of the step (busy: layers, loss, tier AdamW) from which the step counts as
-# bound by GPU compute; below it the GPU waits on another resource for a tenth of the step.
+# bound by GPU compute; below it the GPU waits on other resources for over a tenth of it.
 GPU_BUSY_BOUND = 0.9
 
 
