@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 import torch
-from common import preset_config, result, sync, timed_s
+from common import preset_values, result, sync, timed_s
 
 _ROUTED = re.compile(r"(^|\.)experts\.")
 
@@ -120,24 +120,20 @@ def main() -> None:
 
 
 def _model(preset: str, num_layers: int, device: str) -> tuple[Any, Any]:
-    """The preset's first `num_layers` layers as a bf16 causal LM on `device`, with the
-    attention `megatrain train` runs (sdpa; the sink attention where transformers has no sdpa
-    path for the model)."""
-    from transformers import AutoModelForCausalLM
+    """The preset's first `num_layers` layers as a bf16 causal LM on `device`, built by
+    megatrain's own loader (model/loading.py `load_causal_lm`): the attention `megatrain train`
+    runs, the sink attention where transformers has no sdpa path for the model (GPT-OSS)."""
+    from megatrain.model.loading import load_causal_lm
 
-    from megatrain.model.sink_attention import use_sinks
-
-    cfg = preset_config(preset)
-    cfg.num_hidden_layers = num_layers
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:num_layers]
-    try:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    except ValueError:  # no sdpa path in transformers: eager, then the engine's rule
-        cfg._attn_implementation = "eager"
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        use_sinks(model)
-    return model.to(device), cfg
+    model_type, values = preset_values(preset, num_hidden_layers=num_layers)
+    model = load_causal_lm(
+        None,
+        model_type=model_type,
+        config_overrides=values,
+        init_device=torch.device(device),
+        progress_bar=False,
+    )
+    return model.to(torch.bfloat16), model.config
 
 
 if __name__ == "__main__":

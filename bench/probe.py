@@ -41,19 +41,15 @@ def versions():
     out("versions", **v)
 
 
-def timed_cuda(fn, iters=10, warmup=2):
-    return timed_s(fn, "cuda", iters, warmup)
-
-
 def pcie():
     n = 1 << 30
     h = torch.empty(n, dtype=torch.uint8).pin_memory()
     h2 = torch.empty(n, dtype=torch.uint8).pin_memory()
     d = torch.empty(n, dtype=torch.uint8, device="cuda")
     d2 = torch.empty(n, dtype=torch.uint8, device="cuda")
-    t = timed_cuda(lambda: d.copy_(h, non_blocking=True))
+    t = timed_s(lambda: d.copy_(h, non_blocking=True))
     out("h2d_pinned", GBps=round(n / t / 1e9, 1))
-    t = timed_cuda(lambda: h.copy_(d, non_blocking=True))
+    t = timed_s(lambda: h.copy_(d, non_blocking=True))
     out("d2h_pinned", GBps=round(n / t / 1e9, 1))
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
@@ -65,7 +61,7 @@ def pcie():
         torch.cuda.current_stream().wait_stream(s1)
         torch.cuda.current_stream().wait_stream(s2)
 
-    t = timed_cuda(both)
+    t = timed_s(both)
     out("bidir_pinned", GBps_total=round(2 * n / t / 1e9, 1))
     hp = torch.empty(n, dtype=torch.uint8)
     hp.fill_(1)
@@ -80,7 +76,7 @@ def pcie():
 def matmul():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = timed_cuda(lambda: a @ b, iters=20, warmup=3)
+    t = timed_s(lambda: a @ b, iters=20, warmup=3)
     out("matmul_bf16_8192", TFLOPs=round(2 * 8192**3 / t / 1e12, 1))
 
 

@@ -141,7 +141,7 @@ class StepTime:
     @property
     def gpu_busy(self) -> float:
         """The GPU's busy share of the step: layers, loss and the tier's AdamW."""
-        return (self.compute_s + self.gpu_optimizer_s) / max(self.step_s, 1e-12)
+        return _busy_share(self.compute_s, self.gpu_optimizer_s, self.step_s)
 
 
 def step_time(
@@ -209,7 +209,7 @@ def step_time(
         wait_optimizer_s=replay.waited,
         gpu_optimizer_s=gpu_optimizer_s,
         collective_s=_collectives_s(spec, ranks, costs),
-        bound=_bound(step_s, compute_s + gpu_optimizer_s, others),
+        bound=_bound(_busy_share(compute_s, gpu_optimizer_s, step_s), others),
         flops=flops,
         forward_s=forward_s,
         tokens_per_s=tokens / step_s,
@@ -219,12 +219,17 @@ def step_time(
     )
 
 
-def _bound(step_s: float, gpu_busy_s: float, others: dict[str, float]) -> str:
-    """What the step waits on most: the GPU's compute where the GPU is busy (its layers, loss
-    and tier AdamW) at least GPU_BUSY_BOUND of the step; else the busiest of the other
-    resources, which leaves the GPU idle (with clipping the CPU's update waits for the whole
-    backward, so it stalls the next forward while busy for less than the GPU)."""
-    if gpu_busy_s >= GPU_BUSY_BOUND * step_s:
+def _busy_share(compute_s: float, gpu_optimizer_s: float, step_s: float) -> float:
+    """The GPU's busy share of a step: its layers and loss (`compute_s`) and the tier's AdamW."""
+    return (compute_s + gpu_optimizer_s) / max(step_s, 1e-12)
+
+
+def _bound(gpu_busy: float, others: dict[str, float]) -> str:
+    """What the step waits on most: the GPU's compute where the GPU is busy (`_busy_share`) at
+    least GPU_BUSY_BOUND of the step; else the busiest of the other resources, which leaves
+    the GPU idle (with clipping the CPU's update waits for the whole backward, so it stalls
+    the next forward while busy for less than the GPU)."""
+    if gpu_busy >= GPU_BUSY_BOUND:
         return "GPU compute"
     return max(others, key=lambda k: others[k])
 
