@@ -84,6 +84,7 @@ from megatrain.planning.replay import Costs, Replay
 from megatrain.planning.setup import Setup
 from megatrain.planning.share_time import share_contention, share_seconds
 from megatrain.planning.spec import ModelSpec
+from megatrain.planning.step_bound import busy_share, step_bound
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
 COMPILED_OPS_FRACTION = 0.3
@@ -111,11 +112,6 @@ v; write p, m, v; the bf16 weights cast) at ~2 TB/s achieved."""
 VISION_RATE_FRACTION = 0.24
 
 
-# The GPU's share of the step (busy: layers, loss, tier AdamW) from which the step counts as
-# bound by GPU compute; below it the GPU waits on other resources for over a tenth of it.
-GPU_BUSY_BOUND = 0.9
-
-
 @dataclass(frozen=True)
 class StepTime:
     step_s: float  # predicted wall clock of one optimizer step, steady state
@@ -141,7 +137,7 @@ class StepTime:
     @property
     def gpu_busy(self) -> float:
         """The GPU's busy share of the step: layers, loss and the tier's AdamW."""
-        return _busy_share(self.compute_s, self.gpu_optimizer_s, self.step_s)
+        return busy_share(self.compute_s, self.gpu_optimizer_s, self.step_s)
 
 
 def step_time(
@@ -209,7 +205,7 @@ def step_time(
         wait_optimizer_s=replay.waited,
         gpu_optimizer_s=gpu_optimizer_s,
         collective_s=_collectives_s(spec, ranks, costs),
-        bound=_bound(_busy_share(compute_s, gpu_optimizer_s, step_s), others),
+        bound=step_bound(busy_share(compute_s, gpu_optimizer_s, step_s), others),
         flops=flops,
         forward_s=forward_s,
         tokens_per_s=tokens / step_s,
@@ -217,21 +213,6 @@ def step_time(
         vision_s=vision_fwd + vision_bwd,
         share_s=share_s,
     )
-
-
-def _busy_share(compute_s: float, gpu_optimizer_s: float, step_s: float) -> float:
-    """The GPU's busy share of a step: its layers and loss (`compute_s`) and the tier's AdamW."""
-    return (compute_s + gpu_optimizer_s) / max(step_s, 1e-12)
-
-
-def _bound(gpu_busy: float, others: dict[str, float]) -> str:
-    """What the step waits on most: the GPU's compute where the GPU is busy (`_busy_share`) at
-    least GPU_BUSY_BOUND of the step; else the busiest of the other resources, which leaves
-    the GPU idle (with clipping the CPU's update waits for the whole backward, so it stalls
-    the next forward while busy for less than the GPU)."""
-    if gpu_busy >= GPU_BUSY_BOUND:
-        return "GPU compute"
-    return max(others, key=lambda k: others[k])
 
 
 def tier_params(spec: ModelSpec, gpu_state_blocks: int) -> int:
