@@ -131,10 +131,11 @@ DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
 
 def _demo(tmp: Path, *overrides: str) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
-    """Train the demo 3 steps (a checkpoint every step); the last checkpoint's blocks, and the
-    names of the share's blocks."""
+    """Train the demo 3 steps of 2 rows (a checkpoint every step; bf16 compute, slow on CPUs
+    without native bf16); the last checkpoint's blocks, and the names of the share's blocks."""
     quiet = ["--logging.progress_bar", "false", "--logging.report_to", "none"]
-    steps = ["--training.max_steps", "3", "--checkpoint.save_every", "1"]
+    steps = ["--training.max_steps", "3", "--training.micro_batch_size", "2"]
+    steps += ["--checkpoint.save_every", "1"]
     keep = ["--checkpoint.keep_last", "3", "--checkpoint.export_hf", "false"]
     args = [*quiet, *steps, *keep, "--data.val_size", "0", "--model.compute_dtype", "bf16"]
     cfg = load_config(DEMO, ["--training.output_dir", str(tmp), *args, *overrides])

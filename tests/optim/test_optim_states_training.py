@@ -40,8 +40,11 @@ def _train(tmp: Path, *overrides: str) -> tuple[list[float], float | None, Train
 def test_compressed_states_checkpoint_as_stored_and_resume_exactly(
     tmp_path: Path, state_dtype: str
 ) -> None:
-    # bf16 compute: gradients land in the shadow, the compressed kernels read them from there
+    # bf16 compute: gradients land in the shadow, the compressed kernels read them from there;
+    # 2 rows a step (CPU bf16 matmuls are slow without native bf16: test_bf16_master_training)
     common = (
+        "--training.micro_batch_size",
+        "2",
         "--optimizer.state_dtype",
         state_dtype,
         "--model.compute_dtype",
