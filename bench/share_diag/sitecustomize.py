@@ -109,7 +109,39 @@ def _patch(module: Any) -> None:
         return None
 
     module.GpuShare.update = diag_update
+    _probe_streams(torch)
     print(f"[diag] GPU update share: {kernel} update, mode {MODE}", flush=True)
+
+
+def _probe_streams(torch: Any) -> None:
+    """Each thread's first fused launches: the stream torch has current and the one Triton's
+    driver launches on (they must be the same); MT_SHARE_DIAG_TIER=reference takes the fused
+    kernel away from every device update (the GPU tier's too)."""
+    import threading
+
+    from megatrain.optim import triton_adamw
+
+    if os.environ.get("MT_SHARE_DIAG_TIER") == "reference":
+        triton_adamw.supports = lambda block: False
+        print("[diag] every device update through the torch reference", flush=True)
+    fused, seen = triton_adamw.fused_update, {}
+
+    def probed(block: Any, s: Any) -> None:
+        name = threading.current_thread().name
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] <= 2 and block.master.is_cuda:
+            from triton.runtime import driver
+
+            index = block.master.device.index
+            print(
+                f"[diag] fused {block.name} on {name}: torch stream "
+                f"{torch.cuda.current_stream(index).cuda_stream:#x}, triton stream "
+                f"{driver.active.get_current_stream(index):#x}",
+                flush=True,
+            )
+        fused(block, s)
+
+    triton_adamw.fused_update = probed
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from megatrain.engine import gpu_share
 from megatrain.engine.gpu_share import WORK_BYTES
 from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING
 from megatrain.planning.estimate import SHARE_WORK
@@ -23,6 +24,7 @@ from megatrain.planning.optimizer_rate import optimizer_gparams_s
 from megatrain.planning.ranks import Ranks
 from megatrain.planning.run_shape import RunShape
 from megatrain.planning.share_time import (
+    GPU_FUSED_BYTES_PER_S,
     GPU_REFERENCE_BYTES_PER_PARAM,
     SHARE_CPU_SLOWDOWN,
 )
@@ -44,14 +46,18 @@ def _plan(share: int | str, shape: dict[str, Any] = QWEN3_30B_A3B_12, **settings
     return cli_row_plan(shape, H100, **{**INT8, "optimizer.gpu_update_blocks": share, **settings})
 
 
-def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
+@pytest.mark.parametrize("fused", [True, False])
+def test_share_moves_its_blocks_from_the_cpu_to_the_link(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two blocks (the head, then layer 11): the CPU AdamW loses exactly their time (and the
     rest runs up to SHARE_CPU_SLOWDOWN slower while the share copies), the
     gradient copies down their bf16 bytes; the share's time is their master (4 B/param), int8
     m and v (1 B/param each) and their scales (4 B per 2048 each) up at the pinned rate, the
     same and the bf16 weights back, and their AdamW:
-    the fused kernel's reads and writes of all of it and of the bf16 held gradient where
-    Triton is installed, else the GPU reference's bytes per parameter."""
+    the fused kernel's reads and writes of all of it and of the bf16 held gradient (Triton is
+    in the dev extras), or the GPU reference's bytes per parameter (REFERENCE_ONLY)."""
+    monkeypatch.setattr(gpu_share, "REFERENCE_ONLY", not fused)
     base, two = _plan(0), _plan(2)
     spec = base.estimate.settings
     assert (base.engine.gpu_update_blocks, two.engine.gpu_update_blocks) == (0, 2)
@@ -68,8 +74,10 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
     assert t2.optimizer_s == pytest.approx(rest * slower, rel=1e-9)
     assert t0.d2h_s - t2.d2h_s == pytest.approx(params * 2 / d2h, rel=1e-9)
     scales = sum(2 * 4 * -(-n // 2048) for n in (head, layer))
-    # the torch reference's bytes (engine/gpu_share.py REFERENCE_ONLY: never the fused kernel)
-    work = params * GPU_REFERENCE_BYTES_PER_PARAM["fp32", "int8"] / (HBM_FRACTION * hbm)
+    if fused:  # master, codes, scales and the bf16 shadow read and written, the gradient read
+        work = (2 * (8 * params + scales) + 2 * params) / GPU_FUSED_BYTES_PER_S
+    else:
+        work = params * GPU_REFERENCE_BYTES_PER_PARAM["fp32", "int8"] / (HBM_FRACTION * hbm)
     expected = (
         (6 * params + scales) / h2d  # master, codes and scales up, pinned
         + (6 * params + scales) / d2h  # and back
@@ -77,9 +85,10 @@ def test_share_moves_its_blocks_from_the_cpu_to_the_link() -> None:
         + work
     )
     assert t2.share_s == pytest.approx(expected, rel=1e-9)
-    # the GPU: held gradients, one staging set, the update's temporaries
+    # the GPU: held gradients, one staging set, the reference's temporaries (none fused)
     items = two.estimate.gpu.items
-    assert items[SHARE_WORK] == WORK_BYTES and SHARE_WORK not in base.estimate.gpu.items
+    assert items.get(SHARE_WORK, 0) == (0 if fused else WORK_BYTES)
+    assert SHARE_WORK not in base.estimate.gpu.items
     assert items[SHARE_GRADS] >= 2 * params and items[SHARE_STAGING] >= 6 * head
     assert t2.compute_s == t0.compute_s
 

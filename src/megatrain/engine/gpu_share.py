@@ -14,21 +14,20 @@ Per share block and step:
    the same key; fp32 in fp32 compute) into the block's own device buffer; its squared norm is
    taken as `_ship` takes it, so the global norm is unchanged.
 2. Update (`update`, on a second host worker thread, engine/updates.py): the block's master and
-   AdamW states, as stored, are copied host-to-device into a staging set (the largest share
-   block's size; STAGING_SETS of them, taken in turn), AdamW runs there
-   (`CpuAdamW.update_reference`: the torch reference of the C kernels, with the same
-   StepScalars, stochastic-rounding keys and clipping coefficient, bit for bit the host
-   update), and master, states and the new weights (the bf16 shadow, or the master that is the
-   streamed copy) are copied back device-to-host. Not the fused Triton kernel of
-   optim/triton_adamw.py that the GPU tier uses (REFERENCE_ONLY says why). Copies in and the
-   AdamW run on one stream, copies back on another, so one block's states come back while the
-   next one's go up. The share's master and states are page-locked where they lie in the store
-   (store/memory.py `pin_in_place`, at start; the small scales moved to pinned memory): every
-   copy runs at the link's pinned rate and is queued without waiting.
+   AdamW states, as stored, are copied host-to-device into the staging set (the largest share
+   block's size), AdamW runs there (`CpuAdamW.update_device`: the fused Triton kernel of
+   optim/triton_adamw.py where it takes the formats, as the GPU tier, else the torch reference
+   of the C kernels; either with the same StepScalars, stochastic-rounding keys and clipping
+   coefficient, bit for bit the host update), and master, states and the new weights (the bf16
+   shadow, or the master that is the streamed copy) are copied back device-to-host. Copies in
+   and the AdamW run on one stream, copies back on another; the next block's copies in wait for
+   them (STAGING_SETS says why). The share's master and states are page-locked where they lie
+   in the store (store/memory.py `pin_in_place`, at start; the small scales moved to pinned
+   memory): every copy runs at the link's pinned rate and is queued without waiting.
 3. The next forward's copy of the block waits for it as for a host update (`wait(block)`).
 
 Device memory (engine/layout.py SHARE_GRADS, SHARE_STAGING): every share block's held gradient
-(2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and the staging sets of master +
+(2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and the staging set of master +
 states (+ the bf16 shadow written by the update). The torch reference's temporaries, up to
 WORK_BYTES, are freed after each pass of DEVICE_CHUNK values and kept by the allocator: the
 estimate counts them beside the layout.
@@ -63,9 +62,17 @@ from megatrain.store.states import num_quant_blocks
 
 T = TypeVar("T")
 
-STAGING_SETS = 2
-"""Device staging sets of the share: block k's states go up into one while block k-1's come
-back from the other (the link's two directions at once)."""
+STAGING_SETS = 1
+"""Device staging sets of the share, taken in turn: a set takes a block once its previous
+block's copies back are done, so with one set each block's copies in wait for the previous
+block's copies back. Two sets (one block's states up while the previous one's come back, the
+link's two directions at once) gave NaN losses: GPT-OSS-20B cut to 4 layers with int8 states
+and a share of 3 blocks, the fused kernel, NaN at step 3 on an H200, where the same run with
+the up stream waiting for the previous block's copies back ran 10 steps clean, the losses of
+the runs without a share (docs/performance.md run 71; runs 66-70 for the search before).
+Which write the overlap corrupts was not found; a single set rules the overlap out by
+construction and frees one block's staging memory. planning/replay.py orders the share's
+copies by it."""
 ALIGN = 256
 """Byte alignment of each tensor carved out of a share buffer."""
 WORK_BYTES_PER_VALUE = 81
@@ -77,22 +84,13 @@ WORK_BYTES = DEVICE_CHUNK * WORK_BYTES_PER_VALUE
 """GPU memory the share's update allocates beside its buffers (its stream's pool keeps it),
 680 MB: planning/estimate.py counts it where there is a share (and for a GPU tier of formats
 the fused kernel does not take, `work_bytes`)."""
-REFERENCE_ONLY = True
-"""The share updates through the torch reference, never the fused Triton kernel: on the H200
-(2026-11-28, docs/performance.md run 66) GPT-OSS-20B cut to 4 full-width layers with int8
-states and a share of 3 blocks gave a NaN loss at step 2, 3, 5 and 6 with the fused kernel
-(threaded, synchronized after each update, or on the main thread), and ran 8 steps without
-one with the reference. The fused kernel's results, checked against the C kernel on the same
-inputs at that width, were bit for bit the same (9 updates); with the device synchronized
-before and after each update it wrote no storage but its outputs and gave no NaN (run 67), so
-the fault needs the kernel to run beside other GPU work: not found yet. Ruled out in run 68:
-a host wait for the up stream after the kernel, and the up stream ordered after the gradient
-copies (NaN at steps 3 and 2); docs/optimizer_states.md, known problem. Its launch on the
-share's stream, ordered with the copies, is checked on CUDA (tests/optim/test_triton_adamw.py
-`test_fused_kernel_orders_with_its_streams_copies`, passed in run 67), and the share's own
-machinery under load with it forced in by tests/engine/test_gpu_share_load.py (passed in run
-68). Tiny models never show it (tests/engine/test_gpu_share_cuda.py), nor did the
-Qwen3-30B-A3B rows of run 59. planning/share_time.py times the reference."""
+REFERENCE_ONLY = False
+"""True: the share updates through the torch reference, never the fused Triton kernel (a
+diagnostic lever: bench/share_diag sets it). The share took the reference from run 66 to run
+71 while its NaN was searched for (docs/performance.md): the fused kernel's results equal the C
+kernel's bit for bit (tests/optim/test_triton_adamw.py; run 70's `verify` over real updates),
+and the NaN came with the reference too (run 70) where two staging sets overlapped one block's
+copies back with the next one's update (STAGING_SETS)."""
 Parts = list[tuple[torch.dtype, int]]
 
 
@@ -259,8 +257,8 @@ class GpuShare:
         """The block's AdamW on the device (the worker thread calls it once its held gradient
         is written): states in, the update, master, states and weights out. On CUDA it
         returns once queued: the copies in and the AdamW on the up stream, after the copies
-        back of the staging set's previous block; the copies back on the down stream, so the
-        next block's states go up while this one's come back. `wait` waits for them."""
+        back of the staging set's previous block (STAGING_SETS); the copies back on the down
+        stream. `wait` waits for them."""
         turn, up, down = self._turn, self._up, self._down
         self._turn = (turn + 1) % len(self.staging)
         if up is None or down is None:  # the CPU: in order, done on return
