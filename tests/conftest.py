@@ -34,6 +34,7 @@ GIB_PER_WORKER = 4
 """Host memory a test worker may take at its peak (the engine's RAM tests grow ~1.8 GiB)."""
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: none without it
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: a worker per core this process may run on, as many as the host memory holds
     at GIB_PER_WORKER each; none (one process) where CUDA is: the GPU tests measure memory and
