@@ -1,21 +1,27 @@
-"""Diagnostic hook for the GPU update share's fused-kernel NaN (docs/optimizer_states.md, known
-problem; docs/performance.md runs 66-68). Not a product switch: nothing in src/ reads it.
+"""Diagnostic hook for the GPU update share's NaN (docs/optimizer_states.md, "The share's NaN";
+docs/performance.md runs 66-71). Not a product switch: nothing in src/ reads it.
 
 With this folder first on PYTHONPATH and MT_SHARE_DIAG=<mode>, every Python process of the run
 (bench/cli_train.py starts `python -m megatrain train` with the environment as it is) patches
 engine/gpu_share.py as it is imported: REFERENCE_ONLY off (the fused Triton kernel updates the
-share's blocks; MT_SHARE_DIAG_KERNEL=reference keeps the torch reference, which gave a NaN at
-step 4 in run 70) and, by mode, one change around each share update (`GpuShare.update`, on the
-share's worker thread):
+share's blocks, as the product does since run 72; MT_SHARE_DIAG_KERNEL=reference takes the
+torch reference), MT_SHARE_DIAG_SETS=2 two staging sets as before run 72 (the product has one:
+without it the modes below run beside the product's own order, which `serial` is),
+MT_SHARE_DIAG_TIER=reference the torch reference for the GPU tier's updates too; each thread's
+first fused launches print the stream torch has current and the one Triton launches on. By
+mode, one change around each share update (`GpuShare.update`, on the share's worker thread);
+the results are with two sets:
 
   fused        nothing more (runs 66, 68: NaN)
   hostwait     the worker waits on the host for the up stream after the kernel (run 68: NaN)
   d2hwait      the up stream waits for the gradient copy stream first (run 68: NaN)
-  h2dwait      the up stream waits for the weight copy stream first
-  computewait  the up stream waits for the compute (default) stream first
+  h2dwait      the up stream waits for the weight copy stream first (run 71: result lost)
+  computewait  the up stream waits for the compute (default) stream first (run 71: NaN)
   serial       the up stream waits for the previous update's copies back first (one block's
                copies back never beside the next one's copies in: what `presync` and `verify`,
-               the two modes without a NaN, also ensure, and `hostwait`/`d2hwait` do not)
+               the two modes without a NaN, also ensure, and `hostwait`/`d2hwait` do not;
+               run 71: 10 steps clean where `fused` gave a NaN at step 3; the product's order
+               since run 72)
   presync      the device synchronized first (run 67, on the main thread: no NaN)
   verify       each update checked against the C kernel: the block's host master and states
                and its held gradient copied to the host first (on a stream of its own), the
@@ -23,7 +29,8 @@ share's worker thread):
                that copy; one line per update that differs or is not finite (run 70, fused:
                none in 6 steps, and no NaN)
 
-    PYTHONPATH=bench/share_diag:src:bench MT_SHARE_DIAG=verify python bench/cli_train.py \\
+    PYTHONPATH=bench/share_diag:src:bench MT_SHARE_DIAG=verify MT_SHARE_DIAG_SETS=2 \\
+        python bench/cli_train.py \\
         --name diag_verify --preset gpt-oss-20b --layers 4 --rows 32 --micro 4 --steps 8 -- \\
         --optimizer.state_dtype int8 --memory.gpu_state_blocks 0 \\
         --optimizer.gpu_update_blocks 3
@@ -93,8 +100,9 @@ def _compare(share: Any, block: Any, ref: Any, lr: float, grad_scale: float, tor
 def _patch(module: Any) -> None:
     import torch
 
-    kernel = os.environ.get("MT_SHARE_DIAG_KERNEL", "fused")  # or "reference" (the product's)
+    kernel = os.environ.get("MT_SHARE_DIAG_KERNEL", "fused")  # or "reference"
     module.REFERENCE_ONLY = kernel == "reference"
+    module.STAGING_SETS = int(os.environ.get("MT_SHARE_DIAG_SETS", module.STAGING_SETS))
     update = module.GpuShare.update
 
     def diag_update(self: Any, block: Any, *, lr: float, grad_scale: float = 1.0) -> None:
@@ -110,7 +118,11 @@ def _patch(module: Any) -> None:
 
     module.GpuShare.update = diag_update
     _probe_streams(torch)
-    print(f"[diag] GPU update share: {kernel} update, mode {MODE}", flush=True)
+    print(
+        f"[diag] GPU update share: {kernel} update, mode {MODE}, "
+        f"{module.STAGING_SETS} staging sets",
+        flush=True,
+    )
 
 
 def _probe_streams(torch: Any) -> None:
