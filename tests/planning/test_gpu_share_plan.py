@@ -10,18 +10,20 @@ gives the count with the shortest predicted step, and none where the CPU does no
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from megatrain.engine import gpu_share
-from megatrain.engine.gpu_share import WORK_BYTES
+from megatrain.engine.gpu_share import STAGING_SETS, WORK_BYTES
 from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING
 from megatrain.planning.estimate import SHARE_WORK
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.layer_time import HBM_FRACTION
 from megatrain.planning.optimizer_rate import optimizer_gparams_s
 from megatrain.planning.ranks import Ranks
+from megatrain.planning.replay import Replay
 from megatrain.planning.run_shape import RunShape
 from megatrain.planning.share_time import (
     GPU_FUSED_BYTES_PER_S,
@@ -142,3 +144,19 @@ def test_the_printed_plan_names_the_bound_and_the_share(capsys: pytest.CaptureFi
     assert re.search(r"step [\d.]+ s \(predicted\), bound by (CPU optimizer|GPU update share)", out)
     report_plan(none, gpu=False)
     assert "bound by" not in capsys.readouterr().out
+
+
+def test_replay_sends_a_share_block_up_once_the_previous_one_is_back() -> None:
+    """One staging set (engine/gpu_share.py STAGING_SETS): the replay's share worker sends a
+    block's states up only after the previous block's copies back, as the engine's up stream
+    waits for them; two blocks of 1 s up and 2 s back end at 3 and 6 s, not 3 and 5."""
+    costs = SimpleNamespace(
+        fwd_s=[0.0, 0.0],
+        schedule=SimpleNamespace(num_slots=1),
+        share_up_s=[0.0, 1.0, 1.0, 0.0],
+        share_down_s=[0.0, 2.0, 2.0, 0.0],
+    )
+    replay = Replay(costs)  # only the fields the share's replay reads
+    replay._share_updates([(1, 0.0, 0.0), (2, 0.0, 0.0)])
+    assert STAGING_SETS == 1
+    assert replay.updated[1:3] == [3.0, 6.0] and replay.share_worker == 6.0
