@@ -81,9 +81,9 @@ WORK_BYTES_PER_VALUE = 81
 28, int8 38): counted on the CPU (2026-11-28, a TorchDispatchMode tracking every op's new
 storages until freed, over `CpuAdamW.update_reference` on a 1M-value block in one pass)."""
 WORK_BYTES = DEVICE_CHUNK * WORK_BYTES_PER_VALUE
-"""GPU memory the share's update allocates beside its buffers (its stream's pool keeps it),
-680 MB: planning/estimate.py counts it where there is a share (and for a GPU tier of formats
-the fused kernel does not take, `work_bytes`)."""
+"""GPU memory the torch reference's update allocates beside its buffers (its stream's pool
+keeps it), 680 MB: planning/estimate.py counts it (`work_bytes`) for a share or a GPU tier of
+formats the fused kernel does not take."""
 REFERENCE_ONLY = False
 """True: the share updates through the torch reference, never the fused Triton kernel (a
 diagnostic lever: bench/share_diag sets it). The share took the reference from run 66 to run

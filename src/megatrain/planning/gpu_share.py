@@ -12,7 +12,7 @@ bound the step (the GPU compute or the link does), that is 0, and no GPU memory 
 
 The GPU tier (planning/gpu_tier.py) takes the GPU memory first. A tier block keeps its master
 and states on the GPU (12-16 B/param); a share block holds only its gradient (1-4 B/param)
-beside the staging sets, so where both are "auto", `trade_tier` gives up tier blocks, one at a
+beside the staging set, so where both are "auto", `trade_tier` gives up tier blocks, one at a
 time, while the step predicted with the share their room allows is shorter. That share may be
 none: the replay can predict a shorter step with a tier block fewer and the host updating it
 (docs/performance.md run 68: the Qwen3-30B-A3B row with fp32 states, 9 of the 10 tier blocks
