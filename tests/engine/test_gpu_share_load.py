@@ -7,10 +7,12 @@ them. Master, states, scales, shadow and the copied weights must equal the C ker
 a host copy on the same held gradient, every step.
 
 On the CPU (CI) the share runs its synchronous path with the torch reference. On CUDA (marked
-gpu) large blocks (48M values), with the torch reference (the product) and with the fused
-Triton kernel forced in (REFERENCE_ONLY off): the machinery run 66 (docs/performance.md) saw
-give NaN losses with the fused kernel on GPT-OSS-20B, here without the model. Both CUDA cases
-passed on an H200 (docs/performance.md run 68).
+gpu) large blocks (48M values) in the product's STAGING_SETS, with the fused Triton kernel
+(the product, for these formats) and the torch reference (REFERENCE_ONLY on): the machinery
+run 66 (docs/performance.md) saw give NaN losses on GPT-OSS-20B, here without the model. With
+two staging sets of its own both CUDA cases passed on an H200 (runs 68 and 72), where the
+model's runs did not (run 71 found the order that mattered: engine/gpu_share.py STAGING_SETS);
+it takes the product's count since, not yet run on CUDA that way.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def test_share_under_load_equals_the_host_kernel(
         device=dev,
     )
     largest = max(packed_bytes(FORMATS.staging_parts(b.numel)) for b in blocks)
-    staging = [torch.empty(largest, dtype=torch.uint8, device=dev) for _ in range(2)]
+    sets = range(gpu_share.STAGING_SETS)
+    staging = [torch.empty(largest, dtype=torch.uint8, device=dev) for _ in sets]
     transfers = Transfers(dev)
     share = GpuShare(blocks, FORMATS, optimizer, transfers, grads=grads, staging=staging)
     load = torch.randn(4096, 4096, device=dev) if dev.type == "cuda" else None
