@@ -197,8 +197,8 @@ class Replay:
     def _share_updates(self, tasks: list[tuple[int, float, float]]) -> None:
         """The GPU update share's worker in forward order: a block's states go up once its
         gradient is held and a staging set is free (the copies back of the block STAGING_SETS
-        before it are done), AdamW on the GPU, everything back down after it on the D2H
-        stream, beside the next block's copies up."""
+        before it are done: with one set, the previous block's), AdamW on the GPU, everything
+        back down after it on the D2H stream."""
         c, backs = self.c, [self.share_worker]
         for order, submitted, held in tasks:
             free = backs[-STAGING_SETS] if len(backs) >= STAGING_SETS else 0.0
