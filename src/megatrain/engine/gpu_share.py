@@ -69,7 +69,7 @@ block's copies back. Two sets (one block's states up while the previous one's co
 link's two directions at once) gave NaN losses: GPT-OSS-20B cut to 4 layers with int8 states
 and a share of 3 blocks, the fused kernel, NaN at step 3 on an H200, where the same run with
 the up stream waiting for the previous block's copies back ran 10 steps clean, the losses of
-the runs without a share (docs/performance.md run 71; runs 66-70 for the search before).
+the runs with the torch reference's share (docs/performance.md run 71; runs 66-70 before).
 Which write the overlap corrupts was not found; a single set rules the overlap out by
 construction and frees one block's staging memory. planning/replay.py orders the share's
 copies by it."""
