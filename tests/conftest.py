@@ -9,6 +9,8 @@ import psutil
 import pytest
 import torch
 
+from megatrain import threads
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -22,7 +24,7 @@ def _own_cores() -> None:
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
         return
-    cores = sorted(os.sched_getaffinity(0))
+    cores = threads._affinity()
     mine = cores[int(worker[2:]) :: count] or cores
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(len(mine))
@@ -42,8 +44,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     if torch.cuda.is_available():
         return 0
     memory = psutil.virtual_memory().total // (GIB_PER_WORKER * 2**30)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, memory))
+    return max(1, min(len(threads._affinity()), memory))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
