@@ -1,5 +1,5 @@
 """Diagnostic hook for the GPU update share's NaN (docs/optimizer_states.md, "The share's NaN";
-docs/performance.md runs 66-71). Not a product switch: nothing in src/ reads it.
+docs/performance.md runs 66-73). Not a product switch: nothing in src/ reads it.
 
 With this folder first on PYTHONPATH and MT_SHARE_DIAG=<mode>, every Python process of the run
 (bench/cli_train.py starts `python -m megatrain train` with the environment as it is) patches
@@ -12,6 +12,7 @@ first fused launches print the stream torch has current and the one Triton launc
 mode, one change around each share update (`GpuShare.update`, on the share's worker thread);
 the results are with two sets:
 
+  none         gpu_share.py as it is (with MT_SHARE_DIAG_POSTMORTEM=1)
   fused        nothing more (runs 66, 68: NaN)
   hostwait     the worker waits on the host for the up stream after the kernel (run 68: NaN)
   d2hwait      the up stream waits for the gradient copy stream first (run 68: NaN)
@@ -28,6 +29,14 @@ the results are with two sets:
                update's results, once back on the host, compared with the C kernel's update of
                that copy; one line per update that differs or is not finite (run 70, fused:
                none in 6 steps, and no NaN)
+
+MT_SHARE_DIAG_POSTMORTEM=1 (with any mode, or alone with MT_SHARE_DIAG=none: the product as it
+is): once a step's loss is known (after its head's backward, before any of its updates is
+submitted) it is read on the host; if it is not finite, every pending update is waited for and
+every block's tensors (host or device: master, shadow, states' scales, held gradients) are
+scanned; each line names a block and tensor with its largest magnitude and its non-finite
+count, then the run stops. All finite means the fault corrupted the step's compute, not the
+weights or states the updates wrote.
 
     PYTHONPATH=bench/share_diag:src:bench MT_SHARE_DIAG=verify MT_SHARE_DIAG_SETS=2 \\
         python bench/cli_train.py \\
@@ -46,7 +55,18 @@ import sys
 from typing import Any
 
 MODE = os.environ.get("MT_SHARE_DIAG")
-MODES = ("fused", "hostwait", "d2hwait", "h2dwait", "computewait", "serial", "presync", "verify")
+POSTMORTEM = os.environ.get("MT_SHARE_DIAG_POSTMORTEM") == "1"
+MODES = (
+    "none",
+    "fused",
+    "hostwait",
+    "d2hwait",
+    "h2dwait",
+    "computewait",
+    "serial",
+    "presync",
+    "verify",
+)
 
 
 def _before(share: Any, torch: Any) -> None:
@@ -156,11 +176,68 @@ def _probe_streams(torch: Any) -> None:
     triton_adamw.fused_update = probed
 
 
+def _scan(tensor: Any, torch: Any) -> tuple[float, int]:
+    """(largest magnitude, non-finite count) of a float tensor, in 64M-value chunks."""
+    flat, top, bad = tensor.reshape(-1), 0.0, 0
+    for at in range(0, flat.numel(), 1 << 26):
+        part = flat[at : at + (1 << 26)].float()
+        finite = torch.isfinite(part)
+        bad += int((~finite).sum())
+        if bool(finite.any()):
+            top = max(top, float(part[finite].abs().max()))
+    return top, bad
+
+
+def _postmortem(engine: Any, loss: float, torch: Any) -> None:
+    """Every block's tensors after a non-finite loss (the step's updates not yet submitted)."""
+    engine.wait_updates()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"[diag] postmortem: loss {loss}; tensors (block, name, where, max |x|, non-finite)")
+    share = getattr(engine, "share", None)
+    held = getattr(share, "_held", {}) if share is not None else {}
+    for block in engine.store.blocks:
+        tensors = {"master": block.master, "shadow": block.shadow, **block.state_tensors()}
+        tensors.update({f"held{i}": t for i, t in enumerate(held.get(block.name, []))})
+        for name, tensor in tensors.items():
+            if tensor is None or not tensor.is_floating_point():
+                continue
+            top, bad = _scan(tensor, torch)
+            flag = "  <-- NON-FINITE" if bad else ""
+            where = tensor.device.type
+            print(f"[diag]   {block.name} {name} {where} {top:.4g} {bad}{flag}", flush=True)
+    raise FloatingPointError(f"[diag] postmortem done: loss {loss}")
+
+
+def _patch_engine(module: Any) -> None:
+    import math
+
+    import torch
+
+    loss_pass = module.StreamingEngine._loss
+
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = loss_pass(self, *args, **kwargs)
+        value = float(out[0])  # sync point (host): the diagnostic's only one
+        if not math.isfinite(value):
+            _postmortem(self, value, torch)
+        return out
+
+    module.StreamingEngine._loss = checked
+    print("[diag] postmortem armed: a non-finite loss scans every block", flush=True)
+
+
+PATCHES = {"megatrain.engine.gpu_share": _patch, "megatrain.engine.engine": _patch_engine}
+
+
 class _Finder(importlib.abc.MetaPathFinder):
-    """Runs `_patch` right after engine/gpu_share.py is imported."""
+    """Runs a module's patch (PATCHES) right after it is imported."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "megatrain.engine.gpu_share":
+        patch = PATCHES.get(name)
+        if patch is None or (name.endswith("engine") and not POSTMORTEM):
+            return None
+        if name.endswith("gpu_share") and MODE in (None, "none"):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -169,13 +246,13 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-if MODE:
-    if MODE not in MODES:
+if MODE or POSTMORTEM:
+    if MODE is not None and MODE not in MODES:
         raise SystemExit(f"MT_SHARE_DIAG must be one of {', '.join(MODES)}, got {MODE!r}")
     sys.meta_path.insert(0, _Finder())
