@@ -35,8 +35,11 @@ is): once a step's loss is known (after its head's backward, before any of its u
 submitted) it is read on the host; if it is not finite, every pending update is waited for and
 every block's tensors (host or device: master, shadow, states' scales, held gradients) are
 scanned; each line names a block and tensor with its largest magnitude and its non-finite
-count, then the run stops. All finite means the fault corrupted the step's compute, not the
-weights or states the updates wrote.
+count; then the weights the step's forward used on the device (the layers its slots still
+hold, the head's buffer) are compared with their host sources, and the run stops. Run 74: at a
+NaN every host tensor was finite (only the head's new gradient, computed from the NaN loss,
+was not), so the fault corrupted the step's compute or its device copies, not the weights and
+states the updates wrote.
 
     PYTHONPATH=bench/share_diag:src:bench MT_SHARE_DIAG=verify MT_SHARE_DIAG_SETS=2 \\
         python bench/cli_train.py \\
@@ -206,7 +209,36 @@ def _postmortem(engine: Any, loss: float, torch: Any) -> None:
             flag = "  <-- NON-FINITE" if bad else ""
             where = tensor.device.type
             print(f"[diag]   {block.name} {name} {where} {top:.4g} {bad}{flag}", flush=True)
+    _compare_device(engine, torch)
     raise FloatingPointError(f"[diag] postmortem done: loss {loss}")
+
+
+def _differ(device: Any, host: Any, torch: Any) -> tuple[int, int]:
+    """(values that differ, non-finite values) of a device copy against its host source."""
+    device, host, differ, bad = device.reshape(-1), host.reshape(-1), 0, 0
+    for at in range(0, host.numel(), 1 << 26):
+        mine = device[at : at + (1 << 26)]
+        differ += int((mine != host[at : at + (1 << 26)].to(mine.device)).sum())
+        bad += int((~torch.isfinite(mine.float())).sum())
+    return differ, bad
+
+
+def _compare_device(engine: Any, torch: Any) -> None:
+    """The weights this step's forward computed with (the streamed layers its slots still hold,
+    the head's buffer) against their host sources, which the scan above found finite or not:
+    a device copy that differs was corrupted on the device or copied before its update was."""
+    slots = engine.slots
+    pairs = [
+        (f"slot {s}: layer.{layer}", slots.buffers[s], slots.blocks[layer])
+        for s, layer in enumerate(slots.holds)
+        if layer is not None and layer >= slots.resident
+    ]
+    if engine.store.head not in engine.tier:
+        pairs.append(("head buffer", engine.head_buf, engine.store.head))
+    for where, buffer, block in pairs:
+        differ, bad = _differ(buffer.reshape(-1)[: block.numel], block.source, torch)
+        flag = "  <-- DIFFERS" if differ else ""
+        print(f"[diag]   {where} vs host {block.name}: {differ} differ, {bad} non-finite{flag}")
 
 
 def _patch_engine(module: Any) -> None:
