@@ -29,6 +29,10 @@ the results are with two sets:
                update's results, once back on the host, compared with the C kernel's update of
                that copy; one line per update that differs or is not finite (run 70, fused:
                none in 6 steps, and no NaN)
+  mainthread   the share's worker unthreaded: each update issued on the main thread when it is
+               submitted (its copies and kernel still on the share's two streams)
+  hostalloc    the share's host master, states and shadow moved into cudaHostAlloc memory
+               (torch's pinned allocator) instead of the store's mappings registered in place
 
 MT_SHARE_DIAG_POSTMORTEM=1 (with any mode, or alone with MT_SHARE_DIAG=none: the product as it
 is): once a step's loss is known (after its head's backward, before any of its updates is
@@ -69,6 +73,8 @@ MODES = (
     "serial",
     "presync",
     "verify",
+    "mainthread",
+    "hostalloc",
 )
 
 
@@ -120,6 +126,26 @@ def _compare(share: Any, block: Any, ref: Any, lr: float, grad_scale: float, tor
         print(f"[diag] step {block.step} {block.name}: differ {differ} non-finite {bad}")
 
 
+def _patch_init(module: Any, torch: Any) -> None:
+    """`mainthread`: the share's worker runs unthreaded (each update issued on the main thread
+    at submit, its copies and kernel still on the share's streams); `hostalloc`: the share's
+    host tensors moved into memory from CUDA's pinned allocator (cudaHostAlloc) instead of the
+    store's mappings registered in place (the old ones are dropped: host RAM is not doubled)."""
+    init = module.GpuShare.__init__
+
+    def diag_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if MODE == "mainthread":
+            kwargs["threaded"] = False
+        init(self, *args, **kwargs)
+        if MODE == "hostalloc" and self.transfers.is_cuda:
+            for block in self.blocks:
+                for name, tensor in module._host_tensors(block).items():
+                    moved = torch.empty_like(tensor, pin_memory=True).copy_(tensor)
+                    setattr(block, name, moved)
+
+    module.GpuShare.__init__ = diag_init
+
+
 def _patch(module: Any) -> None:
     import torch
 
@@ -140,6 +166,7 @@ def _patch(module: Any) -> None:
         return None
 
     module.GpuShare.update = diag_update
+    _patch_init(module, torch)
     _probe_streams(torch)
     print(
         f"[diag] GPU update share: {kernel} update, mode {MODE}, "
