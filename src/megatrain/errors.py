@@ -15,6 +15,12 @@ class GpuOutOfMemory(RunStopped):
     """A step ran out of GPU memory and no smaller plan was left to run it with."""
 
 
+class NonFiniteLoss(RunStopped):
+    """A step's loss was NaN or infinite: the run stops without saving (the checkpoints
+    already written stay as they were); the message names the settings to change and the last
+    checkpoint."""
+
+
 class MissingPath(FileNotFoundError):
     """A path the user gave (`path`) is not there; the message names its key and the fix. The
     CLI adds the command of the config file's header that makes it, if there is one."""

@@ -3,8 +3,11 @@ step exactly once, and Ctrl-C prints one line naming the last checkpoint and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +15,7 @@ from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.engine.engine import StreamingEngine
 from megatrain.metrics import truncate_metrics
+from megatrain.recipes.base import Recipe
 from megatrain.recipes.sft import Trainer
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
@@ -125,3 +129,42 @@ def test_done_line_says_where_a_resumed_run_started(
     assert resumed.startswith(
         f"done: 6 steps (resumed at step 3), loss {losses[3]:.4f} at step 4 -> {losses[5]:.4f};"
     )
+
+
+def test_a_non_finite_loss_stops_with_one_paragraph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN loss at step 5 (after the checkpoint of step 3): exit code 1, no traceback, the
+    settings to change and the checkpoint to resume from; nothing saved on the way out."""
+    real, done = StreamingEngine.train_step, []
+
+    def step(self: StreamingEngine, *args: object, **kwargs: object) -> object:
+        result = real(self, *args, **kwargs)  # type: ignore[arg-type]
+        done.append(1)
+        return dataclasses.replace(result, loss=math.nan) if len(done) == 5 else result
+
+    monkeypatch.setattr(StreamingEngine, "train_step", step)
+    args = _args(tmp_path, "--logging.report_to", "none")
+    assert main(["train", "--config", str(DEMO), *args]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = tmp_path / "checkpoints" / "step-00000003"
+    assert "loss is nan at step 5: lower optimizer.learning_rate" in err
+    assert f"The last checkpoint is {last}: resume with the same command" in err
+    assert "gpu_update_blocks" not in err  # no share (and on the CPU it is never suspected)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000003"]
+
+
+def test_a_non_finite_loss_names_the_gpu_update_share_on_cuda(tmp_path: Path) -> None:
+    """On CUDA with a share on, the paragraph names optimizer.gpu_update_blocks as the suspect
+    (docs/optimizer_states.md, "The share's NaN"); without a checkpoint it says so."""
+    engine = SimpleNamespace(
+        transfers=SimpleNamespace(is_cuda=True), share=SimpleNamespace(blocks=[0, 1, 2])
+    )
+    recipe = SimpleNamespace(
+        engine=engine, loss_name="loss", loss_fix="lower it", step=8, output_dir=tmp_path
+    )
+    text = Recipe._non_finite_message(recipe, math.inf)  # type: ignore[arg-type]
+    assert text.startswith("loss is inf at step 8: lower it; the GPU update share was on ")
+    assert "optimizer.gpu_update_blocks: 3 blocks" in text and "set it to 0" in text
+    assert f". No checkpoint was saved yet in {tmp_path}" in text

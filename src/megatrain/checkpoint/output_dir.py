@@ -35,7 +35,7 @@ The rules (`check_output_dir`):
   front, not after training, when the export would have to replace it.
 
 `interrupted_message` is the one line printed on Ctrl-C: where the last checkpoint is and how to
-resume from it.
+resume from it (`resume_hint`, which a run stopped by a non-finite loss prints too).
 """
 
 from __future__ import annotations
@@ -156,16 +156,21 @@ def check_output_dir(
 
 def interrupted_message(output_dir: str | Path, step: int) -> str:
     """One line for Ctrl-C: where the last checkpoint is and the resume key."""
+    return f"interrupted at step {step}; {resume_hint(output_dir)}"
+
+
+def resume_hint(output_dir: str | Path) -> str:
+    """Where a stopped run's last checkpoint is and the key that resumes from it."""
     last = latest_checkpoint(output_dir)
     if last is None:
         return (
-            f"interrupted at step {step}; no checkpoint was saved yet in {output_dir} "
-            "(checkpoint.save_every sets how often): run the same command with "
-            "--checkpoint.resume_from auto to start it over in the same folder"
+            f"no checkpoint was saved yet in {output_dir} (checkpoint.save_every sets how "
+            "often): run the same command with --checkpoint.resume_from auto to start it over "
+            "in the same folder"
         )
     return (
-        f"interrupted at step {step}; the last checkpoint is {last}: resume with the same "
-        "command and --checkpoint.resume_from auto (or checkpoint.resume_from: auto in the YAML)"
+        f"the last checkpoint is {last}: resume with the same command and "
+        "--checkpoint.resume_from auto (or checkpoint.resume_from: auto in the YAML)"
     )
 
 
@@ -320,4 +325,5 @@ __all__ = [
     "TrainingInterrupted",
     "check_output_dir",
     "interrupted_message",
+    "resume_hint",
 ]

@@ -73,11 +73,17 @@ from typing import Any
 import torch
 
 from megatrain.checkpoint.checkpointer import Checkpointer, saved_threads
-from megatrain.checkpoint.output_dir import OutputFolder, TrainingInterrupted, interrupted_message
+from megatrain.checkpoint.output_dir import (
+    OutputFolder,
+    TrainingInterrupted,
+    interrupted_message,
+    resume_hint,
+)
 from megatrain.config import TrainConfig, save_config
 from megatrain.distributed import close as close_process_group
 from megatrain.distributed import on_rank0
 from megatrain.engine.engine import StepResult, StreamingEngine
+from megatrain.errors import NonFiniteLoss
 from megatrain.metrics import MetricsLogger
 from megatrain.model.kernels import kernel_report
 from megatrain.planning.disk import check_run_disk, checkpoint_nbytes, run_disk_bytes
@@ -304,10 +310,25 @@ class Recipe:
         result = recovering_step(self, self.step + 1, run, metrics)
         self.step += 1
         if not math.isfinite(result.loss):
-            raise FloatingPointError(
-                f"{self.loss_name} is {result.loss} at step {self.step}: {self.loss_fix}"
-            )
+            raise NonFiniteLoss(self._non_finite_message(result.loss))
         return result
+
+    def _non_finite_message(self, loss: float) -> str:
+        """The paragraph a non-finite loss stops the run with (NonFiniteLoss)."""
+        cuda = self.engine.transfers.is_cuda  # on the CPU the share's update is synchronous
+        share = len(self.engine.share.blocks) if cuda else 0
+        suspect = (
+            f"; the GPU update share was on (optimizer.gpu_update_blocks: {share} blocks), which "
+            'has given NaN losses of its own on GPU runs (docs/optimizer_states.md, "The '
+            "share's NaN\"): set it to 0"
+            if share
+            else ""
+        )
+        hint = resume_hint(self.output_dir)
+        return (
+            f"{self.loss_name} is {loss} at step {self.step}: {self.loss_fix}{suspect}. "
+            f"{hint[0].upper()}{hint[1:]}"
+        )
 
     # ------------------------------------------------------------------ save, export, close
 
