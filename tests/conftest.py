@@ -24,7 +24,7 @@ def _own_cores() -> None:
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
         return
-    cores = threads._affinity()
+    cores = threads.affinity()
     mine = cores[int(worker[2:]) :: count] or cores
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(len(mine))
@@ -44,7 +44,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     if torch.cuda.is_available():
         return 0
     memory = psutil.virtual_memory().total // (GIB_PER_WORKER * 2**30)
-    return max(1, min(len(threads._affinity()), memory))
+    return max(1, min(len(threads.affinity()), memory))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

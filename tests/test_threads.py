@@ -27,7 +27,7 @@ def _fresh_rule() -> Iterator[None]:
 
 
 def _machine(monkeypatch: pytest.MonkeyPatch, cores: int, busy: float) -> None:
-    monkeypatch.setattr(threads, "_affinity", lambda: list(range(cores)))
+    monkeypatch.setattr(threads, "affinity", lambda: list(range(cores)))
     monkeypatch.setattr(threads, "busy_elsewhere", lambda cpus: busy)
 
 
@@ -81,7 +81,7 @@ def test_compute_threads_are_the_runs_not_the_loads(
     count: int,
     source: str,
 ) -> None:
-    monkeypatch.setattr(threads, "_affinity", lambda: list(range(4)))
+    monkeypatch.setattr(threads, "affinity", lambda: list(range(4)))
     monkeypatch.setattr(threads, "busy_elsewhere", _never_sampled)
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -130,7 +130,7 @@ def test_another_busy_process_is_measured() -> None:
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)  # started and spinning
-        cpus = threads._affinity()
+        cpus = threads.affinity()
         assert threads.busy_elsewhere(cpus, window_s=0.5) >= 0.9
         assert threads.usable_cores() <= max(1, len(cpus) - 1)
     finally:

@@ -286,7 +286,11 @@ def _patch_engine(module: Any) -> None:
     print("[diag] postmortem armed: a non-finite loss scans every block", flush=True)
 
 
-PATCHES = {"megatrain.engine.gpu_share": _patch, "megatrain.engine.engine": _patch_engine}
+PATCHES = {
+    **({"megatrain.engine.gpu_share": _patch} if MODE not in (None, "none") else {}),
+    **({"megatrain.engine.engine": _patch_engine} if POSTMORTEM else {}),
+}
+"""The modules patched as they are imported, by what the environment asks for."""
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -294,9 +298,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         patch = PATCHES.get(name)
-        if patch is None or (name.endswith("engine") and not POSTMORTEM):
-            return None
-        if name.endswith("gpu_share") and MODE in (None, "none"):
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:

@@ -54,7 +54,7 @@ class ComputeThreads:
         return f"threads: torch computes on {self.count} CPU thread(s) ({self.source})"
 
 
-def _affinity() -> list[int]:
+def affinity() -> list[int]:
     """The CPUs this process may run on."""
     if hasattr(os, "sched_getaffinity"):  # Linux; elsewhere every core
         return sorted(os.sched_getaffinity(0))
@@ -96,7 +96,7 @@ def compute_threads(
     if saved is not None:
         return ComputeThreads(saved, "the resumed checkpoint's")
     return ComputeThreads(
-        len(_affinity()), "the cores this process may run on; training.threads sets them"
+        len(affinity()), "the cores this process may run on; training.threads sets them"
     )
 
 
@@ -121,7 +121,7 @@ def busy_elsewhere(cpus: list[int], window_s: float = LOAD_WINDOW_S) -> float:
 @functools.cache
 def usable_cores() -> int:
     """The affinity cores less those other processes keep busy (rounded), at least 1."""
-    cpus = _affinity()
+    cpus = affinity()
     return max(1, len(cpus) - int(busy_elsewhere(cpus) + 0.5))
 
 
@@ -129,4 +129,4 @@ def optimizer_threads(local_world_size: int) -> int:
     """Host AdamW threads when optimizer.threads is not set (see the module docstring)."""
     if local_world_size == 1:
         return max(1, usable_cores() - 2)
-    return max(1, len(_affinity()) // local_world_size - 1)
+    return max(1, len(affinity()) // local_world_size - 1)

@@ -32,7 +32,7 @@ def _two_cores(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A 2-core machine, OMP_NUM_THREADS unset (the default count); torch's count put back."""
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(threads, "_affinity", lambda: [0, 1])
+    monkeypatch.setattr(threads, "affinity", lambda: [0, 1])
     yield
     threads.usable_cores.cache_clear()
     torch.set_num_threads(before)
@@ -107,7 +107,7 @@ def test_a_resume_on_another_core_count_and_load_continues_the_losses(
     crashed = _counted_steps(monkeypatch, dies_in=3)  # killed in step 3, after step 2's save
     assert train(tmp_path / "b") == 130
     # resumed where one core is this process's (taskset), another process busy beside it
-    monkeypatch.setattr(threads, "_affinity", lambda: [0])
+    monkeypatch.setattr(threads, "affinity", lambda: [0])
     _load(monkeypatch, 0.6)
     resumed = _counted_steps(monkeypatch)
     capsys.readouterr()

@@ -70,8 +70,9 @@ link's two directions at once) gave NaN losses: GPT-OSS-20B cut to 4 layers with
 and a share of 3 blocks, the fused kernel, NaN at step 3 on an H200, where the same run with
 the up stream waiting for the previous block's copies back ran 10 steps clean, the losses of
 the runs with the torch reference's share (docs/performance.md run 71; runs 66-70 before).
-Which write the overlap corrupts was not found; a single set rules the overlap out by
-construction and frees one block's staging memory. planning/replay.py orders the share's
+One set rules that overlap out and frees one block's staging memory, but the NaN came back
+(17 layers, a share of 5, step 8: run 73), so the share is off by default and its cause is not
+found (docs/optimizer_states.md, "The share's NaN"). planning/replay.py orders the share's
 copies by it."""
 ALIGN = 256
 """Byte alignment of each tensor carved out of a share buffer."""
