@@ -135,3 +135,30 @@ def test_cuda_h2d_after_free_event_does_not_overwrite_a_slot_in_use() -> None:
     transfers.wait(ready)
     assert torch.equal(acc.cpu(), torch.full((n,), 20.0))  # sync point
     assert torch.equal(slot.cpu(), torch.full((n,), 5.0))
+
+
+def test_cpu_h2d_new_copies_exactly_in_the_asked_dtype() -> None:
+    transfers = Transfers(torch.device("cpu"))
+    src = _data(1000, torch.float32, seed=4)
+    dst, event = transfers.h2d_new(src, torch.bfloat16, after=DONE)
+    assert event is DONE and dst.dtype == torch.bfloat16
+    assert torch.equal(_bits(dst), _bits(src.to(torch.bfloat16)))
+
+
+@pytest.mark.gpu
+def test_cuda_h2d_new_lands_after_compute_still_writing_its_reused_memory() -> None:
+    """The embedding rows' race (docs/optimizer_states.md, "The share's NaN"): a block the
+    compute stream frees while a kernel queued there still writes it is handed to the next
+    allocation at once; the copy into that new tensor must land after the write, not under it."""
+    transfers = Transfers(torch.device("cuda"))
+    src = _data(1 << 20, torch.bfloat16, seed=3).pin_memory()
+    old = torch.empty(src.shape, dtype=src.dtype, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of queued compute before the write below
+    old.fill_(float("nan"))
+    reused = old.data_ptr()
+    del old  # back in the compute stream's pool, its fill still queued
+    new, ready = transfers.h2d_new(src)
+    assert new.data_ptr() == reused  # the race's setting: the same memory
+    transfers.wait(ready)
+    assert torch.equal(_bits(new.cpu()), _bits(src))  # sync point

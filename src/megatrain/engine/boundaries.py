@@ -137,13 +137,8 @@ class Boundaries:
         key = (mb, layer)
         if self.plan.places[layer] != "host" or key in self._fetched:
             return
-        buf = self._host[key]
-        x = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
-        offloaded = self._host_ready.pop(key)
-        if self.transfers.is_cuda:  # sync point (GPU side): the offload copy into buf is done
-            self.transfers.h2d_stream.wait_event(offloaded)  # type: ignore[arg-type]
-        # x's memory may still be read by queued compute: the copy waits for that too
-        ready = self.transfers.h2d(x, buf, after=self.transfers.compute_event())
+        # after the offload copy into buf is done (and the compute queued so far: h2d_new)
+        x, ready = self.transfers.h2d_new(self._host[key], after=self._host_ready.pop(key))
         self._host_free[key] = ready
         self._fetched[key] = (x, ready)
 

@@ -98,8 +98,8 @@ class Embedder:
                 (uniq.numel(), self.shape[1]), dtype=table.dtype, pin_memory=self.transfers.is_cuda
             )
             torch.index_select(table, 0, uniq, out=rows_host)
-            rows = torch.empty(rows_host.shape, dtype=self.dtype, device=device)
-            self.transfers.wait(self.transfers.h2d(rows, rows_host))
+            rows, copied = self.transfers.h2d_new(rows_host, self.dtype)
+            self.transfers.wait(copied)
         assert rows.dtype == self.dtype
         rows.requires_grad_(training)
         dev = batch.to(device)

@@ -57,6 +57,22 @@ class Transfers:
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> Event:
         return self._copy(dst, src, after, self.h2d_stream if self.is_cuda else None)
 
+    def h2d_new(
+        self, src: torch.Tensor, dtype: torch.dtype | None = None, *, after: Event | None = None
+    ) -> tuple[torch.Tensor, Event]:
+        """A new device tensor holding host `src` (in `dtype`, default src's) and its copy's
+        event; the copy also waits for `after`. The tensor's memory comes from the compute
+        stream's pool, and the caching allocator hands a block back the moment the compute
+        stream frees it, while kernels queued there may still write it: the copy waits for the
+        compute issued so far, or it lands before such a write and is overwritten (a
+        micro-batch's embedding rows took values of +-3.4e38 and infinities that way while the
+        GPU update share loaded the GPU: docs/optimizer_states.md, "The share's NaN")."""
+        dtype = src.dtype if dtype is None else dtype
+        dst = torch.empty(src.shape, dtype=dtype, device=self.device)
+        if self.is_cuda and after is not None and after is not DONE:
+            self.h2d_stream.wait_event(after)  # type: ignore[arg-type]  # sync point (GPU side)
+        return dst, self.h2d(dst, src, after=self.compute_event())
+
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> Event:
         return self._copy(dst, src, after, self.d2h_stream if self.is_cuda else None)
 
