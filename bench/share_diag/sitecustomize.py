@@ -34,6 +34,13 @@ the results are with two sets:
   hostalloc    the share's host master, states and shadow moved into cudaHostAlloc memory
                (torch's pinned allocator) instead of the store's mappings registered in place
 
+Run 76 found the cause (docs/optimizer_states.md, "The share's NaN"): with
+MT_SHARE_DIAG_TRACE=1 (share_trace.py) the post-mortem showed the weights every layer read
+equal to their host sources and the embedding's output already non-finite in six of eight
+micro-batches; under CUDA_LAUNCH_BLOCKING=1 the run was clean. The embedding rows' copy into
+memory the compute stream had freed with writes still queued is ordered after them since
+(engine/transfers.py `h2d_new`); with it `fused` on two sets ran 6 steps clean, twice.
+
 MT_SHARE_DIAG_POSTMORTEM=1 (with any mode, or alone with MT_SHARE_DIAG=none: the product as it
 is): once a step's loss is known (after its head's backward, before any of its updates is
 submitted) it is read on the host; if it is not finite, every pending update is waited for and
@@ -43,7 +50,8 @@ count; then the weights the step's forward used on the device (the layers its sl
 hold, the head's buffer) are compared with their host sources, and the run stops. Run 74: at a
 NaN every host tensor was finite (only the head's new gradient, computed from the NaN loss,
 was not), so the fault corrupted the step's compute or its device copies, not the weights and
-states the updates wrote.
+states the updates wrote. MT_SHARE_DIAG_TRACE=1 adds share_trace.py's trace of the step (each
+layer's output per micro-batch, each slot's weights as its forward read them) to it.
 
     PYTHONPATH=bench/share_diag:src:bench MT_SHARE_DIAG=verify MT_SHARE_DIAG_SETS=2 \\
         python bench/cli_train.py \\
@@ -63,6 +71,7 @@ from typing import Any
 
 MODE = os.environ.get("MT_SHARE_DIAG")
 POSTMORTEM = os.environ.get("MT_SHARE_DIAG_POSTMORTEM") == "1"
+TRACE = POSTMORTEM and os.environ.get("MT_SHARE_DIAG_TRACE") == "1"  # share_trace.py
 MODES = (
     "none",
     "fused",
@@ -237,6 +246,10 @@ def _postmortem(engine: Any, loss: float, torch: Any) -> None:
             where = tensor.device.type
             print(f"[diag]   {block.name} {name} {where} {top:.4g} {bad}{flag}", flush=True)
     _compare_device(engine, torch)
+    if TRACE:
+        import share_trace
+
+        share_trace.report(engine, _differ, torch)
     raise FloatingPointError(f"[diag] postmortem done: loss {loss}")
 
 
@@ -286,9 +299,23 @@ def _patch_engine(module: Any) -> None:
     print("[diag] postmortem armed: a non-finite loss scans every block", flush=True)
 
 
+def _trace_forward(module: Any) -> None:
+    import share_trace
+
+    share_trace.patch_forward(module)
+
+
+def _trace_slots(module: Any) -> None:
+    import share_trace
+
+    share_trace.patch_slots(module)
+
+
 PATCHES = {
     **({"megatrain.engine.gpu_share": _patch} if MODE not in (None, "none") else {}),
     **({"megatrain.engine.engine": _patch_engine} if POSTMORTEM else {}),
+    **({"megatrain.engine.forward": _trace_forward} if TRACE else {}),
+    **({"megatrain.engine.slots": _trace_slots} if TRACE else {}),
 }
 """The modules patched as they are imported, by what the environment asks for."""
 
