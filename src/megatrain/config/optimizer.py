@@ -78,10 +78,11 @@ class OptimizerConfig:
     with memory.gpu_state_blocks also "auto", GPU-tier blocks are given up for it where that
     predicts a shorter step. Costs GPU memory: each block's held gradient (2 B/param, int8 1)
     and one block's master and states. The update runs the fused Triton kernel where it takes
-    the formats (an fp32 master), else the torch reference of the C kernel. Off by default: a
-    GPT-OSS-20B run with int8 states and an "auto" share of 5 blocks gave a NaN loss at step 8
-    on an H200 (run 73), where the same run without the share did not (docs/optimizer_states.md,
-    "The share's NaN")."""
+    the formats (an fp32 master), else the torch reference of the C kernel. Off by default
+    since GPT-OSS-20B runs with a share gave NaN losses (run 73); their cause, a race of the
+    embedding's copy that the share's load exposed, is fixed (run 76), and the default stays
+    off until the product's settings with the share on have run clean on those rows
+    (docs/optimizer_states.md, "The share's NaN")."""
 
     def validate(self) -> None:
         check_types("optimizer", self)

@@ -65,15 +65,11 @@ T = TypeVar("T")
 STAGING_SETS = 1
 """Device staging sets of the share, taken in turn: a set takes a block once its previous
 block's copies back are done, so with one set each block's copies in wait for the previous
-block's copies back. Two sets (one block's states up while the previous one's come back, the
-link's two directions at once) gave NaN losses: GPT-OSS-20B cut to 4 layers with int8 states
-and a share of 3 blocks, the fused kernel, NaN at step 3 on an H200, where the same run with
-the up stream waiting for the previous block's copies back ran 10 steps clean, the losses of
-the runs with the torch reference's share (docs/performance.md run 71; runs 66-70 before).
-One set rules that overlap out and frees one block's staging memory, but the NaN came back
-(17 layers, a share of 5, step 8: run 73), so the share is off by default and its cause is not
-found (docs/optimizer_states.md, "The share's NaN"). planning/replay.py orders the share's
-copies by it."""
+block's copies back. One set since run 72, when two (one block's states up while the previous
+one's come back, the link's two directions at once) gave NaN losses sooner; the NaN was a race
+of the embedding rows' copy, which the share's load on the GPU exposed, fixed in run 76
+(docs/optimizer_states.md, "The share's NaN"), so two sets are worth measuring again.
+planning/replay.py orders the share's copies by it."""
 ALIGN = 256
 """Byte alignment of each tensor carved out of a share buffer."""
 WORK_BYTES_PER_VALUE = 81
@@ -90,8 +86,7 @@ REFERENCE_ONLY = False
 diagnostic lever: bench/share_diag sets it). The share took the reference from run 66 to run
 71 while its NaN was searched for (docs/performance.md): the fused kernel's results equal the C
 kernel's bit for bit (tests/optim/test_triton_adamw.py; run 70's `verify` over real updates),
-and the NaN came with the reference too (run 70) where two staging sets overlapped one block's
-copies back with the next one's update (STAGING_SETS)."""
+and the NaN, which came with either, was the embedding's race (STAGING_SETS)."""
 Parts = list[tuple[torch.dtype, int]]
 
 

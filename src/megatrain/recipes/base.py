@@ -318,9 +318,9 @@ class Recipe:
         cuda = self.engine.transfers.is_cuda  # on the CPU the share's update is synchronous
         share = len(self.engine.share.blocks) if cuda else 0
         suspect = (
-            f"; the GPU update share was on (optimizer.gpu_update_blocks: {share} blocks), which "
-            'has given NaN losses of its own on GPU runs (docs/optimizer_states.md, "The '
-            "share's NaN\"): set it to 0"
+            f"; the GPU update share was on (optimizer.gpu_update_blocks: {share} blocks), whose "
+            'earlier NaN losses came from a race fixed since (docs/optimizer_states.md, "The '
+            "share's NaN\"): set it to 0 to rule it out"
             if share
             else ""
         )
