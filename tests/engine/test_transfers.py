@@ -152,8 +152,9 @@ def test_cuda_h2d_new_lands_after_compute_still_writing_its_reused_memory() -> N
     allocation at once; the copy into that new tensor must land after the write, not under it."""
     transfers = Transfers(torch.device("cuda"))
     src = _data(1 << 20, torch.bfloat16, seed=3).pin_memory()
-    old = torch.empty(src.shape, dtype=src.dtype, device="cuda")
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no other free block of this size: the next allocation is old's
+    old = torch.empty(src.shape, dtype=src.dtype, device="cuda")
     torch.cuda._sleep(200_000_000)  # ~0.1 s of queued compute before the write below
     old.fill_(float("nan"))
     reused = old.data_ptr()
