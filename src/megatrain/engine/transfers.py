@@ -55,7 +55,7 @@ class Transfers:
             torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> Event:
-        return self._copy(dst, src, after, self.h2d_stream if self.is_cuda else None)
+        return self._copy(dst, src, (after,), self.h2d_stream if self.is_cuda else None)
 
     def h2d_new(
         self, src: torch.Tensor, dtype: torch.dtype | None = None, *, after: Event | None = None
@@ -69,26 +69,27 @@ class Transfers:
         GPU update share loaded the GPU: docs/optimizer_states.md, "The share's NaN")."""
         dtype = src.dtype if dtype is None else dtype
         dst = torch.empty(src.shape, dtype=dtype, device=self.device)
-        if self.is_cuda and after is not None and after is not DONE:
-            self.h2d_stream.wait_event(after)  # type: ignore[arg-type]  # sync point (GPU side)
-        return dst, self.h2d(dst, src, after=self.compute_event())
+        stream = self.h2d_stream if self.is_cuda else None
+        return dst, self._copy(dst, src, (after, self.compute_event()), stream)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None) -> Event:
-        return self._copy(dst, src, after, self.d2h_stream if self.is_cuda else None)
+        return self._copy(dst, src, (after,), self.d2h_stream if self.is_cuda else None)
 
     def _copy(
         self,
         dst: torch.Tensor,
         src: torch.Tensor,
-        after: Event | None,
+        after: tuple[Event | None, ...],
         stream: torch.cuda.Stream | None,
     ) -> Event:
+        """`src` into `dst` on `stream` once every event of `after` is done (None: at once)."""
         if stream is None:
             dst.copy_(src)
             return DONE
         with torch.cuda.stream(stream):
-            if after is not None and after is not DONE:
-                stream.wait_event(after)  # type: ignore[arg-type]  # sync point (GPU side)
+            for event in after:
+                if event is not None and event is not DONE:
+                    stream.wait_event(event)  # type: ignore[arg-type]  # sync point (GPU side)
             dst.copy_(src, non_blocking=True)
             # The copy reads/writes memory the caching allocator gave to the compute stream.
             for t in (dst, src):
