@@ -67,22 +67,21 @@ class OptimizerConfig:
     after its block's backward and the gradient lands in a few shared bf16 buffers instead.
     Only with master_dtype bf16 (an fp32 master's gradient lands in its bf16 copy, free)."""
 
-    gpu_update_blocks: int | str = 0
+    gpu_update_blocks: int | str = "auto"
     """Streamed blocks whose AdamW update runs on the GPU each step instead of the CPU: those
     the CPU would reach last in forward order (the head, then the layers from the last; never
     GPU-tier blocks). Their gradients stay on the GPU; master and states, in their stored
     formats, are copied to the GPU, updated there with the same arithmetic (the same results,
-    bit for bit) and copied back while the CPU updates the rest. An integer >= 0 (0, the
-    default: off), or "auto": the count whose predicted step is shortest within the GPU memory
+    bit for bit) and copied back while the CPU updates the rest. An integer >= 0 (0: off), or
+    "auto" (the default): the count whose predicted step is shortest within the GPU memory
     left (0 where the CPU update does not bound the step, on the CPU, and under torchrun);
     with memory.gpu_state_blocks also "auto", GPU-tier blocks are given up for it where that
     predicts a shorter step. Costs GPU memory: each block's held gradient (2 B/param, int8 1)
     and one block's master and states. The update runs the fused Triton kernel where it takes
-    the formats (an fp32 master), else the torch reference of the C kernel. Off by default
-    since GPT-OSS-20B runs with a share gave NaN losses (run 73); their cause, a race of the
-    embedding's copy that the share's load exposed, is fixed (run 76), and the default stays
-    off until the product's settings with the share on have run clean on those rows
-    (docs/optimizer_states.md, "The share's NaN")."""
+    the formats (an fp32 master), else the torch reference of the C kernel. The NaN losses
+    GPT-OSS-20B runs gave with a share (runs 70-74) came from a race of the embedding's copy,
+    fixed since; the product's settings then ran 20 steps clean (run 77;
+    docs/optimizer_states.md, "The share's NaN")."""
 
     def validate(self) -> None:
         check_types("optimizer", self)
