@@ -47,9 +47,9 @@ def _train(tmp: Path, *overrides: str) -> tuple[list[float], Trainer]:
 
 # 2 rows a step, not the demo's 8: torch's CPU bf16 matmuls run at 1-2 GFLOP/s where the host
 # has no native bf16 (AVX2), and what these runs check does not depend on the tokens
+ROWS = ("--training.micro_batch_size", "2")
 COMMON = (
-    "--training.micro_batch_size",
-    "2",
+    *ROWS,
     "--training.max_steps",
     "6",
     "--checkpoint.save_every",
@@ -129,11 +129,12 @@ def _copy(block: ParamBlock) -> ParamBlock:
 
 @pytest.mark.parametrize("hold", [(), INT8_GRADS, NO_CLIPPING])
 def test_engine_updates_equal_the_torch_reference(tmp_path: Path, hold: tuple[str, ...]) -> None:
-    """Every update of a 3-step run with clipping (demo, bf16 compute, fp32 states), replayed:
-    `update_bf16_master_reference` on a copy of the block as the engine's update found it
-    gives the same bf16 master and states bit for bit. Against torch.optim.AdamW (fp32, from
-    the same master, states, step and clipped gradient), whose operations round in another
-    order (each op within 2^-24 of its terms' magnitudes): m within 4 x 2^-24 (|m0| + |g|)
+    """Every update of a 3-step run with clipping (demo at 2 rows a step, bf16 compute, fp32
+    states), replayed: `update_bf16_master_reference` on a copy of the block as the engine's
+    update found it gives the same bf16 master and states bit for bit. Against
+    torch.optim.AdamW (fp32, from the same master, states, step and clipped gradient), whose
+    operations round in another order (each op within 2^-24 of its terms' magnitudes): m
+    within 4 x 2^-24 (|m0| + |g|)
     (m0 + (1 - b1)(g - m0) may cancel: relative error is unbounded, absolute is not), v within
     1e-6 relative (a sum of positive terms), and the new master within one bf16 ulp of AdamW's
     fp32 weight (stochastic rounding picks one of its two bf16 neighbours) plus 16 units of
@@ -143,7 +144,7 @@ def test_engine_updates_equal_the_torch_reference(tmp_path: Path, hold: tuple[st
     rounded to nearest). int8 gradients: the same, the gradient being what the update read
     (codes x units); clipping off: the same on the gradient a shared landing held."""
     trainer = _trainer(
-        tmp_path / "bf16", *BF16_MASTER, "--training.max_steps", "3",
+        tmp_path / "bf16", *BF16_MASTER, *ROWS, "--training.max_steps", "3",
         "--checkpoint.export_hf", "false", "--optimizer.weight_decay", "0.1",
         "--optimizer.max_grad_norm", "0.5", "--optimizer.learning_rate", "1e-3", *hold,
     )  # fmt: skip
@@ -190,7 +191,7 @@ def test_engine_updates_equal_the_torch_reference(tmp_path: Path, hold: tuple[st
         p_bound = ulp + 16 * 2.0**-24 * (p_ref.abs() + 3.2 * u.lr)
         assert bool(((u.after["master"].float() - p_ref).abs() <= p_bound).all()), block.name
     fp32_losses, _ = _train(
-        tmp_path / "fp32", "--model.compute_dtype", "bf16", "--training.max_steps", "1",
+        tmp_path / "fp32", "--model.compute_dtype", "bf16", *ROWS, "--training.max_steps", "1",
         "--checkpoint.export_hf", "false",
     )  # fmt: skip
     assert losses[0] == fp32_losses[0]
