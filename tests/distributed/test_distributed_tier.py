@@ -115,7 +115,15 @@ def test_tier_checkpoint_is_per_rank_shards_and_exports(
         assert torch.equal(exported[key], ref), key  # the same fp32 masters, reassembled
 
 
-@pytest.mark.parametrize(("saved", "resumed"), [("two", 2), ("two", ALL_BLOCKS), ("all", 0)])
+# ("two", ALL_BLOCKS) is slow-marked (a torchrun launch, ~30 s on 2 cores): host-written shard
+# files read into the tier are what ("two", 2) reads for its tier blocks (the tier's files are
+# the host blocks' shard files: test_tier_checkpoint_is_per_rank_shards_and_exports), another
+# tier count on the same 2-rank files is ("all", 0), and a resume from no tier into every block
+# is tests/engine/test_gpu_tier_checkpoint.py's (0, 6)
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [("two", 2), pytest.param("two", ALL_BLOCKS, marks=pytest.mark.slow), ("all", 0)],
+)
 def test_resume_with_a_tier_under_two_ranks(
     runs: dict[str, Path | list[float]], tmp_path: Path, saved: str, resumed: int
 ) -> None:
