@@ -2,11 +2,12 @@
 `checkpoint_nbytes`), what `Checkpointer.bytes_needed` counts from the store, and the tensor
 bytes the checkpoint's files hold are one number, for fp32, bf16, int8 and int4 AdamW states,
 written by one process or by two ranks (each its padded part, store/shard.py); a run's disk
-check and its checkpoints agree."""
+check and its checkpoints agree. Each rank reads its part of compressed states back as written."""
 
 from __future__ import annotations
 
 import functools
+import json
 import struct
 from pathlib import Path
 
@@ -14,13 +15,14 @@ import pytest
 import torch
 
 from megatrain.checkpoint.checkpointer import Checkpointer
-from megatrain.checkpoint.saving import write_blocks
+from megatrain.checkpoint.saving import FORMAT_VERSION, write_blocks
 from megatrain.config import load_config
 from megatrain.model.loading import load_causal_lm
 from megatrain.model.structure import discover
 from megatrain.planning import model_spec
 from megatrain.planning.disk import checkpoint_nbytes, run_disk_bytes
 from megatrain.recipes.sft import Trainer
+from megatrain.run_files import TRAINER_STATE_FILE
 from megatrain.store.host import HostStore
 from megatrain.store.shard import shard_master
 from run_helpers import DEMO, tiny_run_args
@@ -81,6 +83,38 @@ def test_two_ranks_write_the_predicted_bytes(tmp_path: Path, state_dtype: str) -
     written = tensor_bytes(tmp_path)
     assert written == ckpt.bytes_needed(stores[0]) == _predicted(state_dtype, world=2)
     assert written > _predicted(state_dtype, world=1)  # the padding to whole int8 blocks
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
+def test_each_rank_reads_its_part_of_compressed_states_back(
+    tmp_path: Path, state_dtype: str
+) -> None:
+    """Each rank's part of every block (master, codes and scales of its whole quantization
+    blocks, the step) written as checkpoint/shards.py has each rank write it, read back into
+    that rank's store by a 2-rank Checkpointer, bit for bit (the path of a 2-rank resume with
+    compressed states; tests/distributed/test_distributed_ranks.py runs it under torchrun in
+    test_compressed_states_shard_and_resume_exactly, slow-marked)."""
+    gen = torch.Generator().manual_seed(0)
+    written = [_store(state_dtype, rank, world=2) for rank in range(2)]
+    (tmp_path / "blocks").mkdir()
+    for store in written:
+        for block in store.blocks:
+            block.step = 3
+            for t in (block.master, *block.state_tensors().values()):
+                if t.dtype == torch.uint8:  # codes
+                    t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+                else:
+                    t.copy_(torch.rand(t.shape, generator=gen) + 0.5)
+        write_blocks(tmp_path, store)
+    state = {"format_version": FORMAT_VERSION, "step": 3, "world_size": 2}
+    (tmp_path / TRAINER_STATE_FILE).write_text(json.dumps(state))
+    for rank, saved in enumerate(written):
+        store = _store(state_dtype, rank, world=2)
+        Checkpointer(tmp_path, world_size=2, keep_last=1).load(tmp_path, store)
+        for block, ref in zip(store.blocks, saved.blocks, strict=True):
+            assert block.step == 3 and block.state_tensors().keys() == ref.state_tensors().keys()
+            for key, t in {"master": block.master, **block.state_tensors()}.items():
+                assert torch.equal(t, {"master": ref.master, **ref.state_tensors()}[key])
 
 
 def test_the_run_checks_the_disk_for_the_checkpoints_it_writes(tmp_path: Path) -> None:

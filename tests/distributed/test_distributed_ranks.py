@@ -309,6 +309,12 @@ def test_resume_under_two_ranks_is_loss_exact(
     assert (resumed / "checkpoints" / "step-00000004" / "trainer_state.json").is_file()
 
 
+@pytest.mark.slow  # two torchrun launches, ~55 s on 2 cores; by default its parts run apart:
+# a 2-rank resume's sharded checkpoint, test_resume_under_two_ranks_is_loss_exact; each rank's
+# part of int8 / int4 states read back as written, tests/checkpoint/test_checkpointer.py; rank
+# shards of them, tests/distributed/test_distributed_shard.py; their sharded update against the
+# whole block's, test_distributed_shard_states.py; a one-process int8 resume,
+# tests/optim/test_optim_states_training.py
 @pytest.mark.parametrize("state_dtype", ["int8"])
 def test_compressed_states_shard_and_resume_exactly(tmp_path: Path, state_dtype: str) -> None:
     """Each rank keeps its shard of m and v in the state dtype; resuming from a sharded
