@@ -1,14 +1,16 @@
 """torchrun entry of tests/distributed/test_distributed_ranks.py: `python -m megatrain ARGS`
-with one error planted on rank 1, in step 2's backward of decoder layer 1 (the last layers'
-gradients already reduce-scattered and shipped; rank 0 waits for rank 1 in layer 1's
-reduce-scatter): out of GPU memory, with PLANT=triton a kernel launch's out-of-memory error
-(outside PyTorch's allocator; PLANT=triton2: in the step's rerun too), or with PLANT=error
-a ValueError of that rank's own."""
+with errors planted on rank 1, in decoder layer 1's backward (the last layers' gradients
+already reduce-scattered and shipped; rank 0 waits for rank 1 in layer 1's reduce-scatter).
+PLANT picks them: unset, out of GPU memory in step 2; `triton`, a kernel launch's out-of-memory
+error (outside PyTorch's allocator) in step 2; `triton2`, in step 2 and in its rerun;
+`triton2+oom3`, those two, then out of GPU memory in step 3; `error`, a ValueError of that
+rank's own in step 2."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -18,26 +20,42 @@ from megatrain.engine.engine import StreamingEngine
 OOM = "CUDA out of memory. Tried to allocate 1.50 GiB. GPU 1 has a total capacity of 79.19 GiB"
 
 
-def plant(step: int, layer: int) -> None:
+def _oom() -> Exception:
+    return torch.OutOfMemoryError(OOM)
+
+
+def _triton() -> Exception:
+    return RuntimeError("Triton Error [CUDA]: out of memory")
+
+
+def _error() -> Exception:
+    return ValueError("planted: a bad value on rank 1")
+
+
+PLANTS: dict[str, list[tuple[int, Callable[[], Exception]]]] = {
+    "": [(2, _oom)],
+    "triton": [(2, _triton)],
+    "triton2": [(2, _triton), (2, _triton)],
+    "triton2+oom3": [(2, _triton), (2, _triton), (3, _oom)],
+    "error": [(2, _error)],
+}  # (step, error) raised in this order, each once
+
+
+def plant(layer: int) -> None:
     real = StreamingEngine._backward_layer
-    times = 2 if os.environ.get("PLANT") == "triton2" else 1  # the step and its rerun
-    seen = {"backwards": 0, "raised": 0}
+    errors = list(PLANTS[os.environ.get("PLANT", "")])
+    seen = {"backwards": 0}  # steps whose backward reached layer 0
 
     def backward_layer(self, i, *args, **kwargs):  # type: ignore[no-untyped-def]
         if i == 0:
             seen["backwards"] += 1
-        if seen["raised"] < times and i == layer and seen["backwards"] == step - 1:
-            seen["raised"] += 1
-            if os.environ.get("PLANT") == "error":
-                raise ValueError("planted: a bad value on rank 1")
-            if os.environ.get("PLANT", "").startswith("triton"):
-                raise RuntimeError("Triton Error [CUDA]: out of memory")
-            raise torch.OutOfMemoryError(OOM)
+        if errors and i == layer and seen["backwards"] == errors[0][0] - 1:
+            raise errors.pop(0)[1]()
         return real(self, i, *args, **kwargs)
 
     StreamingEngine._backward_layer = backward_layer  # type: ignore[method-assign]
 
 
 if os.environ.get("RANK") == "1":
-    plant(step=2, layer=1)
+    plant(layer=1)
 sys.exit(main(sys.argv[1:]))

@@ -130,19 +130,24 @@ def test_two_ranks_match_one_process(runs: tuple[Path, Path, list[float]]) -> No
     assert_exports_close(one, two, WEIGHT_ATOL)
 
 
-def _oom_run(tmp_path: Path, plant: str | None = None) -> subprocess.CompletedProcess[str]:
-    """The 2-rank run planned with 2 GPU-tier blocks, an out-of-memory error planted on rank 1
-    in step 2 (tests/distributed/oom_rank.py; `plant`: its PLANT)."""
+@pytest.fixture(scope="module")
+def oom_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(output, stderr) of the 2-rank run planned with 2 GPU-tier blocks whose rank 1 fails in
+    step 2 in a kernel launch out of memory twice, then in step 3 out of GPU memory
+    (tests/distributed/oom_rank.py, PLANT=triton2+oom3): one launch serves both tests below."""
+    out = tmp_path_factory.mktemp("oom")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
         str(REPO / "tests" / "distributed" / "oom_rank.py"), "train", "--config", str(DEMO),
-        "--training.output_dir", str(tmp_path), *COMMON,
+        "--training.output_dir", str(out), *COMMON,
         "--training.gradient_accumulation_steps", "2", "--memory.gpu_state_blocks", "2",
     ]  # fmt: skip
-    env = _env() if plant is None else dict(_env(), PLANT=plant)
+    env = dict(_env(), PLANT="triton2+oom3")
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return run
+    # rank 0 says it: step 2 and its rerun, step 3
+    assert run.stderr.count("ran out of GPU memory and is run again") == 3
+    return out, run.stderr
 
 
 def _same_run(tmp_path: Path, planned: Path) -> None:
@@ -163,39 +168,41 @@ def _same_run(tmp_path: Path, planned: Path) -> None:
 
 
 def test_out_of_memory_on_one_rank_steps_every_rank_down(
-    runs: tuple[Path, Path, list[float]], tmp_path: Path
+    runs: tuple[Path, Path, list[float]], oom_run: tuple[Path, str]
 ) -> None:
-    """Rank 1 runs out of GPU memory in step 2 (tests/distributed/oom_rank.py) of a run planned
-    with 2 GPU-tier blocks while rank 0 waits for it in a reduce-scatter: both ranks abort the
-    process group, undo the step, join a new group and step down to the CPU's "auto" plan (no
-    tier), and the run ends as the 2-rank run planned without a tier from the start (`runs`):
-    the same losses and weights within the tier test's tolerances (step 1 ran the tier's AdamW,
-    which differs from the host kernel in the last rounding of each weight)."""
+    """Rank 1 runs out of GPU memory in step 3 (tests/distributed/oom_rank.py) of a run planned
+    with 2 GPU-tier blocks (its tier back after step 2's kernel-launch failures: `oom_run`)
+    while rank 0 waits for it in a reduce-scatter: both ranks abort the process group, undo the
+    step, join a new group and step down to the CPU's "auto" plan (no tier) for good, and the
+    run ends as the 2-rank run planned without a tier from the start (`runs`): the same losses
+    and weights within the tier test's tolerances (step 1 ran the tier's AdamW, which differs
+    from the host kernel in the last rounding of each weight)."""
     two, _, _ = runs
-    run = _oom_run(tmp_path)
-    (down,) = _records(tmp_path, "plan_step_down")
-    assert down["step"] == 2 and down["gpu_state_blocks"] == [2, 0]
-    assert run.stderr.count("ran out of GPU memory and is run again") == 1  # rank 0 says it
-    _same_run(tmp_path, two)
+    out, _ = oom_run
+    down = _records(out, "plan_step_down")
+    assert [(d["step"], d["gpu_state_blocks"], d["transient"]) for d in down[1:]] == [
+        (3, [2, 0], False)
+    ]
+    _same_run(out, two)
 
 
 def test_kernel_launches_out_of_memory_on_one_rank_step_every_rank_down_for_one_step(
-    runs: tuple[Path, Path, list[float]], tmp_path: Path
+    runs: tuple[Path, Path, list[float]], oom_run: tuple[Path, str]
 ) -> None:
     """Rank 1's step 2 fails in a kernel launch outside PyTorch's allocator (Triton's out of
     memory), and again in its rerun: every rank undoes the step, joins a new group and runs it
     again on the same plan (`oom_retry`), then on a smaller plan for that step only (a
     transient `plan_step_down`), and after it every rank goes back up to the 2 tier blocks
-    (`plan_step_up`, planned alike on each rank); the run ends as planned."""
+    (`plan_step_up`, planned alike on each rank); the run ends as planned (step 3's
+    out-of-memory error, the test above's, steps down again)."""
     two, _, _ = runs
-    run = _oom_run(tmp_path, plant="triton2")
-    (retry,) = _records(tmp_path, "oom_retry")
-    (down,) = _records(tmp_path, "plan_step_down")
-    (up,) = _records(tmp_path, "plan_step_up")
+    out, _ = oom_run
+    (retry,) = _records(out, "oom_retry")
+    down = _records(out, "plan_step_down")[0]
+    (up,) = _records(out, "plan_step_up")
     assert retry["step"] == down["step"] == up["step"] == 2 and down["transient"]
     assert up["gpu_state_blocks"][1] == 2
-    assert run.stderr.count("ran out of GPU memory and is run again") == 2  # rank 0 says it
-    _same_run(tmp_path, two)
+    _same_run(out, two)
 
 
 def test_an_error_on_one_rank_stops_the_other_without_waiting(tmp_path: Path) -> None:
