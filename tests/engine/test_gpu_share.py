@@ -32,7 +32,7 @@ from megatrain.planning.spec import block_sizes
 from megatrain.recipes.builder import RunBuilder
 from megatrain.recipes.sft import Trainer
 from megatrain.verify import run_verify, verify_config, within
-from run_helpers import block_states, engine_steps
+from run_helpers import FEW_SAMPLES, block_states, engine_steps
 
 LAYERS = 4  # the tiny llama's decoder layers
 BF16_MASTER = ("--optimizer.master_dtype", "bf16")
@@ -139,6 +139,7 @@ def _demo(tmp: Path, *overrides: str) -> tuple[dict[str, dict[str, torch.Tensor]
     steps += ["--checkpoint.save_every", "1"]
     keep = ["--checkpoint.keep_last", "3", "--checkpoint.export_hf", "false"]
     args = [*quiet, *steps, *keep, "--data.val_size", "0", "--model.compute_dtype", "bf16"]
+    args += FEW_SAMPLES
     cfg = load_config(DEMO, ["--training.output_dir", str(tmp), *args, *overrides])
     trainer = Trainer(cfg)
     try:

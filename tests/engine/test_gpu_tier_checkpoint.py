@@ -19,7 +19,7 @@ from safetensors import safe_open
 from megatrain.checkpoint.saving import latest_checkpoint
 from megatrain.config import load_config
 from megatrain.recipes.sft import Trainer
-from run_helpers import crash_during_step
+from run_helpers import FEW_SAMPLES, crash_during_step
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 COMMON = (
@@ -37,6 +37,7 @@ COMMON = (
     "false",
     "--logging.report_to",
     "none",
+    *FEW_SAMPLES,
 )
 
 

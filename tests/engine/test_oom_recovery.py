@@ -25,6 +25,7 @@ from megatrain.planning.hardware import GIB
 from megatrain.recipes import oom
 from megatrain.recipes.sft import Trainer
 from megatrain.recipes.step_down import is_out_of_memory
+from run_helpers import FEW_SAMPLES
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 STEPS = 4
@@ -43,6 +44,7 @@ def _trainer(tmp: Path, tier: int, *overrides: str) -> Trainer:
             *("--logging.report_to", "none"),
             *("--checkpoint.export_hf", "false"),
             *("--data.val_size", "0"),
+            *FEW_SAMPLES,
             *overrides,
         ],
     )

@@ -24,7 +24,7 @@ from megatrain.optim.bf16_master import update_bf16_master_reference
 from megatrain.recipes.sft import Trainer
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.grads import POOL_LANDINGS, held_gradient
-from run_helpers import assert_resumes_exactly, checkpoint_blocks
+from run_helpers import FEW_SAMPLES, assert_resumes_exactly, checkpoint_blocks
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 BF16_MASTER = ("--optimizer.master_dtype", "bf16", "--model.compute_dtype", "bf16")
@@ -32,7 +32,7 @@ BF16_MASTER = ("--optimizer.master_dtype", "bf16", "--model.compute_dtype", "bf1
 
 def _trainer(tmp: Path, *overrides: str) -> Trainer:
     quiet = ["--logging.progress_bar", "false", "--logging.report_to", "none"]
-    cfg = load_config(DEMO, ["--training.output_dir", str(tmp), *quiet, *overrides])
+    cfg = load_config(DEMO, ["--training.output_dir", str(tmp), *quiet, *FEW_SAMPLES, *overrides])
     return Trainer(cfg)
 
 

@@ -15,6 +15,7 @@ import torch
 from megatrain.config import load_config
 from megatrain.native import load_adamw_kernel
 from megatrain.recipes.sft import Trainer
+from run_helpers import FEW_SAMPLES
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 IMPLS = ("c", "torch")  # optimizer.impl: the C kernel, the plain-PyTorch reference
@@ -39,7 +40,8 @@ def test_engine_with_the_kernel_equals_the_engine_with_the_reference(tmp_path: P
     agreement does not depend on the tokens (test_bf16_master_training.py does the same)."""
     common = ("--optimizer.state_dtype", "int4", "--model.compute_dtype", "bf16",
               "--training.micro_batch_size", "2", "--training.max_steps", "4",
-              "--checkpoint.export_hf", "false", "--data.val_size", "0")  # fmt: skip
+              "--checkpoint.export_hf", "false", "--data.val_size", "0",
+              *FEW_SAMPLES)  # fmt: skip
     runs = {impl: _train(tmp_path / impl, *common, "--optimizer.impl", impl) for impl in IMPLS}
     (c_losses, _, c_run), (ref_losses, _, ref_run) = runs["c"], runs["torch"]
     assert c_losses == ref_losses and len(c_losses) == 4

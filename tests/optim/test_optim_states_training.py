@@ -16,7 +16,7 @@ from megatrain.config import load_config
 from megatrain.recipes.sft import Trainer
 from megatrain.store.int4 import INT4_BLOCK
 from megatrain.store.states import QUANT_BLOCK
-from run_helpers import assert_resumes_exactly, checkpoint_blocks
+from run_helpers import FEW_SAMPLES, assert_resumes_exactly, checkpoint_blocks
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
@@ -59,6 +59,7 @@ def test_compressed_states_checkpoint_as_stored_and_resume_exactly(
         "false",
         "--data.val_size",
         "0",
+        *FEW_SAMPLES,
     )
     straight, _, trainer = _train(tmp_path / "a", *common)
     final = checkpoint_blocks(tmp_path / "a" / "checkpoints" / "step-00000006")
@@ -87,7 +88,7 @@ def test_compressed_states_checkpoint_as_stored_and_resume_exactly(
 
 
 def test_checkpoint_of_another_state_dtype_is_refused(tmp_path: Path) -> None:
-    common = ("--training.max_steps", "1", "--checkpoint.export_hf", "false")
+    common = ("--training.max_steps", "1", "--checkpoint.export_hf", "false", *FEW_SAMPLES)
     _train(tmp_path, *common, "--optimizer.state_dtype", "int8")
     assert latest_checkpoint(tmp_path) is not None
     with pytest.raises(ValueError, match=r"int8 but this run has optimizer.state_dtype: fp32"):

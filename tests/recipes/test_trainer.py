@@ -12,7 +12,7 @@ from megatrain.checkpoint import saving as ckpt_mod
 from megatrain.checkpoint.saving import latest_checkpoint, list_checkpoints
 from megatrain.config import load_config
 from megatrain.recipes.sft import Trainer
-from run_helpers import crash_during_step
+from run_helpers import FEW_SAMPLES, crash_during_step
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
@@ -27,6 +27,7 @@ def _run(tmp: Path, *overrides: str) -> Trainer:
             "false",
             "--logging.report_to",
             "none",
+            *FEW_SAMPLES,
             *overrides,
         ],
     )
