@@ -30,11 +30,12 @@ tokenizes its whole data set as it is set up, ~2.5 s of the demo's on one core, 
 
 
 def tiny_run_args(out: Path, *overrides: str) -> list[str]:
-    """Overrides of examples/demo.yaml for a quick run into `out`: a 2-layer model, no eval
-    split, no progress bar or TensorBoard, no export (each can be overridden after)."""
+    """Overrides of examples/demo.yaml for a quick run into `out`: a 2-layer model, 512
+    samples (FEW_SAMPLES), no eval split, no progress bar or TensorBoard, no export (each can
+    be overridden after)."""
     return [
         "--training.output_dir", str(out), "--logging.progress_bar", "false",
-        "--logging.report_to", "none", "--model.config_overrides", SMALL,
+        "--logging.report_to", "none", "--model.config_overrides", SMALL, *FEW_SAMPLES,
         "--data.val_size", "0", "--training.micro_batch_size", "2",
         "--checkpoint.export_hf", "false", *overrides,
     ]  # fmt: skip

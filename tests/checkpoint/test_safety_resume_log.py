@@ -17,6 +17,7 @@ from megatrain.engine.engine import StreamingEngine
 from megatrain.metrics import truncate_metrics
 from megatrain.recipes.base import Recipe
 from megatrain.recipes.sft import Trainer
+from run_helpers import FEW_SAMPLES
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 SMALL = (
@@ -28,7 +29,7 @@ SMALL = (
 def _args(out: Path, *overrides: str) -> list[str]:
     return [
         "--training.output_dir", str(out), "--logging.progress_bar", "false",
-        "--model.config_overrides", SMALL, "--data.val_size", "0",
+        "--model.config_overrides", SMALL, *FEW_SAMPLES, "--data.val_size", "0",
         "--training.micro_batch_size", "2", "--checkpoint.export_hf", "false",
         "--training.max_steps", "6", "--checkpoint.save_every", "3", *overrides,
     ]  # fmt: skip
