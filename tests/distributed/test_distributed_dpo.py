@@ -17,22 +17,16 @@ or skipped the all-reduce would be off by a factor of 2 in the loss's deviation 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from megatrain.cli import main
+from distributed.test_distributed_ranks import megatrain_job
+from run_helpers import SMALL
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "dpo_demo.yaml"
-SMALL = (
-    "{vocab_size: 512, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
-    "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16, tie_word_embeddings: true}"
-)
 K, U = 64, 2.0**-24
 LOSS_RTOL = 5 * K * U
 COMMON = [
@@ -46,22 +40,11 @@ COMMON = [
 
 
 def _run(out: Path, ranks: int, *extra: str, ok: bool = True) -> str:
-    """The job's output; `ok` False: the job is expected to fail. One process runs in this one
-    (`megatrain dpo` as the command runs it, without a new interpreter's ~10 s of imports)."""
+    """The job's output (`megatrain_job`); `ok` False: the job is expected to fail."""
     accum = str(4 // ranks)  # 4 micro-batches of 2 pairs per step either way
     args = ["dpo", *COMMON, "--training.output_dir", str(out)]
     args += ["--training.gradient_accumulation_steps", accum, *extra]
-    if ranks == 1:
-        assert ok
-        assert main(args) == 0
-        return ""
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), MEGATRAIN_COLLECTIVE_TIMEOUT_S="120")
-    env.pop("WORLD_SIZE", None)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-    cmd = [*launch, "--standalone", "-m", "megatrain", *args]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert (run.returncode == 0) == ok, run.stdout[-3000:] + run.stderr[-3000:]
-    return run.stdout + run.stderr
+    return megatrain_job(args, ranks, ok)
 
 
 def _records(out: Path) -> list[dict]:

@@ -17,28 +17,20 @@ rows' mean would log its own kl, not the step's, once training moves the policy 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from megatrain.cli import main
-from run_helpers import kto_folder
+from distributed.test_distributed_ranks import megatrain_job
+from run_helpers import SMALL, kto_folder
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "dpo_demo.yaml"
-SMALL = (
-    "{vocab_size: 512, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
-    "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16, tie_word_embeddings: true}"
-)
 K, U, BETA = 64, 2.0**-24, 0.1
 
 
 def _run(out: Path, data: Path, ranks: int) -> list[dict]:
-    """The run's records; one process runs in this one (`megatrain dpo` as the command runs it,
-    without a new interpreter's ~10 s of imports)."""
+    """The run's records (`megatrain_job`: one process runs in this one)."""
     args = [
         "dpo", "--config", str(DEMO), "--training.device", "cpu",
         "--model.config_overrides", SMALL, "--data.dataset", "kto", "--data.dataset_dir",
@@ -51,15 +43,7 @@ def _run(out: Path, data: Path, ranks: int) -> list[dict]:
         "--logging.report_to", "none", "--logging.log_every", "1",
         "--training.output_dir", str(out),
     ]  # fmt: skip
-    if ranks == 1:
-        assert main(args) == 0
-    else:
-        env = dict(os.environ, PYTHONPATH=str(REPO / "src"), MEGATRAIN_COLLECTIVE_TIMEOUT_S="120")
-        env.pop("WORLD_SIZE", None)
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-        cmd = [*launch, "--standalone", "-m", "megatrain", *args]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    megatrain_job(args, ranks)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] != "reference_pass"]
 

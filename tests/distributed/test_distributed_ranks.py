@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.recipes.sft import Trainer
 from run_helpers import assert_exports_close
@@ -71,13 +72,27 @@ def _env() -> dict[str, str]:
     return env
 
 
+def megatrain_job(args: list[str], ranks: int, ok: bool = True) -> str:
+    """`megatrain ARGS` as `ranks` processes: one runs in this one (the command's `main`,
+    without a new interpreter's ~10 s of imports), more under torchrun (gloo on the CPU).
+    Torchrun's output (stdout, then stderr); `ok` False: the job is expected to fail."""
+    if ranks == 1:
+        assert ok and main(args) == 0
+        return ""
+    run = _launch(args, ranks)
+    assert (run.returncode == 0) == ok, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout + run.stderr
+
+
+def _launch(args: list[str], ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    cmd = [*launch, "--standalone", "-m", "megatrain", *args]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+
+
 def _torchrun(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--standalone", "-m", "megatrain", "train", "--config", str(DEMO),
-        "--training.output_dir", str(out), *COMMON, *overrides,
-    ]  # fmt: skip
-    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    args = ["train", "--config", str(DEMO), "--training.output_dir", str(out), *COMMON]
+    run = _launch([*args, *overrides])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run
 
