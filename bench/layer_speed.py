@@ -11,8 +11,9 @@ what the engine's step-time model uses.
 
 `--experts`: an MoE preset's experts under each of transformers' experts implementations
 (`set_experts_implementation`: grouped_mm, batched_mm, eager), one RESULT line each.
-`--profile FILE`: also the top CUDA kernels of one forward + backward (torch.profiler), per
-implementation, appended to FILE.
+`--profile FILE`: also the top CUDA kernels of one forward and one forward + backward
+(torch.profiler), per implementation, appended to FILE, and each kernel's summed time by phase
+in FILE.<implementation>.kernels.json (bench/step_profile/step_kernels.py sums it by kind).
 `--layers N` (N > 1): the first N layers of the preset as its decoder stack runs them
 (`model.model` on input embeddings: transformers builds each layer type's mask, a sliding
 window's too), each layer compiled alone as the engine compiles it; the RESULT is per layer
@@ -24,7 +25,9 @@ does.
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,15 +108,22 @@ def main() -> None:
                 tflops=round(flops * params * a.tokens / (ms * a.layers) / 1e9, 1),
             )
         if a.profile:
-            from torch.profiler import ProfilerActivity, profile
+            from step_profile.step_kernels import kernel_totals
+            from torch.profiler import ProfilerActivity, profile, record_function
 
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                fwd_bwd()
+                for phase, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
+                    with record_function(f"mt:{phase}"):
+                        fn()
                 sync()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
             with open(a.profile, "a") as f:
                 f.write(f"## {a.preset} experts={experts or 'default'} compiled={a.compile}\n")
                 f.write(table + "\n")
+            trace = f"{a.profile}.{experts or 'default'}.trace.json"
+            prof.export_chrome_trace(trace)
+            totals = kernel_totals(json.loads(Path(trace).read_text()))
+            Path(trace).with_suffix("").with_suffix(".kernels.json").write_text(json.dumps(totals))
 
     for experts in a.experts.split(",") if a.experts else [""]:
         time_layer(experts)
