@@ -52,9 +52,10 @@ class ModelConfig:
     """Allow the checkpoint's own Python code (config, model, tokenizer)."""
     attn_implementation: str | None = None
     """None (transformers' choice), "sdpa", "eager", "flash_attention_2", "flex_attention" or
-    "megatrain_sinks" (attention sinks as an extra key of sdpa's fused kernels). None gives
-    "megatrain_sinks" to a model whose attention has sinks and no sdpa support (GPT-OSS),
-    which transformers would run eager ([B, H, S, S] scores); "eager" keeps that."""
+    "megatrain_sinks" (attention sinks on flex attention's kept key blocks on CUDA, as an
+    extra key of sdpa's fused kernels elsewhere). None gives "megatrain_sinks" to a model whose
+    attention has sinks and no sdpa support (GPT-OSS), which transformers would run eager
+    ([B, H, S, S] scores); "eager" keeps that."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields set on the HF config before building the model, e.g. {output_router_logits: true}."""
     compute_dtype: str = "bf16"

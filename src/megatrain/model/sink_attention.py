@@ -30,6 +30,11 @@ whose logit is the sink and whose value is zero. `SINK_ATTENTION` makes the sink
   alone: output 0, as eager's softmax gives it.
 - the sinks' gradient flows through the sink key (autograd).
 
+On CUDA a square call (training, log-probs) with a boolean mask or none runs on flex attention
+instead (model/flex_sinks.py: only the key blocks the mask keeps, the sink through flex's
+log-sum-exp); the sdpa path above runs on the CPU (flex attention has no backward there) and for
+decoding with a cache.
+
 Invariants: a call without `s_aux` is transformers' `sdpa_attention_forward`, unchanged;
 dropout is refused (GPT-OSS trains with 0.0). `use_sinks` selects SINK_ATTENTION for a model
 where transformers resolved eager for lack of sdpa and an attention module passes `s_aux`; the
@@ -54,6 +59,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from megatrain.choices import SINK_ATTENTION
+from megatrain.model.flex_sinks import flex_ready, flex_sink_attention
 
 HEAD_DIM_MULTIPLE = 8  # the fused kernels' head-dim alignment (16 bytes of a half-precision row)
 
@@ -95,6 +101,10 @@ def _attention(
     scale = scaling if scaling is not None else query_BHSE.shape[-1] ** -0.5
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     square = query_BHSE.shape[2] == key_BGKE.shape[2]
+    if flex_ready(query_BHSE, attention_mask, causal, square):  # CUDA: the kept blocks only
+        out = flex_sink_attention(query_BHSE, key_BGKE, value_BGKE, sinks_H, attention_mask, scale)
+        if out is not None:  # None: a row length past flex_sinks.LENGTHS
+            return out, None
     if attention_mask is None and causal and square:  # full rows: causal, no mask
         q, k, v = _with_sink_key(query_BHSE, key_BGKE, value_BGKE, sinks_H, scale, first=True)
         out_BHSW = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, 1:]

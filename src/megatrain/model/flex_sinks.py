@@ -1,0 +1,168 @@
+"""Attention with learned sinks on flex attention (CUDA): only the key blocks the mask keeps.
+
+model/sink_attention.py gives sdpa the sink as one more key. Under a mask (every sliding-window
+layer, and padded or packed rows) sdpa then runs a masked kernel that visits every key block:
+GPT-OSS-20B's 128-token windows cost as much as full rows, and the masked kernel's backward is
+slow (an H200 at 4 x 2048 tokens, 64 heads: 3.49 ms forward, 9.15 ms forward + backward for a
+sliding layer, where this module takes 0.29 and 1.19; a full causal layer 1.54 / 3.80 against
+0.55 / 2.51; docs/performance.md run 78).
+
+Here the keys' softmax runs alone on flex attention, block-sparse, grouped-query attention
+native, and returns its log-sum-exp; the sink joins the denominator afterwards:
+
+    out = softmax([s, sink]) [..., :-1] @ v = flex(q, k, v) * exp(lse) / (exp(lse) + exp(sink))
+        = flex(q, k, v) * sigmoid(lse - sink)
+
+(the sink's value is zero). The gradients of q, k, v and the sinks flow through flex's output
+and its log-sum-exp (autograd). A query whose keys are all masked has lse = -inf: weight 0,
+output 0, as the softmax over the sink alone gives it.
+
+The mask: the layer's boolean mask [B or 1, 1, S, S] (transformers' sdpa mask: causal, sliding
+window, padding, packing), or the causal one where transformers passed none, is read once per
+call into flex's block lists: blocks with every position kept run without the mask, blocks with
+some run it (`mask_mod` reads the mask), the others are skipped; once a mask tensor (the layers
+of a type share the micro-batch's mask, and the recompute reuses it). The call runs outside a
+compiled layer's graph, on one static-shape compile of flex attention per row length.
+
+Used where `flex_ready` says: a square call (training, log-probs; not decoding with a cache) on
+CUDA with torch's flex attention, a head dim of HEAD_DIMS and a boolean mask or none; and for a
+row length among the first LENGTHS the process ran. Flex attention has no backward on the CPU;
+there, and for any other call, model/sink_attention.py's sdpa path runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+except ImportError:  # torch before 2.9: no log-sum-exp request (AuxRequest)
+    flex_attention = None  # type: ignore[assignment]
+
+BLOCK = 128  # flex attention's block of queries and of keys
+LENGTHS = 8
+"""Row lengths a process runs on flex attention, one static compile each (torch's recompile
+limit is 8 a function); further lengths take the sdpa path. Counted outside the compiled layers
+(their shapes stay dynamic)."""
+_LENGTHS: set[int] = set()
+HEAD_DIMS = (64, 128, 256)
+"""Head dims that take flex attention: torch 2.11's flex kernel failed to compile for fp32 at
+head dim 16 (Triton 3.6, an H200); GPT-OSS's is 64."""
+
+
+def flex_ready(query: torch.Tensor, mask: torch.Tensor | None, causal: bool, square: bool) -> bool:
+    """Whether this call runs on flex attention (the module docstring)."""
+    dims = query.shape[-1]
+    if flex_attention is None or not query.is_cuda or not square:
+        return False
+    if dims not in HEAD_DIMS:
+        return False
+    if mask is None:
+        return causal
+    return mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+
+
+@torch.compiler.disable
+def flex_sink_attention(
+    query_BHSE: torch.Tensor,
+    key_BGKE: torch.Tensor,
+    value_BGKE: torch.Tensor,
+    sinks_H: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """Attention over the kept keys and the sink: output [B, S, H, E]; None for a row length
+    past the first LENGTHS (the caller runs the sdpa path). Outside any compiled layer's graph
+    (a graph break): torch 2.11's inductor failed to lower flex attention inside the engine's
+    layers, compiled with dynamic shapes, and the block mask is made once a mask."""
+    heads, seq = query_BHSE.shape[1], query_BHSE.shape[2]
+    if seq not in _LENGTHS:
+        if len(_LENGTHS) >= LENGTHS:
+            return None
+        _LENGTHS.add(seq)
+    out_BHSE, aux = _compiled()(
+        query_BHSE,
+        key_BGKE,
+        value_BGKE,
+        block_mask=_cached_block_mask(mask, query_BHSE),
+        scale=scale,
+        enable_gqa=key_BGKE.shape[1] != heads,
+        return_aux=AuxRequest(lse=True),
+    )
+    weight_BHS = torch.sigmoid(aux.lse - sinks_H.float().view(1, heads, 1))
+    out_BHSE = out_BHSE * weight_BHS.unsqueeze(-1).to(out_BHSE.dtype)
+    return out_BHSE.transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _compiled() -> Any:
+    """Flex attention compiled once per process, static shapes: one compile per row length
+    (LENGTHS of them at most; flex_ready sends other lengths to the sdpa path)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+_BLOCK_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # mask tensor -> its block mask
+
+
+def _cached_block_mask(mask: torch.Tensor | None, query: torch.Tensor) -> Any:
+    """Outside a compiled region: one block mask per mask tensor (the layers of one type share
+    the micro-batch's mask, and the recompute reuses it) and per causal length."""
+    if mask is None:
+        return _causal_block_mask(query.shape[2], query.device)
+    if mask not in _BLOCK_MASKS:
+        _BLOCK_MASKS[mask] = _block_mask(mask, query)
+    return _BLOCK_MASKS[mask]
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(seq: int, device: torch.device) -> Any:
+    return _block_mask(None, torch.empty(1, 1, seq, 0, device=device))
+
+
+def _block_mask(mask: torch.Tensor | None, query: torch.Tensor) -> Any:
+    """flex's BlockMask of the layer's boolean mask [B or 1, 1, S, S] (None: causal): blocks
+    where every position is kept run without the mask, blocks with some run `mask_mod`, the
+    rest are skipped. One head (the mask is every head's); a batch of 1 serves every row."""
+    seq = query.shape[2]
+    if mask is None:
+        kept = torch.ones(1, seq, seq, dtype=torch.bool, device=query.device).tril()
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Any:
+            return q >= k
+
+    else:
+        kept = mask[:, 0].clone()  # not a view: the cache must not keep the mask alive
+        rows = kept.shape[0]
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Any:
+            return kept[b if rows > 1 else 0, q, k]  # the mask itself: flex bounds q and k
+
+    blocks = -(-seq // BLOCK)
+    padded = F.pad(kept, (0, blocks * BLOCK - seq, 0, blocks * BLOCK - seq))
+    tiles = padded.view(kept.shape[0], blocks, BLOCK, blocks, BLOCK)
+    some = tiles.any(dim=4).any(dim=2)  # [B or 1, query blocks, key blocks]
+    every = tiles.all(dim=4).all(dim=2)
+    partial_num, partial_idx = _block_lists(some & ~every)
+    full_num, full_idx = _block_lists(every)
+    return BlockMask.from_kv_blocks(
+        partial_num,
+        partial_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(seq, seq),
+    )
+
+
+def _block_lists(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query block, how many key blocks are chosen and their indices first: [B, 1, Q] and
+    [B, 1, Q, K] int32 (one head: the mask is the same for every head)."""
+    counts = chosen.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(chosen.to(torch.int8), dim=-1, descending=True, stable=True)
+    return counts[:, None], order.to(torch.int32)[:, None]

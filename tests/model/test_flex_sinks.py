@@ -1,0 +1,105 @@
+"""model/flex_sinks.py on the CPU: the block mask it reads from a layer's mask, the attention's
+forward (flex attention's eager form: torch has no flex backward on the CPU, so the gradients
+are tested on CUDA, tests/model/test_flex_sinks_cuda.py), and the cache of block masks.
+
+Block lists: the same blocks as torch's own `create_block_mask` of the same mask function, for
+causal, sliding-window, padded and packed masks over lengths that do and do not fill the last
+block. Forward: against transformers' eager GPT-OSS attention, within the fp32 rounding bound of
+tests/model/test_sink_attention.py.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from test_sink_attention import EPS, HEADS, KV_HEADS, ROWS, _additive, _module
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+import megatrain.model.flex_sinks as flex_sinks
+
+WINDOW = 100
+
+
+def _mask(kind: str, seq: int) -> torch.Tensor:
+    """Bool [B, 1, S, S], as transformers builds it for sdpa."""
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
+    causal = (j <= i).expand(ROWS, 1, seq, seq)
+    if kind == "sliding":
+        return causal & (i - j < WINDOW)
+    if kind == "padded":
+        keys = torch.ones(ROWS, seq, dtype=torch.bool)
+        keys[0, -5:] = False  # right padding
+        keys[1, :130] = False  # left padding past a whole block: queries that see no key
+        return causal & keys[:, None, None, :]
+    if kind == "packed":
+        return causal & ((i < seq // 3) == (j < seq // 3))
+    return causal
+
+
+@pytest.mark.parametrize("seq", [256, 300])
+@pytest.mark.parametrize("kind", ["causal", "sliding", "padded", "packed"])
+def test_the_blocks_are_torchs(kind: str, seq: int) -> None:
+    mask = _mask(kind, seq)
+    ours = flex_sinks._block_mask(mask, torch.empty(ROWS, HEADS, seq, 0))
+    kept = mask[:, 0].contiguous()
+    theirs = create_block_mask(lambda b, h, q, k: kept[b, q, k], ROWS, None, seq, seq, "cpu")
+    assert torch.equal(ours.to_dense(), theirs.to_dense())  # blocks visited
+    assert torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)  # of them unmasked
+
+
+def test_no_mask_is_causal() -> None:
+    causal = flex_sinks._block_mask(None, torch.empty(1, HEADS, 300, 0))
+    masked = flex_sinks._block_mask(_mask("causal", 300)[:1], torch.empty(1, HEADS, 300, 0))
+    assert torch.equal(causal.to_dense(), masked.to_dense())
+    assert torch.equal(causal.full_kv_num_blocks, masked.full_kv_num_blocks)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("kind", ["none", "sliding", "padded", "packed"])
+def test_the_forward_equals_eager(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flex_sinks, "_compiled", lambda: flex_attention)  # eager flex on CPU
+    seq, head_dim = 300, 64
+    module = _module()
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(ROWS, h, seq, head_dim) for h in (HEADS, KV_HEADS, KV_HEADS))
+    mask = None if kind == "none" else _mask(kind, seq)
+    eager_mask = _additive(_mask("causal", seq) if mask is None else mask)
+    with torch.no_grad():
+        ref, _ = eager_attention_forward(module, q, k, v, eager_mask, scaling=module.scaling)
+        out = flex_sinks.flex_sink_attention(q, k, v, module.sinks, mask, module.scaling)
+    # the scores' dot, the softmax's sums, the values' sum and the sink's reweighting
+    roundings = head_dim + 2 * (seq + 1) + 4
+    error, bound = (out - ref).abs().max(), 2 * roundings * EPS * ref.abs().max()
+    assert error <= bound, f"{float(error / EPS):.1f} eps, bound {float(bound / EPS):.1f}"
+    if kind == "padded":  # a query that sees no key attends to the sink alone: output 0
+        assert torch.equal(out[1, :130], torch.zeros_like(out[1, :130]))
+
+
+def test_the_cache_holds_a_block_mask_while_its_mask_lives() -> None:
+    query = torch.empty(ROWS, HEADS, 300, 64)
+    mask = _mask("sliding", 300)
+    first = flex_sinks._cached_block_mask(mask, query)
+    assert flex_sinks._cached_block_mask(mask, query) is first  # the layers share it
+    assert flex_sinks._cached_block_mask(mask.clone(), query) is not first
+    del mask, first
+    gc.collect()
+    assert len(flex_sinks._BLOCK_MASKS) == 0
+
+
+def test_flex_runs_on_cuda_only() -> None:
+    query = torch.zeros(1, HEADS, 8, 64)  # the CPU: no flex backward
+    assert not flex_sinks.flex_ready(query, None, True, square=True)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_row_lengths_past_the_budget_take_the_sdpa_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flex_sinks, "_compiled", lambda: flex_attention)
+    monkeypatch.setattr(flex_sinks, "_LENGTHS", set(range(flex_sinks.LENGTHS)))
+    q, k = torch.zeros(1, HEADS, 64, 64), torch.zeros(1, KV_HEADS, 64, 64)
+    assert flex_sinks.flex_sink_attention(q, k, k, torch.zeros(HEADS), None, 0.125) is None
+    seen = torch.zeros(1, HEADS, 7, 64), torch.zeros(1, KV_HEADS, 7, 64)  # a length it has run
+    out = flex_sinks.flex_sink_attention(*seen, seen[1], torch.zeros(HEADS), None, 0.125)
+    assert out is not None and out.shape == (1, 7, HEADS, 64)
