@@ -66,7 +66,7 @@ from megatrain.model.capture import CapturedCalls, LayerCall, LayerCallCapture
 from megatrain.model.kernels import reference_kernels
 from megatrain.planning.fused import FusedCalls
 from megatrain.planning.meta_kernels import ATTENTION_BACKWARD, GROUPED_MM, GpuKernels, is_float
-from megatrain.planning.spec import ModelSpec
+from megatrain.planning.spec import FLEX_SINKS, ModelSpec
 from megatrain.planning.traffic import on_scores, op_traffic
 
 _CAPTURE_ROWS = 2
@@ -252,7 +252,8 @@ def attention_workspace(spec: ModelSpec, rows: int, seq: int, split_heads: bool)
         heads = la.attn_heads
         if split_heads:
             heads //= head_calls(la.attn_heads, la.attn_kv_heads, seq)
-        grouped = la.attn_kv_heads != la.attn_heads and la.attn_implementation != "sinks"
+        sinks = la.attn_implementation in ("sinks", FLEX_SINKS)  # planned on the sdpa path
+        grouped = la.attn_kv_heads != la.attn_heads and not sinks
         per_head = la.attn_qk_dim * 4 + 4 + (2 * (la.attn_qk_dim + la.attn_v_dim) if grouped else 0)
         peak = max(peak, rows * seq * heads * per_head)
     return peak

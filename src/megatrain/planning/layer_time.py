@@ -43,7 +43,11 @@ step's costs from them.
   an H100 (docs/performance.md run 43, compiled, 64k tokens a step): recompute + backward
   7.52 s of GPU predicted against 7.94 measured (4.91 with the scores as routing). The
   fraction is the dense layers' (run 32), not refitted: this backward alone would ask 0.67;
-- attention sinks on sdpa (model/sink_attention.py, GPT-OSS's default): fused kernels (no
+- attention sinks on flex attention (model/flex_sinks.py, GPT-OSS's default on CUDA,
+  FLEX_SINKS): the FLOPs of the key blocks flex visits (`flex_span`: a window's blocks, the
+  causal half in whole blocks), at FLEX_RATE_FRACTION of the eager rate, outside the layer's
+  compiled graph;
+- attention sinks on sdpa (model/sink_attention.py, at other head dims): fused kernels (no
   score traffic, recompute + backward 3.5 forwards), under a mask the whole row's FLOPs as
   eager (WHOLE_ROW), called causal with no mask (full rows' full-attention layers: the flash
   kernel) the causal half;
@@ -60,8 +64,9 @@ from collections.abc import Sequence
 
 import torch
 
+from megatrain.model.flex_sinks import BLOCK as FLEX_BLOCK
 from megatrain.planning.hardware import Hardware
-from megatrain.planning.spec import LayerSpec, ModelSpec
+from megatrain.planning.spec import FLEX_SINKS, LayerSpec, ModelSpec
 
 COMPILED_SPEEDUP = 1.2
 """Compiled layers against eager ones, GPU time of forward, recompute and backward (fitted:
@@ -92,12 +97,22 @@ layer on an H100 at 8192 tokens, issue 24: forward 2.91 ms, forward + backward 8
 against 2.88 and 9.08 predicted; 0.6 would give 4.1 and 13.4)."""
 
 
-ATTENTION_RECOMPUTE_BACKWARD = {"sdpa": 3.5, "sinks": 3.5, "eager": 3.0}
+ATTENTION_RECOMPUTE_BACKWARD = {"sdpa": 3.5, "sinks": 3.5, FLEX_SINKS: 3.5, "eager": 3.0}
 """A layer's attention FLOPs in its recompute + backward against its forward's, by
 `LayerSpec.attn_implementation`: the recompute (1) plus the backward, 2.5 forwards for the
-fused kernels (flash and memory-efficient recompute the scores in their backward; "sinks" runs
-either), 2 for eager attention (two gradient matmuls for each of its two matmuls; the
-probabilities are saved)."""
+fused kernels (flash, memory-efficient and flex recompute the scores in their backward; "sinks"
+runs flash or memory-efficient), 2 for eager attention (two gradient matmuls for each of its
+two matmuls; the probabilities are saved)."""
+FLEX_RATE_FRACTION = (0.47, 0.40)
+"""Flex attention's achieved rate against the eager layer rate (`Hardware.flops_per_s`), its
+forward and its recompute + backward, on the FLOPs of the key blocks it visits (`flex_span`).
+Fitted: GPT-OSS-20B's layers in `megatrain train` on an H200 (docs/performance.md run 78, 4 x
+2048 tokens a micro-batch, one sliding-window and one full layer of each two): 0.41 ms forward
+and 1.71 ms recompute + backward of attention kernels a layer and micro-batch, 217 and 184
+TFLOP/s on 89.6 GFLOP a forward (the sliding layer's 128-token window visits 2 blocks a query
+block, the full layer 8.5 on average). Alone, the kernels ran 0.29 / 1.19 ms (sliding) and
+0.55 / 2.51 ms (full): the short window's blocks run at half the full layer's rate, which one
+fraction averages over the model's layer mix."""
 WHOLE_ROW = ("eager", "sinks")
 """`LayerSpec.attn_implementation`s whose attention computes every score of the row: eager's
 matmuls, and the fused kernel under the mask that attention sinks pass (a masked
@@ -114,6 +129,8 @@ def attention_flops_per_token(layer: LayerSpec, seq: int, causal_only: bool = Fa
     if layer.attn_heads == 0:
         return 0.0
     w = layer.window
+    if layer.attn_implementation == FLEX_SINKS:
+        return 2.0 * flex_span(seq, w) * layer.attn_heads * (layer.attn_qk_dim + layer.attn_v_dim)
     whole = layer.attn_implementation in WHOLE_ROW
     if whole and not (causal_only and layer.attn_implementation == "sinks"):
         span: float = seq
@@ -122,6 +139,19 @@ def attention_flops_per_token(layer: LayerSpec, seq: int, causal_only: bool = Fa
     else:
         span = (w * (w + 1) / 2 + (seq - w) * w) / seq
     return 2.0 * span * layer.attn_heads * (layer.attn_qk_dim + layer.attn_v_dim)
+
+
+def flex_span(seq: int, window: int | None) -> float:
+    """Keys a query's score row computes on flex attention, averaged over the row's queries:
+    each query block (FLEX_BLOCK queries) computes whole key blocks, every block from the one
+    holding its first query's first key in the window (the causal start without one) to its
+    own."""
+    total = 0.0
+    for first in range(0, seq, FLEX_BLOCK):
+        start = 0 if window is None else max(0, first - window + 1)
+        blocks = first // FLEX_BLOCK - start // FLEX_BLOCK + 1
+        total += min(FLEX_BLOCK, seq - first) * min(blocks * FLEX_BLOCK, seq)
+    return total / seq
 
 
 def layer_seconds(
@@ -134,6 +164,7 @@ def layer_seconds(
     compiled: bool,
     fused: Sequence[bool] = (),
     scores: Sequence[tuple[int, int]] = (),
+    flex: Sequence[tuple[float, float]] = (),
 ) -> tuple[list[float], list[float]]:
     """GPU seconds of each layer's forward and recompute + backward (all micro-batches): its
     FLOPs at the achieved rate, or its memory traffic at HBM_FRACTION of the HBM bandwidth where
@@ -144,7 +175,8 @@ def layer_seconds(
     [S, S] scores, `scores`: COMPILED_TRAFFIC_FRACTION as in any compiled layer). Compiled:
     COMPILED_SPEEDUP faster, COMPILED_TRAFFIC_FRACTION of the traffic; a layer with a package's
     fused kernels COMPILED_PACKAGE_SLOWDOWN slower than eager. The backward adds the gradient
-    sum."""
+    sum. `flex`: per layer, the FLOPs of `fwd` and `bwd` that flex attention computes (at
+    FLEX_RATE_FRACTION of the eager rate, compiled or not: it runs outside the layer's graph)."""
     eager_rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     rate = eager_rate * (COMPILED_SPEEDUP if compiled else 1.0)
     hbm = hw.gpu_hbm_gbps * 1e9 * HBM_FRACTION / micro_batches  # traffic is per micro-batch
@@ -163,14 +195,18 @@ def layer_seconds(
             return flops / rate + nbytes * share / hbm
         return max(flops / rate, nbytes * share / hbm)
 
-    layers = list(zip(spec.layers, serial, strict=True))
+    on_flex = list(flex) or [(0.0, 0.0)] * len(fwd)
+    forward_rate, backward_rate = (eager_rate * f for f in FLEX_RATE_FRACTION)
+    layers = list(zip(spec.layers, serial, on_flex, strict=True))
     fwd_s = [
-        seconds(f, m, s, la, k)
-        for f, (m, _), (s, _), (la, k) in zip(fwd, moved, on_scores, layers, strict=True)
+        seconds(f - a, m, s, la, k) + a / forward_rate
+        for f, (m, _), (s, _), (la, k, (a, _)) in zip(fwd, moved, on_scores, layers, strict=True)
     ]
     bwd_s = [
-        seconds(b, m, s, la, k) + gradient_sum_s(la, spec.compute_dtype, hw) * micro_batches
-        for b, (_, m), (_, s), (la, k) in zip(bwd, moved, on_scores, layers, strict=True)
+        seconds(b - a, m, s, la, k)
+        + a / backward_rate
+        + gradient_sum_s(la, spec.compute_dtype, hw) * micro_batches
+        for b, (_, m), (_, s), (la, k, (_, a)) in zip(bwd, moved, on_scores, layers, strict=True)
     ]
     return fwd_s, bwd_s
 

@@ -30,6 +30,7 @@ from transformers import PretrainedConfig
 
 from megatrain.choices import SINK_ATTENTION
 from megatrain.engine.layout import BlockSizes
+from megatrain.model.flex_sinks import HEAD_DIMS as FLEX_HEAD_DIMS
 from megatrain.model.loading import model_class
 from megatrain.model.multimodal import vision_split
 from megatrain.model.sink_attention import has_sinks, use_sinks
@@ -37,6 +38,11 @@ from megatrain.model.structure import ModelStructure, discover
 
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _ROUTED = re.compile(r"(^|\.)experts\.")
+
+
+FLEX_SINKS = "flex_sinks"
+"""`LayerSpec.attn_implementation` of attention sinks on flex attention (model/flex_sinks.py:
+what the engine runs on CUDA at a head dim of its HEAD_DIMS; "sinks" is the sdpa path)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,8 @@ class LayerSpec:
     attn_v_dim: int
     window: int | None  # sliding-window size, None for full causal attention
     # the attention the layer runs: "sdpa" (fused kernels: the causal half, the window),
-    # "eager" (matmuls over the whole [B, H, S, S] score matrix, then masked) or "sinks"
+    # "eager" (matmuls over the whole [B, H, S, S] score matrix, then masked), "flex_sinks"
+    # (model/flex_sinks.py on CUDA: the key blocks a mask keeps) or "sinks"
     # (model/sink_attention.py: fused kernels' memory; under a mask the kernel visits every
     # block of the whole [S, S + 1] square, called causal with no mask it skips the masked half:
     # LayerProfile.causal_only tells which)
@@ -237,15 +244,17 @@ def _layer_spec(
         attn_qk_dim=int(qk_dim),
         attn_v_dim=int(v_dim),
         window=int(window) if window else None,
-        attn_implementation=_attention_kind(layer, attn_implementation),
+        attn_implementation=_attention_kind(layer, attn_implementation, int(qk_dim)),
     )
 
 
-def _attention_kind(layer: nn.Module, attn_implementation: str) -> str:
+def _attention_kind(layer: nn.Module, attn_implementation: str, head_dims: int) -> str:
+    """`LayerSpec.attn_implementation`: attention sinks run flex attention on CUDA where
+    model/flex_sinks.py takes the head dim, the sdpa sink key elsewhere."""
     if attn_implementation == "eager":
         return "eager"
     if attn_implementation == SINK_ATTENTION and has_sinks(layer):
-        return "sinks"
+        return FLEX_SINKS if head_dims in FLEX_HEAD_DIMS else "sinks"
     return "sdpa"
 
 

@@ -75,6 +75,7 @@ from megatrain.model.multimodal import patches_per_image_token, vision_numel, vi
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.layer_time import (
     ATTENTION_RECOMPUTE_BACKWARD,
+    FLEX_SINKS,
     attention_flops_per_token,
     layer_seconds,
 )
@@ -257,21 +258,27 @@ def _vision_s(spec: ModelSpec, hw: Hardware, setup: Setup) -> tuple[float, float
 
 def _layer_flops(
     spec: ModelSpec, tokens: int, seq: int, causal_only: Sequence[bool] = ()
-) -> tuple[list[float], list[float]]:
-    """Each layer's FLOPs in a step: forward, and recompute + backward (the module docstring).
+) -> tuple[list[float], list[float], list[tuple[float, float]]]:
+    """Each layer's FLOPs in a step: forward, and recompute + backward (the module docstring),
+    and of those the attention's where it runs on flex attention (layer_time.FLEX_SINKS).
     `causal_only`: per layer, its attention called causal with no mask (LayerProfile's)."""
     causal = list(causal_only) or [False] * spec.num_layers
     attention = [
         attention_flops_per_token(la, seq, c) for la, c in zip(spec.layers, causal, strict=True)
     ]
+    backward = [ATTENTION_RECOMPUTE_BACKWARD[la.attn_implementation] for la in spec.layers]
     fwd = [
         tokens * (2.0 * la.active_params + a) for la, a in zip(spec.layers, attention, strict=True)
     ]
     bwd = [
-        tokens * (6.0 * la.active_params + ATTENTION_RECOMPUTE_BACKWARD[la.attn_implementation] * a)
-        for la, a in zip(spec.layers, attention, strict=True)
+        tokens * (6.0 * la.active_params + r * a)
+        for la, a, r in zip(spec.layers, attention, backward, strict=True)
     ]
-    return fwd, bwd
+    flex = [
+        (tokens * a, tokens * r * a) if la.attn_implementation == FLEX_SINKS else (0.0, 0.0)
+        for la, a, r in zip(spec.layers, attention, backward, strict=True)
+    ]
+    return fwd, bwd, flex
 
 
 def _costs(
@@ -297,9 +304,9 @@ def _costs(
     rate = hw.flops_per_s(spec.compute_dtype, spec.hidden_size)
     layer_launch = launch * (COMPILED_OPS_FRACTION if compiled else 1.0)
     elem = torch.finfo(spec.compute_dtype).bits // 8  # weights up and gradients down
-    fwd, bwd = _layer_flops(spec, tokens, seq, layer_causal)
+    fwd, bwd, flex = _layer_flops(spec, tokens, seq, layer_causal)
     fwd_s, bwd_s = layer_seconds(
-        spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled, layer_fused, layer_scores
+        spec, hw, fwd, bwd, layer_traffic, micro_batches, compiled, layer_fused, layer_scores, flex
     )
     recomputes = [op.layer for op in schedule.backward if op.kind == RECOMPUTE]
     loss = 6.0 * spec.lm_head_params * tokens
