@@ -143,7 +143,8 @@ def _model(preset: str, num_layers: int, device: str) -> tuple[Any, Any]:
         init_device=torch.device(device),
         progress_bar=False,
     )
-    return model.to(torch.bfloat16), model.config
+    # every tensor to the device: run 78 found a norm weight left on the CPU
+    return model.to(device, torch.bfloat16), model.config
 
 
 if __name__ == "__main__":
