@@ -75,7 +75,6 @@ from megatrain.model.multimodal import patches_per_image_token, vision_numel, vi
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.layer_time import (
     ATTENTION_RECOMPUTE_BACKWARD,
-    FLEX_SINKS,
     attention_flops_per_token,
     layer_seconds,
 )
@@ -84,7 +83,7 @@ from megatrain.planning.ranks import Ranks
 from megatrain.planning.replay import Costs, Replay
 from megatrain.planning.setup import Setup
 from megatrain.planning.share_time import share_contention, share_seconds
-from megatrain.planning.spec import ModelSpec
+from megatrain.planning.spec import FLEX_SINKS, ModelSpec
 from megatrain.planning.step_bound import busy_share, step_bound
 
 _STEPS = 4  # replayed; the first ones warm the pipeline up
