@@ -63,11 +63,10 @@ layer's output per micro-batch, each slot's weights as its forward read them) to
 from __future__ import annotations
 
 import dataclasses
-import importlib.abc
-import importlib.machinery
 import os
-import sys
 from typing import Any
+
+from import_patches import install
 
 MODE = os.environ.get("MT_SHARE_DIAG")
 POSTMORTEM = os.environ.get("MT_SHARE_DIAG_POSTMORTEM") == "1"
@@ -320,27 +319,7 @@ PATCHES = {
 """The modules patched as they are imported, by what the environment asks for."""
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Runs a module's patch (PATCHES) right after it is imported."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        patch = PATCHES.get(name)
-        if patch is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 if MODE or POSTMORTEM:
     if MODE is not None and MODE not in MODES:
         raise SystemExit(f"MT_SHARE_DIAG must be one of {', '.join(MODES)}, got {MODE!r}")
-    sys.meta_path.insert(0, _Finder())
+    install(PATCHES)

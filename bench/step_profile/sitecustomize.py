@@ -17,14 +17,13 @@ path on CUDA too, as before model/flex_sinks.py (the baseline of docs/performanc
 from __future__ import annotations
 
 import gzip
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
+
+from import_patches import install
 
 STEP = int(os.environ.get("MT_STEP_PROFILE", "0") or 0)
 SINKS_SDPA = os.environ.get("MT_SINKS_SDPA") == "1"
@@ -86,25 +85,4 @@ PATCHES = {
 }
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Runs a module's patch (PATCHES) right after it is imported."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        patch = PATCHES.get(name)
-        if patch is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-if PATCHES:
-    sys.meta_path.insert(0, _Finder())
+install(PATCHES)
