@@ -55,12 +55,15 @@ HEAD_DIMS = (64, 128, 256)
 head dim 16 (Triton 3.6, an H200); GPT-OSS's is 64."""
 
 
+def takes_head_dim(dims: int) -> bool:
+    """Whether attention sinks at this head dim run on flex attention on CUDA (torch has it and
+    the dim is one of HEAD_DIMS): the rule the engine and the planner share."""
+    return flex_attention is not None and dims in HEAD_DIMS
+
+
 def flex_ready(query: torch.Tensor, mask: torch.Tensor | None, causal: bool, square: bool) -> bool:
     """Whether this call runs on flex attention (the module docstring)."""
-    dims = query.shape[-1]
-    if flex_attention is None or not query.is_cuda or not square:
-        return False
-    if dims not in HEAD_DIMS:
+    if not query.is_cuda or not square or not takes_head_dim(query.shape[-1]):
         return False
     if mask is None:
         return causal

@@ -30,7 +30,7 @@ from transformers import PretrainedConfig
 
 from megatrain.choices import SINK_ATTENTION
 from megatrain.engine.layout import BlockSizes
-from megatrain.model.flex_sinks import HEAD_DIMS as FLEX_HEAD_DIMS
+from megatrain.model.flex_sinks import takes_head_dim
 from megatrain.model.loading import model_class
 from megatrain.model.multimodal import vision_split
 from megatrain.model.sink_attention import has_sinks, use_sinks
@@ -254,7 +254,7 @@ def _attention_kind(layer: nn.Module, attn_implementation: str, head_dims: int) 
     if attn_implementation == "eager":
         return "eager"
     if attn_implementation == SINK_ATTENTION and has_sinks(layer):
-        return FLEX_SINKS if head_dims in FLEX_HEAD_DIMS else "sinks"
+        return FLEX_SINKS if takes_head_dim(head_dims) else "sinks"
     return "sdpa"
 
 
