@@ -50,11 +50,17 @@ def test_the_blocks_are_torchs(kind: str, seq: int) -> None:
     assert torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)  # of them unmasked
 
 
-def test_no_mask_is_causal() -> None:
-    causal = flex_sinks._block_mask(None, torch.empty(1, HEADS, 300, 0))
-    masked = flex_sinks._block_mask(_mask("causal", 300)[:1], torch.empty(1, HEADS, 300, 0))
+@pytest.mark.parametrize("seq", [256, 300])
+def test_no_mask_is_causal_without_an_s_by_s_tensor(seq: int) -> None:
+    """The causal block lists come from arithmetic: the blocks the causal mask's visit, the
+    ones below the diagonal whole (past the row's end too: flex bounds the queries there)."""
+    causal = flex_sinks._block_mask(None, torch.empty(1, HEADS, seq, 0))
+    masked = flex_sinks._block_mask(_mask("causal", seq)[:1], torch.empty(1, HEADS, seq, 0))
     assert torch.equal(causal.to_dense(), masked.to_dense())
-    assert torch.equal(causal.full_kv_num_blocks, masked.full_kv_num_blocks)
+    blocks = -(-seq // flex_sinks.BLOCK)
+    assert causal.full_kv_num_blocks.flatten().tolist() == list(range(blocks))
+    if seq % flex_sinks.BLOCK == 0:
+        assert torch.equal(causal.full_kv_num_blocks, masked.full_kv_num_blocks)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -18,10 +18,11 @@ and its log-sum-exp (autograd). A query whose keys are all masked has lse = -inf
 output 0, as the softmax over the sink alone gives it.
 
 The mask: the layer's boolean mask [B or 1, 1, S, S] (transformers' sdpa mask: causal, sliding
-window, padding, packing), or the causal one where transformers passed none, is read once per
-call into flex's block lists: blocks with every position kept run without the mask, blocks with
-some run it (`mask_mod` reads the mask), the others are skipped; once a mask tensor (the layers
-of a type share the micro-batch's mask, and the recompute reuses it). The call runs outside a
+window, padding, packing) is read into flex's block lists: blocks with every position kept run
+without the mask, blocks with some run it (`mask_mod` reads a copy of the mask), the others are
+skipped; once a mask tensor (the layers of a type share the micro-batch's mask, and the
+recompute reuses it). Where transformers passed none (causal, full rows) the lists come from
+arithmetic, with no [S, S] tensor. The call runs outside a
 compiled layer's graph, on one static-shape compile of flex attention per row length.
 
 Used where `flex_ready` says: a square call (training, log-probs; not decoding with a cache) on
@@ -132,35 +133,42 @@ def _block_mask(mask: torch.Tensor | None, query: torch.Tensor) -> Any:
     where every position is kept run without the mask, blocks with some run `mask_mod`, the
     rest are skipped. One head (the mask is every head's); a batch of 1 serves every row."""
     seq = query.shape[2]
-    if mask is None:
-        kept = torch.ones(1, seq, seq, dtype=torch.bool, device=query.device).tril()
+    blocks = -(-seq // BLOCK)
+    if mask is None:  # no [S, S] tensor: a long row's would not fit
+        partial, full = _causal_lists(blocks, query.device)
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Any:
             return q >= k
 
     else:
-        kept = mask[:, 0].clone()  # not a view: the cache must not keep the mask alive
-        rows = kept.shape[0]
+        kept, edge = mask[:, 0], blocks * BLOCK - seq
+        # a tensor of its own, not a view: the cache must not keep the layer's mask alive
+        padded = F.pad(kept, (0, edge, 0, edge)) if edge else kept.clone()
+        rows = padded.shape[0]
+        tiles = padded.view(rows, blocks, BLOCK, blocks, BLOCK)
+        some = tiles.any(dim=4).any(dim=2)  # [B or 1, query blocks, key blocks]
+        every = tiles.all(dim=4).all(dim=2)
+        partial, full = _block_lists(some & ~every), _block_lists(every)
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Any:
-            return kept[b if rows > 1 else 0, q, k]  # the mask itself: flex bounds q and k
+            return padded[b if rows > 1 else 0, q, k]  # flex keeps q and k below S
 
-    blocks = -(-seq // BLOCK)
-    padded = F.pad(kept, (0, blocks * BLOCK - seq, 0, blocks * BLOCK - seq))
-    tiles = padded.view(kept.shape[0], blocks, BLOCK, blocks, BLOCK)
-    some = tiles.any(dim=4).any(dim=2)  # [B or 1, query blocks, key blocks]
-    every = tiles.all(dim=4).all(dim=2)
-    partial_num, partial_idx = _block_lists(some & ~every)
-    full_num, full_idx = _block_lists(every)
     return BlockMask.from_kv_blocks(
-        partial_num,
-        partial_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=BLOCK,
-        mask_mod=mask_mod,
-        seq_lengths=(seq, seq),
+        *partial, *full, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(seq, seq)
     )
+
+
+def _causal_lists(
+    blocks: int, device: torch.device
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The causal mask's block lists (as `_block_lists`, batch 1): query block i runs its own
+    block under the mask and blocks 0 .. i - 1 whole."""
+    index = torch.arange(blocks, device=device, dtype=torch.int32)
+    order = index.expand(blocks, -1).contiguous()
+    diagonal = order.clone()
+    diagonal[:, 0] = index
+    ones = torch.ones(blocks, device=device, dtype=torch.int32)
+    return (ones[None, None], diagonal[None, None]), (index[None, None], order[None, None])
 
 
 def _block_lists(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
