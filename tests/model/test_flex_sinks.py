@@ -43,7 +43,7 @@ def _mask(kind: str, seq: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["causal", "sliding", "padded", "packed"])
 def test_the_blocks_are_torchs(kind: str, seq: int) -> None:
     mask = _mask(kind, seq)
-    ours = flex_sinks._block_mask(mask, torch.empty(ROWS, HEADS, seq, 0))
+    ours = flex_sinks._block_mask(mask, seq, -(-seq // 128) * 128, torch.device("cpu"))
     kept = mask[:, 0].contiguous()
     theirs = create_block_mask(lambda b, h, q, k: kept[b, q, k], ROWS, None, seq, seq, "cpu")
     assert torch.equal(ours.to_dense(), theirs.to_dense())  # blocks visited
@@ -54,20 +54,25 @@ def test_the_blocks_are_torchs(kind: str, seq: int) -> None:
 def test_no_mask_is_causal_without_an_s_by_s_tensor(seq: int) -> None:
     """The causal block lists come from arithmetic: the blocks the causal mask's visit, the
     ones below the diagonal whole (past the row's end too: flex bounds the queries there)."""
-    causal = flex_sinks._block_mask(None, torch.empty(1, HEADS, seq, 0))
-    masked = flex_sinks._block_mask(_mask("causal", seq)[:1], torch.empty(1, HEADS, seq, 0))
+    wide, cpu = -(-seq // 128) * 128, torch.device("cpu")
+    causal = flex_sinks._block_mask(None, seq, wide, cpu)
+    masked = flex_sinks._block_mask(_mask("causal", seq)[:1], seq, wide, cpu)
     assert torch.equal(causal.to_dense(), masked.to_dense())
     blocks = -(-seq // flex_sinks.BLOCK)
     assert causal.full_kv_num_blocks.flatten().tolist() == list(range(blocks))
     if seq % flex_sinks.BLOCK == 0:
         assert torch.equal(causal.full_kv_num_blocks, masked.full_kv_num_blocks)
+    padded = flex_sinks._block_mask(None, seq, 1024, torch.device("cpu"))  # run at 1024
+    assert padded.kv_num_blocks.flatten().tolist() == [1] * blocks + [0] * (8 - blocks)
+    assert padded.full_kv_num_blocks.flatten().tolist() == list(range(blocks)) + [0] * (8 - blocks)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("kind", ["none", "sliding", "padded", "packed"])
 def test_the_forward_equals_eager(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flex_sinks, "_compiled", lambda: flex_attention)  # eager flex on CPU
-    seq, head_dim = 300, 64
+    monkeypatch.setattr(flex_sinks, "_SHAPES", set())
+    seq, head_dim = 300, 64  # run at 512 positions
     module = _module()
     torch.manual_seed(1)
     q, k, v = (torch.randn(ROWS, h, seq, head_dim) for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -85,11 +90,11 @@ def test_the_forward_equals_eager(kind: str, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_the_cache_holds_a_block_mask_while_its_mask_lives() -> None:
-    query = torch.empty(ROWS, HEADS, 300, 64)
+    cpu = torch.device("cpu")
     mask = _mask("sliding", 300)
-    first = flex_sinks._cached_block_mask(mask, query)
-    assert flex_sinks._cached_block_mask(mask, query) is first  # the layers share it
-    assert flex_sinks._cached_block_mask(mask.clone(), query) is not first
+    first = flex_sinks._cached_block_mask(mask, 300, 512, cpu)
+    assert flex_sinks._cached_block_mask(mask, 300, 512, cpu) is first  # the layers share it
+    assert flex_sinks._cached_block_mask(mask.clone(), 300, 512, cpu) is not first
     del mask, first
     gc.collect()
     assert len(flex_sinks._BLOCK_MASKS) == 0
@@ -101,11 +106,24 @@ def test_flex_runs_on_cuda_only() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_row_lengths_past_the_budget_take_the_sdpa_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_call_shapes_past_the_budget_take_the_sdpa_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row of 100 tokens runs at 128 positions, as one of 7: a shape compiled already; one of
+    300 at 512, a new shape past the budget: None (the sdpa path)."""
     monkeypatch.setattr(flex_sinks, "_compiled", lambda: flex_attention)
-    monkeypatch.setattr(flex_sinks, "_LENGTHS", set(range(flex_sinks.LENGTHS)))
-    q, k = torch.zeros(1, HEADS, 64, 64), torch.zeros(1, KV_HEADS, 64, 64)
-    assert flex_sinks.flex_sink_attention(q, k, k, torch.zeros(HEADS), None, 0.125) is None
-    seen = torch.zeros(1, HEADS, 7, 64), torch.zeros(1, KV_HEADS, 7, 64)  # a length it has run
-    out = flex_sinks.flex_sink_attention(*seen, seen[1], torch.zeros(HEADS), None, 0.125)
-    assert out is not None and out.shape == (1, 7, HEADS, 64)
+    fp32 = torch.float32
+    full = {(1, 1 << (i + 12), "causal", fp32) for i in range(flex_sinks.COMPILES - 1)}
+    monkeypatch.setattr(flex_sinks, "_SHAPES", full | {(1, 128, "causal", fp32)})
+    assert [flex_sinks.width(n) for n in (1, 100, 128, 129, 300, 2048)] == [
+        128,
+        128,
+        128,
+        256,
+        512,
+        2048,
+    ]
+    sinks = torch.zeros(HEADS)
+    for seq, runs in ((100, True), (300, False)):
+        q, k = torch.zeros(1, HEADS, seq, 64), torch.zeros(1, KV_HEADS, seq, 64)
+        out = flex_sinks.flex_sink_attention(q, k, k, sinks, None, 0.125)
+        assert (out is not None) == runs
+        assert out is None or out.shape == (1, seq, HEADS, 64)

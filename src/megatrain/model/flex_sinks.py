@@ -22,12 +22,13 @@ window, padding, packing) is read into flex's block lists: blocks with every pos
 without the mask, blocks with some run it (`mask_mod` reads a copy of the mask), the others are
 skipped; once a mask tensor (the layers of a type share the micro-batch's mask, and the
 recompute reuses it). Where transformers passed none (causal, full rows) the lists come from
-arithmetic, with no [S, S] tensor. The call runs outside a
-compiled layer's graph, on one static-shape compile of flex attention per row length.
+arithmetic, with no [S, S] tensor. The call runs outside a compiled layer's graph, on one
+static-shape compile of flex attention per call shape.
 
 Used where `flex_ready` says: a square call (training, log-probs; not decoding with a cache) on
 CUDA with torch's flex attention, a head dim of HEAD_DIMS and a boolean mask or none; and for a
-row length among the first LENGTHS the process ran. Flex attention has no backward on the CPU;
+call shape among the first COMPILES the process ran (rows run at a power-of-two width, so that
+padded rows of many lengths share a compile). Flex attention has no backward on the CPU;
 there, and for any other call, model/sink_attention.py's sdpa path runs.
 """
 
@@ -46,11 +47,13 @@ except ImportError:  # torch before 2.9: no log-sum-exp request (AuxRequest)
     flex_attention = None  # type: ignore[assignment]
 
 BLOCK = 128  # flex attention's block of queries and of keys
-LENGTHS = 8
-"""Row lengths a process runs on flex attention, one static compile each (torch's recompile
-limit is 8 a function); further lengths take the sdpa path. Counted outside the compiled layers
-(their shapes stay dynamic)."""
-_LENGTHS: set[int] = set()
+COMPILES = 7
+"""Call shapes (rows, width, mask kind, dtype) a process compiles flex attention for,
+statically: torch recompiles a function 8 times at most and past that runs flex attention
+eagerly, over the whole score matrix; further shapes take the sdpa path. Counted outside the
+compiled layers (whose shapes stay dynamic). Widths are `width`'s buckets, so padded rows of
+any length use 5 of them up to 2048 tokens."""
+_SHAPES: set[tuple[int, int, str, torch.dtype]] = set()
 HEAD_DIMS = (64, 128, 256)
 """Head dims that take flex attention: torch 2.11's flex kernel failed to compile for fp32 at
 head dim 16 (Triton 3.6, an H200); GPT-OSS's is 64."""
@@ -80,70 +83,86 @@ def flex_sink_attention(
     mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor | None:
-    """Attention over the kept keys and the sink: output [B, S, H, E]; None for a row length
-    past the first LENGTHS (the caller runs the sdpa path). Outside any compiled layer's graph
+    """Attention over the kept keys and the sink: output [B, S, H, E]; None for a call shape
+    past the first COMPILES (the caller runs the sdpa path). Outside any compiled layer's graph
     (a graph break): torch 2.11's inductor failed to lower flex attention inside the engine's
-    layers, compiled with dynamic shapes, and the block mask is made once a mask."""
-    heads, seq = query_BHSE.shape[1], query_BHSE.shape[2]
-    if seq not in _LENGTHS:
-        if len(_LENGTHS) >= LENGTHS:
+    layers, compiled with dynamic shapes, and the block mask is made once a mask.
+
+    The rows run at `width(S)` positions: the padding's keys are masked (skipped blocks), its
+    queries' outputs dropped (no gradient reaches them), so one compile serves every length
+    of a bucket."""
+    batch, heads, seq = query_BHSE.shape[:3]
+    wide = width(seq)
+    kind = "causal" if mask is None else ("per row" if mask.shape[0] > 1 else "shared")
+    shape = (batch, wide, kind, query_BHSE.dtype)
+    if shape not in _SHAPES:
+        if len(_SHAPES) >= COMPILES:
             return None
-        _LENGTHS.add(seq)
-    out_BHSE, aux = _compiled()(
-        query_BHSE,
-        key_BGKE,
-        value_BGKE,
-        block_mask=_cached_block_mask(mask, query_BHSE),
+        _SHAPES.add(shape)
+    query, key, value = (
+        F.pad(x, (0, 0, 0, wide - seq)) for x in (query_BHSE, key_BGKE, value_BGKE)
+    )
+    out_BHWE, aux = _compiled()(
+        query,
+        key,
+        value,
+        block_mask=_cached_block_mask(mask, seq, wide, query.device),
         scale=scale,
         enable_gqa=key_BGKE.shape[1] != heads,
         return_aux=AuxRequest(lse=True),
     )
-    weight_BHS = torch.sigmoid(aux.lse - sinks_H.float().view(1, heads, 1))
-    out_BHSE = out_BHSE * weight_BHS.unsqueeze(-1).to(out_BHSE.dtype)
+    weight_BHS = torch.sigmoid(aux.lse[:, :, :seq] - sinks_H.float().view(1, heads, 1))
+    out_BHSE = out_BHWE[:, :, :seq] * weight_BHS.unsqueeze(-1).to(out_BHWE.dtype)
     return out_BHSE.transpose(1, 2).contiguous()
+
+
+def width(seq: int) -> int:
+    """Positions a row of `seq` runs at on flex attention: the next power of two, a block at
+    least (padding at most doubles the row; its blocks are skipped)."""
+    return max(BLOCK, 1 << (seq - 1).bit_length())
 
 
 @functools.cache
 def _compiled() -> Any:
-    """Flex attention compiled once per process, static shapes: one compile per row length
-    (LENGTHS of them at most; flex_ready sends other lengths to the sdpa path)."""
+    """Flex attention compiled once per process, static shapes: one compile per call shape
+    (COMPILES of them at most)."""
     return torch.compile(flex_attention, dynamic=False)
 
 
 _BLOCK_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # mask tensor -> its block mask
 
 
-def _cached_block_mask(mask: torch.Tensor | None, query: torch.Tensor) -> Any:
-    """Outside a compiled region: one block mask per mask tensor (the layers of one type share
-    the micro-batch's mask, and the recompute reuses it) and per causal length."""
+def _cached_block_mask(mask: torch.Tensor | None, seq: int, wide: int, device: torch.device) -> Any:
+    """One block mask per mask tensor (the layers of one type share the micro-batch's mask, and
+    the recompute reuses it) and per causal length."""
     if mask is None:
-        return _causal_block_mask(query.shape[2], query.device)
+        return _causal_block_mask(seq, wide, device)
     if mask not in _BLOCK_MASKS:
-        _BLOCK_MASKS[mask] = _block_mask(mask, query)
+        _BLOCK_MASKS[mask] = _block_mask(mask, seq, wide, device)
     return _BLOCK_MASKS[mask]
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask(seq: int, device: torch.device) -> Any:
-    return _block_mask(None, torch.empty(1, 1, seq, 0, device=device))
+def _causal_block_mask(seq: int, wide: int, device: torch.device) -> Any:
+    return _block_mask(None, seq, wide, device)
 
 
-def _block_mask(mask: torch.Tensor | None, query: torch.Tensor) -> Any:
-    """flex's BlockMask of the layer's boolean mask [B or 1, 1, S, S] (None: causal): blocks
-    where every position is kept run without the mask, blocks with some run `mask_mod`, the
-    rest are skipped. One head (the mask is every head's); a batch of 1 serves every row."""
-    seq = query.shape[2]
-    blocks = -(-seq // BLOCK)
+def _block_mask(mask: torch.Tensor | None, seq: int, wide: int, device: torch.device) -> Any:
+    """flex's BlockMask of the layer's boolean mask [B or 1, 1, S, S] (None: causal) over `wide`
+    positions (a multiple of BLOCK; the padding masked): blocks where every position is kept run
+    without the mask, blocks with some run `mask_mod`, the rest are skipped. One head (the mask
+    is every head's); a batch of 1 serves every row."""
+    blocks = wide // BLOCK
     if mask is None:  # no [S, S] tensor: a long row's would not fit
-        partial, full = _causal_lists(blocks, query.device)
+        partial, full = _causal_lists(blocks, -(-seq // BLOCK), device)
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Any:
             return q >= k
 
     else:
-        kept, edge = mask[:, 0], blocks * BLOCK - seq
+        edge = wide - seq
         # a tensor of its own, not a view: the cache must not keep the layer's mask alive
-        padded = F.pad(kept, (0, edge, 0, edge)) if edge else kept.clone()
+        padded = F.pad(mask[:, 0], (0, edge, 0, edge)) if edge else mask[:, 0].clone()
         rows = padded.shape[0]
         tiles = padded.view(rows, blocks, BLOCK, blocks, BLOCK)
         some = tiles.any(dim=4).any(dim=2)  # [B or 1, query blocks, key blocks]
@@ -151,24 +170,26 @@ def _block_mask(mask: torch.Tensor | None, query: torch.Tensor) -> Any:
         partial, full = _block_lists(some & ~every), _block_lists(every)
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Any:
-            return padded[b if rows > 1 else 0, q, k]  # flex keeps q and k below S
+            return padded[b if rows > 1 else 0, q, k]
 
     return BlockMask.from_kv_blocks(
-        *partial, *full, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(seq, seq)
+        *partial, *full, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(wide, wide)
     )
 
 
 def _causal_lists(
-    blocks: int, device: torch.device
+    blocks: int, used: int, device: torch.device
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """The causal mask's block lists (as `_block_lists`, batch 1): query block i runs its own
-    block under the mask and blocks 0 .. i - 1 whole."""
+    """The causal mask's block lists (as `_block_lists`, batch 1): query block i < `used` runs
+    its own block under the mask and blocks 0 .. i - 1 whole; the padding's blocks run none."""
     index = torch.arange(blocks, device=device, dtype=torch.int32)
     order = index.expand(blocks, -1).contiguous()
     diagonal = order.clone()
     diagonal[:, 0] = index
-    ones = torch.ones(blocks, device=device, dtype=torch.int32)
-    return (ones[None, None], diagonal[None, None]), (index[None, None], order[None, None])
+    row = index < used
+    ones = row.to(torch.int32)
+    below = torch.where(row, index, 0)
+    return (ones[None, None], diagonal[None, None]), (below[None, None], order[None, None])
 
 
 def _block_lists(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
