@@ -41,7 +41,7 @@ WINDOW = 40
 
 @pytest.fixture(autouse=True)
 def _fresh_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test's call shapes count against a budget of their own (flex_sinks.COMPILES)."""
+    """Each test's call shapes count against a budget of their own (flex_sinks._SHAPES)."""
     monkeypatch.setattr(flex_sinks, "_SHAPES", set())
 
 

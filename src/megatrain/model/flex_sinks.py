@@ -27,7 +27,7 @@ static-shape compile of flex attention per call shape.
 
 Used where `flex_ready` says: a square call (training, log-probs; not decoding with a cache) on
 CUDA with torch's flex attention, a head dim of HEAD_DIMS and a boolean mask or none; and for a
-call shape among the first COMPILES the process ran (rows run at a power-of-two width, so that
+call shape within the budget of compiles (`_SHAPES`; rows run at a power-of-two width, so that
 padded rows of many lengths share a compile). Flex attention has no backward on the CPU;
 there, and for any other call, model/sink_attention.py's sdpa path runs.
 """
@@ -47,13 +47,13 @@ except ImportError:  # torch before 2.9: no log-sum-exp request (AuxRequest)
     flex_attention = None  # type: ignore[assignment]
 
 BLOCK = 128  # flex attention's block of queries and of keys
-COMPILES = 7
-"""Call shapes (rows, width, mask kind, dtype) a process compiles flex attention for,
-statically: torch recompiles a function 8 times at most and past that runs flex attention
-eagerly, over the whole score matrix; further shapes take the sdpa path. Counted outside the
-compiled layers (whose shapes stay dynamic). Widths are `width`'s buckets, so padded rows of
-any length use 5 of them up to 2048 tokens."""
-_SHAPES: set[tuple[int, int, str, torch.dtype]] = set()
+_SHAPES: set[tuple[int, int, str, torch.dtype, bool]] = set()
+"""Call shapes (rows, width, mask kind, dtype, grad mode) flex attention is compiled for, one
+static compile each: as many as torch's recompile limit allows less one (`_budget`; past the
+limit dynamo would run flex attention eagerly, over the whole score matrix), further shapes take
+the sdpa path. Counted outside the compiled layers (whose shapes stay dynamic). Widths are
+`width`'s buckets: padded rows of any length up to 2048 tokens use 5 of them, each in the
+forward (no grad) and the recompute."""
 HEAD_DIMS = (64, 128, 256)
 """Head dims that take flex attention: torch 2.11's flex kernel failed to compile for fp32 at
 head dim 16 (Triton 3.6, an H200); GPT-OSS's is 64."""
@@ -84,9 +84,10 @@ def flex_sink_attention(
     scale: float,
 ) -> torch.Tensor | None:
     """Attention over the kept keys and the sink: output [B, S, H, E]; None for a call shape
-    past the first COMPILES (the caller runs the sdpa path). Outside any compiled layer's graph
-    (a graph break): torch 2.11's inductor failed to lower flex attention inside the engine's
-    layers, compiled with dynamic shapes, and the block mask is made once a mask.
+    past the budget of compiles (`_SHAPES`; the caller runs the sdpa path). Outside any
+    compiled layer's graph (a graph break): torch 2.11's inductor failed to lower flex attention
+    inside the engine's layers, compiled with dynamic shapes, and the block mask is made once a
+    mask.
 
     The rows run at `width(S)` positions: the padding's keys are masked (skipped blocks), its
     queries' outputs dropped (no gradient reaches them), so one compile serves every length
@@ -94,9 +95,9 @@ def flex_sink_attention(
     batch, heads, seq = query_BHSE.shape[:3]
     wide = width(seq)
     kind = "causal" if mask is None else ("per row" if mask.shape[0] > 1 else "shared")
-    shape = (batch, wide, kind, query_BHSE.dtype)
+    shape = (batch, wide, kind, query_BHSE.dtype, torch.is_grad_enabled())
     if shape not in _SHAPES:
-        if len(_SHAPES) >= COMPILES:
+        if len(_SHAPES) >= _budget():
             return None
         _SHAPES.add(shape)
     query, key, value = (
@@ -122,10 +123,16 @@ def width(seq: int) -> int:
     return max(BLOCK, 1 << (seq - 1).bit_length())
 
 
+def _budget() -> int:
+    """Call shapes to compile: torch's recompile limit less one (8 by default; the engine's
+    compiled layers raise it, engine/slots.py)."""
+    return max(1, int(torch._dynamo.config.cache_size_limit) - 1)
+
+
 @functools.cache
 def _compiled() -> Any:
     """Flex attention compiled once per process, static shapes: one compile per call shape
-    (COMPILES of them at most)."""
+    (`_budget` of them at most)."""
     return torch.compile(flex_attention, dynamic=False)
 
 

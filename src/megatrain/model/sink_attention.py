@@ -103,7 +103,7 @@ def _attention(
     square = query_BHSE.shape[2] == key_BGKE.shape[2]
     if flex_ready(query_BHSE, attention_mask, causal, square):  # CUDA: the kept blocks only
         out = flex_sink_attention(query_BHSE, key_BGKE, value_BGKE, sinks_H, attention_mask, scale)
-        if out is not None:  # None: a call shape past flex_sinks.COMPILES
+        if out is not None:  # None: a call shape past flex_sinks' budget of compiles
             return out, None
     if attention_mask is None and causal and square:  # full rows: causal, no mask
         q, k, v = _with_sink_key(query_BHSE, key_BGKE, value_BGKE, sinks_H, scale, first=True)
