@@ -110,25 +110,17 @@ def test_call_shapes_past_the_budget_take_the_sdpa_path(monkeypatch: pytest.Monk
     """A row of 100 tokens runs at 128 positions, a shape compiled already; one of 300 at 512, a
     new shape past a full budget (torch's recompile limit less one): None, the sdpa path."""
     monkeypatch.setattr(flex_sinks, "_compiled", lambda: flex_attention)
-    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)
-    assert flex_sinks._budget() == 7
     seen = {(1, 1 << (i + 12), "causal", torch.float32, False) for i in range(6)}
     monkeypatch.setattr(flex_sinks, "_SHAPES", seen | {(1, 128, "causal", torch.float32, False)})
-    assert [flex_sinks.width(n) for n in (1, 100, 128, 129, 300, 2048)] == [
-        128,
-        128,
-        128,
-        256,
-        512,
-        2048,
-    ]
+    widths = [flex_sinks.width(n) for n in (1, 100, 128, 129, 300, 2048)]
+    assert widths == [128, 128, 128, 256, 512, 2048]
     sinks = torch.zeros(HEADS)
-    for seq, runs in ((100, True), (300, False)):
-        q, k = torch.zeros(1, HEADS, seq, 64), torch.zeros(1, KV_HEADS, seq, 64)
-        with torch.no_grad():
+    with torch._dynamo.config.patch(recompile_limit=8), torch.no_grad():
+        assert flex_sinks._budget() == 7
+        for seq, runs in ((100, True), (300, False)):
+            q, k = torch.zeros(1, HEADS, seq, 64), torch.zeros(1, KV_HEADS, seq, 64)
             out = flex_sinks.flex_sink_attention(q, k, k, sinks, None, 0.125)
-        assert (out is not None) == runs
-        assert out is None or out.shape == (1, seq, HEADS, 64)
-    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 64)  # compiled layers raise it
-    with torch.no_grad():
+            assert (out is not None) == runs
+            assert out is None or out.shape == (1, seq, HEADS, 64)
+    with torch._dynamo.config.patch(recompile_limit=64), torch.no_grad():  # as compiled layers
         assert flex_sinks.flex_sink_attention(q, k, k, sinks, None, 0.125) is not None

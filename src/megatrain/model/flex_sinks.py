@@ -101,7 +101,8 @@ def flex_sink_attention(
             return None
         _SHAPES.add(shape)
     query, key, value = (
-        F.pad(x, (0, 0, 0, wide - seq)) for x in (query_BHSE, key_BGKE, value_BGKE)
+        x if wide == seq else F.pad(x, (0, 0, 0, wide - seq))
+        for x in (query_BHSE, key_BGKE, value_BGKE)
     )
     out_BHWE, aux = _compiled()(
         query,
@@ -126,7 +127,7 @@ def width(seq: int) -> int:
 def _budget() -> int:
     """Call shapes to compile: torch's recompile limit less one (8 by default; the engine's
     compiled layers raise it, engine/slots.py)."""
-    return max(1, int(torch._dynamo.config.cache_size_limit) - 1)
+    return max(1, int(torch._dynamo.config.recompile_limit) - 1)
 
 
 @functools.cache
