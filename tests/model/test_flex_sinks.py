@@ -124,3 +124,20 @@ def test_call_shapes_past_the_budget_take_the_sdpa_path(monkeypatch: pytest.Monk
             assert out is None or out.shape == (1, seq, HEADS, 64)
     with torch._dynamo.config.patch(recompile_limit=64), torch.no_grad():  # as compiled layers
         assert flex_sinks.flex_sink_attention(q, k, k, sinks, None, 0.125) is not None
+
+
+def test_a_shape_torch_cannot_compile_takes_the_sdpa_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile failure (run 78's first versions met two, in inductor) costs that shape its
+    flex path, once, with a warning: the run goes on on the sdpa path."""
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise torch._dynamo.exc.TorchRuntimeError("lowering failed")
+
+    monkeypatch.setattr(flex_sinks, "_compiled", lambda: fails)
+    monkeypatch.setattr(flex_sinks, "_SHAPES", set())
+    monkeypatch.setattr(flex_sinks, "_FAILED", set())
+    q, k = torch.zeros(1, HEADS, 100, 64), torch.zeros(1, KV_HEADS, 100, 64)
+    with pytest.warns(UserWarning, match="did not compile .* 1 x 128 tokens"):
+        assert flex_sinks.flex_sink_attention(q, k, k, torch.zeros(HEADS), None, 0.125) is None
+    monkeypatch.setattr(flex_sinks, "_compiled", lambda: pytest.fail("tried again"))
+    assert flex_sinks.flex_sink_attention(q, k, k, torch.zeros(HEADS), None, 0.125) is None

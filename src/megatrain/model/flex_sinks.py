@@ -28,13 +28,15 @@ static-shape compile of flex attention per call shape.
 Used where `flex_ready` says: a square call (training, log-probs; not decoding with a cache) on
 CUDA with torch's flex attention, a head dim of HEAD_DIMS and a boolean mask or none; and for a
 call shape within the budget of compiles (`_SHAPES`; rows run at a power-of-two width, so that
-padded rows of many lengths share a compile). Flex attention has no backward on the CPU;
-there, and for any other call, model/sink_attention.py's sdpa path runs.
+padded rows of many lengths share a compile), unless torch failed to compile that shape (a
+warning, once). Flex attention has no backward on the CPU; there, and for any other call,
+model/sink_attention.py's sdpa path runs.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -54,6 +56,9 @@ limit dynamo would run flex attention eagerly, over the whole score matrix), fur
 the sdpa path. Counted outside the compiled layers (whose shapes stay dynamic). Widths are
 `width`'s buckets: padded rows of any length up to 2048 tokens use 5 of them, each in the
 forward (no grad) and the recompute."""
+_FAILED: set[tuple[int, int, str, torch.dtype, bool]] = set()
+"""Call shapes torch failed to compile flex attention for (its forward: torch compiles the
+backward at the first backward): they run the sdpa path, with one warning each."""
 HEAD_DIMS = (64, 128, 256)
 """Head dims that take flex attention: torch 2.11's flex kernel failed to compile for fp32 at
 head dim 16 (Triton 3.6, an H200); GPT-OSS's is 64."""
@@ -96,6 +101,8 @@ def flex_sink_attention(
     wide = width(seq)
     kind = "causal" if mask is None else ("per row" if mask.shape[0] > 1 else "shared")
     shape = (batch, wide, kind, query_BHSE.dtype, torch.is_grad_enabled())
+    if shape in _FAILED:
+        return None
     if shape not in _SHAPES:
         if len(_SHAPES) >= _budget():
             return None
@@ -104,15 +111,24 @@ def flex_sink_attention(
         x if wide == seq else F.pad(x, (0, 0, 0, wide - seq))
         for x in (query_BHSE, key_BGKE, value_BGKE)
     )
-    out_BHWE, aux = _compiled()(
-        query,
-        key,
-        value,
-        block_mask=_cached_block_mask(mask, seq, wide, query.device),
-        scale=scale,
-        enable_gqa=key_BGKE.shape[1] != heads,
-        return_aux=AuxRequest(lse=True),
-    )
+    try:
+        out_BHWE, aux = _compiled()(
+            query,
+            key,
+            value,
+            block_mask=_cached_block_mask(mask, seq, wide, query.device),
+            scale=scale,
+            enable_gqa=key_BGKE.shape[1] != heads,
+            return_aux=AuxRequest(lse=True),
+        )
+    except torch._dynamo.exc.TorchDynamoException as err:  # torch could not compile this shape
+        _FAILED.add(shape)
+        warnings.warn(
+            f"flex attention did not compile for attention sinks at {batch} x {wide} tokens "
+            f"({type(err).__name__}); this shape runs the sdpa path: {err}",
+            stacklevel=2,
+        )
+        return None
     weight_BHS = torch.sigmoid(aux.lse[:, :, :seq] - sinks_H.float().view(1, heads, 1))
     out_BHSE = out_BHWE[:, :, :seq] * weight_BHS.unsqueeze(-1).to(out_BHWE.dtype)
     return out_BHSE.transpose(1, 2).contiguous()
