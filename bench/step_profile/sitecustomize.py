@@ -19,7 +19,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +59,12 @@ def _patch(module: Any) -> None:
             if cuda:
                 torch.cuda.synchronize()
         OUT.mkdir(parents=True, exist_ok=True)
-        raw = OUT / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        trace = json.loads(raw.read_text())
+        prof.export_chrome_trace(str(OUT / "trace.json.gz"))  # torch gzips a .gz path
+        with gzip.open(OUT / "trace.json.gz", "rt") as f:
+            trace = json.load(f)
         from step_kernels import kernel_totals
 
         (OUT / "kernels.json").write_text(json.dumps(kernel_totals(trace)))
-        with raw.open("rb") as src, gzip.open(OUT / "trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
         print(f"step_profile: step {STEP} profiled into {OUT}", flush=True)
         return out
 

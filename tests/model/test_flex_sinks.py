@@ -14,25 +14,26 @@ import gc
 
 import pytest
 import torch
-from test_sink_attention import EPS, HEADS, KV_HEADS, ROWS, _additive, _module
+from test_sink_attention import HEADS, KV_HEADS, ROWS, _additive, _assert_fp32_close, _module
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
 import megatrain.model.flex_sinks as flex_sinks
 
 WINDOW = 100
+LEFT = 130  # left padding past a whole block: queries that see no key
 
 
-def _mask(kind: str, seq: int) -> torch.Tensor:
-    """Bool [B, 1, S, S], as transformers builds it for sdpa."""
+def _mask(kind: str, seq: int, window: int = WINDOW, left: int = LEFT) -> torch.Tensor:
+    """Bool [B, 1, S, S], as transformers builds it for sdpa (also the CUDA tests')."""
     i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
     causal = (j <= i).expand(ROWS, 1, seq, seq)
     if kind == "sliding":
-        return causal & (i - j < WINDOW)
+        return causal & (i - j < window)
     if kind == "padded":
         keys = torch.ones(ROWS, seq, dtype=torch.bool)
         keys[0, -5:] = False  # right padding
-        keys[1, :130] = False  # left padding past a whole block: queries that see no key
+        keys[1, :left] = False  # left padding: the first `left` queries see no key at all
         return causal & keys[:, None, None, :]
     if kind == "packed":
         return causal & ((i < seq // 3) == (j < seq // 3))
@@ -82,11 +83,9 @@ def test_the_forward_equals_eager(kind: str, monkeypatch: pytest.MonkeyPatch) ->
         ref, _ = eager_attention_forward(module, q, k, v, eager_mask, scaling=module.scaling)
         out = flex_sinks.flex_sink_attention(q, k, v, module.sinks, mask, module.scaling)
     # the scores' dot, the softmax's sums, the values' sum and the sink's reweighting
-    roundings = head_dim + 2 * (seq + 1) + 4
-    error, bound = (out - ref).abs().max(), 2 * roundings * EPS * ref.abs().max()
-    assert error <= bound, f"{float(error / EPS):.1f} eps, bound {float(bound / EPS):.1f}"
+    _assert_fp32_close(out, ref, head_dim + 2 * (seq + 1) + 4)
     if kind == "padded":  # a query that sees no key attends to the sink alone: output 0
-        assert torch.equal(out[1, :130], torch.zeros_like(out[1, :130]))
+        assert torch.equal(out[1, :LEFT], torch.zeros_like(out[1, :LEFT]))
 
 
 def test_the_cache_holds_a_block_mask_while_its_mask_lives() -> None:

@@ -1,11 +1,11 @@
 """Attention sinks on flex attention (model/flex_sinks.py, CUDA only) equal transformers' eager
 GPT-OSS attention, as the sdpa path does on the CPU (tests/model/test_sink_attention.py, whose
-module, masks and fp32 rounding bounds this reuses): outputs and the gradients of query, key,
-value and sinks for causal, sliding-window, padded (queries with no visible key included) and
-absent masks, at a length inside one flex block and at one over several blocks (partial and
-skipped blocks; both run padded to a power-of-two width), eager and inside a compiled function
-with dynamic shapes (the engine's compiled layers). fp32: flex's kernel and cuBLAS (no TF32 by
-default) round as fp32.
+module and fp32 rounding bounds this reuses; the masks are tests/model/test_flex_sinks.py's):
+outputs and the gradients of query, key, value and sinks for causal, sliding-window, padded
+(queries with no visible key included) and absent masks, at a length inside one flex block and at
+one over several blocks (partial and skipped blocks; both run padded to a power-of-two width),
+eager and inside a compiled function with dynamic shapes (the engine's compiled layers). fp32:
+flex's kernel and cuBLAS (no TF32 by default) round as fp32.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 import torch
+from test_flex_sinks import _mask as flex_mask
 from test_sink_attention import (
-    EPS,
     HEADS,
     KV_HEADS,
     ROWS,
     SINKS,
     _additive,
+    _assert_fp32_close,
     _batches,
     _loss_and_grads,
     _module,
@@ -36,8 +37,6 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or flex_sinks.flex_attention is None:
     pytest.skip("needs CUDA and torch's flex attention", allow_module_level=True)
 
-WINDOW = 40
-
 
 @pytest.fixture(autouse=True)
 def _fresh_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,25 +45,8 @@ def _fresh_budget(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _mask(kind: str, seq: int) -> torch.Tensor | None:
-    """Bool [B, 1, S, S] on the GPU, as transformers builds it for sdpa."""
-    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
-    causal = (j <= i).expand(ROWS, 1, seq, seq)
-    mask: torch.Tensor | None = causal
-    if kind == "none":
-        mask = None
-    elif kind == "sliding":
-        mask = causal & (i - j < WINDOW)
-    elif kind == "padded":
-        keys = torch.ones(ROWS, seq, dtype=torch.bool)
-        keys[0, -5:] = False  # right padding
-        keys[1, :3] = False  # left padding: the first three queries see no key at all
-        mask = causal & keys[:, None, None, :]
-    return None if mask is None else mask.cuda()
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor, roundings: int) -> None:
-    error, bound = (ours - ref).abs().max(), 2 * roundings * EPS * ref.abs().max()
-    assert error <= bound, f"{float(error / EPS):.1f} eps, bound {float(bound / EPS):.1f}"
+    """test_flex_sinks' mask on the GPU (a 40-token window, 3 rows of left padding); None."""
+    return None if kind == "none" else flex_mask(kind, seq, window=40, left=3).cuda()
 
 
 def _check(call: Any, kind: str, seq: int, head_dim: int) -> None:
@@ -79,7 +61,7 @@ def _check(call: Any, kind: str, seq: int, head_dim: int) -> None:
     ref, _ = eager_attention_forward(module, q, k, v, eager_mask, scaling=module.scaling)
     out = call(module, q, k, v, mask)
     forward = head_dim + 2 * (seq + 1) + 4  # dots, softmax sums, the sink's reweighting
-    _close(out, ref, forward)
+    _assert_fp32_close(out, ref, forward)
     grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2)).cuda()
     inputs = (q, k, v, module.sinks)
     backward = forward + head_dim + seq + 1 + ROWS * seq * HEADS // KV_HEADS
@@ -89,7 +71,7 @@ def _check(call: Any, kind: str, seq: int, head_dim: int) -> None:
         strict=True,
     ):
         assert torch.isfinite(ours).all()
-        _close(ours, theirs, backward)
+        _assert_fp32_close(ours, theirs, backward)
     if kind == "padded":  # a query that sees no key attends to the sink alone: output 0
         assert torch.equal(out[1, :3], torch.zeros_like(out[1, :3]))
 

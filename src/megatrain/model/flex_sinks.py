@@ -49,14 +49,15 @@ except ImportError:  # torch before 2.9: no log-sum-exp request (AuxRequest)
     flex_attention = None  # type: ignore[assignment]
 
 BLOCK = 128  # flex attention's block of queries and of keys
-_SHAPES: set[tuple[int, int, str, torch.dtype, bool]] = set()
+Shape = tuple[int, int, str, torch.dtype, bool]  # rows, width, mask kind, dtype, grad mode
+_SHAPES: set[Shape] = set()
 """Call shapes (rows, width, mask kind, dtype, grad mode) flex attention is compiled for, one
 static compile each: as many as torch's recompile limit allows less one (`_budget`; past the
 limit dynamo would run flex attention eagerly, over the whole score matrix), further shapes take
 the sdpa path. Counted outside the compiled layers (whose shapes stay dynamic). Widths are
 `width`'s buckets: padded rows of any length up to 2048 tokens use 5 of them, each in the
 forward (no grad) and the recompute."""
-_FAILED: set[tuple[int, int, str, torch.dtype, bool]] = set()
+_FAILED: set[Shape] = set()
 """Call shapes torch failed to compile flex attention for (its forward: torch compiles the
 backward at the first backward): they run the sdpa path, with one warning each."""
 HEAD_DIMS = (64, 128, 256)
@@ -100,7 +101,7 @@ def flex_sink_attention(
     batch, heads, seq = query_BHSE.shape[:3]
     wide = width(seq)
     kind = "causal" if mask is None else ("per row" if mask.shape[0] > 1 else "shared")
-    shape = (batch, wide, kind, query_BHSE.dtype, torch.is_grad_enabled())
+    shape: Shape = (batch, wide, kind, query_BHSE.dtype, torch.is_grad_enabled())
     if shape in _FAILED:
         return None
     if shape not in _SHAPES:
