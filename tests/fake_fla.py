@@ -21,11 +21,13 @@ _FAKE_FLA = {
             import torch
             from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
+            from megatrain.model.kernels import hub_function
+
             if os.environ.get("FAKE_FLA_REFUSES"):  # as fla 0.6 on Hopper with Triton 3.6
                 raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs: refused")
             if any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):
                 raise RuntimeError("fla kernel launched on meta tensors")
-            return getattr(m, name).__wrapped__(*args, **kwargs)
+            return hub_function(getattr(m, name)).__wrapped__(*args, **kwargs)
 
         def chunk_gated_delta_rule(*args, **kwargs):
             return _run("torch_chunk_gated_delta_rule", *args, **kwargs)

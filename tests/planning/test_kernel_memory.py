@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from megatrain.model.kernels import hub_function
 from megatrain.planning.activations import _LiveBytes
 from megatrain.planning.kernel_memory import chunk_gated_delta_rule, run_as_package
 
 B, T, H, HV, K, V = 2, 130, 2, 6, 96, 80
 N, NT, C = B * T, math.ceil(T / 64), 2  # tokens, chunks, bytes of bf16
+_MODULE_LEVEL = hub_function(modeling_qwen3_5.torch_chunk_gated_delta_rule)
 REFERENCE = getattr(  # transformers' torch code (later releases wrap it: `__wrapped__`)
-    modeling_qwen3_5.torch_chunk_gated_delta_rule,
-    "__wrapped__",
-    modeling_qwen3_5.torch_chunk_gated_delta_rule,
+    _MODULE_LEVEL, "__wrapped__", _MODULE_LEVEL
 )
 
 

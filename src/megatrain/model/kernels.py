@@ -9,7 +9,8 @@ causal-conv1d's convolution) and its own torch reference code otherwise. Two for
   model's forward takes its own path for None (`causal_conv1d_fn`);
 - a module-level wrapper that picked the package at import (later releases:
   `@use_kernel_func_from_hub_with_fallback`); the reference is the wrapped function
-  (`__wrapped__`);
+  (`__wrapped__`); with the `kernels` package installed (a dependency of transformers
+  >= 5.25) that wrapper is itself wrapped in a hub-kernel module instance (`hub_function`);
 and a submodule whose class is the package's (`FusedRMSNormGated`).
 
 Triton and CUDA kernels cannot run on the meta device (launched on meta tensors they read
@@ -54,9 +55,21 @@ def _package(obj: Any) -> str | None:
     return root if root in PACKAGES else None
 
 
+def hub_function(value: Any) -> Any:
+    """The function behind a hub-kernel module: with the `kernels` package installed,
+    `use_kernel_forward_from_hub` turns a model file's decorated function into an `nn.Module`
+    instance whose forward calls it (its closure's `func`); anything else is returned as is."""
+    if isinstance(value, nn.Module):
+        inner = _closure(type(value).forward).get("func")
+        if callable(inner):
+            return inner
+    return value
+
+
 def _wrapped_package(fn: Any) -> str | None:
     """The package a transformers kernel wrapper dispatches to (`__wrapped__` is the torch
     reference; the implementation it picked sits in its closure)."""
+    fn = hub_function(fn)
     if not callable(fn) or not hasattr(fn, "__wrapped__"):
         return None
     for cell in getattr(fn, "__closure__", None) or ():
@@ -105,10 +118,10 @@ def fallback_calls(layer: nn.Module) -> dict[str, str]:
     found: dict[str, str] = {}
     for module in layer.modules():
         source = sys.modules.get(type(module).__module__)
-        for value in vars(source).values() if source is not None else ():
-            cells = _closure(value)
+        for attr, value in vars(source).items() if source is not None else ():
+            cells = _closure(hub_function(value))
             if cells.get("is_new_implementation") is False and "package" in cells:
-                found[str(cells.get("func_name", value.__name__))] = str(cells["package"])
+                found[str(cells.get("func_name", attr))] = str(cells["package"])
     return found
 
 
@@ -280,7 +293,8 @@ def _swap_to_reference(
                 swap(vars(module), attr, reference(_package(value), namespace.get(f"torch_{attr}")))
         for attr, value in list(namespace.items()):
             if chosen(_wrapped_package(value)):
-                swap(namespace, attr, reference(_wrapped_package(value), value.__wrapped__))
+                torch_code = hub_function(value).__wrapped__
+                swap(namespace, attr, reference(_wrapped_package(value), torch_code))
     return undo
 
 
