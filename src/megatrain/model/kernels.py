@@ -292,9 +292,9 @@ def _swap_to_reference(
             if callable(value) and chosen(_package(value)):
                 swap(vars(module), attr, reference(_package(value), namespace.get(f"torch_{attr}")))
         for attr, value in list(namespace.items()):
-            if chosen(_wrapped_package(value)):
-                torch_code = hub_function(value).__wrapped__
-                swap(namespace, attr, reference(_wrapped_package(value), torch_code))
+            package = _wrapped_package(value)
+            if chosen(package):
+                swap(namespace, attr, reference(package, hub_function(value).__wrapped__))
     return undo
 
 
