@@ -5,8 +5,8 @@ With this folder first on PYTHONPATH and MT_SHARE_DIAG=<mode>, every Python proc
 (bench/cli_train.py starts `python -m megatrain train` with the environment as it is) patches
 engine/gpu_share.py as it is imported: REFERENCE_ONLY off (the fused Triton kernel updates the
 share's blocks, as the product does since run 72; MT_SHARE_DIAG_KERNEL=reference takes the
-torch reference), MT_SHARE_DIAG_SETS=2 two staging sets as before run 72 (the product has one:
-without it the modes below run beside the product's own order, which `serial` is),
+torch reference; the staging sets are the config's `optimizer.gpu_update_sets`, 2 as before
+run 72: with 1 the modes below run beside the product's one-set order, which `serial` is),
 MT_SHARE_DIAG_TIER=reference the torch reference for the GPU tier's updates too; each thread's
 first fused launches print the stream torch has current and the one Triton launches on. By
 mode, one change around each share update (`GpuShare.update`, on the share's worker thread);
@@ -53,11 +53,10 @@ was not), so the fault corrupted the step's compute or its device copies, not th
 states the updates wrote. MT_SHARE_DIAG_TRACE=1 adds share_trace.py's trace of the step (each
 layer's output per micro-batch, each slot's weights as its forward read them) to it.
 
-    PYTHONPATH=bench/share_diag:src:bench MT_SHARE_DIAG=verify MT_SHARE_DIAG_SETS=2 \\
-        python bench/cli_train.py \\
+    PYTHONPATH=bench/share_diag:src:bench MT_SHARE_DIAG=verify python bench/cli_train.py \\
         --name diag_verify --preset gpt-oss-20b --layers 4 --rows 32 --micro 4 --steps 8 -- \\
         --optimizer.state_dtype int8 --memory.gpu_state_blocks 0 \\
-        --optimizer.gpu_update_blocks 3
+        --optimizer.gpu_update_blocks 3 --optimizer.gpu_update_sets 2
 """
 
 from __future__ import annotations
@@ -159,7 +158,6 @@ def _patch(module: Any) -> None:
 
     kernel = os.environ.get("MT_SHARE_DIAG_KERNEL", "fused")  # or "reference"
     module.REFERENCE_ONLY = kernel == "reference"
-    module.STAGING_SETS = int(os.environ.get("MT_SHARE_DIAG_SETS", module.STAGING_SETS))
     update = module.GpuShare.update
 
     def diag_update(self: Any, block: Any, *, lr: float, grad_scale: float = 1.0) -> None:
@@ -177,8 +175,7 @@ def _patch(module: Any) -> None:
     _patch_init(module, torch)
     _probe_streams(torch)
     print(
-        f"[diag] GPU update share: {kernel} update, mode {MODE}, "
-        f"{module.STAGING_SETS} staging sets",
+        f"[diag] GPU update share: {kernel} update, mode {MODE}",
         flush=True,
     )
 

@@ -24,6 +24,14 @@ resolves "auto")."""
 GRAD_DTYPES = ("bf16", "int8")
 """optimizer.grad_dtype: how a bf16 master's gradients wait for their update (store/grads.py)."""
 
+STAGING_SET_CHOICES = (1, 2)
+"""optimizer.gpu_update_sets: the device staging sets the GPU update share takes in turn
+(EnginePlan.share_sets; "auto": the planner's shorter predicted step, planning/gpu_share.py).
+A set takes a block once its previous block's copies back are done: with one, each block's
+states go up only after the previous block's came back; with two, one block's go up while the
+previous one's come back (the link's two directions at once), for a second set of staging
+memory on the GPU (engine/gpu_share.py, "Staging sets")."""
+
 OFFLOAD_CHOICES = ("auto", "on", "off")
 """memory.activation_offload: whether layer inputs wait in host memory
 (planning/long_context.py)."""

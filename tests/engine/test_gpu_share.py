@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from megatrain.config import TrainConfig, load_config
 from megatrain.engine import gpu_share
-from megatrain.engine.gpu_share import STAGING_SETS, BlockFormats, covered
+from megatrain.engine.gpu_share import BlockFormats, covered
 from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING, DeviceLayout, held_bytes
 from megatrain.native import load_adamw_kernel
 from megatrain.planning.spec import block_sizes
@@ -72,6 +72,10 @@ CASES = [
     pytest.param(2, C, "bf16", 0.0, 0, marks=needs_c, id="fp32-states-no-clipping"),
     pytest.param(9, C, "fp32", 1.0, 2, marks=needs_c, id="beside-a-gpu-tier"),
     pytest.param(2, ("--optimizer.state_dtype", "int8"), "bf16", 1.0, 0, id="int8-states"),
+    pytest.param(
+        3, ("--optimizer.state_dtype", "int8", "--optimizer.gpu_update_sets", "2"), "bf16", 1.0,
+        0, id="int8-states-two-staging-sets",
+    ),
     pytest.param(99, ("--optimizer.state_dtype", "bf16"), "bf16", 1.0, 0, id="bf16-states-all"),
     pytest.param(
         2, (*BF16_MASTER, "--optimizer.state_dtype", "int4", *INT8_GRADS), "bf16", 1.0, 0,
@@ -107,11 +111,18 @@ def test_share_equals_host_updates_bit_for_bit(
     assert all(our_state[(n, "step")] == 3 for n in names)
 
 
-def test_share_buffers_are_planned() -> None:
-    """The held gradients and one staging set (a block's copies in wait for the previous
-    block's copies back: engine/gpu_share.py STAGING_SETS) are in the layout, sized by the
+@pytest.mark.parametrize("sets", [1, 2])
+def test_share_buffers_are_planned(sets: int) -> None:
+    """The held gradients and the staging sets (optimizer.gpu_update_sets: a set's next block's
+    copies in wait for its previous block's copies back) are in the layout, sized by the
     formats."""
-    cfg = _cfg(2, *BF16_MASTER, "--optimizer.state_dtype", "int8", *INT8_GRADS, dtype="bf16")
+    cfg = _cfg(
+        2,
+        *BF16_MASTER,
+        *("--optimizer.state_dtype", "int8", *INT8_GRADS),
+        *("--optimizer.gpu_update_sets", str(sets)),
+        dtype="bf16",
+    )
     builder = RunBuilder(cfg)
     spec, plan = builder.spec, builder.engine_plan()
     formats = BlockFormats(master_dtype="bf16", state_dtype="int8", hold="int8")
@@ -124,7 +135,7 @@ def test_share_buffers_are_planned() -> None:
     # bf16 master, int8 m and v, their scales: the larger block's, no shadow
     big = max(head, last)
     staging = layout[SHARE_STAGING]
-    assert staging.count == STAGING_SETS == 1
+    assert plan.share_sets == staging.count == sets
     assert 4 * big <= staging.numel <= 4 * big + 8 * (big // 2048 + 1) + 5 * 256
 
 

@@ -68,6 +68,7 @@ def _train(cfg: TrainConfig, steps: int = 3) -> tuple[list[tuple[float, float]],
         (2, ("--optimizer.impl", "c"), 1.0),
         (2, ("--optimizer.impl", "c"), 0.0),
         (3, ("--optimizer.state_dtype", "int8"), 1.0),
+        (3, ("--optimizer.state_dtype", "int8", "--optimizer.gpu_update_sets", "2"), 1.0),
         (2, INT4_INT8, 1.0),
     ],
 )  # fmt: skip

@@ -7,12 +7,12 @@ them. Master, states, scales, shadow and the copied weights must equal the C ker
 a host copy on the same held gradient, every step.
 
 On the CPU (CI) the share runs its synchronous path with the torch reference. On CUDA (marked
-gpu) large blocks (48M values) in the product's STAGING_SETS, with the fused Triton kernel
-(the product, for these formats) and the torch reference (REFERENCE_ONLY on): the machinery
-run 66 (docs/performance.md) saw give NaN losses on GPT-OSS-20B, here without the model. With
-two staging sets of its own both CUDA cases passed on an H200 (runs 68 and 72), where the
-model's runs did not (run 71 found the order that mattered: engine/gpu_share.py STAGING_SETS);
-it takes the product's count since: passed on an H200 that way in run 73.
+gpu) large blocks (48M values) in each staging-set count the plan may choose (engine/plan.py
+STAGING_SET_CHOICES), with the fused Triton kernel (the product, for these formats) and the
+torch reference (REFERENCE_ONLY on): the machinery run 66 (docs/performance.md) saw give NaN
+losses on GPT-OSS-20B, here without the model. With two staging sets both CUDA cases passed on
+an H200 (runs 68 and 72), where the model's runs did not (run 71 found the order that
+mattered: engine/gpu_share.py "Staging sets"); with one in run 73.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from megatrain.engine import gpu_share
 from megatrain.engine.gpu_share import BlockFormats, GpuShare, packed_bytes
+from megatrain.engine.plan import STAGING_SET_CHOICES
 from megatrain.engine.transfers import Transfers
 from megatrain.native import load_adamw_kernel
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
@@ -66,6 +67,7 @@ def _tensors(block: ParamBlock) -> dict[str, torch.Tensor]:
 
 
 @needs_kernel
+@pytest.mark.parametrize("sets", STAGING_SET_CHOICES)
 @pytest.mark.parametrize(
     ("device", "numel", "fused"),
     [
@@ -75,7 +77,7 @@ def _tensors(block: ParamBlock) -> dict[str, torch.Tensor]:
     ],
 )
 def test_share_under_load_equals_the_host_kernel(
-    device: str, numel: int, fused: bool, monkeypatch: pytest.MonkeyPatch
+    device: str, numel: int, fused: bool, sets: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(gpu_share, "REFERENCE_ONLY", not fused)
     dev = torch.device(device)
@@ -98,8 +100,7 @@ def test_share_under_load_equals_the_host_kernel(
         device=dev,
     )
     largest = max(packed_bytes(FORMATS.staging_parts(b.numel)) for b in blocks)
-    sets = range(gpu_share.STAGING_SETS)
-    staging = [torch.empty(largest, dtype=torch.uint8, device=dev) for _ in sets]
+    staging = [torch.empty(largest, dtype=torch.uint8, device=dev) for _ in range(sets)]
     transfers = Transfers(dev)
     share = GpuShare(blocks, FORMATS, optimizer, transfers, grads=grads, staging=staging)
     load = torch.randn(4096, 4096, device=dev) if dev.type == "cuda" else None

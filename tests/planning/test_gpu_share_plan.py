@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from megatrain.engine import gpu_share
-from megatrain.engine.gpu_share import STAGING_SETS, WORK_BYTES
+from megatrain.engine.gpu_share import WORK_BYTES
 from megatrain.engine.layout import SHARE_GRADS, SHARE_STAGING
 from megatrain.optim.triton_adamw import takes
 from megatrain.planning.estimate import SHARE_WORK
@@ -153,17 +153,21 @@ def test_the_printed_plan_names_the_bound_and_the_share(capsys: pytest.CaptureFi
     assert "bound by" not in capsys.readouterr().out
 
 
-def test_replay_sends_a_share_block_up_once_the_previous_one_is_back() -> None:
-    """One staging set (engine/gpu_share.py STAGING_SETS): the replay's share worker sends a
-    block's states up only after the previous block's copies back, as the engine's up stream
-    waits for them; two blocks of 1 s up and 2 s back end at 3 and 6 s, not 3 and 5."""
+@pytest.mark.parametrize(("sets", "ends"), [(1, [3.0, 6.0, 9.0]), (2, [3.0, 5.0, 7.0])])
+def test_replay_sends_a_share_block_up_once_its_staging_set_is_back(
+    sets: int, ends: list[float]
+) -> None:
+    """A staging set takes a block once its previous block's copies back are done (engine/
+    gpu_share.py "Staging sets"): three blocks of 1 s up and 2 s back. One set: each goes up
+    after the previous one is back (3, 6, 9 s). Two: block 2 goes up while block 1 comes back,
+    block 3 once block 1 is back (at 3 s, up by 4); the D2H stream then paces them (3, 5, 7)."""
     costs = SimpleNamespace(
-        fwd_s=[0.0, 0.0],
+        fwd_s=[0.0, 0.0, 0.0],
         schedule=SimpleNamespace(num_slots=1),
-        share_up_s=[0.0, 1.0, 1.0, 0.0],
-        share_down_s=[0.0, 2.0, 2.0, 0.0],
+        share_up_s=[0.0, 1.0, 1.0, 1.0, 0.0],
+        share_down_s=[0.0, 2.0, 2.0, 2.0, 0.0],
+        share_sets=sets,
     )
     replay = Replay(costs)  # only the fields the share's replay reads
-    replay._share_updates([(1, 0.0, 0.0), (2, 0.0, 0.0)])
-    assert STAGING_SETS == 1
-    assert replay.updated[1:3] == [3.0, 6.0] and replay.share_worker == 6.0
+    replay._share_updates([(1, 0.0, 0.0), (2, 0.0, 0.0), (3, 0.0, 0.0)])
+    assert replay.updated[1:4] == ends and replay.share_worker == ends[-1]

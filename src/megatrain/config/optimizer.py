@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from megatrain.choices import GRAD_DTYPES, MASTER_DTYPES, STATE_DTYPES
+from megatrain.choices import GRAD_DTYPES, MASTER_DTYPES, STAGING_SET_CHOICES, STATE_DTYPES
 from megatrain.config.types import (
     check_choice,
     check_count_or_auto,
@@ -77,11 +77,18 @@ class OptimizerConfig:
     left (0 where the CPU update does not bound the step, on the CPU, and under torchrun);
     with memory.gpu_state_blocks also "auto", GPU-tier blocks are given up for it where that
     predicts a shorter step. Costs GPU memory: each block's held gradient (2 B/param, int8 1)
-    and one block's master and states. The update runs the fused Triton kernel where it takes
-    the formats (an fp32 master), else the torch reference of the C kernel. The NaN losses
-    GPT-OSS-20B runs gave with a share (runs 70-74) came from a race of the embedding's copy,
-    fixed since; the product's settings then ran 20 steps clean (run 77;
-    docs/optimizer_states.md, "The share's NaN")."""
+    and one block's master and states per staging set (optimizer.gpu_update_sets). The update
+    runs the fused Triton kernel where it takes the formats (an fp32 master), else the torch
+    reference of the C kernel. The NaN losses GPT-OSS-20B runs gave with a share (runs 70-74)
+    came from a race of the embedding's copy, fixed since; the product's settings then ran 20
+    steps clean (run 77; docs/optimizer_states.md, "The share's NaN")."""
+    gpu_update_sets: int | str = "auto"
+    """Device staging sets of the GPU update share, taken in turn: 1 (a block's states go up
+    once the previous block's are back on the host: the link's two directions one after the
+    other), 2 (one block's go up while the previous one's come back, for a second block's
+    master and states of GPU memory), or "auto" (the default: the one whose predicted step is
+    shorter within the GPU memory left, planned with optimizer.gpu_update_blocks and
+    memory.gpu_state_blocks). 1 where the share holds fewer than two blocks."""
 
     def validate(self) -> None:
         check_types("optimizer", self)
@@ -118,6 +125,8 @@ class OptimizerConfig:
             self.gpu_update_blocks,
             "every streamed block is updated on the CPU",
         )
+        sets = ("auto", *STAGING_SET_CHOICES)
+        check_choice("optimizer.gpu_update_sets", self.gpu_update_sets, sets)
         if self.grad_dtype != "bf16" and self.master_dtype == "fp32":
             raise ValueError(
                 f"optimizer.grad_dtype: {self.grad_dtype} sets how a bf16 master's gradients are "

@@ -20,14 +20,15 @@ Per share block and step:
    of the C kernels; either with the same StepScalars, stochastic-rounding keys and clipping
    coefficient, bit for bit the host update), and master, states and the new weights (the bf16
    shadow, or the master that is the streamed copy) are copied back device-to-host. Copies in
-   and the AdamW run on one stream, copies back on another; the next block's copies in wait for
-   them (STAGING_SETS says why). The share's master and states are page-locked where they lie
-   in the store (store/memory.py `pin_in_place`, at start; the small scales moved to pinned
-   memory): every copy runs at the link's pinned rate and is queued without waiting.
+   and the AdamW run on one stream, copies back on another; a staging set's next block's copies
+   in wait for them (the plan's `share_sets` sets, taken in turn: "Staging sets" below). The
+   share's master and states are page-locked where they lie in the store (store/memory.py
+   `pin_in_place`, at start; the small scales moved to pinned memory): every copy runs at the
+   link's pinned rate and is queued without waiting.
 3. The next forward's copy of the block waits for it as for a host update (`wait(block)`).
 
 Device memory (engine/layout.py SHARE_GRADS, SHARE_STAGING): every share block's held gradient
-(2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and the staging set of master +
+(2 B/param bf16, 1.002 int8, 4 fp32) for the whole run, and each staging set of master +
 states (+ the bf16 shadow written by the update). The torch reference's temporaries, up to
 WORK_BYTES, are freed after each pass of DEVICE_CHUNK values and kept by the allocator: the
 estimate counts them beside the layout.
@@ -37,6 +38,15 @@ Invariants: a staging set takes a block only after its previous block's copies b
 landed event), and its copies back are complete (synchronized) before `wait(block)` returns,
 so the next forward's host-to-device copy and the next backward's write of the held gradient
 come after it; under ranks there is no share (the planner refuses N > 0 there).
+
+Staging sets (EnginePlan.share_sets, engine/plan.py STAGING_SET_CHOICES): with one set each
+block's states go up only after the previous block's came back; with two, one block's go up
+while the previous one's come back (the link's two directions at once), for a second set of
+staging memory. Two until run 72, when they gave NaN losses sooner than one; the NaN was a race
+of the embedding rows' copy, which the share's load on the GPU exposed, fixed in run 76
+(docs/optimizer_states.md, "The share's NaN"). Two sets ran 12 steps clean since (run 77,
+GPT-OSS-20B at 17 layers, int8, an H200: a 1.7% shorter step than one); the planner picks
+the count of the shorter predicted step since run 80 (planning/replay.py replays either).
 """
 
 from __future__ import annotations
@@ -62,15 +72,6 @@ from megatrain.store.states import num_quant_blocks
 
 T = TypeVar("T")
 
-STAGING_SETS = 1
-"""Device staging sets of the share, taken in turn: a set takes a block once its previous
-block's copies back are done, so with one set each block's copies in wait for the previous
-block's copies back. One set since run 72, when two (one block's states up while the previous
-one's come back, the link's two directions at once) gave NaN losses sooner; the NaN was a race
-of the embedding rows' copy, which the share's load on the GPU exposed, fixed in run 76
-(docs/optimizer_states.md, "The share's NaN"). Two sets measured again since (run 77, GPT-OSS-20B
-at 17 layers, int8: 12 steps clean, 1.7% shorter step for a larger share and more host and GPU
-memory), so one stays. planning/replay.py orders the share's copies by it."""
 ALIGN = 256
 """Byte alignment of each tensor carved out of a share buffer."""
 WORK_BYTES_PER_VALUE = 81
@@ -87,7 +88,7 @@ REFERENCE_ONLY = False
 diagnostic lever: bench/share_diag sets it). The share took the reference from run 66 to run
 71 while its NaN was searched for (docs/performance.md): the fused kernel's results equal the C
 kernel's bit for bit (tests/optim/test_triton_adamw.py; run 70's `verify` over real updates),
-and the NaN, which came with either, was the embedding's race (STAGING_SETS)."""
+and the NaN, which came with either, was the embedding's race ("Staging sets" above)."""
 Parts = list[tuple[torch.dtype, int]]
 
 
@@ -254,8 +255,8 @@ class GpuShare:
         """The block's AdamW on the device (the worker thread calls it once its held gradient
         is written): states in, the update, master, states and weights out. On CUDA it
         returns once queued: the copies in and the AdamW on the up stream, after the copies
-        back of the staging set's previous block (STAGING_SETS); the copies back on the down
-        stream. `wait` waits for them."""
+        back of the staging set's previous block ("Staging sets" above); the copies back on
+        the down stream. `wait` waits for them."""
         turn, up, down = self._turn, self._up, self._down
         self._turn = (turn + 1) % len(self.staging)
         if up is None or down is None:  # the CPU: in order, done on return

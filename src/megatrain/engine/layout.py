@@ -20,7 +20,7 @@ Buffers (c = bytes of the compute dtype; "streamed" = layers outside the GPU tie
   keeps them (fp32, bf16, or int8 codes with their scales) and the fp32 gradient over the
   rank's shard, and its whole weights in the compute dtype (engine/tier.py);
 - the GPU update share (engine/gpu_share.py, `gpu_update_blocks`: streamed blocks from the
-  head back): each share block's held gradient in its landing format, and STAGING_SETS staging
+  head back): each share block's held gradient in its landing format, and `share_sets` staging
   sets (one with a single share block) of the largest share block's master and states (+ bf16
   shadow), packed in uint8 buffers.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.engine.gpu_share import STAGING_SETS, BlockFormats, packed_bytes, share_of
+from megatrain.engine.gpu_share import BlockFormats, packed_bytes, share_of
 from megatrain.engine.plan import EnginePlan, tier_order
 from megatrain.model.multimodal import vision_split
 from megatrain.store.blocks import ParamBlock
@@ -157,7 +157,7 @@ class DeviceLayout:
         grads = sum(packed_bytes(fmt.gradient_parts(n)) for n in share)
         staging = max((packed_bytes(fmt.staging_parts(n)) for n in share), default=0)
         out.append(Buffer(SHARE_GRADS, 1, grads, torch.uint8))
-        out.append(Buffer(SHARE_STAGING, min(STAGING_SETS, len(share)), staging, torch.uint8))
+        out.append(Buffer(SHARE_STAGING, min(plan.share_sets, len(share)), staging, torch.uint8))
         return cls(tuple(b for b in out if b.count and b.numel))
 
     def __getitem__(self, name: str) -> Buffer:

@@ -12,7 +12,8 @@ blocks, the planner to the spec's block sizes.
 Invariants: every field is a resolved value (a count, a policy or None with a stated meaning);
 `gpu_state_blocks` is at most `len(tier_order(...))` of the model; `gpu_update_blocks` (the
 GPU update share, engine/gpu_share.py) counts streamed blocks only (more: all), and is 0 under
-ranks; `untiled` names layers the MLP tiles skip (engine/tiling.py `untiled_layers`), and
+ranks; `share_sets` is one of choices.py STAGING_SET_CHOICES, 1 where the share holds fewer
+than two blocks; `untiled` names layers the MLP tiles skip (engine/tiling.py `untiled_layers`), and
 `tiles` is None where no layer may be tiled at all (layers that draw random numbers).
 """
 
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from megatrain.choices import STAGING_SET_CHOICES
 from megatrain.engine.boundaries import BoundaryPlan
 from megatrain.engine.tiling import TilePolicy
 
@@ -71,6 +73,7 @@ class EnginePlan:
     train_vision: bool = False  # a vision-language model's vision tower trains (store.vision)
     train_projector: bool = False  # ... its projector trains
     gpu_update_blocks: int = 0  # streamed blocks (head, then last layers) updated on the GPU
+    share_sets: int = 1  # the share's device staging sets, taken in turn (engine/gpu_share.py)
 
     def __post_init__(self) -> None:
         assert self.num_slots >= 1, self.num_slots
@@ -80,6 +83,8 @@ class EnginePlan:
         assert 0 <= self.rank < self.world_size, (self.rank, self.world_size)
         assert self.gpu_update_blocks >= 0, self.gpu_update_blocks
         assert self.world_size == 1 or not self.gpu_update_blocks, "the planner refuses it"
+        assert self.share_sets in STAGING_SET_CHOICES, self.share_sets
+        assert self.share_sets == 1 or self.gpu_update_blocks > 1, "sets beyond the blocks"
 
     def boundary_plan(self, num_layers: int) -> BoundaryPlan:
         """Where each layer's input waits for the backward."""

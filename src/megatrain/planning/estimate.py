@@ -220,6 +220,7 @@ def _settings(
         gpu_update_blocks=share_size(
             spec.num_layers, TierSplit.of(spec.num_layers, tier), plan.gpu_update_blocks
         ),
+        gpu_update_sets=plan.share_sets,
         compiled=plan.compile_layers,
         activations=boundaries.describe(),
         mlp_tiles=setup.tile_count,

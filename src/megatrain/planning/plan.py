@@ -11,8 +11,9 @@ refuses for a reason it did not see; the engine runs the EnginePlan that estimat
 GPU tier (engine/tier.py) is chosen after the batch: "auto" (`memory.gpu_state_blocks`) gives
 it the most blocks whose predicted GPU peak still fits with `gpu_margin_gib` free
 (planning/gpu_tier.py); on the CPU "auto" is 0. Then the GPU update share
-(engine/gpu_share.py, `optimizer.gpu_update_blocks`): "auto" the count of the shortest
-predicted step that fits (planning/gpu_share.py); 0 on the CPU and under ranks.
+(engine/gpu_share.py, `optimizer.gpu_update_blocks`, on `optimizer.gpu_update_sets` staging
+sets): "auto" the count and sets of the shortest predicted step that fits
+(planning/gpu_share.py); 0 on the CPU and under ranks.
 Several ranks (`RunShape.ranks`): the estimate is per rank on the GPU and per node on the host
 (a node that cannot hold its ranks' shards is refused before loading); the tier is picked
 against one rank's GPU (states sharded, weights whole: planning/estimate.py).
@@ -39,7 +40,7 @@ from megatrain.engine.plan import TierSplit, tier_size
 from megatrain.planning.batch_size import pick_micro_batch
 from megatrain.planning.estimate import Estimate, estimate
 from megatrain.planning.fit import gpu_problem, host_problem
-from megatrain.planning.gpu_share import pick_share, trade_tier
+from megatrain.planning.gpu_share import ShareChoice, pick_share, trade_tier
 from megatrain.planning.gpu_tier import pick_tier
 from megatrain.planning.hardware import GIB, Hardware
 from megatrain.planning.host_memory import pinned_reserved
@@ -112,9 +113,13 @@ def plan_resources(
     )
 
     def predict(
-        tier: int, boundaries: BoundaryPlan | None = None, tiles: int = most_tiles, share: int = 0
+        tier: int,
+        boundaries: BoundaryPlan | None = None,
+        tiles: int = most_tiles,
+        share: int = 0,
+        sets: int = 1,
     ) -> Estimate:
-        engine = shape.engine_plan(spec, tier, boundaries, tiles, share)
+        engine = shape.engine_plan(spec, tier, boundaries, tiles, share, sets)
         return estimate(spec, shape.setup(engine, micro_batch_size, grad_accum), hardware)
 
     boundaries, boundary_reason = _pick_boundaries(
@@ -130,10 +135,10 @@ def plan_resources(
 
     tier, tier_reason = pick_tier(shape, spec, predict, hardware, gpu_margin_gib, gpu_reserve_bytes)
     share_budget = hardware.gpu_bytes - gpu_margin_gib * GIB - gpu_reserve_bytes
-    tier, tier_reason, share, share_reason = _tier_and_share(
+    tier, tier_reason, share = _tier_and_share(
         shape, spec, predict, tier, tier_reason, share_budget
     )
-    engine = shape.engine_plan(spec, tier, boundaries, tiles, share)
+    engine = shape.engine_plan(spec, tier, boundaries, tiles, share.blocks, share.sets)
     setup = shape.setup(engine, micro_batch_size, grad_accum)
     est = estimate(spec, setup, hardware)
     problems = [host_problem(est, hardware, host_margin_gib)]
@@ -151,7 +156,7 @@ def plan_resources(
         boundary_reason=boundary_reason,
         mlp_tiles=tiles,
         tiles_reason=tiles_reason,
-        share_reason=share_reason,
+        share_reason=share.reason,
     )
 
 
@@ -212,32 +217,32 @@ def _tier_and_share(
     tier: int,
     tier_reason: str | None,
     budget: float,
-) -> tuple[int, str | None, int, str | None]:
-    """(tier, why, share, why): the share's count beside `tier` tier blocks (the most that
-    fit), and where both are "auto", fewer tier blocks where that predicts a shorter step: their
-    room holds a larger share, or the host updates them (planning/gpu_share.py `trade_tier`)."""
-    share, share_reason = _share(shape, spec, functools.partial(predict, tier), tier, budget)
+) -> tuple[int, str | None, ShareChoice]:
+    """(tier, why, share): the share beside `tier` tier blocks (the most that fit), and where
+    both are "auto", fewer tier blocks where that predicts a shorter step: their room holds a
+    larger share, or the host updates them (planning/gpu_share.py `trade_tier`)."""
+
+    def pick(t: int) -> ShareChoice:
+        return _share(shape, spec, functools.partial(predict, t), t, budget)
+
     if shape.gpu_state_blocks != "auto" or shape.gpu_update_blocks != "auto" or not tier:
-        return tier, tier_reason, share, share_reason
-    traded = trade_tier(
-        tier,
-        lambda t: _share(shape, spec, functools.partial(predict, t), t, budget),
-        lambda t, n: predict(t, share=n).time.step_s,
-    )
+        return tier, tier_reason, pick(tier)
+    traded = trade_tier(tier, pick)
     if traded.traded:
         tier_reason = traded.tier_reason(tier_size(spec.num_layers))
-    return traded.tier, tier_reason, traded.share, traded.share_reason
+    return traded.tier, tier_reason, traded.share
 
 
 def _share(
     shape: RunShape, spec: ModelSpec, predict: Callable[..., Estimate], tier: int, budget: float
-) -> tuple[int, str | None]:
-    """The GPU update share's block count beside `tier` GPU-tier blocks, its peak within
-    `budget` GPU bytes (planning/gpu_share.py), and why "auto" chose it (None: it was given).
-    `predict(share=n)`: the run's estimate with n share blocks."""
+) -> ShareChoice:
+    """The GPU update share's block count and staging sets beside `tier` GPU-tier blocks, its
+    peak within `budget` GPU bytes (planning/gpu_share.py), and why "auto" chose them.
+    `predict(share=n, sets=s)`: the run's estimate with n share blocks on s staging sets."""
     n = spec.num_layers
     return pick_share(
         shape.gpu_update_blocks,
+        shape.gpu_update_sets,
         predict,
         share_size(n, TierSplit.of(n, tier), tier_size(n)),
         budget,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.engine.gpu_share import STAGING_SETS
 from megatrain.engine.schedule import LOAD, LOAD_HEAD, RECOMPUTE, StepSchedule
 
 
@@ -36,6 +35,7 @@ class Costs:
     tier_opt_s: list[float]  # per block as opt_s: AdamW on the GPU (0: host blocks)
     share_up_s: list[float]  # per block as opt_s: a share block's states up + its GPU AdamW
     share_down_s: list[float]  # ... its master, states and weights back (0: not in the share)
+    share_sets: int  # the share's staging sets (EnginePlan.share_sets)
     fwd_call_s: list[float]  # host issue time per layer forward (all micro-batches)
     bwd_call_s: list[float]  # per layer recompute + backward
     loss_call_s: float
@@ -196,12 +196,12 @@ class Replay:
 
     def _share_updates(self, tasks: list[tuple[int, float, float]]) -> None:
         """The GPU update share's worker in forward order: a block's states go up once its
-        gradient is held and a staging set is free (the copies back of the block STAGING_SETS
+        gradient is held and a staging set is free (the copies back of the block `share_sets`
         before it are done: with one set, the previous block's), AdamW on the GPU, everything
         back down after it on the D2H stream."""
         c, backs = self.c, [self.share_worker]
         for order, submitted, held in tasks:
-            free = backs[-STAGING_SETS] if len(backs) >= STAGING_SETS else 0.0
+            free = backs[-c.share_sets] if len(backs) >= c.share_sets else 0.0
             self.h = max(self.h, free, submitted, held) + c.share_up_s[order]
             self.d = max(self.d, self.h) + c.share_down_s[order]
             backs.append(self.d)

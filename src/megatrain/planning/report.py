@@ -57,7 +57,8 @@ def _setup_lines(est: Estimate) -> list[str]:
         f"GPU tier  {s['gpu_state_blocks']} blocks (layers from the first, then embedding, head) "
         "keep their optimizer states on the GPU: no copies, AdamW there",
         f"GPU update share  {s.get('gpu_update_blocks', 0)} streamed blocks (the head, then "
-        "layers from the last) updated on the GPU: their states copied up and back",
+        "layers from the last) updated on the GPU: their states copied up and back"
+        + (f", {s['gpu_update_sets']} staging sets" if s.get("gpu_update_sets", 1) > 1 else ""),
         f"long rows  {s['activations']}; {TilePolicy(s['mlp_tiles']).describe(s['seq_len'])}",
     ]
 

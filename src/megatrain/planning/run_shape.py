@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from megatrain.config import TrainConfig
 from megatrain.distributed import Placement
 from megatrain.engine.boundaries import BoundaryPlan
+from megatrain.engine.gpu_share import share_size
 from megatrain.engine.head import default_chunk_tokens
-from megatrain.engine.plan import EnginePlan, tier_size
+from megatrain.engine.plan import EnginePlan, TierSplit, tier_size
 from megatrain.engine.tiling import TilePolicy, tileable, untiled_layers
 from megatrain.layouts import LAYOUTS
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
@@ -50,6 +51,7 @@ class RunShape:
     grad_dtype: str = "bf16"  # a bf16 master's held gradients: "bf16" or "int8" (store/grads.py)
     rows_multiple: int = 1  # "auto" micro-batches hold a multiple of it (a preference pair: 2)
     gpu_update_blocks: int | str = 0  # streamed blocks updated on the GPU, or "auto"
+    gpu_update_sets: int | str = "auto"  # the share's staging sets (choices.py), or "auto"
 
     def __post_init__(self) -> None:
         if (
@@ -100,6 +102,7 @@ class RunShape:
             vision=VisionLoad(not cfg.model.freeze_vision, not cfg.model.freeze_projector, images),
             rows_multiple=cfg.rows_together,
             gpu_update_blocks=cfg.optimizer.gpu_update_blocks,
+            gpu_update_sets=cfg.optimizer.gpu_update_sets,
         )
 
     def tile_policy(self, spec: ModelSpec, count: int | None = None) -> TilePolicy | None:
@@ -125,16 +128,19 @@ class RunShape:
         boundaries: BoundaryPlan | None,
         tiles: int | None,
         share: int = 0,
+        sets: int = 1,
     ) -> EnginePlan:
         """The engine's plan with `tier` blocks, `boundaries`, `tiles` (a count for "auto") and
-        `share` blocks updated on the GPU."""
-        policy = self.tile_policy(spec, tiles)
+        `share` blocks updated on the GPU through `sets` staging sets (1 where the share holds
+        fewer than two blocks)."""
+        policy, n = self.tile_policy(spec, tiles), spec.num_layers
+        tier = min(tier, tier_size(n))
         return EnginePlan(
             num_slots=self.num_slots,
             clip_norm=self.clip_norm,
             loss_chunk_tokens=self.loss_chunk_tokens or default_chunk_tokens(spec.vocab_size),
             compile_layers=self.compiled,
-            gpu_state_blocks=min(tier, tier_size(spec.num_layers)),
+            gpu_state_blocks=tier,
             boundaries=boundaries,
             tiles=policy,
             untiled=untiled_layers(spec.structure) if policy is not None else frozenset(),
@@ -143,6 +149,7 @@ class RunShape:
             train_vision=self.vision.tower,
             train_projector=self.vision.projector,
             gpu_update_blocks=share,
+            share_sets=sets if share_size(n, TierSplit.of(n, tier), share) > 1 else 1,
         )
 
     def setup(self, engine: EnginePlan, micro_batch_size: int, grad_accum: int) -> Setup:

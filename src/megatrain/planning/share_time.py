@@ -4,8 +4,8 @@ The share (engine/gpu_share.py: the last `gpu_update_blocks` streamed blocks, he
 layers from the last) skips a block's gradient copy down and its CPU AdamW; instead its master
 and states, as stored, go up (H2D stream) and master, states and weights come back (D2H), with
 the AdamW on the GPU in between. The share page-locks what it copies (engine/gpu_share.py
-`_pin`), so it crosses the link at the pinned rates; one staging set, so a block goes up only
-once the previous one is back (planning/replay.py, engine/gpu_share.py STAGING_SETS). The
+`_pin`), so it crosses the link at the pinned rates; a block goes up once its staging set's
+previous block is back (the plan's `share_sets` sets, taken in turn: planning/replay.py). The
 AdamW is the fused Triton kernel for the formats it takes (engine/gpu_share.py `runs_fused`):
 `fused_bytes` at GPU_FUSED_BYTES_PER_S; else the torch reference: GPU_REFERENCE_BYTES_PER_PARAM
 at planning/layer_time.py HBM_FRACTION of the GPU's memory bandwidth, as other unfused kernels.

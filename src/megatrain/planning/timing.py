@@ -355,6 +355,7 @@ def _costs(
         schedule=schedule,
         share_up_s=up_s,
         share_down_s=down_s,
+        share_sets=plan.share_sets,
         tier_embed=on_gpu[0],
         tier_head=on_gpu[-1],
         clipping=plan.clip_norm is not None,
