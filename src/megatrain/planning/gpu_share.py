@@ -78,11 +78,12 @@ def pick_share(
     others = [(s, e.time.step_s) for s, n, e in tried if s != sets and n > 1]
     other = "".join(f"{s} set{'s' * (s > 1)} at best {step:.2f} s; " for s, step in others)
     t = est.time
+    on = f" on {sets} staging set{'s' * (sets > 1)}" if count else ""
     return ShareChoice(
         count,
         sets,
-        f"GPU update share: {count} blocks on {sets} staging set{'s' * (sets > 1)}, predicted "
-        f"step {t.step_s:.2f} s ({other}without {base.time.step_s:.2f} s; CPU AdamW "
+        f"GPU update share: {count} blocks{on}, predicted step {t.step_s:.2f} s "
+        f"({other}without {base.time.step_s:.2f} s; CPU AdamW "
         f"{t.optimizer_s:.2f} s, the share's copies and GPU AdamW {t.share_s:.2f} s)",
         t.step_s,
     )
