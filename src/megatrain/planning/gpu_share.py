@@ -12,8 +12,9 @@ budget or after PATIENCE counts in a row that are no shorter. Where the CPU upda
 bound the step (the GPU compute or the link does), that is 0, and no GPU memory is spent on it.
 A second staging set lets one block's states go up while the previous one's come back, for a
 second block's staging memory: it wins where the share's copies pace the step and the GPU has
-the room (run 79's H100 row of GPT-OSS-20B at 17 layers with int8 states: 5.32 against 5.60 s
-predicted, with a GPU tier a block smaller).
+the room (docs/performance.md run 80, an H100, GPT-OSS-20B at 17 layers with int8 states: a
+tier of 2 and a share of 12 on two sets, 5.666 s, planned 5.70, against the one-set plan's
+tier of 3 and share of 9, 5.921 s).
 
 The GPU tier (planning/gpu_tier.py) takes the GPU memory first. A tier block keeps its master
 and states on the GPU (12-16 B/param); a share block holds only its gradient (1-4 B/param)
