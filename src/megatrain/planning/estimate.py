@@ -202,7 +202,7 @@ def _settings(
     tier: int,
     boundaries: BoundaryPlan,
 ) -> dict[str, Any]:
-    plan = setup.engine
+    plan, n = setup.engine, spec.num_layers
     return dict(
         seq_len=setup.seq_len,
         micro_batch_size=setup.micro_batch_size,
@@ -217,9 +217,7 @@ def _settings(
         master_dtype=setup.master_dtype,
         grad_dtype=setup.grad_dtype,
         gpu_state_blocks=tier,
-        gpu_update_blocks=share_size(
-            spec.num_layers, TierSplit.of(spec.num_layers, tier), plan.gpu_update_blocks
-        ),
+        gpu_update_blocks=share_size(n, TierSplit.of(n, tier), plan.gpu_update_blocks),
         gpu_update_sets=plan.share_sets,
         compiled=plan.compile_layers,
         activations=boundaries.describe(),

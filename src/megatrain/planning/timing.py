@@ -312,7 +312,6 @@ def _costs(
     loss_rate = _loss_rate(spec, hw, rate)
     h2d, d2h = hw.h2d_gbps * 1e9, hw.d2h_gbps * 1e9
     opt_rate = optimizer_gparams_s(hw, setup.state_dtype) * 1e9
-    gpu_opt_rate = GPU_ADAMW_GPARAMS_S * 1e9
     n, resident = spec.num_layers, tier.layers
     # per block in forward order (embedding, layers, head): parameters the host updates
     params = spec.block_params
@@ -345,10 +344,7 @@ def _costs(
         d2h_head_s=kept[-1] * elem / d2h,
         d2h_embed_s=shard[0] * elem / d2h,
         opt_s=[p / opt_rate * contention for p in kept],
-        tier_opt_s=[  # the shard's AdamW, then the all-gather of the block's new weights
-            ranks.shard(p) / gpu_opt_rate + ranks.collective_s(p * elem) if p else 0.0
-            for p in tier_params
-        ],
+        tier_opt_s=[_tier_update_s(p, ranks, elem) for p in tier_params],
         fwd_call_s=[f * layer_launch for f, _ in layer_ops],
         bwd_call_s=[b * layer_launch for _, b in layer_ops],
         loss_call_s=loss_ops * launch,
@@ -361,6 +357,14 @@ def _costs(
         clipping=plan.clip_norm is not None,
     )
     return costs, sum(fwd) + sum(bwd) + sum(fwd[i] for i in recomputes) + loss
+
+
+def _tier_update_s(params: int, ranks: Ranks, elem: int) -> float:
+    """A GPU-tier block's update of `params` parameters (0: a host block): the rank's shard's
+    AdamW on the GPU, then the all-gather of the block's new weights (`elem` bytes each)."""
+    if not params:
+        return 0.0
+    return ranks.shard(params) / (GPU_ADAMW_GPARAMS_S * 1e9) + ranks.collective_s(params * elem)
 
 
 def _loss_rate(spec: ModelSpec, hw: Hardware, layer_rate: float) -> float:
