@@ -62,8 +62,9 @@ def pick_share(
     `streamed`: the blocks a share can take; `why_none`: why there is no share at all (no GPU,
     ranks)."""
     sets_choices = STAGING_SET_CHOICES if sets_setting == "auto" else (int(sets_setting),)
-    if setting != "auto":
-        options = [(predict(share=int(setting), sets=s), s) for s in sets_choices]
+    if setting != "auto":  # the sets matter from two blocks on
+        given = sets_choices if int(setting) > 1 else (1,)
+        options = [(predict(share=int(setting), sets=s), s) for s in given]
         fits = [o for o in options if o[0].gpu.peak_bytes <= budget] or options[:1]
         est, sets = min(fits, key=lambda o: o[0].time.step_s)  # ties: the fewer sets
         return ShareChoice(int(setting), sets, None, est.time.step_s)
