@@ -1,11 +1,13 @@
 """The GPU tier of optimizer states, run as its device-side code path on the CPU.
 
-The first k blocks (layers, then embedding, then head) keep master, m, v and gradient "on the
-device" (here: the CPU device) and are updated by the engine, not the host worker. Checked
-against two references:
-- the host path with the same AdamW implementation (optimizer.impl torch, the kernel the tier
-  runs): in fp32 compute every loss, gradient norm, weight and state is equal bit for bit,
-  because the same operations run in the same order on the same numbers;
+The first k blocks (layers, then embedding, then head) keep master, m, v (and, bf16 compute,
+their weights, where the gradient lands) "on the device" (here: the CPU device) and are updated
+by the engine (`CpuAdamW.update_device`: here the torch reference of the C kernel), not the
+host worker. Checked against two references:
+- the host path (the C kernel for fp32 states; the compressed formats' reference elsewhere):
+  every loss, gradient norm, weight and state is equal bit for bit, in fp32 and bf16 compute,
+  because the same operations run in the same order on the same numbers (a tier block's
+  gradient lands in its shadow rounded as the host's lands in the host shadow);
 - plain PyTorch (megatrain verify), for k = 1, 2 and all blocks, with and without clipping,
   with gradient accumulation, in fp32 and bf16 compute, tied and untied embeddings.
 """
@@ -19,7 +21,10 @@ import pytest
 import torch
 
 from megatrain.config import TrainConfig
+from megatrain.engine.layout import DeviceLayout, held_bytes
+from megatrain.native import load_adamw_kernel
 from megatrain.optim.adamw import CpuAdamW
+from megatrain.planning.spec import block_sizes
 from megatrain.recipes.builder import RunBuilder
 from megatrain.store.blocks import ParamBlock
 from megatrain.verify import run_verify, verify_config, within
@@ -27,12 +32,14 @@ from run_helpers import engine_steps
 
 LAYERS = 4  # the tiny llama's decoder layers
 ORDER = [*(f"layer.{i}" for i in range(LAYERS)), "embed", "head"]  # tier order
+STATES = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+needs_c = pytest.mark.skipif(load_adamw_kernel() is None, reason="no C compiler for the kernel")
 
 
 def _cfg(tier: int, *args: str, tied: bool = False, **shorthands: Any) -> TrainConfig:
     return verify_config(
         None,
-        ["--memory.gpu_state_blocks", str(tier), "--optimizer.impl", "torch", *args],
+        ["--memory.gpu_state_blocks", str(tier), *args],
         model_type="llama",
         tiny=True,
         config_overrides={"num_hidden_layers": LAYERS, "tie_word_embeddings": tied},
@@ -41,51 +48,74 @@ def _cfg(tier: int, *args: str, tied: bool = False, **shorthands: Any) -> TrainC
 
 
 class _RecordingAdamW(CpuAdamW):
-    """The real optimizer, noting which blocks it updated where."""
+    """The real optimizer, noting which blocks it updated where (True: on the device)."""
 
     def __init__(self, base: CpuAdamW) -> None:
         super().__init__(base.hyper, impl=base.impl, num_threads=base.num_threads)
         self.calls: list[tuple[str, bool]] = []
 
-    def update(
-        self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0, on_device: bool = False
+    def update(self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0) -> None:
+        self.calls.append((block.name, False))
+        super().update(block, lr=lr, grad_scale=grad_scale)
+
+    def update_device(
+        self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0, chunk: int
     ) -> None:
-        self.calls.append((block.name, on_device))
-        super().update(block, lr=lr, grad_scale=grad_scale, on_device=on_device)
+        self.calls.append((block.name, True))
+        super().update_device(block, lr=lr, grad_scale=grad_scale, chunk=chunk)
+
+
+def _layout_as_planned(engine: Any, builder: Any, store: Any) -> None:
+    """The engine's device buffers are the planner's layout (the tier's bytes included)."""
+    planned = DeviceLayout.of(
+        engine.plan, block_sizes(builder.spec), store.compute_dtype, engine.share.formats
+    )
+    assert held_bytes(engine.device_buffers()) == planned.bytes_by_name()
 
 
 def _train(cfg: TrainConfig, steps: int) -> tuple[list[tuple[float, float]], dict, list]:
     optimizer = _RecordingAdamW(RunBuilder(cfg).optimizer())
-    results, builder, store, engine = engine_steps(cfg, steps, optimizer=optimizer)
+    results, builder, store, engine = engine_steps(
+        cfg, steps, optimizer=optimizer, check=_layout_as_planned
+    )
     assert len(engine.tier) == builder.engine_plan().gpu_state_blocks
     assert engine.slots.resident == min(len(engine.tier), LAYERS)
     state = {
         (b.name, kind): getattr(b, kind).clone()
         for b in store.blocks
-        for kind in ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+        for kind in ("master", "shadow", *STATES)
         if getattr(b, kind) is not None
     }
     state |= {(b.name, "step"): torch.tensor(b.step) for b in store.blocks}
     return results, state, optimizer.calls
 
 
+C = ("--optimizer.impl", "c")
+
+
 @pytest.mark.parametrize(
-    ("tier", "clip", "tied"),
+    ("tier", "clip", "tied", "dtype"),
     [
-        (1, 1.0, False),
-        (2, 0.0, False),
-        (LAYERS, 1.0, True),
-        (LAYERS + 1, 0.0, True),  # + the embedding (the tied lm_head)
-        (LAYERS + 2, 1.0, False),  # everything
-        (LAYERS + 2, 0.0, True),
+        (1, 1.0, False, "fp32"),
+        (2, 0.0, False, "fp32"),
+        (LAYERS, 1.0, True, "fp32"),
+        (LAYERS + 1, 0.0, True, "fp32"),  # + the embedding (the tied lm_head)
+        (LAYERS + 2, 1.0, False, "fp32"),  # everything
+        (LAYERS + 2, 0.0, True, "fp32"),
+        (2, 1.0, False, "bf16"),  # the gradient lands in the tier's bf16 weights
+        (LAYERS + 1, 1.0, True, "bf16"),
+        (LAYERS + 2, 0.0, False, "bf16"),
     ],
 )
-def test_tier_equals_host_path_bit_for_bit(tier: int, clip: float, tied: bool) -> None:
-    host, host_state, host_calls = _train(_cfg(0, max_grad_norm=clip, tied=tied), steps=3)
-    ours, our_state, calls = _train(_cfg(tier, max_grad_norm=clip, tied=tied), steps=3)
+@needs_c
+def test_tier_equals_host_path_bit_for_bit(tier: int, clip: float, tied: bool, dtype: str) -> None:
+    kw: dict[str, Any] = {"max_grad_norm": clip, "tied": tied, "dtype": dtype}
+    host, host_state, host_calls = _train(_cfg(0, *C, **kw), steps=3)
+    ours, our_state, calls = _train(_cfg(tier, *C, **kw), steps=3)
     assert ours == host  # losses and gradient norms, exactly
     if clip:
         assert any(norm > clip for _, norm in host), "clipping never triggered"
+    assert our_state.keys() == host_state.keys()
     for key, value in host_state.items():
         assert torch.equal(our_state[key], value), key
     tier_names = set(ORDER[:tier])
@@ -97,17 +127,17 @@ def test_tier_equals_host_path_bit_for_bit(tier: int, clip: float, tied: bool) -
 
 
 @pytest.mark.parametrize("states", ["bf16", "int8"])
-@pytest.mark.parametrize(("tier", "clip"), [(2, 1.0), (LAYERS + 2, 0.0)])
+@pytest.mark.parametrize(("tier", "clip", "dtype"), [(2, 1.0, "fp32"), (LAYERS + 2, 0.0, "bf16")])
 def test_a_compressed_tier_equals_the_host_update_bit_for_bit(
-    states: str, tier: int, clip: float
+    states: str, tier: int, clip: float, dtype: str
 ) -> None:
     """bf16 (stochastic rounding) and int8 states stay in their stored format on the device and
     are updated there by `CpuAdamW.update_device` (on CUDA the fused kernel, here the torch
     reference of the C kernel): the same codes, scales, masters and losses as the host's update
-    of the same gradients (fp32 compute: the gradient lands in fp32 either way)."""
+    of the same gradients."""
     args = ("--optimizer.state_dtype", states)
-    host, host_state, _ = _train(_cfg(0, *args, max_grad_norm=clip), steps=3)
-    ours, our_state, calls = _train(_cfg(tier, *args, max_grad_norm=clip), steps=3)
+    host, host_state, _ = _train(_cfg(0, *args, max_grad_norm=clip, dtype=dtype), steps=3)
+    ours, our_state, calls = _train(_cfg(tier, *args, max_grad_norm=clip, dtype=dtype), steps=3)
     assert ours == host
     assert our_state.keys() == host_state.keys()
     for key, value in host_state.items():
@@ -143,16 +173,15 @@ def test_more_blocks_than_the_model_has_means_all() -> None:
 
 
 class _SlowDeviceAdamW(_RecordingAdamW):
-    """The real optimizer; each tier update (on_device) takes SLOW_S more host time."""
+    """The real optimizer; each tier update (on the device) takes SLOW_S more host time."""
 
     SLOW_S = 0.02
 
-    def update(
-        self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0, on_device: bool = False
+    def update_device(
+        self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0, chunk: int
     ) -> None:
-        if on_device:
-            time.sleep(self.SLOW_S)
-        super().update(block, lr=lr, grad_scale=grad_scale, on_device=on_device)
+        time.sleep(self.SLOW_S)
+        super().update_device(block, lr=lr, grad_scale=grad_scale, chunk=chunk)
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.0])

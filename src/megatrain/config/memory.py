@@ -32,9 +32,11 @@ class MemoryConfig:
     """Host memory the resource check keeps free for the OS and data loading."""
     gpu_state_blocks: int | str = "auto"
     """Blocks whose fp32 master, AdamW states (in optimizer.state_dtype's format: fp32, bf16 or
-    int8; int4 takes no tier) and gradient stay on the GPU and are updated there, never
-    streamed, counted in this order: the decoder layers from the first, then the embedding,
-    then the head. An integer >= 0 (0: none; more than the model has: all), or
+    int8; int4 takes no tier) and bf16 weights (which hold the gradient until the update) stay
+    on the GPU and are updated there with the host's arithmetic, never streamed, counted in
+    this order: the decoder layers from the first, then the embedding, then the head: 14 B/param
+    on the GPU with fp32 states, 10 bf16, 8 int8. An integer >= 0 (0: none; more than the
+    model has: all), or
     "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free); none on the CPU.
     Under torchrun each rank keeps its 1/N shard of those states on its GPU and the blocks'
     weights whole; "auto" plans one rank's GPU (every rank takes the least count planned)."""

@@ -34,6 +34,7 @@ class BackwardPass:
     tier: Any
     comm: Any
     device: torch.device
+    dtype: torch.dtype
     aux: Any
     taps: list[Any]
     worker: Any
@@ -121,7 +122,7 @@ class BackwardPass:
     def _backward_layer(
         self, i: int, mbs: list[MicroBatch], timer: ComputeTimer, lr: float
     ) -> None:
-        block, k = self.store.layers[i], i % 2
+        block, k = self.store.layers[i], i % max(len(self._acc), 1)
         own = self.tier.owns_gradient(block)  # a one-process GPU-tier layer's own buffer
         if not own:
             self.transfers.wait(self._acc_busy[k])  # this accumulator's copy-out is done
@@ -165,11 +166,11 @@ class BackwardPass:
         self, block: ParamBlock, acc: torch.Tensor, lr: float, k: int | None = None
     ) -> torch.Tensor:
         """The block's gradient is complete: its squared norm (on the device). Shipped to the
-        host worker, or for the GPU tier kept (several ranks: reduce-scattered into its
-        shard's gradient), and without clipping applied here at once."""
+        host worker, or for the GPU tier landed in its device shadow (engine/tier.py `land`;
+        several ranks: its shard, reduce-scattered), and without clipping applied at once."""
         if block not in self.tier:
             return self._ship(block, acc, lr, k)
-        sumsq = torch.linalg.vector_norm(self.tier.gradient_of(block, acc)).square()
+        sumsq = self.tier.land(block, acc)
         if self.max_grad_norm is None:
             self.updates_begun = True
             self._update_tier(block, lr, 1.0)
@@ -198,15 +199,13 @@ class BackwardPass:
                 self.share.submit(block, held, order=self._order[block.name], lr=lr, grad_scale=1.0)
             return sumsq
         acc = self.comm.reduce(block, acc)
-        stage = (
-            (
+        stage = None  # fp32 compute: the fp32 gradient travels
+        if self.dtype == torch.bfloat16:
+            stage = (
                 self._stage[k][: block.numel]
-                if k is not None
+                if k is not None and self._stage is not None
                 else torch.empty(block.numel, dtype=torch.bfloat16, device=self.device)
             )
-            if self._stage is not None
-            else None
-        )
         if block.grad_unit is not None:  # held as int8: the exact norm, then the codes travel
             sumsq = torch.linalg.vector_norm(acc, dtype=torch.float32).square()
             assert stage is not None

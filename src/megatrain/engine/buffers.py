@@ -3,7 +3,8 @@
 A mixin of StreamingEngine (engine/engine.py), which owns every attribute declared below; it is
 split out only to keep each file readable. `_build_head` sets up the final norm and lm_head on
 the device and the head's and embedding's weights and fp32 gradients: a GPU-tier block brings
-its own (engine/tier.py), any other takes the `DeviceLayout`'s buffers (engine/layout.py).
+its own weights (engine/tier.py), and its own fp32 gradient in fp32 compute on one rank; any
+other takes the `DeviceLayout`'s buffers (engine/layout.py).
 `device_buffers` lists every persistent device tensor the engine holds by layout name, which
 tests compare with the layout the planner sums.
 """
@@ -52,7 +53,7 @@ class DeviceBuffers:
         st, store, layout = self.structure, self.store, self.layout
         self.norm = device_copy(st.final_norm, self.device)
         self.lm_head = device_copy(st.lm_head, self.device)
-        # GPU-tier blocks bring their own device weights and fp32 gradient
+        # GPU-tier blocks bring their own device weights (and fp32 gradient: `owns_gradient`)
         self.head_buf, self.head_acc = self._device_buffers(store.head, HEAD, HEAD_GRAD)
         self.head_params = bind_module(
             {"norm": self.norm, "lm_head": self.lm_head}, store.head, self.head_buf

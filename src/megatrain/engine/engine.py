@@ -343,16 +343,16 @@ class StreamingEngine(DeviceBuffers, ForwardPass, BackwardPass, LossPass):
 
     def abandon_step(self) -> None:
         """Undo a step that failed before any of its updates began (out of GPU memory): wait
-        for what it queued, and give every host block whose shadow received a gradient its
-        weights back (from the untouched master). Then the engine is closed: the store is as
-        it was before the step, ready for another engine."""
+        for what it queued, and give every block whose shadow received a gradient (a host
+        block's, or a GPU-tier block's on the device) its weights back (from the untouched
+        master). Then the engine is closed: the store is as it was before the step, ready for
+        another engine (a sharded tier block's whole weights are gathered again by the next)."""
         assert not self.updates_begun, "the step's updates have begun: it cannot be undone"
         if self.transfers.is_cuda:  # sync point: every stream's work of the step is done
             torch.cuda.synchronize(self.device)
         self.close()  # the previous step's updates, queued with clipping, are applied
         for block in self.store.blocks:
-            if block not in self.tier:
-                block.refresh_shadow()
+            block.refresh_shadow()
 
     def close(self) -> None:
         self.wait_updates()

@@ -8,17 +8,20 @@ really holds (tests/engine/test_device_layout.py), so the two cannot drift apart
 
 Buffers (c = bytes of the compute dtype; "streamed" = layers outside the GPU tier):
 - weight slots: min(num_slots, streamed) x the largest streamed layer, c each;
-- gradient accumulators: 2 x the largest layer whose gradient is shared (streamed layers; with
-  ranks every layer, a tier layer's gradient is reduce-scattered from them), fp32; and their
-  bf16 staging copies (bf16 compute only);
+- gradient accumulators: 2 x the largest layer whose gradient is shared (streamed layers, and
+  tier layers but where one owns its gradient: fp32 compute, one rank), fp32, one where no layer
+  streams (a tier layer's gradient leaves its accumulator on the compute stream at once, a
+  streamed one's by a copy the next layer's backward overlaps); and the streamed layers' bf16
+  staging copies (bf16 compute only);
 - head weights and the tied table (the lm_head is the table: it goes up whole), c, unless in
   the tier; head and embedding gradients, fp32, unless the tier block owns its gradient;
 - the gathered embedding table (ranks, embedding not in the tier), c;
 - a vision-language model's vision modules (tower, projector), resident: the frozen ones, c;
   the trained ones (model.freeze_vision / freeze_projector false), c, and their gradient, fp32;
 - the GPU tier: per block its fp32 master (unless it is the weights), m and v as the store
-  keeps them (fp32, bf16, or int8 codes with their scales) and the fp32 gradient over the
-  rank's shard, and its whole weights in the compute dtype (engine/tier.py);
+  keeps them (fp32, bf16, or int8 codes with their scales) over the rank's shard, and its whole
+  weights in the compute dtype (engine/tier.py); in fp32 compute also the shard's fp32
+  gradient (bf16 compute lands it in the weights: engine/tier.py "Gradient");
 - the GPU update share (engine/gpu_share.py, `gpu_update_blocks`: streamed blocks from the
   head back): each share block's held gradient in its landing format, and `share_sets` staging
   sets (one with a single share block) of the largest share block's master and states (+ bf16
@@ -122,14 +125,15 @@ class DeviceLayout:
         in_tier = [i < tier for i in range(len(padded))]
         *layer_tier, embed_tier, head_tier = in_tier
         streamed = [n for n, t in zip(layers, layer_tier, strict=True) if not t]
-        shared = layers if world > 1 else streamed  # gradients through the accumulators
+        # a tier block owns an fp32 gradient in fp32 compute on one rank (engine/tier.py)
+        owns = world == 1 and c != torch.bfloat16
+        shared = streamed if owns else layers  # gradients through the accumulators
         acc = max(shared, default=0)
         slots = min(plan.num_slots, len(streamed))
-        owns = world == 1  # a tier block owns its gradient (else reduce-scattered into it)
         out = [
             Buffer(SLOTS, slots, max(streamed, default=0), c),
-            Buffer(ACCUMULATORS, 2, acc, FP32),
-            Buffer(STAGING, 2 if c == torch.bfloat16 else 0, acc, torch.bfloat16),
+            Buffer(ACCUMULATORS, 2 if streamed else 1, acc, FP32),
+            Buffer(STAGING, 2 if c == torch.bfloat16 and streamed else 0, acc, torch.bfloat16),
             Buffer(HEAD, 0 if head_tier else 1, head, c),
             Buffer(TABLE, 1 if blocks.tied and not embed_tier else 0, embed, c),
             Buffer(HEAD_GRAD, 0 if head_tier and owns else 1, head, FP32),
@@ -195,11 +199,10 @@ class DeviceLayout:
 
 def _tier_block_bytes(whole: int, own: int, c: torch.dtype, state_dtype: str) -> int:
     """Device bytes of a GPU-tier block of `whole` parameters, `own` of them this rank's: the
-    whole weights in the compute dtype; of its own part the fp32 master (unless it is the
-    weights: fp32 compute), m and v as stored (store/states.py state_nbytes) and the fp32
-    gradient."""
-    master = 4 * own if c == torch.bfloat16 else 0
-    return whole * c.itemsize + master + state_nbytes(own, state_dtype) + 4 * own
+    whole weights in the compute dtype; of its own part the fp32 master and m and v as stored
+    (store/states.py state_nbytes); in fp32 compute, where the master is the weights, the fp32
+    gradient instead of the master (bf16 compute lands it in the weights)."""
+    return whole * c.itemsize + 4 * own + state_nbytes(own, state_dtype)
 
 
 def _order(blocks: BlockSizes) -> Sequence[int]:

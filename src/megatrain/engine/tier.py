@@ -2,18 +2,29 @@
 
 Tier order: decoder layers 0, 1, ..., L-1, then the embedding, then the head; the tier is the
 first `count` blocks of it (`memory.gpu_state_blocks`). A tier block's fp32 master, AdamW m and
-v, an fp32 gradient and its compute-dtype weights (the bf16 shadow, or the master itself in
-fp32 compute) live on the device for the whole run (`ParamBlock.to_device`). A tier layer's
-module is bound to those weights once (engine/slots.py: resident layers), so it is never
-streamed; its gradient accumulates straight into its own buffer (no device-to-host copy); its
-update is the same AdamW (`CpuAdamW.update(on_device=True)`: torch's fused kernel, on the
-device) with the same decay range and clipping coefficient.
+v and its compute-dtype weights (the bf16 shadow, or the master itself in fp32 compute) live on
+the device for the whole run (`ParamBlock.to_device`). A tier layer's module is bound to those
+weights once (engine/slots.py: resident layers), so it is never streamed.
 
-Several ranks (store/shard.py): a tier block is this rank's shard, so its fp32 master, m, v and
-gradient are 1/world of the block, on this rank's GPU; the whole block's compute-dtype weights
-are resident on every GPU (`weights`), and the shard's weights (bf16 shadow, or fp32 master)
-are a view of this rank's part of them. Backward: the block's gradient, accumulated in the
-engine's shared fp32 accumulator, is reduce-scattered into the shard's gradient (`gradient_of`);
+Gradient (`land`): a tier block's gradient waits for its update where a host block's does, in
+its bf16 shadow: its weights are not read again before the update rewrites them (a layer's
+backward is its last use in the step; the head's and the table's, the loss's). It accumulates
+in fp32 as a streamed block's does (the engine's shared accumulators, or the head's and the
+embedding's fp32 buffers), is rounded into the shadow as the host landing rounds it, and its
+squared norm is taken of that rounding as `_ship` takes it. So a tier block costs 4 B/param less
+than with a gradient buffer of its own, and its update (`update`: `CpuAdamW.update_device`, the
+fused kernel, bit for bit the C kernel, with the same decay range, clipping coefficient and
+rounding keys) computes what the host worker's would: the losses do not depend on the tier's
+size (tests/engine/test_gpu_tier.py). fp32 compute has no shadow: a tier block there keeps an
+fp32 gradient (one process accumulates straight into it; a shard receives its reduce-scatter).
+A step undone before its updates (recipes/oom.py) rebuilds every shadow from its master.
+
+Several ranks (store/shard.py): a tier block is this rank's shard, so its fp32 master, m and v
+are 1/world of the block, on this rank's GPU; the whole block's compute-dtype weights are
+resident on every GPU (`weights`), and the shard's weights (bf16 shadow, or fp32 master) are a
+view of this rank's part of them. Backward: the block's gradient, accumulated in the engine's
+shared fp32 accumulator, is reduce-scattered into this rank's shard, which lands in the shard's
+shadow (`land`; the other parts of the whole weights are stale until the update's all-gather);
 the update runs on the shard, in place in the resident weights, and an in-place all-gather
 (`Collectives.gather`) brings every rank's updated part to every GPU, on the compute stream.
 
@@ -43,7 +54,7 @@ import torch
 
 from megatrain.engine.collectives import Collectives
 from megatrain.engine.plan import tier_order
-from megatrain.optim.adamw import CpuAdamW
+from megatrain.optim.adamw import DEVICE_CHUNK, CpuAdamW
 from megatrain.store.blocks import ParamBlock
 from megatrain.store.host import HostStore
 from megatrain.store.shard import ShardedBlock
@@ -114,22 +125,24 @@ class GpuTier:
             self.comm.gather(block, self._weights[block.name])
 
     def owns_gradient(self, block: ParamBlock) -> bool:
-        """Whether the block's gradient accumulates in its own device buffer (one process);
-        a shard's accumulates in the engine's shared accumulator, then is reduce-scattered."""
-        return block in self and not isinstance(block, ShardedBlock)
+        """Whether the block's gradient accumulates in its own device buffer: fp32 compute,
+        one process. Any other's accumulates where a streamed block's does ("Gradient")."""
+        return block in self and block.shadow is None and not isinstance(block, ShardedBlock)
 
     def gradient(self, block: ParamBlock) -> torch.Tensor:
         """The block's fp32 device gradient buffer, zeroed for a new step's accumulation."""
         assert block.grad is not None and self.owns_gradient(block)
         return block.grad.zero_()
 
-    def gradient_of(self, block: ParamBlock, acc: torch.Tensor) -> torch.Tensor:
-        """The gradient the block's update reads, from its complete accumulator `acc`: `acc`
-        itself, or (sharded) this rank's shard of it summed over ranks, in `block.grad`."""
-        if not isinstance(block, ShardedBlock):
-            return acc
-        assert block.grad is not None
-        return self.comm.reduce(block, acc, out=block.grad)
+    def land(self, block: ParamBlock, acc: torch.Tensor) -> torch.Tensor:
+        """The block's complete fp32 accumulator `acc` (sharded: summed over ranks, this rank's
+        shard) where its update reads it: rounded into its bf16 shadow, or (fp32 compute) its
+        fp32 gradient; returns the squared norm of what landed (on the device)."""
+        grad = self.comm.reduce(block, acc, out=block.grad)
+        if block.shadow is not None:
+            block.shadow.copy_(grad)
+            grad = block.shadow
+        return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
 
     def update(
         self,
@@ -146,7 +159,7 @@ class GpuTier:
         """
         if on_gradient is not None:
             on_gradient(block)
-        self.optimizer.update(block, lr=lr, grad_scale=grad_scale, on_device=True)
+        self.optimizer.update_device(block, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK)
         if isinstance(block, ShardedBlock):
             self.comm.gather(block, self._weights[block.name])
 

@@ -9,7 +9,9 @@ bf16 shadow is written in the same pass. Two implementations, picked by `impl`:
   separate cast pass for the shadow, and a conversion pass when the gradient is bf16.
 - "auto": "c" when the kernel builds on this machine, else "torch".
 
-Blocks of the GPU tier take the "torch" path on the device (`update(on_device=True)`).
+Blocks updated on the compute device (the GPU tier, engine/tier.py, and the GPU update share,
+engine/gpu_share.py) take `update_device`: the fused Triton kernel, or the torch reference of
+the C kernel, both bit for bit the C kernel's result.
 Both release the GIL, so a host worker thread can run them while the main thread drives the GPU.
 Results equal `torch.optim.AdamW` + `clip_grad_norm_` to fp32 rounding (tests/test_adamw.py).
 
@@ -80,18 +82,8 @@ class CpuAdamW:
         self.impl = "c" if self._lib is not None else "torch"
         self.num_threads = num_threads or torch.get_num_threads()
 
-    def update(
-        self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0, on_device: bool = False
-    ) -> None:
-        """One AdamW step on `block` with its landed gradient times `grad_scale`.
-
-        `on_device`: the block lives on the compute device (GPU tier, engine/tier.py), queued
-        on the current stream (no host sync): fp32 states by the "torch" implementation, other
-        formats by `update_device` (the fused kernel, bit for bit the C kernel's result).
-        """
-        if on_device and (block.state_dtype != "fp32" or block.master_dtype != "fp32"):
-            self.update_device(block, lr=lr, grad_scale=grad_scale, chunk=DEVICE_CHUNK)
-            return
+    def update(self, block: ParamBlock, *, lr: float, grad_scale: float = 1.0) -> None:
+        """One AdamW step on the host `block` with its landed gradient times `grad_scale`."""
         block.step += 1
         beta1, beta2 = self.hyper.betas
         bc1 = 1.0 - beta1**block.step
@@ -111,7 +103,7 @@ class CpuAdamW:
         ]
         for start, end, decay in ranges:
             if end > start:
-                if self._lib is not None and not on_device:
+                if self._lib is not None:
                     self._update_c(block, start, end, decay, lr / bc1, bc2_sqrt, grad_scale)
                 else:
                     self._update_torch(

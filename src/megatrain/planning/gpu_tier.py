@@ -60,7 +60,7 @@ def _most_that_fit(
     """The most blocks (tier order) whose GPU-tier states fit beside the run, and beside
     `reserve` bytes next to the persistent buffers, and why.
 
-    The predicted peak grows with the count (each block adds 8-18 B/param and frees at most
+    The predicted peak grows with the count (each block adds 8-16 B/param and frees at most
     its share of a slot), so a binary search finds the largest that fits.
     """
     if not on_gpu:

@@ -24,8 +24,9 @@ Host buffers per block:
             (`grad_pool`) from the block's backward to its update (store/grads.py).
 
 A block of the GPU tier (`to_device`) holds all of these on the compute device instead, for the
-whole run: fp32 master, m, v, an fp32 gradient, and (bf16 compute) the shadow as the layer's
-device weights. Its checkpoint files are the same (engine/tier.py).
+whole run: fp32 master, m, v, and (bf16 compute) the shadow as the layer's device weights, which
+receive its bf16 gradient between its backward and its update as the host shadow does; an fp32
+gradient only in fp32 compute. Its checkpoint files are the same (engine/tier.py).
 """
 
 from __future__ import annotations
@@ -156,11 +157,11 @@ class ParamBlock:
         return total
 
     def to_device(self, device: torch.device) -> None:
-        """Move master, m, v (with their scales) and shadow to `device` for good, with an fp32
-        gradient there.
+        """Move master, m, v (with their scales) and shadow to `device` for good; in fp32
+        compute (no shadow to land in) with an fp32 gradient there.
 
         The host copies are freed. On the CPU the tensors stay where they are (the GPU tier's
-        code path, run on the CPU) and only the fp32 gradient is added.
+        code path, run on the CPU).
         """
         self.master = self.master.to(device)
         self.exp_avg = self.exp_avg.to(device)
@@ -170,7 +171,7 @@ class ParamBlock:
             self.exp_avg_sq_scale = self.exp_avg_sq_scale.to(device)
         if self.shadow is not None:
             self.shadow = self.shadow.to(device)
-        if self.grad is not None and self.grad.device == device:
+        if self.shadow is not None or (self.grad is not None and self.grad.device == device):
             return
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
 
