@@ -6,13 +6,14 @@ reduce-scattered into the shards, updated there by the device AdamW, and all-gat
 (engine/tier.py). Two tiers are run: every block (4 layers, the tied embedding, the head) and
 T = 2 (two resident layers beside two streamed ones, the embedding and head streamed).
 
-Parity tolerance: as tests/distributed/test_distributed_ranks.py derives it (fp32 sums in
-another order over 4 micro-batches: LOSS_RTOL; weights: WEIGHT_ATOL over the steps). The tier's
-update is torch's fused AdamW where the 1-process run uses the C kernel: the same operations
-on the same fp32 values, differing by the last rounding of each weight (at most u |w| per step,
-|w| <= 1, the 4 u term of WEIGHT_ATOL). A tier rank that missed the other's gradient, updated
-without the clipping coefficient, or kept the other rank's part of the weights stale after an
-update would be off by ~lr x |g| ~ 1e-3 from the second step on.
+Parity tolerance against one process: as tests/distributed/test_distributed_ranks.py derives it
+(fp32 sums in another order over 4 micro-batches: LOSS_RTOL; weights: WEIGHT_ATOL over the
+steps). A tier rank that missed the other's gradient, updated without the clipping coefficient,
+or kept the other rank's part of the weights stale after an update would be off by ~lr x |g| ~
+1e-3 from the second step on. Against two ranks without a tier the runs are equal bit for bit:
+the tier's update is the host's C kernel's arithmetic (its torch reference) on the same shard
+of the same reduce-scatter, in bf16 compute landed in the shard's part of the resident weights
+as the host lands it in its shadow (`test_a_bf16_tier_under_two_ranks_is_the_host_update`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from distributed.test_distributed_ranks import (
     _torchrun,
 )
 from megatrain.config import load_config
+from megatrain.native import load_adamw_kernel
 from megatrain.recipes.sft import Trainer
 
 ALL_BLOCKS = 6  # demo: 4 layers, embedding (tied: also the lm_head), head (final norm)
@@ -146,3 +148,23 @@ def test_resume_with_a_tier_under_two_ranks(
             rtol=LOSS_RTOL,
             atol=0.0,
         )
+
+
+@pytest.mark.skipif(load_adamw_kernel() is None, reason="no C compiler for the kernel")
+def test_a_bf16_tier_under_two_ranks_is_the_host_update(tmp_path: Path) -> None:
+    """bf16 compute, two ranks: with 2 tier layers (each rank's shard of their gradient lands in
+    its part of the resident weights, its update is the C kernel's arithmetic, the all-gather
+    completes the weights) every loss and exported weight equals the run without a tier."""
+    bf16 = ("--model.compute_dtype", "bf16", "--checkpoint.save_every", "0")
+    for blocks in (0, 2):
+        _tier(tmp_path / str(blocks), blocks, *bf16)
+    host, tier = (_records(tmp_path / str(b), "train") for b in (0, 2))
+    assert [r["loss"] for r in tier] == [r["loss"] for r in host]
+    assert [r["grad_norm"] for r in tier] == [r["grad_norm"] for r in host]
+    assert all(r["clip_coef"] < 1.0 for r in tier)  # clipping was active
+    w_host, w_tier = (
+        load_file(str(tmp_path / str(b) / "hf_model" / "model.safetensors")) for b in (0, 2)
+    )
+    assert w_tier.keys() == w_host.keys()
+    for key, ref in w_host.items():
+        assert torch.equal(w_tier[key], ref), key
