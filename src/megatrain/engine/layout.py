@@ -99,7 +99,7 @@ GATHERED = "all-gathered embedding table (ranks)"
 VISION = "vision modules (frozen)"
 VISION_TRAIN = "vision weights (trained)"
 VISION_GRAD = "vision gradient (fp32)"
-TIER = "GPU tier (fp32 master, m, v as stored, gradient, weights)"
+TIER = "GPU tier (fp32 master, m, v as stored, weights holding the gradient)"
 SHARE_GRADS = "GPU update share: held gradients"
 SHARE_STAGING = "GPU update share: master and states staging"
 
