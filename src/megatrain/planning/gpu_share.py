@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from megatrain.choices import STAGING_SET_CHOICES
 from megatrain.planning.estimate import Estimate
+from megatrain.planning.hardware import gib
 
 PATIENCE = 3
 """Counts in a row no shorter than the best that end a search (of share blocks, or of tier
@@ -115,17 +116,19 @@ class TierAndShare(NamedTuple):
     traded: int  # tier blocks given up (for the share, or for the host's update)
     full_s: float  # the predicted step with every tier block that fits and its share
 
-    def tier_reason(self, blocks: int) -> str:
-        """Why `auto` keeps fewer tier blocks than fit (of `blocks`): the room a larger share
-        takes, or, with no share, the host updating them (the replay's shorter step)."""
+    def tier_reason(self, blocks: int, reserve: int = 0) -> str:
+        """Why `auto` keeps fewer tier blocks than fit (of `blocks`, beside `reserve` bytes
+        left for GRPO's resident rollout): the room a larger share takes, or, with no share,
+        the host updating them (the replay's shorter step)."""
         why = (
             "their room holds the GPU update share"
             if self.share.blocks
             else "the host updates them beside the next forward"
         )
+        beside = f", {gib(reserve)} left for the rollout" if reserve else ""
         return (
-            f"GPU tier: {self.tier} of {blocks} blocks ({self.traded} fewer than fit: {why}; "
-            f"predicted step {self.share.step_s:.2f} s against {self.full_s:.2f} s)"
+            f"GPU tier: {self.tier} of {blocks} blocks ({self.traded} fewer than fit{beside}: "
+            f"{why}; predicted step {self.share.step_s:.2f} s against {self.full_s:.2f} s)"
         )
 
 

@@ -136,7 +136,7 @@ def plan_resources(
     tier, tier_reason = pick_tier(shape, spec, predict, hardware, gpu_margin_gib, gpu_reserve_bytes)
     share_budget = hardware.gpu_bytes - gpu_margin_gib * GIB - gpu_reserve_bytes
     tier, tier_reason, share = _tier_and_share(
-        shape, spec, predict, tier, tier_reason, share_budget
+        shape, spec, predict, (tier, tier_reason), share_budget, gpu_reserve_bytes
     )
     engine = shape.engine_plan(spec, tier, boundaries, tiles, share.blocks, share.sets)
     setup = shape.setup(engine, micro_batch_size, grad_accum)
@@ -214,13 +214,15 @@ def _tier_and_share(
     shape: RunShape,
     spec: ModelSpec,
     predict: Callable[..., Estimate],
-    tier: int,
-    tier_reason: str | None,
+    fit: tuple[int, str | None],
     budget: float,
+    reserve: int,
 ) -> tuple[int, str | None, ShareChoice]:
-    """(tier, why, share): the share beside `tier` tier blocks (the most that fit), and where
-    both are "auto", fewer tier blocks where that predicts a shorter step: their room holds a
-    larger share, or the host updates them (planning/gpu_share.py `trade_tier`)."""
+    """(tier, why, share): the share beside the tier of `fit` (the most blocks that fit beside
+    `reserve` bytes, and why), and where both are "auto", fewer tier blocks where that predicts
+    a shorter step: their room holds a larger share, or the host updates them
+    (planning/gpu_share.py `trade_tier`)."""
+    tier, tier_reason = fit
 
     def pick(t: int) -> ShareChoice:
         return _share(shape, spec, functools.partial(predict, t), t, budget)
@@ -229,7 +231,7 @@ def _tier_and_share(
         return tier, tier_reason, pick(tier)
     traded = trade_tier(tier, pick)
     if traded.traded:
-        tier_reason = traded.tier_reason(tier_size(spec.num_layers))
+        tier_reason = traded.tier_reason(tier_size(spec.num_layers), reserve)
     return traded.tier, tier_reason, traded.share
 
 

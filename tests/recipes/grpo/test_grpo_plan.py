@@ -168,10 +168,10 @@ def test_cpu_estimate_puts_the_rollout_on_the_cpu(capsys: pytest.CaptureFixture[
 
 def test_auto_gpu_tier_leaves_the_resident_rollout_its_room() -> None:
     """The automatic GPU tier is chosen around the room reserved for the rollout: the more is
-    reserved, the fewer blocks, and persistent buffers + the reservation always fit. Where
-    `auto` then keeps fewer blocks than fit, for a shorter predicted step (planning/
-    gpu_share.py `trade_tier`), its reason says so instead, and the count that fit fits beside
-    the reservation too."""
+    reserved, the fewer blocks, and persistent buffers + the reservation always fit; the
+    reason names the reservation. Where `auto` then keeps fewer blocks than fit, for a shorter
+    predicted step (planning/gpu_share.py `trade_tier`), the count that fit fits beside the
+    reservation too."""
     hw = Hardware(gpu_bytes=80 * GIB, host_bytes=512 * GIB)
     auto = ("--memory.gpu_state_blocks", "auto")
     whole = _builder(hw, *auto).plan()
@@ -184,14 +184,13 @@ def test_auto_gpu_tier_leaves_the_resident_rollout_its_room() -> None:
         plan = _builder(hw, *auto, reserve=lambda b, n=reserve: n).plan()
         assert plan.estimate.gpu.persistent_bytes + reserve <= budget
         reason = plan.tier_reason or ""
+        assert "left for the rollout" in reason, reason
         traded = re.search(r"\((\d+) fewer than fit", reason)
         if traded:  # the count that fit, before the trade: beside the reservation too
             fit = plan.gpu_state_blocks + int(traded[1])
             tier = ("--memory.gpu_state_blocks", str(fit))
             given = _builder(hw, *tier, reserve=lambda b, n=reserve: n).plan()
             assert given.estimate.gpu.persistent_bytes + reserve <= budget
-        else:
-            assert "left for the rollout" in reason
         tiers.append(plan.gpu_state_blocks)
     assert tiers[0] == LAYERS + 2 and tiers[-1] < LAYERS + 2
     assert tiers == sorted(tiers, reverse=True)
