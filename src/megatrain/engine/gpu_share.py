@@ -39,7 +39,7 @@ landed event), and its copies back are complete (synchronized) before `wait(bloc
 so the next forward's host-to-device copy and the next backward's write of the held gradient
 come after it; under ranks there is no share (the planner refuses N > 0 there).
 
-Staging sets (EnginePlan.share_sets, engine/plan.py STAGING_SET_CHOICES): with one set each
+Staging sets (EnginePlan.share_sets, choices.py STAGING_SET_CHOICES): with one set each
 block's states go up only after the previous block's came back; with two, one block's go up
 while the previous one's come back (the link's two directions at once), for a second set of
 staging memory. Two until run 72, when they gave NaN losses sooner than one; the NaN was a race
@@ -116,6 +116,12 @@ def share_size(num_layers: int, tier: TierSplit, count: int) -> int:
     """How many blocks a share of `count` holds beside `tier`: at most the streamed layers and
     a streamed head."""
     return min(count, num_layers - tier.layers + (not tier.head))
+
+
+def staging_sets(sets: int, blocks: int) -> int:
+    """The staging sets a share of `blocks` blocks takes of `sets`: one where it holds fewer
+    than two (a second set would stay unused: EnginePlan.share_sets)."""
+    return sets if blocks > 1 else 1
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from megatrain.choices import STAGING_SET_CHOICES
+from megatrain.engine.gpu_share import staging_sets
 from megatrain.planning.estimate import Estimate
 from megatrain.planning.hardware import gib
 
@@ -64,7 +65,7 @@ def pick_share(
     ranks)."""
     sets_choices = STAGING_SET_CHOICES if sets_setting == "auto" else (int(sets_setting),)
     if setting != "auto":  # the sets matter from two blocks on
-        given = sets_choices if int(setting) > 1 else (1,)
+        given = sorted({staging_sets(s, min(int(setting), streamed)) for s in sets_choices})
         options = [(predict(share=int(setting), sets=s), s) for s in given]
         fits = [o for o in options if o[0].gpu.peak_bytes <= budget] or options[:1]
         est, sets = min(fits, key=lambda o: o[0].time.step_s)  # ties: the fewer sets
@@ -77,7 +78,7 @@ def pick_share(
         for sets in sets_choices
     ]
     sets, count, est = min(tried, key=lambda r: r[2].time.step_s)  # ties: the fewer sets
-    sets = sets if count > 1 else 1
+    sets = staging_sets(sets, count)
     others = [(s, e.time.step_s) for s, n, e in tried if s != sets and n > 1]
     other = "".join(f"{s} set{'s' * (s > 1)} at best {step:.2f} s; " for s, step in others)
     t = est.time

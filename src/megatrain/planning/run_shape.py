@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from megatrain.config import TrainConfig
 from megatrain.distributed import Placement
 from megatrain.engine.boundaries import BoundaryPlan
-from megatrain.engine.gpu_share import share_size
+from megatrain.engine.gpu_share import share_size, staging_sets
 from megatrain.engine.head import default_chunk_tokens
 from megatrain.engine.plan import EnginePlan, TierSplit, tier_size
 from megatrain.engine.tiling import TilePolicy, tileable, untiled_layers
@@ -149,7 +149,7 @@ class RunShape:
             train_vision=self.vision.tower,
             train_projector=self.vision.projector,
             gpu_update_blocks=share,
-            share_sets=sets if share_size(n, TierSplit.of(n, tier), share) > 1 else 1,
+            share_sets=staging_sets(sets, share_size(n, TierSplit.of(n, tier), share)),
         )
 
     def setup(self, engine: EnginePlan, micro_batch_size: int, grad_accum: int) -> Setup:
