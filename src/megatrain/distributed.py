@@ -215,6 +215,15 @@ def rank_sums(values: list[float]) -> list[float]:
     return t.tolist()  # sync point
 
 
+def rank_mins(values: list[float]) -> list[float]:
+    """Each of `values`, the least over the ranks, in float64 (every rank gets them)."""
+    if not dist.is_initialized() or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()  # sync point
+
+
 _TURN_POLL_S = 0.5
 _turn_rounds = [0]  # node_turns calls so far: the same on every rank, so the store keys match
 

@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument(
         "--probe",
         action="store_true",
-        help="measure this machine's PCIe, matmul and CPU optimizer rates",
+        help="measure this machine's pinned copy and CPU AdamW rates, as megatrain train "
+        "does before it plans (memory.probe_rates)",
     )
     hw.add_argument("--gpu-gib", type=float, help="GPU memory (default: this GPU or 80)")
     hw.add_argument("--host-gib", type=float, help="host RAM (default: this machine's)")
@@ -255,10 +256,14 @@ def _builder(cfg: TrainConfig, args: argparse.Namespace) -> PlanBuilder:
     from megatrain.planning.builder import PlanBuilder
     from megatrain.planning.ranks import Ranks
 
+    ranks = Ranks(args.nproc_per_node, args.nnodes)  # ValueError for a count < 1
+    threads = cfg.optimizer.threads
     hardware = (
-        probe(
-            optimizer_threads=cfg.optimizer.threads,
+        probe(  # what megatrain train measures before it plans (memory.probe_rates)
+            optimizer_threads=threads * ranks.nproc_per_node if threads else None,
             state_dtype=cfg.optimizer.state_dtype,
+            impl=cfg.optimizer.impl,
+            matmul=False,
             gpu_gib=args.gpu_gib,
             host_gib=args.host_gib,
         )
@@ -266,7 +271,6 @@ def _builder(cfg: TrainConfig, args: argparse.Namespace) -> PlanBuilder:
         else detect(gpu_gib=args.gpu_gib, host_gib=args.host_gib)
     )
     device = "cpu" if cfg.training.device == "cpu" else "cuda"
-    ranks = Ranks(args.nproc_per_node, args.nnodes)  # ValueError for a count < 1
     placement = Placement(torch.device(device), 0, ranks.world, 0, ranks.nproc_per_node)
     if args.grpo:  # the GPU tier leaves the resident rollout its room, as megatrain grpo does
         from megatrain.recipes.grpo.plan import rollout_reserve

@@ -40,6 +40,13 @@ class MemoryConfig:
     "auto": as many as the GPU holds beside the run (gpu_margin_gib kept free); none on the CPU.
     Under torchrun each rank keeps its 1/N shard of those states on its GPU and the blocks'
     weights whole; "auto" plans one rank's GPU (every rank takes the least count planned)."""
+    probe_rates: bool = True
+    """Before it plans, a run on a GPU measures this machine's pinned copy rates each way and
+    its CPU AdamW rate (the run's state format, impl and threads), about 3 s and 3 GB of host
+    memory that are freed again, and plans with them (the GPU tier, the update share and its
+    staging sets, the printed step); under torchrun the first rank of each node measures while
+    the others wait, and every rank plans with the slowest node's rates. false: the rates of
+    the H100 test host (`megatrain estimate` assumes them unless given --probe)."""
     activation_offload: str = "auto"
     """Each layer's saved input (boundary activation) to host memory during the forward, copied
     back just ahead of its backward: "on" (all kept inputs), "off" (all stay on the GPU), or

@@ -166,11 +166,15 @@ class PlanBuilder:
     def hardware(self) -> Hardware:
         """The given hardware, else this machine's; optimizer.threads, when set, is the AdamW
         threads of each of the node's ranks (the compressed kernels' rate follows them)."""
-        hw = self._hardware or detect()
+        hw = self._hardware or self._machine()
         threads = self.cfg.optimizer.threads
         if threads is None:
             return hw
         return hw.with_overrides(optimizer_threads=threads * self.placement.local_world_size)
+
+    def _machine(self) -> Hardware:
+        """This machine as the plan sees it: detect()'s sizes and the assumed rates."""
+        return detect()
 
     @property
     def pin_memory(self) -> bool:

@@ -65,7 +65,7 @@ from megatrain.engine.schedule import StepSchedule
 from megatrain.model.multimodal import patches_per_image_token, vision_saved_bytes_per_patch
 from megatrain.planning.activations import LayerProfile, layer_profile, loss_chunk
 from megatrain.planning.allocator_slack import SLACK_ITEM, allocator_slack
-from megatrain.planning.hardware import Hardware, detect, gib
+from megatrain.planning.hardware import RATES, Hardware, detect, gib
 from megatrain.planning.host_memory import HostMemory, host_memory, pinned_reserved
 from megatrain.planning.layer_time import COMPILED_PACKAGE_SLOWDOWN
 from megatrain.planning.long_context import device_inputs, host_input_bytes
@@ -392,8 +392,9 @@ def _notes(hw: Hardware) -> list[str]:
             f"{gib(hw.gpu_bytes)} (--gpu-gib sets its memory; estimate on the GPU host for its own)"
         )
     if assumed:
+        probed = ", ".join(f for f in RATES if f in assumed)
+        how = f"; `megatrain estimate --probe` measures {probed}" if probed else ""
         notes.append(
-            f"assumed, not measured here: {', '.join(assumed)} (defaults of the H100 "
-            "test host; `megatrain estimate --probe` measures them)"
+            f"assumed, not measured here: {', '.join(assumed)} (the H100 test host's{how})"
         )
     return notes

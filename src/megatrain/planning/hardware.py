@@ -14,7 +14,9 @@ libraries; 46.2 GiB RSS of that run minus the store with its pinned blocks round
 count `megatrain train` gives the kernel here (threads.optimizer_threads: the cores of the
 process's CPU affinity, i.e. vCPUs, less busy ones and the two that drive the GPU; not
 `torch.get_num_threads()`, which counts physical cores where the CPU reports two threads a
-core); `probe()` also measures the rates (a few seconds), the AdamW on those threads.
+core); `probe()` also measures the rates (a few seconds), the AdamW on those threads. A GPU
+run plans with RATES measured so (memory.probe_rates, recipes/builder.py), as `megatrain
+estimate --probe` does.
 `measured` names the fields that came from this machine or from the user (`--gpu-gib`,
 optimizer.threads); everything else is assumed. The default rate is the fp32 kernel's, which
 is bound by memory bandwidth and taken as flat across hosts; the compressed (bf16, int8, int4)
@@ -149,31 +151,41 @@ def detect(*, gpu_gib: float | None = None, host_gib: float | None = None) -> Ha
     return hw.with_overrides(gpu_gib=gpu_gib, host_gib=host_gib)
 
 
+RATES = ("h2d_gbps", "d2h_gbps", "optimizer_gparams_s")
+"""What `megatrain train` measures before it plans (memory.probe_rates): the rates that differ
+between machines of one kind and decide the GPU tier, the update share and its staging sets.
+Three machines of the 1-GPU H100 kind ran the int8 CPU AdamW at 2.62, 3.72 and 4.78 Gparams/s
+(docs/performance.md runs 79-81), where the plan assumes 3.12. The matmul peak stays assumed:
+the engine's achieved fractions (`achieved_fraction`) are fitted against it."""
+
+
 def probe(
     *,
     optimizer_params: int = 200_000_000,
     optimizer_threads: int | None = None,
     state_dtype: str = "fp32",
+    impl: str = "auto",
+    matmul: bool = True,
     gpu_gib: float | None = None,
     host_gib: float | None = None,
 ) -> Hardware:
-    """`detect()` plus measured rates: the engine's CPU AdamW over ~`optimizer_params` params
-    in 25M blocks with a busy Python thread beside it, with the run's `state_dtype` (the
-    compressed kernels are compute-bound where fp32 is bandwidth-bound, so their ratio to fp32
-    depends on the host: int8 0.60x fp32 on a 16-vCPU H100 host, more with more cores) and
-    on `optimizer_threads` threads (None: the run's default, detect()'s count, not torch's
-    intra-op default, which is the physical cores where the CPU reports two threads a core);
-    on CUDA also pinned 1 GiB copies each
-    way, an 8192^3 bf16 and a 4096^3 fp32 matmul. The process baseline stays the calibrated
-    default: right after CUDA start-up a process holds 0.7 GiB (H200 host), a training process
-    1.7 GiB beside its store (kernels and modules loaded on first use)."""
+    """`detect()` plus measured rates: the engine's CPU AdamW (`impl`, optimizer.impl) over
+    ~`optimizer_params` params in 25M blocks with a busy Python thread beside it, with the run's
+    `state_dtype` (the compressed kernels are compute-bound where fp32 is bandwidth-bound, so
+    their ratio to fp32 depends on the host: int8 0.60x fp32 on a 16-vCPU H100 host, more with
+    more cores) and on `optimizer_threads` threads (None: the run's default, detect()'s count,
+    not torch's intra-op default, which is the physical cores where the CPU reports two threads
+    a core); on CUDA also pinned 1 GiB copies each way and, with `matmul`, an 8192^3 bf16 and a
+    4096^3 fp32 matmul (`megatrain train` leaves them out: RATES). The process baseline stays
+    the calibrated default: right after CUDA start-up a process holds 0.7 GiB (H200 host), a
+    training process 1.7 GiB beside its store (kernels and modules loaded on first use)."""
     hw = detect()
     threads = optimizer_threads or hw.optimizer_threads
     values: dict[str, float | int] = {"optimizer_threads": threads}
     if torch.cuda.is_available():
-        values.update(_probe_gpu())
+        values.update(_probe_gpu() if matmul else _copy_gbps())
     values["optimizer_gparams_s"] = _probe_optimizer(
-        optimizer_params, threads, hw.host_bytes, state_dtype
+        optimizer_params, threads, hw.host_bytes, state_dtype, impl
     )
     measured = tuple(sorted({*hw.measured, *values}))
     hw = dataclasses.replace(
@@ -237,7 +249,9 @@ def _empty_host_cache() -> None:
             return
 
 
-def _probe_optimizer(params: int, threads: int, host_bytes: int, state_dtype: str) -> float:
+def _probe_optimizer(
+    params: int, threads: int, host_bytes: int, state_dtype: str, impl: str = "auto"
+) -> float:
     """Gparams/s of the engine's CpuAdamW on bf16-shadow blocks with `state_dtype` states, a
     busy thread beside it."""
     from megatrain.optim.adamw import AdamWHyper, CpuAdamW
@@ -259,7 +273,7 @@ def _probe_optimizer(params: int, threads: int, host_bytes: int, state_dtype: st
                 shadow=torch.full((n,), 1e-3, dtype=torch.bfloat16),
             )
         )
-    opt = CpuAdamW(AdamWHyper(weight_decay=0.1), num_threads=threads)
+    opt = CpuAdamW(AdamWHyper(weight_decay=0.1), impl=impl, num_threads=threads)
     stop = threading.Event()
 
     def busy() -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,7 @@ from megatrain.distributed import (
     on_rank0,
     placement_here,
     rank_max,
+    rank_mins,
 )
 from megatrain.engine.engine import StreamingEngine
 from megatrain.engine.plan import EnginePlan
@@ -70,7 +72,7 @@ from megatrain.model.tokenizer import load_tokenizer, processor_source
 from megatrain.optim.adamw import AdamWHyper, CpuAdamW
 from megatrain.optim.schedule import LRSchedule, warmup_steps_for
 from megatrain.planning.builder import PlanBuilder
-from megatrain.planning.hardware import GIB, Hardware
+from megatrain.planning.hardware import GIB, RATES, Hardware, probe
 from megatrain.run_files import HF_MODEL_DIR
 from megatrain.store.host import HostStore
 from megatrain.store.reference import ReferenceWeights
@@ -105,6 +107,49 @@ class RunBuilder(PlanBuilder):
             gpu_reserve=gpu_reserve,
         )
         self.load_seconds: dict[str, float] = {}  # model_and_store: seconds of each part
+
+    def _machine(self) -> Hardware:
+        """detect()'s, with the rates that decide the plan measured here (memory.probe_rates,
+        a GPU run): local rank 0 of each node probes while its node's other ranks wait, then
+        every rank takes the slowest node's, so every rank plans the same. A probe that fails
+        leaves the assumed rates, said in one line."""
+        hw, cfg, p = super()._machine(), self.cfg, self.placement
+        if not (cfg.memory.probe_rates and p.is_cuda):
+            return hw
+        opt = cfg.optimizer
+        threads = opt.threads * p.local_world_size if opt.threads else hw.optimizer_threads
+        began, rates = time.perf_counter(), [math.inf] * len(RATES)
+        if p.local_rank == 0:
+            try:
+                probed = probe(
+                    optimizer_threads=threads,
+                    state_dtype=opt.state_dtype,
+                    impl=opt.impl,
+                    matmul=False,
+                )
+                rates = [float(getattr(probed, name)) for name in RATES]
+            except (RuntimeError, MemoryError, OSError) as error:
+                print(f"rates: not measured ({error}); the plan assumes the test host's")
+        rates = rank_mins(rates)
+        if not all(map(math.isfinite, rates)):
+            return hw
+        measured = dict(zip(RATES, rates, strict=True))
+        if p.rank == 0:
+            print(
+                f"rates measured here: host-to-GPU {measured['h2d_gbps']:.1f} GB/s, "
+                f"GPU-to-host {measured['d2h_gbps']:.1f} GB/s, CPU AdamW "
+                f"{measured['optimizer_gparams_s']:.2f} Gparams/s ({opt.state_dtype} states, "
+                f"{threads} threads) in {time.perf_counter() - began:.1f} s "
+                "(memory.probe_rates: false plans with the test host's)",
+                flush=True,
+            )
+        return dataclasses.replace(
+            hw,
+            **measured,  # type: ignore[arg-type]
+            optimizer_state_dtype=opt.state_dtype,
+            optimizer_threads=threads,
+            measured=tuple(sorted({*hw.measured, *RATES, "optimizer_threads"})),
+        )
 
     # ---------------------------------------------------------------- data
 
