@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from megatrain.config import TrainConfig
 from megatrain.config.shorthand import shorthand_config
 from megatrain.distributed import Placement
 from megatrain.engine.boundaries import BoundaryPlan
@@ -135,10 +136,17 @@ def ranks_estimate(spec: ModelSpec, ranks: Ranks, hardware: Hardware, tier: int 
 def cli_row_plan(
     shape: dict[str, Any], hardware: Hardware, device: str = "cuda", **settings: Any
 ) -> ResourcePlan:
-    """The plan of a bench/cli_train.py row (`megatrain train` on a random-init `shape`:
+    """The plan of a bench/cli_train.py row (`cli_row_config`) on `hardware`: how the H100
+    runs of docs/performance.md are reconstructed without a GPU."""
+    placement = Placement(torch.device(device))
+    cfg = cli_row_config(shape, **settings)
+    return PlanBuilder(cfg, hardware=hardware, placement=placement).plan(layout="full")
+
+
+def cli_row_config(shape: dict[str, Any], **settings: Any) -> TrainConfig:
+    """The config of a bench/cli_train.py row (`megatrain train` on a random-init `shape`:
     pre-training rows of 2048, micro-batch 4, 32 rows a step, clipping 1.0) with `settings`
-    (dotted keys) over those defaults, on `hardware`: how the H100 runs of
-    docs/performance.md are reconstructed without a GPU."""
+    (dotted keys) over those defaults."""
     values: dict[str, Any] = {
         "model.model_type": shape["model_type"],
         "model.random_init": True,
@@ -155,6 +163,4 @@ def cli_row_plan(
         **settings,
     }
     values["data.cutoff_len"] = values["training.seq_len"]
-    cfg = shorthand_config(None, values=values)
-    placement = Placement(torch.device(device))
-    return PlanBuilder(cfg, hardware=hardware, placement=placement).plan(layout="full")
+    return shorthand_config(None, values=values)

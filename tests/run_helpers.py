@@ -8,12 +8,16 @@ a checkpoint's block files read back and a resumed run checked against them
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatrain.package_assets import demo_assets_dir
 from megatrain.store.blocks import ParamBlock
@@ -198,3 +202,17 @@ def assert_resumes_exactly(
     for name, tensors in final.items():
         for key, saved in tensors.items():
             assert torch.equal(again[name][key], saved), (name, key)
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for a rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def join_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Join a gloo process group of `world` processes on this host (a spawned test worker)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)

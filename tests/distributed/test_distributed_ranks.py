@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ from safetensors.torch import load_file
 from megatrain.cli import main
 from megatrain.config import load_config
 from megatrain.recipes.sft import Trainer
-from run_helpers import assert_exports_close
+from run_helpers import assert_exports_close, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.yaml"
@@ -252,9 +251,7 @@ def test_two_nodes_train_as_two_ranks_of_one(
     one thread per rank only with several ranks on a node)."""
     two, _, _ = runs
     out = tmp_path / "nodes"
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes",

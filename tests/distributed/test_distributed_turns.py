@@ -6,9 +6,7 @@ case runs in them in turn, each logging to its own file."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatrain.distributed import Placement, any_rank, node_turns
+from run_helpers import free_port, join_gloo
 
 CASES = [(1, -1), (2, -1), (1, 0), (2, 0), (1, -1)]  # (ranks at once, rank whose build fails)
 TIMEOUT_S = 3.0
@@ -47,10 +46,7 @@ def _case(rank: int, log: Path, at_once: int, fail_rank: int, build_s: float = 0
 
 
 def _worker(rank: int, folder: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S)
-    )
+    join_gloo(rank, 2, port, TIMEOUT_S)
     try:
         with open(Path(folder) / f"any{rank}.txt", "w") as f:
             f.write(f"{any_rank(rank == 1)} {any_rank(False)}")
@@ -63,10 +59,7 @@ def _worker(rank: int, folder: str, port: int) -> None:
 
 
 def test_node_turns(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(str(tmp_path), port), nprocs=2)
+    mp.spawn(_worker, args=(str(tmp_path), free_port()), nprocs=2)
     cases = [(tmp_path / f"case{i}.txt").read_text().splitlines() for i in range(len(CASES))]
     cores = os.cpu_count() or 1
     share = max(1, cores // 2)

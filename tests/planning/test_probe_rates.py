@@ -9,9 +9,6 @@ first rank of each node probes and every rank plans with the slowest node's rate
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,37 +17,25 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatrain.config.shorthand import shorthand_config
 from megatrain.distributed import Placement, rank_mins
 from megatrain.planning import builder as plan_builder
 from megatrain.planning.builder import PlanBuilder
 from megatrain.planning.hardware import RATES, Hardware
 from megatrain.recipes import builder as run_builder
 from megatrain.recipes.builder import RunBuilder
+from predict import cli_row_config
+from run_helpers import free_port, join_gloo
 from shapes import GPT_OSS_20B_17
 
 HOST = Hardware().with_overrides(gpu_gib=79.6, host_gib=125)
 CUDA = Placement(torch.device("cuda"))
+INT8_ROW = {"optimizer.state_dtype": "int8", "optimizer.gpu_update_blocks": "auto"}
 FAST_INT8 = {"h2d_gbps": 55.0, "d2h_gbps": 54.0, "optimizer_gparams_s": 4.78}  # run 79's host
 
 
 def _config(**settings: Any) -> Any:
     """bench/cli_train.py's GPT-OSS-20B row at 17 layers with int8 states (runs 79-81)."""
-    values: dict[str, Any] = {
-        "model.model_type": GPT_OSS_20B_17["model_type"],
-        "model.random_init": True,
-        "data.stage": "pt",
-        "data.cutoff_len": 2048,
-        "training.seq_len": 2048,
-        "training.micro_batch_size": 4,
-        "training.gradient_accumulation_steps": 8,
-        "optimizer.state_dtype": "int8",
-        **{
-            f"model.config_overrides.{k}": v for k, v in GPT_OSS_20B_17.items() if k != "model_type"
-        },
-        **settings,
-    }
-    return shorthand_config(None, values=values)
+    return cli_row_config(GPT_OSS_20B_17, **{**INT8_ROW, **settings})
 
 
 def _probe(rates: dict[str, float], calls: list[dict[str, Any]]) -> Any:
@@ -134,8 +119,7 @@ NODES = {
 
 
 def _rank(rank: int, folder: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, 2, port, 60)
     try:
         lines = [repr(rank_mins([float(rank), 5.0 - rank]))]
         plan_builder.detect = lambda: HOST  # type: ignore[assignment]  # this process only
@@ -153,10 +137,7 @@ def _rank(rank: int, folder: str, port: int) -> None:
 
 
 def test_ranks_plan_with_the_slowest_nodes_rates(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(str(tmp_path), port), nprocs=2)
+    mp.spawn(_rank, args=(str(tmp_path), free_port()), nprocs=2)
     out = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in range(2)]
     assert out[0][0] == out[1][0] == "[0.0, 4.0]"  # rank_mins: each value's least
     fast = [55.0, 54.0, 4.78]
