@@ -34,7 +34,8 @@ train --config FILE` in a fresh process with the environment as it is (no alloca
 variable set here), its output into $OUT/<name>/train.log, and reads $OUT/<name>/run/metrics.jsonl:
 the median step time over the steps after the first `--warmup` (2: compiling, warm-up), tokens/s of
 the job and per GPU, MFU and model TFLOPS per GPU, the time per phase (time/*), the GPU allocator's
-peak (reserved: what the card must hold) and host RSS, any step-down of the plan, beside the
+peak (reserved: what the card must hold) and host RSS (and, one process, its peak RSS with the
+loading: host_peak_rss_gib), any step-down of the plan, beside the
 prediction the run printed; for dpo, the reference pass (its "reference_pass" record: seconds,
 tokens/s); under torchrun (`--nproc`), the node's memory in use while the steps run
 (node_job_in_steps_gib: every rank's host memory, the node's use less what it held before the
@@ -49,6 +50,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -371,6 +373,9 @@ def main() -> None:
             rc = 124
     wall_s = time.monotonic() - start
     summary = summarize(a.name, out, rc, logfile.read_text(), a.warmup, wall_s)
+    if a.nproc == 1:  # the run's peak RSS, loading included (this runner starts one child)
+        peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        summary["host_peak_rss_gib"] = round(peak_kib / 2**20, 2)
     if node is not None:
         node.stop()
         if node.before is not None and node.peak is not None:

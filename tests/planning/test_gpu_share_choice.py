@@ -80,6 +80,9 @@ def test_auto_sets_take_the_second_set_where_its_step_is_shorter_and_fits() -> N
     assert pick_share(4, 2, _predictor(steps, peaks, two), 4, 5.5 * GIB).sets == 2  # as given
 
 
+ANY_HOST = lambda t: True  # noqa: E731  # a host that holds the run with any tier
+
+
 def _choice(count: int, step_s: float, reason: str | None = None) -> ShareChoice:
     return ShareChoice(count, 1, reason, step_s)
 
@@ -89,7 +92,9 @@ def test_tier_blocks_are_given_up_while_the_share_shortens_the_step() -> None:
     to PATIENCE counts no shorter, for the shortest step with the share that room allows."""
     share_of = {6: 0, 5: 1, 4: 1, 3: 3, 2: 5, 1: 6, 0: 7}  # fewer tier blocks: a larger share
     step = {6: 2.5, 5: 2.6, 4: 2.55, 3: 2.4, 2: 2.3, 1: 2.35, 0: 2.2}
-    traded = trade_tier(6, lambda t: _choice(share_of[t], step[t], f"share {share_of[t]}"))
+    traded = trade_tier(
+        6, lambda t: _choice(share_of[t], step[t], f"share {share_of[t]}"), ANY_HOST
+    )
     assert (traded.tier, traded.share.blocks, traded.share.reason, traded.traded) == (
         0,
         7,
@@ -102,15 +107,20 @@ def test_tier_blocks_are_given_up_while_the_share_shortens_the_step() -> None:
     )
     # PATIENCE + 1 counts in a row no shorter end the walk: 0 is not seen
     ends = {6: 2.5, 5: 2.6, 4: 2.55, 3: 2.5, 2: 2.7, 1: 2.6, 0: 2.0}
-    assert trade_tier(6, lambda t: _choice(share_of[t], ends[t])).tier == 6
-    kept = trade_tier(4, lambda t: _choice(share_of[t], 2.0 + 0.1 * (4 - t)))
+    assert trade_tier(6, lambda t: _choice(share_of[t], ends[t]), ANY_HOST).tier == 6
+    kept = trade_tier(4, lambda t: _choice(share_of[t], 2.0 + 0.1 * (4 - t)), ANY_HOST)
     assert (kept.tier, kept.share.blocks, kept.traded) == (4, 1, 0)
+    # the host holds the run with 3 or more tier blocks: the walk stops there
+    held = trade_tier(6, lambda t: _choice(share_of[t], step[t]), lambda t: t >= 3)
+    assert (held.tier, held.share.blocks, held.traded) == (3, 3, 3)
+    # a host that holds not even the full tier: the fit check says so, the walk is the step's
+    assert trade_tier(6, lambda t: _choice(share_of[t], step[t]), lambda t: False).tier == 0
 
 
 def test_a_tier_traded_for_no_share_says_the_host_updates_those_blocks() -> None:
     """Fewer tier blocks with no share at all (the host updating them beside the next forward
     predicts the shorter step): the reason names that, not a share."""
-    traded = trade_tier(3, lambda t: _choice(0, {3: 1.85, 2: 1.79, 1: 1.8, 0: 1.9}[t]))
+    traded = trade_tier(3, lambda t: _choice(0, {3: 1.85, 2: 1.79, 1: 1.8, 0: 1.9}[t]), ANY_HOST)
     assert (traded.tier, traded.share.blocks, traded.traded) == (2, 0, 1)
     assert traded.tier_reason(14) == (
         "GPU tier: 2 of 14 blocks (1 fewer than fit: the host updates them beside the next "

@@ -33,7 +33,8 @@ class MemoryConfig:
     gpu_state_blocks: int | str = "auto"
     """Blocks whose fp32 master, AdamW states (in optimizer.state_dtype's format: fp32, bf16 or
     int8; int4 takes no tier) and bf16 weights (which hold the gradient until the update) stay
-    on the GPU and are updated there with the host's arithmetic, never streamed, counted in
+    on the GPU and are updated there with the host's arithmetic, never streamed (each goes to
+    the GPU as the store is built, so the host never holds it, loading included), counted in
     this order: the decoder layers from the first, then the embedding, then the head: 14 B/param
     on the GPU with fp32 states, 10 bf16, 8 int8. An integer >= 0 (0: none; more than the
     model has: all), or

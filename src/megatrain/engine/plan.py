@@ -37,6 +37,11 @@ def tier_order(layers: Sequence[T], embed: T, head: T) -> list[T]:
     return [*layers, embed, head]
 
 
+def tier_names(num_layers: int, count: int) -> list[str]:
+    """The store's names (store/host.py) of the first `count` blocks of `tier_order`."""
+    return tier_order([f"layer.{i}" for i in range(num_layers)], "embed", "head")[: max(count, 0)]
+
+
 def tier_size(num_layers: int) -> int:
     """Blocks a GPU tier can hold: every block of `tier_order`."""
     return len(tier_order(range(num_layers), -1, -1))

@@ -38,9 +38,10 @@ def host_problem(est: Estimate, hw: Hardware, margin_gib: float) -> str | None:
         return (
             f"host RAM while the model loads: predicted peak {gib(h.load_peak_bytes)} > "
             f"{gib(free)} available ({gib(hw.host_bytes)} total - margin {margin_gib:g} GiB), "
-            f"though training needs {gib(h.total_bytes)}: each block exists twice while it "
-            "moves into the store, and under ranks the rank loading holds its whole fp32 model "
-            "beside the others' shards. Use a machine with more RAM, or more nodes"
+            f"though training needs {gib(h.total_bytes)}: the fp32 model moves into the store "
+            "block by block (each block exists twice while it moves), and under ranks the rank "
+            "loading holds its whole fp32 model beside the others' shards. Use a machine with "
+            "more RAM, or more nodes"
         )
     if h.total_bytes <= free:
         return None

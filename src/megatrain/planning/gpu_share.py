@@ -19,7 +19,8 @@ tier of 3 and share of 9, 5.921 s).
 The GPU tier (planning/gpu_tier.py) takes the GPU memory first. A tier block keeps its master
 and states on the GPU (12-16 B/param); a share block holds only its gradient (1-4 B/param)
 beside the staging set, so where both are "auto", `trade_tier` gives up tier blocks, one at a
-time, while the step predicted with the share their room allows is shorter. That share may be
+time, while the step predicted with the share their room allows is shorter and host RAM holds
+what they gave up (a tier block's states are not on the host). That share may be
 none: the replay can predict a shorter step with a tier block fewer and the host updating it
 (docs/performance.md run 68: the Qwen3-30B-A3B row with fp32 states, 9 of the 10 tier blocks
 that fit, predicted 1.79 against 1.85 s, measured 1.769 against 1.807 s).
@@ -133,13 +134,20 @@ class TierAndShare(NamedTuple):
         )
 
 
-def trade_tier(tier: int, pick: Callable[[int], ShareChoice]) -> TierAndShare:
+def trade_tier(
+    tier: int, pick: Callable[[int], ShareChoice], host_fits: Callable[[int], bool]
+) -> TierAndShare:
     """The tier count and share with the shortest predicted step, from `tier` (the most tier
     blocks that fit) down, one tier block at a time until PATIENCE counts in a row are no
-    shorter than the best. `pick(t)`: the share beside t tier blocks."""
+    shorter than the best, or the host no longer holds the blocks given up (where it holds
+    the full tier's). `pick(t)`: the share beside t tier blocks; `host_fits(t)`: whether host
+    RAM holds the run with t tier blocks (while loading too)."""
     full = pick(tier)
     best, worse = TierAndShare(tier, full, 0, full.step_s), 0
+    bounded = host_fits(tier)
     for fewer in range(tier - 1, -1, -1):
+        if bounded and not host_fits(fewer):
+            break  # fewer tier blocks hold more on the host
         choice = pick(fewer)
         if choice.step_s < best.share.step_s:
             best, worse = TierAndShare(fewer, choice, tier - fewer, full.step_s), 0

@@ -90,16 +90,18 @@ def host_memory(
     process = local * (baseline + data_bytes)
     total = pageable + reserved + process + local * offload_bytes
     twice = 4 * max(every)  # the block being moved exists twice
-    loading = sum(store(every)[::2]) + process + twice  # every block is built on the host first
+    # The fp32 model at first, what the store keeps at the end (a GPU-tier block goes to the
+    # device as it is built, store/host.py): each block moves from one to the other.
+    model = 4 * sum(every)
+    loading = max(sum(store(held)[::2]), model) + process + twice
     extra = 0
     if ranks.world > 1:
-        # A loading rank holds its whole fp32 model at first and all its shards (the GPU
-        # tier's too, until it moves) at the end: each block moves from one to the other. A
-        # rank that has loaded holds its shards; the others, nothing yet. With ranks loading
-        # one at a time the node peaks in the last turn.
-        shards = store([ranks.shard(n) for n in every])
+        # A loading rank holds its whole fp32 model at first and its shards outside the GPU
+        # tier at the end. A rank that has loaded holds those; the others, nothing yet. With
+        # ranks loading one at a time the node peaks in the last turn.
+        shards = store(held)
         rank_bytes = shards[0] + shards[2]
-        loader = max(4 * sum(every), rank_bytes) + twice
+        loader = max(model, rank_bytes) + twice
         loading = (local - 1) * rank_bytes + loader + process
         extra = loader - rank_bytes
     return HostMemory(

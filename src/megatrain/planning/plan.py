@@ -133,10 +133,8 @@ def plan_resources(
         )
     predict = functools.partial(predict, boundaries=boundaries, tiles=tiles)
 
-    tier, tier_reason = pick_tier(shape, spec, predict, hardware, gpu_margin_gib, gpu_reserve_bytes)
-    share_budget = hardware.gpu_bytes - gpu_margin_gib * GIB - gpu_reserve_bytes
     tier, tier_reason, share = _tier_and_share(
-        shape, spec, predict, (tier, tier_reason), share_budget, gpu_reserve_bytes
+        shape, spec, predict, hardware, (gpu_margin_gib, host_margin_gib), gpu_reserve_bytes
     )
     engine = shape.engine_plan(spec, tier, boundaries, tiles, share.blocks, share.sets)
     setup = shape.setup(engine, micro_batch_size, grad_accum)
@@ -214,22 +212,28 @@ def _tier_and_share(
     shape: RunShape,
     spec: ModelSpec,
     predict: Callable[..., Estimate],
-    fit: tuple[int, str | None],
-    budget: float,
+    hardware: Hardware,
+    margins_gib: tuple[float, float],
     reserve: int,
 ) -> tuple[int, str | None, ShareChoice]:
-    """(tier, why, share): the share beside the tier of `fit` (the most blocks that fit beside
-    `reserve` bytes, and why), and where both are "auto", fewer tier blocks where that predicts
-    a shorter step: their room holds a larger share, or the host updates them
-    (planning/gpu_share.py `trade_tier`)."""
-    tier, tier_reason = fit
+    """(tier, why, share): the share beside the most tier blocks that fit beside `reserve`
+    bytes and the GPU margin (of `margins_gib`: GPU, host), and where both are "auto", fewer
+    tier blocks where that predicts a shorter step and the host holds what they leave there:
+    their room holds a larger share, or the host updates them (planning/gpu_share.py
+    `trade_tier`)."""
+    gpu_margin_gib, host_margin_gib = margins_gib
+    tier, tier_reason = pick_tier(shape, spec, predict, hardware, gpu_margin_gib, reserve)
+    budget = hardware.gpu_bytes - gpu_margin_gib * GIB - reserve
 
     def pick(t: int) -> ShareChoice:
         return _share(shape, spec, functools.partial(predict, t), t, budget)
 
+    def host_fits(t: int) -> bool:
+        return host_problem(predict(t), hardware, host_margin_gib) is None
+
     if shape.gpu_state_blocks != "auto" or shape.gpu_update_blocks != "auto" or not tier:
         return tier, tier_reason, pick(tier)
-    traded = trade_tier(tier, pick)
+    traded = trade_tier(tier, pick, host_fits)
     if traded.traded:
         tier_reason = traded.tier_reason(tier_size(spec.num_layers), reserve)
     return traded.tier, tier_reason, traded.share

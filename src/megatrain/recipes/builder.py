@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ from megatrain.distributed import (
     rank_mins,
 )
 from megatrain.engine.engine import StreamingEngine
-from megatrain.engine.plan import EnginePlan
+from megatrain.engine.plan import EnginePlan, tier_names
 from megatrain.metrics import MetricsLogger, peak_flops
 from megatrain.model.kernels import fall_back_where_refused
 from megatrain.model.loading import load_causal_lm
@@ -232,8 +232,10 @@ class RunBuilder(PlanBuilder):
         compute_dtype: torch.dtype | None = None,
         state_dtype: str | None = None,
         master_dtype: str | None = None,
+        device_blocks: Collection[str] = (),
     ) -> HostStore:
-        """The host store of `structure`'s weights: this rank's shards when there are ranks."""
+        """The host store of `structure`'s weights: this rank's shards when there are ranks;
+        `device_blocks` (the run's GPU tier) move to the device as they are built."""
         opt, p, m = self.cfg.optimizer, self.placement, self.cfg.model
         vision = trained_vision(
             structure, tower=not m.freeze_vision, projector=not m.freeze_projector
@@ -261,20 +263,24 @@ class RunBuilder(PlanBuilder):
             clipping=opt.clip_norm is not None,
             shard=shard,
             vision=vision,
+            device_blocks=device_blocks,
+            device=self.device,
         )
 
     def model_and_store(self) -> tuple[ModelStructure, HostStore]:
         """`model()` and `store()` of the run. Every rank loads one whole fp32 model and keeps
         its shards, block by block: as many of a node's ranks at once as its host holds (with
         the host margin; HostMemory.loading_at_once), the rest after them, each with its share
-        of the node's cores (distributed.node_turns)."""
+        of the node's cores (distributed.node_turns). The GPU tier's blocks go to the device
+        as they are built (store/host.py)."""
         p = self.placement
+        tier = tier_names(self.spec.num_layers, self.engine_plan().gpu_state_blocks)
 
         def build() -> tuple[ModelStructure, HostStore]:
             began = time.perf_counter()
             structure = self.model()
             built = time.perf_counter()
-            store = self.store(structure)
+            store = self.store(structure, device_blocks=tier)
             self.load_seconds = {"model": built - began, "host store": time.perf_counter() - built}
             return structure, store
 

@@ -6,12 +6,18 @@ behind as a weightless skeleton, used for structure, for capture, and to export 
 master are bound into it for `save_pretrained`, then unbound).
 
 Tied weights (lm_head = embedding) are stored once, in the embedding block.
+
+A GPU-tier block (`device_blocks`) moves to the device as soon as it is built
+(`ParamBlock.to_device`, what engine/tier.py would do once the store is complete), so its host
+copies are freed before the next block is built: the host never holds the tier's states, and
+the load's host peak is what the store keeps, or the fp32 model itself before it is moved
+(planning/host_memory.py).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -59,6 +65,8 @@ class HostStore:
         clipping: bool = True,
         shard: Callable[..., ParamBlock] | None = None,
         vision: dict[str, nn.Module] | None = None,
+        device_blocks: Collection[str] = (),
+        device: torch.device | None = None,
     ) -> None:
         """`shard`: under ranks, what each block becomes once its whole fp32 master is built
         (this rank's part, store/shard.py shard_master, called with the master and the block's
@@ -67,7 +75,8 @@ class HostStore:
         shadows.
         `vision`: a vision-language model's vision parts that train (by dotted name under its
         multimodal body; model/multimodal.py trained_vision), one block "vision", first in
-        forward order; the frozen ones stay in the HF model as loaded."""
+        forward order; the frozen ones stay in the HF model as loaded. `device_blocks`: the
+        GPU tier's blocks (engine/plan.py `tier_names`), moved to `device` as each is built."""
         check_state_dtype(state_dtype)
         check_master_dtype(master_dtype)
         if compute_dtype not in (torch.bfloat16, torch.float32):
@@ -91,6 +100,7 @@ class HostStore:
         self._patterns = [re.compile(p, re.IGNORECASE) for p in no_decay]
         self._decay_1d = decay_1d
         self._shard = shard
+        self._device_blocks, self._device = frozenset(device_blocks), device
         self._owners = _owners_by_param(structure.causal_lm)
         self._meta: dict[int, nn.Parameter] = {}
         self._taken: set[int] = set()
@@ -138,6 +148,15 @@ class HostStore:
 
     def _build(
         self, name: str, roots: list[tuple[str, nn.Module, str]], skip: set[int] | None = None
+    ) -> ParamBlock:
+        block = self._block(name, roots, skip)
+        if name in self._device_blocks:
+            assert self._device is not None, name
+            block.to_device(self._device)  # its host copies are freed now
+        return block
+
+    def _block(
+        self, name: str, roots: list[tuple[str, nn.Module, str]], skip: set[int] | None
     ) -> ParamBlock:
         found: list[tuple[str, str, str, nn.Parameter]] = []
         for root_key, root, prefix in roots:
