@@ -26,7 +26,8 @@ from megatrain.planning.plan import plan_resources
 from megatrain.planning.run_shape import RunShape
 from megatrain.planning.spec import ModelSpec
 from megatrain.planning.timing import GPU_ADAMW_GPARAMS_S
-from predict import predict
+from predict import cli_row_plan, predict
+from shapes import GPT_OSS_20B
 from shapes import QWEN25_3B as QWEN3B
 
 H100 = Hardware()
@@ -196,3 +197,31 @@ def test_estimate_command_reports_the_tier(capsys: pytest.CaptureFixture[str]) -
 def test_bad_gpu_state_blocks_is_refused(value: object) -> None:
     with pytest.raises(ValueError, match=r"memory\.gpu_state_blocks"):
         MemoryConfig(gpu_state_blocks=value).validate()  # type: ignore[arg-type]  # wrong on purpose
+
+
+def test_the_tier_at_load_lets_gpt_oss_20b_whole_with_bf16_states_fit_an_h200_host() -> None:
+    """GPT-OSS-20B whole (20.9B) with bf16 states on one H200 (139 GiB) and a 125 GiB host:
+    10 B/param on the host would be 210 GB. Its tier blocks go to the GPU as the store builds
+    them, so loading needs no more than the store keeps (and the fp32 model, 78 GiB), and "auto"
+    trades tier blocks for the update share only while the host holds what they give up: the
+    plan fits, where before both the load (200 GiB) and the traded tier (120 GiB) overran."""
+    h200 = Hardware(gpu_name="NVIDIA H200").with_overrides(gpu_gib=139, host_gib=125)
+    plan = cli_row_plan(
+        GPT_OSS_20B,
+        h200,
+        **{"optimizer.state_dtype": "bf16", "optimizer.gpu_update_blocks": "auto"},
+    )
+    host, room = plan.estimate.host, (125 - MemoryConfig().host_margin_gib) * GIB
+    assert plan.problems == ()
+    assert host.total_bytes <= host.load_peak_bytes <= room
+    assert 4 * plan.estimate.total_params < host.load_peak_bytes  # the store's, not the model's
+    # fewer tier blocks would leave more on the host than it holds
+    fewer = cli_row_plan(
+        GPT_OSS_20B,
+        h200,
+        **{
+            "optimizer.state_dtype": "bf16",
+            "memory.gpu_state_blocks": plan.engine.gpu_state_blocks - 2,
+        },
+    )
+    assert fewer.problems and "host RAM" in fewer.problems[0]
