@@ -90,17 +90,26 @@ def test_one_row_per_layout_and_the_runs_row_is_its_estimate(
         (("bf16", "int8", "bf16"), ONE_PROCESS),
         (("bf16", "int4", "int8"), ONE_PROCESS),
         (("fp32", "int4", "bf16"), Ranks(2, 1)),  # loading: the loader's whole fp32 model
+        (("fp32", "int8", "bf16"), 8),  # a GPU tier of 8 layers (3.5M), at every depth
     ],
 )
 def test_largest_model_fits_and_five_percent_more_does_not(
-    layout: tuple[str, str, str], ranks: Ranks
+    layout: tuple[str, str, str], ranks: Ranks | int
 ) -> None:
     master, state, grad = layout
+    tier = ranks if isinstance(ranks, int) else 0
+    ranks = ONE_PROCESS if isinstance(ranks, int) else ranks
     kwargs = dict(
-        seq_len=32, pin_memory=False, master_dtype=master, state_dtype=state, grad_dtype=grad
+        seq_len=32,
+        pin_memory=False,
+        master_dtype=master,
+        state_dtype=state,
+        grad_dtype=grad,
+        gpu_state_blocks=tier,
     )
-    small = _spec(2)
-    per_layer, base = small.layer_params_max, small.total_params - 2 * small.layer_params_max
+    small = _spec(max(2, tier))
+    per_layer = small.layer_params_max
+    base = small.total_params - small.num_layers * per_layer
     b = next(c.per_param for c in store_choices(True) if (c.master, c.state, c.grad) == layout)
     setup = setup_of(small, ranks=ranks, **kwargs)  # type: ignore[arg-type]
     # a host whose room beyond the processes (ranks: each one's) and margin holds 20M
@@ -109,7 +118,8 @@ def test_largest_model_fits_and_five_percent_more_does_not(
     process = estimate(small, setup, Hardware()).host.baseline_bytes
     hw = Hardware(host_bytes=int(MARGIN_GIB * GIB + process + 20e6 * b))
     largest = _row(store_table(small, setup, hw, MARGIN_GIB).rows, *layout).largest_params
-    assert 15e6 < largest < 20e6
+    tier_params = tier * per_layer  # on the GPU, beside what the host holds
+    assert 15e6 + tier_params < largest < 20e6 + tier_params
 
     def fits(layers: int) -> bool:
         spec = _spec(layers)

@@ -11,12 +11,14 @@ replay, milliseconds):
   memory.host_margin_gib (`fit.host_problem`, the fit check's own verdict);
 - the largest model the host holds with it, the smaller of two bounds on the host's bytes less
   the margin (`free`), from the row's HostMemory:
-  steady: (free - the total's other bytes: total less the store) / B/param, the parameters
-  the host store holds (a GPU tier's blocks, off the host once built, come on top);
-  loading: (free - fixed) / ((load peak - fixed) / this model's parameters), fixed = the
-  process baseline, the data and the fp32 copy of the block being moved (a deeper model's
-  largest block is the same): the rest of the peak (every block's store, under ranks the
-  loading rank's whole fp32 model) grows with the parameters, at about B/param in one process;
+  steady: this model's parameters + (free - its total) / B/param: a GPU tier holds as many
+  parameters of a larger model (its blocks are off the host from the load on), the host store
+  the rest;
+  loading: fixed = the process baseline, the data and the fp32 copy of the block being moved
+  (a deeper model's largest block is the same); one process, the fewer of (free - fixed) / 4
+  (the fp32 model before it moves) and this model's parameters + (free - fixed - the store the
+  host keeps) / B/param; under ranks (free - fixed) / ((load peak - fixed) / this model's
+  parameters): the rest (the loading rank's whole fp32 model and the shards) grows with them;
 - its predicted step time: the CPU AdamW rate follows state_dtype (planning/optimizer_rate.py);
   master_dtype and grad_dtype change host bytes only (planning/timing.py).
 """
@@ -80,10 +82,10 @@ class StoreTable:
             "  host: this model's host RAM from the first step on; load: its peak while loading;",
             f"    fits: both within {free:.2f} GiB (host {self.host_bytes / GIB:.2f} - margin "
             f"{self.host_margin_gib:g})",
-            f"  largest: the parameters whose host RAM fits {free:.2f} GiB: ({free:.2f} - the "
-            "host's non-store bytes) / B/param;",
-            f"    (load): set by the load peak, ({free:.2f} - process - the moving block's fp32 "
-            "copy) / load's rest per param",
+            f"  largest: the parameters whose host RAM fits {free:.2f} GiB: this model's + "
+            f"({free:.2f} - its host GiB) / B/param (a GPU tier holds as many);",
+            "    (load): set by the load peak: the fp32 model (4 B/param) or the store kept, "
+            "beside the process and a moving block",
             "  step s: predicted with each state_dtype's CPU AdamW rate",
             *(_line(r) for r in self.rows),
         ]
@@ -131,9 +133,13 @@ def store_table(
 def _largest(h: HostMemory, params: int, per_param: float, free: float) -> tuple[int, str]:
     """(parameters, "steady" or "loading"): the largest model whose host RAM fits `free` bytes,
     from this model's HostMemory `h` (the module docstring says how)."""
-    steady = (free - (h.total_bytes - h.store_bytes)) / per_param
+    steady = params + (free - h.total_bytes) / per_param  # the tier keeps its parameters
     fixed = h.baseline_bytes + h.data_bytes + h.load_moved_bytes
-    loading = params * (free - fixed) / (h.load_peak_bytes - fixed)
+    if h.load_extra_bytes:  # ranks: the loader's fp32 model and the shards grow together
+        loading = params * (free - fixed) / (h.load_peak_bytes - fixed)
+    else:  # the larger of the fp32 model (4 B/param) and the store the host keeps (B/param)
+        kept = h.total_bytes - h.baseline_bytes - h.data_bytes - h.offload_bytes
+        loading = min((free - fixed) / 4, params + (free - fixed - kept) / per_param)
     return (
         (max(int(steady), 0), "steady") if steady < loading else (max(int(loading), 0), "loading")
     )
