@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain.engine.plan import tier_names
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
 from megatrain.planning.spec import ModelSpec
@@ -90,10 +91,21 @@ def host_memory(
     process = local * (baseline + data_bytes)
     total = pageable + reserved + process + local * offload_bytes
     twice = 4 * max(every)  # the block being moved exists twice
-    # The fp32 model at first, what the store keeps at the end (a GPU-tier block goes to the
-    # device as it is built, store/host.py): each block moves from one to the other.
+    # The fp32 model at first, what the store keeps at the end: each block moves from one to
+    # the other. A GPU-tier block is built whole on the host, then goes to the device before
+    # the next is built (store/host.py): its whole store beside the rest of the model.
     model = 4 * sum(every)
-    loading = max(sum(store(held)[::2]), model) + process + twice
+    loading = max(sum(store(held)[::2]), model) + twice
+    if ranks.world == 1 and gpu_state_blocks:
+        names = ["vision"] * len(first) + ["embed", *(f"layer.{i}" for i in range(len(layers)))]
+        tier = set(tier_names(len(layers), gpu_state_blocks))
+        kept = 0
+        for k, (name, n) in enumerate(zip([*names, "head"], every, strict=True)):
+            if name in tier:
+                loading = max(loading, 4 * sum(every[k + 1 :]) + kept + sum(store([n])[::2]))
+            else:
+                kept += sum(store([n])[::2])
+    loading += process
     extra = 0
     if ranks.world > 1:
         # A loading rank holds its whole fp32 model at first and its shards outside the GPU
