@@ -84,29 +84,21 @@ def test_one_row_per_layout_and_the_runs_row_is_its_estimate(
 
 
 @pytest.mark.parametrize(
-    ("layout", "ranks"),
+    ("layout", "ranks", "tier"),
     [
-        (("fp32", "fp32", "bf16"), ONE_PROCESS),
-        (("bf16", "int8", "bf16"), ONE_PROCESS),
-        (("bf16", "int4", "int8"), ONE_PROCESS),
-        (("fp32", "int4", "bf16"), Ranks(2, 1)),  # loading: the loader's whole fp32 model
-        (("fp32", "int8", "bf16"), 8),  # a GPU tier of 8 layers (3.5M), at every depth
+        (("fp32", "fp32", "bf16"), ONE_PROCESS, 0),
+        (("bf16", "int8", "bf16"), ONE_PROCESS, 0),
+        (("bf16", "int4", "int8"), ONE_PROCESS, 0),
+        (("fp32", "int4", "bf16"), Ranks(2, 1), 0),  # loading: the loader's whole fp32 model
+        (("fp32", "int8", "bf16"), ONE_PROCESS, 8),  # a GPU tier of 8 layers (3.5M), any depth
     ],
 )
 def test_largest_model_fits_and_five_percent_more_does_not(
-    layout: tuple[str, str, str], ranks: Ranks | int
+    layout: tuple[str, str, str], ranks: Ranks, tier: int
 ) -> None:
     master, state, grad = layout
-    tier = ranks if isinstance(ranks, int) else 0
-    ranks = ONE_PROCESS if isinstance(ranks, int) else ranks
-    kwargs = dict(
-        seq_len=32,
-        pin_memory=False,
-        master_dtype=master,
-        state_dtype=state,
-        grad_dtype=grad,
-        gpu_state_blocks=tier,
-    )
+    kwargs = dict(seq_len=32, pin_memory=False, gpu_state_blocks=tier)
+    kwargs |= dict(master_dtype=master, state_dtype=state, grad_dtype=grad)
     small = _spec(max(2, tier))
     per_layer = small.layer_params_max
     base = small.total_params - small.num_layers * per_layer
