@@ -3,6 +3,7 @@ inputs, and the peak while the model loads (one process, or the ranks of one nod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,14 +98,7 @@ def host_memory(
     model = 4 * sum(every)
     loading = max(sum(store(held)[::2]), model) + twice
     if ranks.world == 1 and gpu_state_blocks:
-        names = ["vision"] * len(first) + ["embed", *(f"layer.{i}" for i in range(len(layers)))]
-        tier = set(tier_names(len(layers), gpu_state_blocks))
-        kept = 0
-        for k, (name, n) in enumerate(zip([*names, "head"], every, strict=True)):
-            if name in tier:
-                loading = max(loading, 4 * sum(every[k + 1 :]) + kept + sum(store([n])[::2]))
-            else:
-                kept += sum(store([n])[::2])
+        loading = max(loading, _tier_built(every, bool(first), gpu_state_blocks, store))
     loading += process
     extra = 0
     if ranks.world > 1:
@@ -128,6 +122,27 @@ def host_memory(
         load_extra_bytes=extra,
         load_moved_bytes=twice,
     )
+
+
+def _tier_built(
+    every: list[int],
+    vision: bool,
+    count: int,
+    store: Callable[[list[int]], tuple[int, int, int]],
+) -> int:
+    """The host's most while a GPU-tier block is built whole on it (store/host.py), over the
+    first `count` blocks of the tier: the rest of the fp32 model, the blocks kept on the host
+    built before it, and its own store. `every`: the blocks' sizes in build order ((vision,)
+    embedding, layers, head)."""
+    layers = len(every) - 2 - vision
+    names = ["vision"] * vision + ["embed", *(f"layer.{i}" for i in range(layers)), "head"]
+    tier, kept, most = set(tier_names(layers, count)), 0, 0
+    for k, (name, n) in enumerate(zip(names, every, strict=True)):
+        if name in tier:
+            most = max(most, 4 * sum(every[k + 1 :]) + kept + sum(store([n])[::2]))
+        else:
+            kept += sum(store([n])[::2])
+    return most
 
 
 def _pow2_ceil(n: int) -> int:
