@@ -9,9 +9,9 @@ Tied weights (lm_head = embedding) are stored once, in the embedding block.
 
 A GPU-tier block (`device_blocks`) moves to the device as soon as it is built
 (`ParamBlock.to_device`, what engine/tier.py would do once the store is complete), so its host
-copies are freed before the next block is built: the host never holds the tier's states, and
-the load's host peak is what the store keeps, or the fp32 model itself before it is moved
-(planning/host_memory.py).
+copies are freed before the next block is built: the host holds one tier block at a time, and
+the load's host peak is what the store keeps, or the fp32 model itself beside the tier block
+being built (planning/host_memory.py).
 """
 
 from __future__ import annotations
