@@ -166,7 +166,11 @@ class PlanBuilder:
     def hardware(self) -> Hardware:
         """The given hardware, else this machine's; optimizer.threads, when set, is the AdamW
         threads of each of the node's ranks (the compressed kernels' rate follows them)."""
-        hw = self._hardware or self._machine()
+        return self._node_threads(self._hardware or self._machine())
+
+    def _node_threads(self, hw: Hardware) -> Hardware:
+        """`hw` with the node's CPU AdamW threads optimizer.threads sets (each rank's, times
+        the node's ranks); as it is where the key is unset."""
         threads = self.cfg.optimizer.threads
         if threads is None:
             return hw

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.engine.plan import tier_names
+from megatrain.engine.plan import TierSplit
 from megatrain.planning.hardware import Hardware
 from megatrain.planning.ranks import ONE_PROCESS, Ranks
 from megatrain.planning.spec import ModelSpec
@@ -135,10 +135,11 @@ def _tier_built(
     built before it, and its own store. `every`: the blocks' sizes in build order ((vision,)
     embedding, layers, head)."""
     layers = len(every) - 2 - vision
-    names = ["vision"] * vision + ["embed", *(f"layer.{i}" for i in range(layers)), "head"]
-    tier, kept, most = set(tier_names(layers, count)), 0, 0
-    for k, (name, n) in enumerate(zip(names, every, strict=True)):
-        if name in tier:
+    split = TierSplit.of(layers, count)
+    in_tier = [False] * vision + [split.embed, *(i < split.layers for i in range(layers))]
+    kept, most = 0, 0
+    for k, (tier, n) in enumerate(zip([*in_tier, split.head], every, strict=True)):
+        if tier:
             most = max(most, 4 * sum(every[k + 1 :]) + kept + sum(store([n])[::2]))
         else:
             kept += sum(store([n])[::2])

@@ -138,7 +138,7 @@ def _largest(h: HostMemory, params: int, per_param: float, free: float) -> tuple
     if h.load_extra_bytes:  # ranks: the loader's fp32 model and the shards grow together
         loading = params * (free - fixed) / (h.load_peak_bytes - fixed)
     else:  # the larger of the fp32 model (4 B/param) and the store the host keeps (B/param)
-        kept = h.total_bytes - h.baseline_bytes - h.data_bytes - h.offload_bytes
+        kept = h.pageable_bytes + h.pinned_reserved_bytes
         loading = min((free - fixed) / 4, params + (free - fixed - kept) / per_param)
     return (
         (max(int(steady), 0), "steady") if steady < loading else (max(int(loading), 0), "loading")

@@ -116,8 +116,7 @@ class RunBuilder(PlanBuilder):
         hw, cfg, p = super()._machine(), self.cfg, self.placement
         if not (cfg.memory.probe_rates and p.is_cuda):
             return hw
-        opt = cfg.optimizer
-        threads = opt.threads * p.local_world_size if opt.threads else hw.optimizer_threads
+        opt, threads = cfg.optimizer, self._node_threads(hw).optimizer_threads
         began, rates = time.perf_counter(), [math.inf] * len(RATES)
         if p.local_rank == 0:
             try:
