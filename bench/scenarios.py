@@ -170,6 +170,37 @@ _ARCH_QWEN3_NEXT_125G += ("--timeout", "560", "--", *_INT8)
 _ARCH_GPT_OSS_INT8 = ("--preset", "gpt-oss-20b", *_ARCH, "--steps", "6", "--timeout", "400")
 _ARCH_GPT_OSS_INT8 += ("--", *_INT8)
 
+# issue 43: the GPU update share's rows, each beside its baseline in one scenario (one machine):
+# the defaults, then the share off (a config key), then (where the host holds it) every update
+# on the CPU; a table last, tokens/s over the baseline. The whole GPT-OSS-20B with bf16 states
+# fits the 1-GPU H200 kind's 125 GiB host (GPU tier 13 of 26 planned) and one GPU of the 4-GPU
+# kind; its rows outlast one device command: start the runner with setsid nohup and read its log.
+_SHARE_OFF = ("--optimizer.gpu_update_blocks", "0")
+_ALL_ON_CPU = (*_STREAMED, *_SHARE_OFF)
+_SHARE_OSS_BF16 = ("--preset", "gpt-oss-20b", *_ARCH, "--steps", "6", "--timeout", "900")
+_SHARE_OSS_BF16 += ("--", *_BF16)
+_SHARE_OSS_17L = ("--preset", "gpt-oss-20b", "--layers", "17", *_ARCH, "--steps", "7")
+_SHARE_OSS_17L += ("--timeout", "420", "--", *_INT8)
+_SHARE_NEXT_8L = ("--preset", "qwen3-next-80b-a3b", "--layers", "8", *_ARCH, "--steps", "6")
+_SHARE_NEXT_8L += ("--timeout", "560", "--", *_INT8)
+
+
+def _share_rows(
+    name: str, flags: tuple[str, ...], *, all_on_cpu: bool
+) -> tuple[tuple[str, ...], ...]:
+    """Issue 43's row `name` (cli_train `flags`, ending in overrides): the defaults, the GPU
+    update share off, every update on the CPU if `all_on_cpu`; a table, the defaults' tokens/s
+    over each baseline's."""
+    runs: dict[str, tuple[str, ...]] = {name: (), f"{name}_share_off": _SHARE_OFF}
+    if all_on_cpu:
+        runs[f"{name}_cpu"] = _ALL_ON_CPU
+    table = (PY, "bench/cli_table.py", "--names", ",".join(runs))
+    table += ("--ratio", f"{name}/{name}_share_off")
+    if all_on_cpu:
+        table += ("--ratio", f"{name}/{name}_cpu")
+    return (*(_cli(run, *flags, *keys) for run, keys in runs.items()), table)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "env": Scenario(
         "the card, driver, CPU count, memory, torch and transformers versions",
@@ -744,6 +775,28 @@ SCENARIOS: dict[str, Scenario] = {
         "issue 24: arch_qwen3_next cut to the 8 layers that fit the 125 GiB host (the 1-GPU "
         "machine) with int8 AdamW states (13.8B, 1.2B active), 6 steps",
         (_cli("qwen3_next_8l", *_ARCH_QWEN3_NEXT_125G),),
+        timeout_s=590,
+    ),
+    "share_gpt_oss_20b_bf16": Scenario(
+        "issue 43: the whole GPT-OSS-20B (24 layers, 20.9B) with bf16 AdamW states on one GPU "
+        "whose host holds it (the 1-GPU H200 kind, or one GPU of the 4-GPU kind; run it "
+        "alone, in the background: 2 rows of 6-8 minutes), the defaults against the GPU update "
+        "share off in one call",
+        _share_rows("oss20b_bf16", _SHARE_OSS_BF16, all_on_cpu=False),
+        timeout_s=960,
+    ),
+    "share_gpt_oss_17l_int8": Scenario(
+        "issue 43: GPT-OSS-20B cut to 17 of its 24 layers, int8 states, on the 125 GiB host: "
+        "the defaults, the GPU update share off, every update on the CPU (runs 79-82)",
+        _share_rows("oss17l_int8", _SHARE_OSS_17L, all_on_cpu=True),
+        timeout_s=480,
+    ),
+    "share_qwen3_next_8l_int8": Scenario(
+        "issue 43: Qwen3-Next-80B-A3B cut to 8 of its 48 layers, int8 states, on the 125 GiB "
+        "host (flash-linear-attention and Triton >= 3.7.1 in the runner's site folder: "
+        "bench/triton_parts.sh): the defaults, the GPU update share off, every update on the "
+        "CPU (run 73 on the H200)",
+        _share_rows("next8l_int8", _SHARE_NEXT_8L, all_on_cpu=True),
         timeout_s=590,
     ),
     "grpo_7b": Scenario(
