@@ -173,8 +173,9 @@ _ARCH_GPT_OSS_INT8 += ("--", *_INT8)
 # issue 43: the GPU update share's rows, each beside its baseline in one scenario (one machine):
 # the defaults, then the share off (a config key), then (where the host holds it) every update
 # on the CPU; a table last, tokens/s over the baseline. The whole GPT-OSS-20B with bf16 states
-# fits the 1-GPU H200 kind's 125 GiB host (GPU tier 13 of 26 planned) and one GPU of the 4-GPU
-# kind; its rows outlast one device command: start the runner with setsid nohup and read its log.
+# fits the 1-GPU H200 kind's 125 GiB host (a GPU tier of 12-13 of 26 blocks planned) and a GPU
+# of the 4-GPU kind; its rows outlast one device command: start the runner with setsid nohup
+# and read its log.
 _SHARE_OFF = ("--optimizer.gpu_update_blocks", "0")
 _ALL_ON_CPU = (*_STREAMED, *_SHARE_OFF)
 _SHARE_OSS_BF16 = ("--preset", "gpt-oss-20b", *_ARCH, "--steps", "6", "--timeout", "900")
