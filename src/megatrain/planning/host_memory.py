@@ -87,7 +87,9 @@ def host_memory(
         reserved = sum(pinned_reserved(b) for b in pinned_per_block) if pin_memory else pinned
         return pageable, pinned, reserved
 
-    pageable, pinned, reserved = (local * b for b in store(held))
+    own = store(held)  # one process's (under ranks: one rank's shards)
+    kept = own[0] + own[2]  # what it keeps on the host: pageable + pinned as reserved
+    pageable, pinned, reserved = (local * b for b in own)
     baseline = hw.process_baseline_bytes + ranks.host_extra_bytes + 4 * frozen
     process = local * (baseline + data_bytes)
     total = pageable + reserved + process + local * offload_bytes
@@ -96,20 +98,21 @@ def host_memory(
     # the other. A GPU-tier block is built whole on the host, then goes to the device before
     # the next is built (store/host.py): its whole store beside the rest of the model.
     model = 4 * sum(every)
-    loading = max(sum(store(held)[::2]), model) + twice
+    loading = max(kept, model) + twice
     if ranks.world == 1 and gpu_state_blocks:
-        loading = max(loading, _tier_built(every, bool(first), gpu_state_blocks, store))
+        tier_peak = _tier_built(
+            every, bool(first), gpu_state_blocks, lambda n: sum(store([n])[::2])
+        )
+        loading = max(loading, tier_peak)
     loading += process
     extra = 0
     if ranks.world > 1:
         # A loading rank holds its whole fp32 model at first and its shards outside the GPU
         # tier at the end. A rank that has loaded holds those; the others, nothing yet. With
         # ranks loading one at a time the node peaks in the last turn.
-        shards = store(held)
-        rank_bytes = shards[0] + shards[2]
-        loader = max(model, rank_bytes) + twice
-        loading = (local - 1) * rank_bytes + loader + process
-        extra = loader - rank_bytes
+        loader = max(model, kept) + twice
+        loading = (local - 1) * kept + loader + process
+        extra = loader - kept
     return HostMemory(
         pageable_bytes=pageable,
         pinned_bytes=pinned,
@@ -128,21 +131,23 @@ def _tier_built(
     every: list[int],
     vision: bool,
     count: int,
-    store: Callable[[list[int]], tuple[int, int, int]],
+    kept_of: Callable[[int], int],
 ) -> int:
     """The host's most while a GPU-tier block is built whole on it (store/host.py), over the
     first `count` blocks of the tier: the rest of the fp32 model, the blocks kept on the host
     built before it, and its own store. `every`: the blocks' sizes in build order ((vision,)
-    embedding, layers, head)."""
+    embedding, layers, head); `kept_of(n)`: the host bytes a block of n parameters keeps in
+    the store (pageable and pinned as reserved)."""
     layers = len(every) - 2 - vision
     split = TierSplit.of(layers, count)
     in_tier = [False] * vision + [split.embed, *(i < split.layers for i in range(layers))]
-    kept, most = 0, 0
-    for k, (tier, n) in enumerate(zip([*in_tier, split.head], every, strict=True)):
+    kept, most, later = 0, 0, 4 * sum(every)
+    for tier, n in zip([*in_tier, split.head], every, strict=True):
+        later -= 4 * n  # the fp32 blocks not built yet
         if tier:
-            most = max(most, 4 * sum(every[k + 1 :]) + kept + sum(store([n])[::2]))
+            most = max(most, later + kept + kept_of(n))
         else:
-            kept += sum(store([n])[::2])
+            kept += kept_of(n)
     return most
 
 
